@@ -1,0 +1,186 @@
+"""Every private torch.compile API bucketwise touches (Dynamo, AOTAutograd, Inductor).
+
+Checked on torch 2.11.0 (device machines) and 2.13.0 (CI). When torch is upgraded, this file
+is the one place to fix; each helper degrades to a documented default where an attribute is
+missing rather than failing a user's compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import torch
+import torch._dynamo
+import torch._guards
+from torch._dynamo.utils import counters as _dynamo_counters
+
+
+# --- backends ---------------------------------------------------------------------------
+
+
+def make_backend(
+    backend: str | Callable[..., Any], mode: str | None, options: dict | None, dynamic: bool | None
+) -> Callable[..., Any]:
+    """The callable torch.compile itself would build for ``backend``/``mode``/``options``.
+
+    torch.compile wraps "inductor" in ``torch._TorchCompileInductorWrapper`` (which applies the
+    mode's config patches inside each compile, never globally) and any other backend in
+    ``torch._TorchCompileWrapper``. We reuse both so a segment compiles exactly as a plain
+    ``torch.compile`` graph would.
+    """
+    if backend == "inductor":
+        return torch._TorchCompileInductorWrapper(mode, options, dynamic)
+    return torch._TorchCompileWrapper(backend, mode, options, dynamic)
+
+
+# --- compile ids, counters, timings -----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileId:
+    frame_id: int | None
+    frame_compile_id: int | None
+
+    def __str__(self) -> str:
+        return f"{self.frame_id}/{self.frame_compile_id}"
+
+
+def current_compile_id() -> CompileId:
+    cid = torch._guards.CompileContext.current_compile_id()
+    if cid is None:
+        return CompileId(None, None)
+    return CompileId(getattr(cid, "frame_id", None), getattr(cid, "frame_compile_id", None))
+
+
+def graph_break_counts() -> dict[str, int]:
+    """Dynamo's global count of graph breaks per reason (``counters["graph_break"]``)."""
+    return dict(_dynamo_counters["graph_break"])
+
+
+def unique_graph_count() -> int:
+    return int(_dynamo_counters["stats"]["unique_graphs"])
+
+
+def aot_autograd_count() -> int:
+    return int(_dynamo_counters["aot_autograd"]["total"])
+
+
+def compile_phase_seconds() -> dict[str, float]:
+    """Cumulative seconds per compile phase that torch records (``compilation_time_metrics``).
+
+    Keys are torch's function names (``compile_fx_inner``, ``GraphLowering.run``, ...). Take
+    a difference of two snapshots to time one compile.
+    """
+    metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
+    return {k: float(sum(v)) for k, v in metrics.items()}
+
+
+# --- fake tensors and tracing context ---------------------------------------------------
+
+
+def detect_fake_mode(example_inputs: Any):
+    mode = torch._guards.detect_fake_mode(example_inputs)
+    if mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode()
+    return mode
+
+
+def to_fake(value: Any, fake_mode) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+        return torch._dynamo.utils.to_fake_tensor(value, fake_mode)
+    return value
+
+
+@contextlib.contextmanager
+def allow_real_inputs(fake_mode) -> Iterator[None]:
+    """Run under ``fake_mode`` while parameters are still real tensors (scoped, restored)."""
+    old = fake_mode.allow_non_fake_inputs
+    fake_mode.allow_non_fake_inputs = True
+    try:
+        with fake_mode:
+            yield
+    finally:
+        fake_mode.allow_non_fake_inputs = old
+
+
+def saved_tensor_hooks_disabled():
+    return torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing()
+
+
+class _SegmentMetadata:
+    """Duck-typed stand-in for ``torch._dynamo.backends.distributed.DDPOptimizerContext``.
+
+    NOTE [several AOT graphs per Dynamo graph]: when one Dynamo graph becomes N AOTAutograd
+    graphs, AOTAutograd's lazily compiled backward (dynamic shapes) looks up each graph's
+    forward metadata on ``TracingContext.ddp_optimizer_ctx`` (a list plus a cursor that the
+    backward walks in reverse). Without it, backward N-1 would be compiled against graph N's
+    metadata. We keep our own object with the same two attributes; torch reads only those.
+    """
+
+    def __init__(self) -> None:
+        self.curr_bucket: int = -1
+        self.metadata_per_bucket: list[Any] = []
+
+
+class SegmentTracing:
+    """The per-segment bookkeeping AOTAutograd/Inductor expect when a Dynamo graph is split."""
+
+    def __init__(self) -> None:
+        self.ctx = torch._guards.TracingContext.try_get()
+        if self.ctx is not None and hasattr(self.ctx, "ddp_optimizer_ctx"):
+            self.ctx.ddp_optimizer_ctx = _SegmentMetadata()
+
+    @contextlib.contextmanager
+    def compiling_segment(self) -> Iterator[None]:
+        """Ask AOTAutograd to return fake outputs with the backend's real strides on the
+        first call (``fakify_first_call``), so the next segment is compiled against the layout
+        this one really produces."""
+        if self.ctx is None or not hasattr(self.ctx, "fakify_first_call"):
+            yield
+            return
+        self.ctx.fakify_first_call = True
+        try:
+            yield
+        finally:
+            self.ctx.fakify_first_call = False
+
+    def record_segment_metadata(self) -> bool:
+        """After an AOTAutograd compile: stash its forward metadata for the lazy backward."""
+        seg_ctx = getattr(self.ctx, "ddp_optimizer_ctx", None) if self.ctx else None
+        if seg_ctx is None or getattr(self.ctx, "fw_metadata", None) is None:
+            return False
+        seg_ctx.curr_bucket += 1
+        seg_ctx.metadata_per_bucket.append(self.ctx.fw_metadata)
+        return True
+
+    @property
+    def fakify_supported(self) -> bool:
+        return self.ctx is not None and hasattr(self.ctx, "fakify_first_call")
+
+
+# --- torch's own DDPOptimizer -------------------------------------------------------------
+
+
+def torch_ddp_optimizer_disabled():
+    """Scoped ``optimize_ddp=False`` around a call into a bucketwise-compiled function.
+
+    Dynamo decides per frame, when the frame is converted, whether torch's DDPOptimizer wraps
+    the backend (``convert_frame`` reads ``optimize_ddp`` then, only if a DDP forward is
+    active). Patching the flag around ``torch.compile()`` has no effect; patching it around
+    each call does, and is restored on exit, so the user's own ``torch.compile`` calls keep
+    torch's default.
+    """
+    return torch._dynamo.config.patch(optimize_ddp=False)
+
+
+def active_ddp_module():
+    """The DDP module whose forward is running (set by DDP around its inner module call)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel._get_active_ddp_module()

@@ -1,0 +1,89 @@
+"""``bucketwise.compile``: the public entry point."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from ..distributed import _ddp_compat
+from .config import CompileConfig
+from .module import CompiledModule, compile_function
+
+log = logging.getLogger(__name__)
+
+
+def compile(
+    obj: nn.Module | Callable[..., Any],
+    *,
+    backend: str | Callable[..., Any] = "inductor",
+    strategy: str = "auto",
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    cudagraphs: bool | str = False,
+    bucket_cap_mb: float | None = None,
+    first_bucket_cap_mb: float | None = None,
+    fallback: str = "eager",
+) -> Any:
+    """Compile a DDP-wrapped module, a plain module or a function, like ``torch.compile``.
+
+    For a ``DistributedDataParallel`` module, every graph Dynamo captures is split at the
+    gradient-bucket boundaries of DDP's reducer (``strategy="split"``) so each bucket's
+    allreduce overlaps the backward of the segments before it; each segment is compiled with
+    ``backend``. ``bucketwise.report(result)`` tells what happened per graph and bucket.
+
+    Args:
+        obj: ``DDP(module)``, an ``nn.Module`` or a callable.
+        backend: a ``torch.compile`` backend name or a callable backend.
+        strategy: ``"split"``, ``"none"`` (compile graphs whole) or ``"auto"`` (= ``"split"``).
+        mode, options, fullgraph, dynamic: as for ``torch.compile``.
+        cudagraphs: CUDA-graph wrapping of segments (``True``/``False``/``"auto"``).
+        bucket_cap_mb, first_bucket_cap_mb: bucket caps in MiB (default: the DDP module's).
+        fallback: ``"eager"`` runs a segment whose compile fails uncompiled (reason in the
+            report); ``"raise"`` re-raises.
+
+    Returns:
+        For a module, a module with the same parameters and ``state_dict`` keys; for a
+        function, a function.
+    """
+    if not callable(obj):
+        raise TypeError(
+            f"obj must be a DistributedDataParallel module, an nn.Module or a callable, got {type(obj).__name__}"
+        )
+    config = CompileConfig(
+        backend=backend,
+        strategy=strategy,
+        mode=mode,
+        options=options,
+        fullgraph=fullgraph,
+        dynamic=dynamic,
+        cudagraphs=cudagraphs,
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_cap_mb=first_bucket_cap_mb,
+        fallback=fallback,
+    )
+    if _ddp_compat.is_ddp(obj):
+        problem = _ddp_compat.process_group_usable(obj)
+        if problem is not None:
+            raise ValueError(f"obj: cannot compile this DDP module: {problem}")
+    _check_cudagraphs(config)
+    if isinstance(obj, nn.Module):
+        return CompiledModule(obj, config)
+    return compile_function(obj, config)
+
+
+def _check_cudagraphs(config: CompileConfig) -> None:
+    if config.cudagraphs is False:
+        return
+    if not torch.cuda.is_available():
+        log.warning("bucketwise: cudagraphs=%r is a no-op without CUDA; compiling without CUDA graphs", config.cudagraphs)
+        return
+    if config.cudagraphs is True:
+        raise NotImplementedError(
+            "cudagraphs=True: bucketwise's CUDA-graph wrapping is not implemented yet; "
+            "use mode='reduce-overhead' (Inductor's cudagraph trees) meanwhile"
+        )

@@ -1,0 +1,103 @@
+"""User-facing compile configuration, validated before anything is compiled."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+STRATEGIES = ("auto", "split", "none")
+FALLBACKS = ("eager", "raise")
+CUDAGRAPHS = (True, False, "auto")
+
+
+def _known_backends() -> list[str]:
+    return sorted(torch.compiler.list_backends(exclude_tags=()))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompileConfig:
+    """Everything :func:`bucketwise.compile` was asked to do.
+
+    Checked in ``__post_init__`` so a bad value raises before any state is built.
+    """
+
+    backend: str | Callable[..., Any] = "inductor"
+    """A ``torch.compile`` backend name (``torch.compiler.list_backends()``) or a callable
+    ``(GraphModule, example_inputs) -> callable``. Each bucket segment is compiled with it."""
+
+    strategy: str = "auto"
+    """``"split"``: cut every Dynamo graph at gradient-bucket boundaries; ``"none"``: compile
+    each graph whole; ``"auto"``: ``"split"`` for DDP modules."""
+
+    mode: str | None = None
+    """``torch.compile`` mode, e.g. ``"reduce-overhead"`` or ``"max-autotune"``."""
+
+    options: dict[str, Any] | None = None
+    """Backend options, as for ``torch.compile(options=...)``."""
+
+    fullgraph: bool = False
+    """Raise on any graph break instead of splitting the frame."""
+
+    dynamic: bool | None = None
+    """As ``torch.compile(dynamic=...)``."""
+
+    cudagraphs: bool | str = False
+    """CUDA-graph wrapping of compiled segments (no-op with a message on CPU)."""
+
+    bucket_cap_mb: float | None = None
+    """Bucket cap in MiB; default: the DDP module's own ``bucket_bytes_cap``."""
+
+    first_bucket_cap_mb: float | None = None
+    """Cap of the first bucket (the last gradients of the backward); default: DDP's own."""
+
+    fallback: str = "eager"
+    """What a segment whose compile fails does: ``"eager"`` runs it uncompiled and records the
+    reason in the report; ``"raise"`` re-raises."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.backend, str):
+            known = _known_backends()
+            if self.backend not in known:
+                raise ValueError(
+                    f"unknown backend {self.backend!r}; use a callable or one of {known}"
+                )
+        elif not callable(self.backend):
+            raise TypeError(
+                f"backend must be a backend name or a callable, got {type(self.backend).__name__}"
+            )
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"unknown strategy {self.strategy!r}; use 'split', 'none' or 'auto'"
+            )
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"unknown fallback {self.fallback!r}; use 'eager' or 'raise'")
+        if self.mode is not None and not isinstance(self.mode, str):
+            raise TypeError(f"mode must be a string or None, got {type(self.mode).__name__}")
+        if self.mode is not None and self.options is not None:
+            raise ValueError("mode and options cannot both be set (as in torch.compile)")
+        if self.options is not None and not isinstance(self.options, dict):
+            raise TypeError(f"options must be a dict or None, got {type(self.options).__name__}")
+        if self.cudagraphs not in CUDAGRAPHS or isinstance(self.cudagraphs, int) and not isinstance(
+            self.cudagraphs, bool
+        ):
+            raise ValueError(f"cudagraphs must be True, False or 'auto', got {self.cudagraphs!r}")
+        if not isinstance(self.fullgraph, bool):
+            raise TypeError(f"fullgraph must be a bool, got {type(self.fullgraph).__name__}")
+        if self.dynamic not in (None, True, False):
+            raise ValueError(f"dynamic must be None, True or False, got {self.dynamic!r}")
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a positive number of MiB, got {value!r}")
+            if not value > 0:
+                raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
+
+    @property
+    def backend_name(self) -> str:
+        if isinstance(self.backend, str):
+            return self.backend
+        return getattr(self.backend, "__name__", type(self.backend).__name__)

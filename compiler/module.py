@@ -1,0 +1,127 @@
+"""What :func:`bucketwise.compile` returns: compiled modules and functions."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from ..distributed import _ddp_compat
+from ..distributed.alignment import measure_alignment
+from . import _dynamo_compat as dc
+from .config import CompileConfig
+from .graph_backend import GraphBackend
+from .report import Report
+
+log = logging.getLogger(__name__)
+
+
+def _inner_forward(module: nn.Module) -> Callable[..., Any]:
+    """The frame Dynamo compiles for a module.
+
+    NOTE [compiling torch.nn containers]: Dynamo skips frames whose code lives in ``torch.nn``
+    (``nn.Sequential.forward``, ...), so ``torch.compile(DDP(nn.Sequential(...)))`` compiles
+    nothing. This closure is bucketwise code, so Dynamo converts it and inlines the module's
+    ``__call__``/``forward`` into one graph whatever class the module is.
+    """
+
+    def bucketwise_forward(*args: Any, **kwargs: Any) -> Any:
+        return module(*args, **kwargs)
+
+    return bucketwise_forward
+
+
+def _torch_compile(fn: Callable[..., Any], backend: GraphBackend, config: CompileConfig) -> Callable[..., Any]:
+    return torch.compile(fn, backend=backend, fullgraph=config.fullgraph, dynamic=config.dynamic)
+
+
+class CompiledModule(nn.Module):
+    """A compiled module that behaves like the one it wraps.
+
+    Same parameters (the same tensors), same ``state_dict`` keys (no ``_orig_mod.`` prefix),
+    attribute access falls through to the original (``compiled.no_sync()``, ``compiled.module``).
+
+    For a DDP module the forward is DDP's own: ``_pre_forward`` (reducer preparation, bucket
+    rebuild, buffer broadcast, input moves) and ``_post_forward`` run eagerly around the
+    compiled inner module, so DDP's reducer sees exactly what it sees in eager mode.
+    """
+
+    def __init__(self, mod: nn.Module, config: CompileConfig) -> None:
+        super().__init__()
+        self._orig_mod = mod
+        ddp = mod if _ddp_compat.is_ddp(mod) else None
+        inner = mod.module if ddp is not None else mod
+        report = Report(target=type(inner).__name__ if ddp is None else f"DDP({type(inner).__name__})",
+                        strategy=config.strategy, backend=config.backend_name)
+        backend = GraphBackend(config, report, ddp)
+        if ddp is not None:
+            report.set_alignment_source(lambda: measure_alignment(ddp, backend.param_segments))
+        # Plain attributes, not submodules: keep them out of parameters()/state_dict().
+        self.__dict__["_bucketwise_report"] = report
+        self.__dict__["_bucketwise_ddp"] = ddp
+        self.__dict__["_bucketwise_call"] = _torch_compile(_inner_forward(inner), backend, config)
+        self.__dict__["_alignment_pending"] = ddp is not None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        ddp = self._bucketwise_ddp
+        if ddp is None:
+            return self._bucketwise_call(*args, **kwargs)
+        args, kwargs = _ddp_compat.pre_forward(ddp, args, kwargs)
+        if self._alignment_pending and _ddp_compat.has_rebuilt_buckets(ddp):
+            self._refresh_alignment()
+        out = self._bucketwise_call(*args, **kwargs)
+        return _ddp_compat.post_forward(ddp, out)
+
+    def _refresh_alignment(self) -> None:
+        """Once the reducer's rebuilt buckets are readable, publish the alignment figure."""
+        if self._bucketwise_report.alignment is not None:
+            self.__dict__["_alignment_pending"] = False
+            self._bucketwise_report.write_rank_file()
+
+    # -- behave like the original module ---------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._orig_mod, name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig_mod.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self._orig_mod.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._orig_mod.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._orig_mod.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+
+def compile_function(fn: Callable[..., Any], config: CompileConfig) -> Callable[..., Any]:
+    """A compiled function. DDP modules it calls get the split strategy (torch's own
+    DDPOptimizer is switched off around each call, see ``torch_ddp_optimizer_disabled``)."""
+    report = Report(target=getattr(fn, "__qualname__", type(fn).__name__), strategy=config.strategy,
+                    backend=config.backend_name)
+    backend = GraphBackend(config, report, None)
+    report.set_alignment_source(lambda: _function_alignment(backend))
+    compiled = _torch_compile(fn, backend, config)
+
+    @functools.wraps(fn)
+    def bucketwise_compiled(*args: Any, **kwargs: Any) -> Any:
+        with dc.torch_ddp_optimizer_disabled():
+            return compiled(*args, **kwargs)
+
+    bucketwise_compiled._bucketwise_report = report  # type: ignore[attr-defined]
+    return bucketwise_compiled
+
+
+def _function_alignment(backend: GraphBackend) -> dict[str, Any]:
+    ddp = backend.ddp
+    if ddp is None:
+        return {"alignment": None, "status": "no DDP module seen"}
+    return measure_alignment(ddp, backend.param_segments)

@@ -1,0 +1,225 @@
+"""Per-graph, per-bucket compile statistics: ``bucketwise.report(compiled)``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+STATS_DIR_ENV = "BUCKETWISE_STATS_DIR"
+SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass
+class SegmentStats:
+    """One compiled piece of a Dynamo graph; under ``split`` it carries one planned bucket."""
+
+    index: int
+    params: list[str]
+    bytes: int
+    op_count: int
+    compile_seconds: float
+    backend: str
+    fell_back: bool = False
+    reason: str | None = None
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def param_count(self) -> int:
+        return len(self.params)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["param_count"] = self.param_count
+        return d
+
+
+@dataclasses.dataclass
+class GraphStats:
+    """One graph Dynamo handed to bucketwise."""
+
+    graph_id: int
+    compile_id: str
+    strategy: str
+    """Strategy applied to this graph (``split`` or ``none``)."""
+    strategy_reason: str | None
+    """Why the requested strategy was not applied, if it was not."""
+    graph_break_reasons: list[str]
+    """Graph breaks Dynamo recorded while tracing up to this graph."""
+    recompile: bool
+    """This graph replaced an earlier compile of the same frame (a guard failed)."""
+    op_count: int
+    higher_order_ops: list[str]
+    segments: list[SegmentStats]
+    unused_params: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(s.compile_seconds for s in self.segments)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["segments"] = [s.to_dict() for s in self.segments]
+        d["compile_seconds"] = self.compile_seconds
+        return d
+
+
+class Report:
+    """Live statistics of one ``bucketwise.compile`` result; grows as graphs are compiled.
+
+    ``alignment`` is read from DDP's reducer when asked for (it is known only once the reducer
+    has rebuilt its buckets, after the first training iteration).
+    """
+
+    def __init__(self, *, target: str, strategy: str, backend: str) -> None:
+        self.target = target
+        self.strategy = strategy
+        self.backend = backend
+        self.graphs: list[GraphStats] = []
+        self.notes: list[str] = []
+        self._alignment_fn: Callable[[], dict[str, Any]] | None = None
+
+    # -- recording -------------------------------------------------------------------------
+
+    def add_graph(self, graph: GraphStats) -> None:
+        self.graphs.append(graph)
+        self.write_rank_file()
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def set_alignment_source(self, fn: Callable[[], dict[str, Any]]) -> None:
+        self._alignment_fn = fn
+
+    # -- reading ---------------------------------------------------------------------------
+
+    @property
+    def alignment(self) -> float | None:
+        return self.alignment_detail().get("alignment")
+
+    def alignment_detail(self) -> dict[str, Any]:
+        if self._alignment_fn is None:
+            return {"alignment": None, "status": "not a DDP module"}
+        return self._alignment_fn()
+
+    @property
+    def totals(self) -> dict[str, Any]:
+        return {
+            "graphs": len(self.graphs),
+            "graph_breaks": sum(len(g.graph_break_reasons) for g in self.graphs),
+            "recompiles": sum(1 for g in self.graphs if g.recompile),
+            "segments": sum(len(g.segments) for g in self.graphs),
+            "fallbacks": sum(1 for g in self.graphs for s in g.segments if s.fell_back),
+            "compile_seconds": round(sum(g.compile_seconds for g in self.graphs), 6),
+            "alignment": self.alignment,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return {
+            "schema": SCHEMA_VERSION,
+            "target": self.target,
+            "strategy": self.strategy,
+            "backend": self.backend,
+            "rank": rank,
+            "world_size": world,
+            "totals": self.totals,
+            "alignment": self.alignment_detail(),
+            "graphs": [g.to_dict() for g in self.graphs],
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        _atomic_write_json(path, self.to_dict())
+
+    def table(self) -> str:
+        return format_table(self.to_dict())
+
+    def __repr__(self) -> str:
+        t = self.totals
+        return (
+            f"Report(target={self.target!r}, strategy={self.strategy!r}, graphs={t['graphs']}, "
+            f"segments={t['segments']}, compile_seconds={t['compile_seconds']:.2f}, alignment={t['alignment']})"
+        )
+
+    def write_rank_file(self) -> None:
+        """``$BUCKETWISE_STATS_DIR/rank<R>.json``, written whole then renamed (never torn)."""
+        out_dir = os.environ.get(STATS_DIR_ENV)
+        if not out_dir:
+            return
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        os.makedirs(out_dir, exist_ok=True)
+        self.to_json(os.path.join(out_dir, f"rank{rank}.json"))
+
+
+def _atomic_write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=False)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def format_table(data: dict[str, Any]) -> str:
+    """Aligned text table of one rank's report dict (also used by ``bucketwise stats``)."""
+    header = ("graph", "seg", "params", "MiB", "ops", "compile s", "backend", "fallback")
+    rows = []
+    for g in data["graphs"]:
+        for s in g["segments"]:
+            rows.append(
+                (
+                    str(g["graph_id"]),
+                    str(s["index"]),
+                    str(s["param_count"]),
+                    f"{s['bytes'] / 2**20:.2f}",
+                    str(s["op_count"]),
+                    f"{s['compile_seconds']:.2f}",
+                    s["backend"],
+                    (s["reason"] or "yes")[:60] if s["fell_back"] else "-",
+                )
+            )
+    lines = [_align([header, *rows])]
+    t = data["totals"]
+    align = t["alignment"]
+    lines.append(
+        f"graphs {t['graphs']}, graph breaks {t['graph_breaks']}, recompiles {t['recompiles']}, "
+        f"segments {t['segments']}, compile {t['compile_seconds']:.2f} s, "
+        f"alignment {'n/a' if align is None else f'{align:.2f}'}"
+        + (f" ({data['alignment'].get('status')})" if align is None and data.get("alignment") else "")
+    )
+    for g in data["graphs"]:
+        if g["strategy_reason"]:
+            lines.append(f"graph {g['graph_id']}: {g['strategy']} ({g['strategy_reason']})")
+        for r in g["graph_break_reasons"]:
+            lines.append(f"graph {g['graph_id']}: after graph break: {r}")
+    lines.extend(f"note: {n}" for n in data.get("notes", []))
+    return "\n".join(lines)
+
+
+def _align(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        out.append("  ".join(c.rjust(w) if i < 6 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    return "\n".join(out)
+
+
+def report(compiled: Any) -> Report:
+    """The :class:`Report` of an object returned by :func:`bucketwise.compile`."""
+    rep = getattr(compiled, "_bucketwise_report", None)
+    if not isinstance(rep, Report):
+        raise TypeError(
+            f"report() expects an object returned by bucketwise.compile, got {type(compiled).__name__}"
+        )
+    return rep

@@ -1,0 +1,178 @@
+"""Every private DistributedDataParallel attribute bucketwise touches.
+
+Checked on torch 2.11.0 (device machines) and 2.13.0 (CI). DDP's forward is
+``_pre_forward`` -> ``module(...)`` -> ``_post_forward``; bucketwise keeps DDP's own pre/post
+steps (reducer preparation, buffer broadcast, input moves, find_unused bookkeeping) and swaps
+only the middle call for a compiled one.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def is_ddp(obj: Any) -> bool:
+    return isinstance(obj, DDP)
+
+
+# --- forward -----------------------------------------------------------------------------
+
+
+def pre_forward(ddp: DDP, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """DDP's own ``_pre_forward``: reducer prepare, bucket rebuild, buffer sync, input moves."""
+    return ddp._pre_forward(*args, **kwargs)
+
+
+def post_forward(ddp: DDP, output: Any) -> Any:
+    """DDP's own ``_post_forward``: prepare_for_backward, unused-parameter sink."""
+    return ddp._post_forward(output)
+
+
+def runs_inner_forward_directly(ddp: DDP) -> bool:
+    """True when DDP calls ``module.forward`` itself (all-params delayed all-reduce mode)."""
+    return bool(getattr(ddp, "_delay_all_reduce_all_params", False))
+
+
+def uses_python_reducer(ddp: DDP) -> bool:
+    return bool(getattr(ddp, "_use_python_reducer", False))
+
+
+# --- configuration -----------------------------------------------------------------------
+
+
+def bucket_caps(ddp: DDP) -> tuple[int, int, list[int]]:
+    """``(first_bucket_bytes, bucket_bytes, per_bucket_bytes_list)`` as DDP's reducer uses them
+    when it rebuilds its buckets after the first iteration.
+
+    torch 2.13 keeps them in ``_bucket_config``; both 2.11 and 2.13 expose the backward-compatible
+    ``bucket_bytes_cap`` / ``bucket_bytes_cap_default`` used here (first bucket = 1 MiB only when
+    the user left ``bucket_cap_mb`` at its default).
+    """
+    cap = int(ddp.bucket_bytes_cap)
+    default = bool(getattr(ddp, "bucket_bytes_cap_default", False))
+    first = int(dist._DEFAULT_FIRST_BUCKET_BYTES) if default else cap
+    per_bucket = [int(c) for c in getattr(ddp, "bucket_bytes_cap_list", None) or []]
+    return first, cap, per_bucket
+
+
+def ignored_names(ddp: DDP) -> set[str]:
+    return set(getattr(ddp, "parameters_to_ignore", ()) or ())
+
+
+def find_unused_parameters(ddp: DDP) -> bool:
+    return bool(ddp.find_unused_parameters)
+
+
+def static_graph(ddp: DDP) -> bool:
+    return bool(getattr(ddp, "static_graph", False))
+
+
+def process_group(ddp: DDP):
+    return ddp.process_group
+
+
+def has_comm_hook(ddp: DDP) -> bool:
+    return bool(getattr(ddp, "_comm_hooks", None))
+
+
+# --- the reducer's parameters and buckets ------------------------------------------------
+
+
+def reducer_parameters(ddp: DDP) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters DDP's reducer owns, in reducer index order, with their names.
+
+    Same rule as ``DDP._build_params_for_reducer``: per module, ``named_parameters(recurse=False)``
+    that require grad and are not ignored, each tensor once (shared/tied ones keep their first
+    name).
+    """
+    ignore = ignored_names(ddp)
+    seen: set[int] = set()
+    out: list[tuple[str, torch.nn.Parameter]] = []
+    for mod_name, mod in ddp.module.named_modules():
+        for p_name, p in mod.named_parameters(recurse=False):
+            fqn = f"{mod_name}.{p_name}" if mod_name else p_name
+            # DDP checks f"{module_name}.{param_name}" (a leading "." at the root).
+            if not p.requires_grad or fqn in ignore or f"{mod_name}.{p_name}" in ignore:
+                continue
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            out.append((fqn, p))
+    return out
+
+
+def _parse_index_groups(text: str) -> list[list[int]]:
+    return [[int(i) for i in group.split()] for group in text.split(",") if group.strip()]
+
+
+def reducer_buckets(ddp: DDP) -> tuple[list[list[int]] | None, str]:
+    """The reducer's bucket membership as lists of reducer parameter indices, and its source.
+
+    After DDP rebuilds its buckets (first iteration, when neither ``find_unused_parameters``
+    nor... see ``will_rebuild``) the reducer logs ``rebuilt_per_bucket_param_indices`` in its
+    logging data (refreshed at the next sampled forward). Before a rebuild, or when none will
+    happen, the buckets are the construction-time assignment, which we recompute with the same
+    C++ routine DDP calls.
+    """
+    data = ddp._get_ddp_logging_data()
+    rebuilt = data.get("rebuilt_per_bucket_param_indices")
+    if rebuilt:
+        return _parse_index_groups(str(rebuilt)), "rebuilt"
+    if will_rebuild(ddp):
+        return None, "pending"
+    return initial_buckets(ddp), "initial"
+
+
+def will_rebuild(ddp: DDP) -> bool:
+    """The reducer rebuilds its buckets once, after the first iteration, unless
+    ``find_unused_parameters=True`` without ``static_graph`` (reducer.cpp
+    ``should_rebuild_buckets``)."""
+    return static_graph(ddp) or not find_unused_parameters(ddp)
+
+
+def initial_buckets(ddp: DDP) -> list[list[int]]:
+    params = [p for _, p in reducer_parameters(ddp)]
+    first, cap, per_bucket = bucket_caps(ddp)
+    if per_bucket:
+        limits = per_bucket
+    elif will_rebuild(ddp):
+        limits = [sys.maxsize]
+    elif first < cap:
+        limits = [first, cap]
+    else:
+        limits = [cap]
+    sparse = [False] * len(params)
+    indices, _ = dist._compute_bucket_assignment_by_size(params, limits, sparse)
+    return [list(b) for b in reversed(indices)]
+
+
+def compute_bucket_assignment(
+    tensors: list[torch.Tensor], limits: list[int], order: list[int]
+) -> list[list[int]]:
+    """DDP's own bucket assignment routine (``dist._compute_bucket_assignment_by_size``) over
+    ``tensors`` given in gradient-ready order, ``order`` being their indices. Buckets are keyed
+    by dtype and device like DDP's, closed once their size reaches the current limit."""
+    sparse = [False] * (max(order) + 1 if order else 0)
+    indices, _ = dist._compute_bucket_assignment_by_size(tensors, limits, sparse, order)
+    return [list(b) for b in indices]
+
+
+def process_group_usable(ddp: DDP) -> str | None:
+    """None if DDP's process group can still be used, else a reason."""
+    if not dist.is_available() or not dist.is_initialized():
+        return "torch.distributed is not initialized (was destroy_process_group() called?)"
+    pg = ddp.process_group
+    try:
+        dist.get_world_size(pg)
+    except Exception as exc:  # noqa: BLE001 - any failure means the group is gone
+        return f"the DDP module's process group is no longer valid ({exc})"
+    return None
+
+
+def has_rebuilt_buckets(ddp: DDP) -> bool:
+    return bool(getattr(ddp, "_has_rebuilt_buckets", False))

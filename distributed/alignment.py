@@ -1,0 +1,48 @@
+"""How well compiled segments coincide with the buckets DDP's reducer really uses."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from . import _ddp_compat
+
+
+def measure_alignment(ddp: Any, param_segments: Mapping[int, Mapping[str, int]]) -> dict[str, Any]:
+    """``alignment`` = fraction of the reducer's buckets whose parameters all lie in one
+    compiled segment (one graph, one segment).
+
+    Buckets holding only parameters that no compiled graph reads (their gradients come from
+    eager code) are listed as ``eager`` and left out of the fraction. Returns
+    ``{"alignment": None, "status": "pending ..."}`` until the reducer has rebuilt its buckets
+    from the first iteration's gradient-ready order.
+    """
+    buckets, source = _ddp_compat.reducer_buckets(ddp)
+    if buckets is None:
+        return {
+            "alignment": None,
+            "status": "pending: DDP's reducer rebuilds its buckets after the first iterations",
+        }
+    names = [name for name, _ in _ddp_compat.reducer_parameters(ddp)]
+    where: dict[str, tuple[int, int]] = {}
+    for graph_id in sorted(param_segments):
+        for name, seg in param_segments[graph_id].items():
+            where[name] = (graph_id, seg)
+    rows = []
+    aligned = considered = 0
+    for index, members in enumerate(buckets):
+        member_names = [names[i] if i < len(names) else f"#{i}" for i in members]
+        places = sorted({where.get(n, (-1, -1)) for n in member_names})
+        if places == [(-1, -1)]:
+            status = "eager"
+        else:
+            considered += 1
+            status = "aligned" if len(places) == 1 else "split across " + ", ".join(
+                "eager" if g < 0 else f"graph {g} segment {s}" for g, s in places
+            )
+            aligned += len(places) == 1
+        rows.append({"bucket": index, "params": member_names, "status": status})
+    return {
+        "alignment": aligned / considered if considered else None,
+        "status": f"reducer buckets: {source}",
+        "buckets": rows,
+    }

@@ -1,0 +1,48 @@
+"""Make the first backward report gradients in the planned order, so DDP's rebuilt buckets
+coincide with the compiled segments.
+
+NOTE [first-iteration gradient order]: DDP's reducer rebuilds its buckets once, after the first
+iteration, from the order in which gradients became ready. A compiled segment's backward
+returns all of its parameter gradients at once, and the autograd engine then accumulates them
+in an order of its own (every AccumulateGrad node has the same priority), so the reducer would
+record an order that has nothing to do with the forward, and cut its buckets elsewhere than the
+segments. During that one iteration we hand each compiled graph a fresh no-op view of each
+parameter, created in forward first-use order. The engine runs ready nodes with the highest
+sequence number first, so the views' backward nodes (older than every segment of the graph)
+run once the graph's segments are done, youngest first: gradients become ready in exactly the
+reverse of first use, the order the plan assumes. In that first iteration the reducer holds a
+single bucket reduced at the end of the backward anyway, so nothing is lost by the delay.
+Afterwards the reducer's buckets are fixed and parameters are passed through untouched.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import _ddp_compat
+
+
+class FirstIterationOrder:
+    """Wraps a compiled graph; until DDP has rebuilt its buckets, routes the parameters at
+    ``positions`` (flat argument indices, forward first-use order) through no-op views."""
+
+    def __init__(self, compiled: Callable[..., Any], ddp: Any, positions: Sequence[int]) -> None:
+        self.compiled = compiled
+        self._ddp = weakref.ref(ddp)
+        self.positions = list(positions)
+        self.active = bool(self.positions) and _ddp_compat.will_rebuild(ddp)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.active:
+            ddp = self._ddp()
+            if ddp is None or _ddp_compat.has_rebuilt_buckets(ddp):
+                self.active = False
+            elif torch.is_grad_enabled():
+                args_list = list(args)
+                for i in self.positions:
+                    args_list[i] = args_list[i].view_as(args_list[i])
+                args = tuple(args_list)
+        return self.compiled(*args)
