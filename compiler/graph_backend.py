@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from ..distributed import _ddp_compat
-from ..distributed.ddp_optimizer import split_and_compile
+from ..distributed.ddp_optimizer import plan_for_graph, split_and_compile
 from ..distributed.plan import BucketCaps
 from ..distributed.ready_order import FirstIterationOrder
 from ..partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops
@@ -61,11 +61,12 @@ class GraphBackend:
                 ddp, bucket_cap_mb=self.config.bucket_cap_mb, first_bucket_cap_mb=self.config.first_bucket_cap_mb
             )
             params = find_graph_params(gm, example_inputs, _ddp_compat.reducer_parameters(ddp))
+            buckets, plan_source = plan_for_graph(ddp, params, caps)
             result = split_and_compile(
                 gm,
                 example_inputs,
                 params,
-                caps,
+                buckets,
                 self._compile_whole,
                 self.segment_backend,
                 backend_name=self.config.backend_name,
@@ -77,6 +78,7 @@ class GraphBackend:
                 compiled = FirstIterationOrder(compiled, ddp, _forward_positions(gm, params))
             unused = sorted(p.name for p in params if p.first_use < 0)
         else:
+            plan_source = None
             with progress.step("whole graph", self.config.backend_name):
                 compiled, outcome = self._compile_whole(gm, example_inputs)
             params = (
@@ -87,7 +89,7 @@ class GraphBackend:
             outcomes = [outcome]
             unused = sorted(p.name for p in params if p.first_use < 0)
 
-        self._record(graph_id, cid, gm, strategy, why, segments, outcomes, unused)
+        self._record(graph_id, cid, gm, strategy, why, segments, outcomes, unused, plan_source)
         return compiled
 
     def _strategy_for(self, ddp: Any | None) -> tuple[str, str | None]:
@@ -119,6 +121,7 @@ class GraphBackend:
         segments: list[Segment],
         outcomes: list[CompileOutcome],
         unused: list[str],
+        plan_source: str | None,
     ) -> None:
         breaks_now = dc.graph_break_counts()
         new_breaks = []
@@ -159,6 +162,7 @@ class GraphBackend:
                 higher_order_ops=higher_order_ops(gm),
                 segments=stats,
                 unused_params=unused,
+                plan_source=plan_source,
             )
         )
 

@@ -56,6 +56,9 @@ class GraphStats:
     higher_order_ops: list[str]
     segments: list[SegmentStats]
     unused_params: list[str] = dataclasses.field(default_factory=list)
+    plan_source: str | None = None
+    """Where the bucket plan came from: ``"predicted"`` (DDP's routine over the predicted
+    gradient-ready order) or ``"reducer"`` (the reducer's buckets, already final)."""
 
     @property
     def compile_seconds(self) -> float:

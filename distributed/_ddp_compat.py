@@ -176,3 +176,17 @@ def process_group_usable(ddp: DDP) -> str | None:
 
 def has_rebuilt_buckets(ddp: DDP) -> bool:
     return bool(getattr(ddp, "_has_rebuilt_buckets", False))
+
+
+def fixed_buckets(ddp: DDP) -> list[list[int]] | None:
+    """The reducer's buckets when they are already final, else None.
+
+    With ``find_unused_parameters=True`` (and no ``static_graph``) DDP never rebuilds: the
+    construction-time buckets stay. Otherwise they are final once rebuilt.
+    """
+    if not will_rebuild(ddp):
+        return initial_buckets(ddp)
+    if has_rebuilt_buckets(ddp):
+        buckets, source = reducer_buckets(ddp)
+        return buckets if source == "rebuilt" else None
+    return None

@@ -21,7 +21,8 @@ from ..compiler.progress import Progress
 from ..compiler.segments import CompileOutcome, compile_segments
 from ..partitioners.param_usage import GraphParam, ready_order
 from ..partitioners.split import Segment, bucket_boundaries, split_graph
-from .plan import BucketCaps, plan_buckets
+from . import _ddp_compat
+from .plan import BucketCaps, buckets_from_reducer, plan_buckets
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,26 @@ class SplitResult:
     outcomes: list[CompileOutcome]
 
 
+def plan_for_graph(ddp: Any, params: Sequence[GraphParam], caps: BucketCaps) -> tuple[list[list[GraphParam]], str]:
+    """Buckets for one graph and where they come from.
+
+    ``"reducer"``: DDP's buckets are already final (``find_unused_parameters=True`` never
+    rebuilds; or the reducer has rebuilt before this graph was compiled) and the caps are DDP's:
+    follow them. ``"predicted"``: DDP's assignment routine over the predicted ready order; the
+    reducer will rebuild to the same buckets (NOTE [first-iteration gradient order]).
+    """
+    if caps.matches_ddp(ddp):
+        known = _ddp_compat.fixed_buckets(ddp)
+        if known is not None:
+            return buckets_from_reducer(params, known), "reducer"
+    return plan_buckets(ready_order(params), caps), "predicted"
+
+
 def split_and_compile(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
     params: Sequence[GraphParam],
-    caps: BucketCaps,
+    buckets: Sequence[Sequence[GraphParam]],
     compile_whole: Callable[[fx.GraphModule, Sequence[Any]], tuple[Callable[..., Any], CompileOutcome]],
     backend_fn: Callable[..., Any],
     *,
@@ -45,11 +61,10 @@ def split_and_compile(
     fallback: str,
     progress: Progress,
 ) -> SplitResult:
-    """Plan buckets for the parameters of ``gm``, split it, compile each segment.
+    """Split ``gm`` at ``buckets`` (gradient-ready order) and compile each segment.
 
     A graph whose parameters fit in one bucket is compiled whole (one segment).
     """
-    buckets = plan_buckets(ready_order(params), caps)
     log.debug("bucket plan: %s", [[p.name for p in b] for b in buckets])
     used = [p for p in params if p.first_use >= 0]
     if len(buckets) <= 1:

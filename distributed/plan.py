@@ -76,3 +76,17 @@ def plan_buckets(params_in_ready_order: Sequence["GraphParam"], caps: BucketCaps
     # Buckets still open at the end come back in hash order; keep ready order.
     groups.sort(key=min)
     return [[params[i] for i in group] for group in groups]
+
+
+def buckets_from_reducer(params: Sequence["GraphParam"], reducer_buckets: Sequence[Sequence[int]]) -> list[list["GraphParam"]]:
+    """The reducer's own (already fixed) buckets, restricted to the parameters of one graph,
+    each in predicted ready order; buckets with none of the graph's parameters are dropped."""
+    from ..partitioners.param_usage import ready_order
+
+    by_index = {p.reducer_index: p for p in params}
+    out = []
+    for members in reducer_buckets:
+        mine = [by_index[i] for i in members if i in by_index]
+        if mine:
+            out.append(ready_order(mine))
+    return out
