@@ -1,0 +1,109 @@
+"""Running a job through ``torch.distributed.run`` (torchrun) and summarizing its rank files.
+
+bucketwise does not manage processes itself: it starts ``python -m torch.distributed.run``
+with the user's torchrun arguments unchanged, with ``BUCKETWISE_STATS_DIR`` pointing at the
+run's stats folder, waits for it and then merges the ``rank<R>.json`` files the ranks wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+from typing import Sequence, TextIO
+
+from ..compiler.report import STATS_DIR_ENV
+from . import stats
+
+DEFAULT_RUNS_DIR = "bucketwise-runs"
+
+
+def default_stats_dir(now: datetime.datetime | None = None) -> str:
+    """``./bucketwise-runs/<YYYYmmdd-HHMMSS>``, with ``-2``, ``-3``... if that one exists."""
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    base = os.path.join(DEFAULT_RUNS_DIR, stamp)
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
+
+
+def prepare_stats_dir(path: str) -> str:
+    """Create the stats folder; refuse one that already holds rank files (they would mix)."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--stats-dir {path}: exists and is not a folder")
+    if os.path.isdir(path) and stats.rank_files(path):
+        raise ValueError(
+            f"--stats-dir {path}: already holds rank*.json files of an earlier run; "
+            "choose another folder or delete them"
+        )
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def torchrun_parser() -> argparse.ArgumentParser:
+    """torchrun's own argument parser (so every torchrun option is accepted as torchrun does)."""
+    from torch.distributed.run import get_args_parser
+
+    return get_args_parser()
+
+
+def strip_option(args: Sequence[str], option: str) -> list[str]:
+    """``args`` without ``option VALUE`` / ``option=VALUE`` (every occurrence)."""
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(option + "="):
+            out.append(a)
+    return out
+
+
+def torchrun_command(torchrun_args: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
+
+
+def run_torchrun(torchrun_args: Sequence[str], stats_dir: str) -> int:
+    """Run torchrun with ``BUCKETWISE_STATS_DIR=stats_dir``; its exit code."""
+    env = dict(os.environ, **{STATS_DIR_ENV: stats_dir})
+    proc = subprocess.Popen(torchrun_command(torchrun_args), env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        # The terminal's Ctrl-C reached torchrun too; let it stop its workers.
+        try:
+            proc.wait(timeout=60)
+        except (KeyboardInterrupt, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+        return 130
+
+
+def summarize(stats_dir: str, *, table: bool = True, out: TextIO | None = None) -> bool:
+    """Print the merged per-bucket table (or, with ``table=False``, only the plan check) of a
+    finished run. False when no rank wrote a report."""
+    out = out or sys.stdout
+    warn = lambda msg: print(f"bucketwise: warning: {msg}", file=sys.stderr)  # noqa: E731
+    reports = stats.load_reports(stats_dir, warn)
+    if not reports:
+        print(
+            f"bucketwise: no rank files in {stats_dir} (no rank called a bucketwise-compiled "
+            "model, or the job failed before the first compile)",
+            file=out,
+        )
+        return False
+    merged = stats.merge(reports)
+    print(f"\nbucketwise: per-bucket compile stats, {len(reports)} rank(s), from {stats_dir}", file=out)
+    if table:
+        print(stats.format_merged(merged), file=out)
+    else:
+        print("\n".join([stats.totals_line(merged), *stats.plan_check_lines(merged)]), file=out)
+    out.flush()
+    return True

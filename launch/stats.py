@@ -1,0 +1,281 @@
+"""Reading and merging the per-rank report files of one run (``rank<R>.json``).
+
+Each rank's :class:`bucketwise.Report` writes ``$BUCKETWISE_STATS_DIR/rank<R>.json``
+(``Report.to_dict()``). :func:`merge` combines them into one dict:
+
+``{"schema", "ranks", "world_size", "missing_ranks", "target", "strategy", "backend",
+"segments": [{"graph_id", "index", "params", "bytes", "op_count", "ranks",
+"compile_seconds": {"min", "median", "max", "per_rank"}, "backends", "fallback_ranks",
+"fallback_reasons"}], "plan_differences": [...], "totals": {"<rank>": {...}},
+"alignment": {"<rank>": float | None}, "graph_notes": [...], "notes": [...]}``
+
+Per-segment sizes (params, bytes, ops) are the reference rank's (the lowest rank present);
+ranks whose bucket plan differs from it are listed in ``plan_differences``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import statistics
+from typing import Any, Callable, Iterable
+
+MERGED_SCHEMA = 1
+_RANK_FILE = re.compile(r"^rank(\d+)\.json$")
+_REQUIRED = ("rank", "world_size", "totals", "graphs")
+_SEGMENT_KEYS = ("index", "params", "bytes", "op_count", "compile_seconds", "backend", "fell_back")
+
+
+class StatsError(Exception):
+    """A path given to ``bucketwise stats`` holds nothing readable."""
+
+
+def rank_files(path: str) -> list[str]:
+    """The ``rank<R>.json`` files of a run folder, by rank; or ``[path]`` for a file."""
+    if os.path.isfile(path):
+        return [path]
+    if not os.path.isdir(path):
+        raise StatsError(f"{path}: no such file or folder")
+    found = [f for f in glob.glob(os.path.join(glob.escape(path), "rank*.json")) if _RANK_FILE.match(os.path.basename(f))]
+    return sorted(found, key=lambda f: int(_RANK_FILE.match(os.path.basename(f)).group(1)))
+
+
+def load_rank_file(path: str) -> dict[str, Any]:
+    """One rank's report dict; raises ``ValueError`` naming what is wrong with the file."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read it ({e.strerror or e})") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError("not a bucketwise report (top level is not an object)")
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise ValueError(f"not a bucketwise report (missing {', '.join(missing)})")
+    if not isinstance(data["graphs"], list):
+        raise ValueError("not a bucketwise report ('graphs' is not a list)")
+    for g in data["graphs"]:
+        if not isinstance(g, dict) or "graph_id" not in g or not isinstance(g.get("segments"), list):
+            raise ValueError("malformed graph entry")
+        for s in g["segments"]:
+            if not isinstance(s, dict) or any(k not in s for k in _SEGMENT_KEYS):
+                raise ValueError(f"malformed segment in graph {g['graph_id']}")
+    return data
+
+
+def load_reports(path: str, warn: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Every readable rank report under ``path``; unreadable files are skipped via ``warn``."""
+    reports = []
+    for f in rank_files(path):
+        try:
+            reports.append(load_rank_file(f))
+        except ValueError as e:
+            warn(f"skipping {f}: {e}")
+    by_rank: dict[int, dict[str, Any]] = {}
+    for r in reports:
+        if r["rank"] in by_rank:
+            warn(f"two files for rank {r['rank']}; keeping the first")
+            continue
+        by_rank[r["rank"]] = r
+    return [by_rank[k] for k in sorted(by_rank)]
+
+
+# -- merging -------------------------------------------------------------------------------
+
+
+def plan_of(report: dict[str, Any]) -> list[tuple[int, int, tuple[str, ...]]]:
+    """A rank's bucket plan: ``(graph_id, segment index, parameter names)`` per segment."""
+    return [(g["graph_id"], s["index"], tuple(s["params"])) for g in report["graphs"] for s in g["segments"]]
+
+
+def plan_differences(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where each rank's plan differs from the reference (first) rank's, segment by segment."""
+    if not reports:
+        return []
+    ref = reports[0]
+    ref_plan = {(g, i): p for g, i, p in plan_of(ref)}
+    diffs = []
+    for other in reports[1:]:
+        plan = {(g, i): p for g, i, p in plan_of(other)}
+        for key in sorted(set(ref_plan) | set(plan)):
+            a, b = ref_plan.get(key), plan.get(key)
+            if a == b:
+                continue
+            if b is None:
+                what = f"segment missing on rank {other['rank']}"
+            elif a is None:
+                what = f"segment not on rank {ref['rank']}"
+            else:
+                what = _describe_param_diff(a, b, ref["rank"], other["rank"])
+            diffs.append({"rank": other["rank"], "reference_rank": ref["rank"], "graph_id": key[0],
+                          "segment": key[1], "difference": what})
+    return diffs
+
+
+def _describe_param_diff(a: tuple[str, ...], b: tuple[str, ...], ref_rank: int, rank: int) -> str:
+    only_ref = [p for p in a if p not in b]
+    only_other = [p for p in b if p not in a]
+    if not only_ref and not only_other:
+        return "same parameters in a different order"
+    parts = []
+    if only_ref:
+        parts.append(f"only on rank {ref_rank}: {_names(only_ref)}")
+    if only_other:
+        parts.append(f"only on rank {rank}: {_names(only_other)}")
+    return "; ".join(parts)
+
+
+def _names(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _segment_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows: dict[tuple[int, int], dict[str, Any]] = {}
+    for rep in reports:
+        for g in rep["graphs"]:
+            for s in g["segments"]:
+                key = (g["graph_id"], s["index"])
+                row = rows.get(key)
+                if row is None:
+                    row = rows[key] = {
+                        "graph_id": key[0], "index": key[1], "params": len(s["params"]),
+                        "bytes": s["bytes"], "op_count": s["op_count"], "ranks": [],
+                        "per_rank": {}, "backends": [], "fallback_ranks": [], "fallback_reasons": [],
+                    }
+                row["ranks"].append(rep["rank"])
+                row["per_rank"][str(rep["rank"])] = s["compile_seconds"]
+                if s["backend"] not in row["backends"]:
+                    row["backends"].append(s["backend"])
+                if s["fell_back"]:
+                    row["fallback_ranks"].append(rep["rank"])
+                    reason = s.get("reason") or "unknown reason"
+                    if reason not in row["fallback_reasons"]:
+                        row["fallback_reasons"].append(reason)
+    out = []
+    for key in sorted(rows):
+        row = rows[key]
+        times = list(row.pop("per_rank").items())
+        values = [t for _, t in times]
+        row["compile_seconds"] = {"min": min(values), "median": statistics.median(values),
+                                  "max": max(values), "per_rank": dict(times)}
+        out.append(row)
+    return out
+
+
+def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One dict for the whole run (see the module docstring)."""
+    if not reports:
+        raise StatsError("no rank reports to merge")
+    ref = reports[0]
+    ranks = [r["rank"] for r in reports]
+    world = max(r["world_size"] for r in reports)
+    graph_notes, notes = [], []
+    for rep in reports:
+        for g in rep["graphs"]:
+            lines = [f"{g['strategy']} ({g['strategy_reason']})"] if g.get("strategy_reason") else []
+            lines += [f"after graph break: {r}" for r in g.get("graph_break_reasons", [])]
+            for line in lines:
+                entry = f"graph {g['graph_id']}: {line}"
+                if entry not in graph_notes:
+                    graph_notes.append(entry)
+        notes += [n for n in rep.get("notes", []) if n not in notes]
+    return {
+        "schema": MERGED_SCHEMA,
+        "ranks": ranks,
+        "world_size": world,
+        "missing_ranks": [r for r in range(world) if r not in ranks],
+        "target": ref.get("target"),
+        "strategy": ref.get("strategy"),
+        "backend": ref.get("backend"),
+        "segments": _segment_rows(reports),
+        "plan_differences": plan_differences(reports),
+        "totals": {str(r["rank"]): r["totals"] for r in reports},
+        "alignment": {str(r["rank"]): r["totals"].get("alignment") for r in reports},
+        "graph_notes": graph_notes,
+        "notes": notes,
+    }
+
+
+# -- text ----------------------------------------------------------------------------------
+
+
+def format_merged(merged: dict[str, Any]) -> str:
+    """The per-bucket table across ranks, a totals line and the plan check."""
+    header = ("graph", "seg", "params", "MiB", "ops", "compile s min", "median", "max", "backend", "fallbacks")
+    rows = [header]
+    n_ranks = len(merged["ranks"])
+    for s in merged["segments"]:
+        t = s["compile_seconds"]
+        rows.append((
+            str(s["graph_id"]), str(s["index"]), str(s["params"]), f"{s['bytes'] / 2**20:.2f}",
+            str(s["op_count"]), f"{t['min']:.2f}", f"{t['median']:.2f}", f"{t['max']:.2f}",
+            "/".join(s["backends"]), _fallback_cell(s, n_ranks),
+        ))
+    lines = [_align_merged(rows)]
+    lines.append(totals_line(merged))
+    lines.extend(merged["graph_notes"])
+    lines.extend(f"note: {n}" for n in merged["notes"])
+    lines.extend(plan_check_lines(merged))
+    return "\n".join(lines)
+
+
+def _align_merged(rows: list[tuple[str, ...]]) -> str:
+    # Numeric columns right-aligned, backend and fallbacks left-aligned.
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.rjust(w) if i < 8 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in rows
+    )
+
+
+def _fallback_cell(segment: dict[str, Any], n_ranks: int) -> str:
+    failed = segment["fallback_ranks"]
+    if not failed:
+        return "-"
+    ranks = "all ranks" if len(failed) == n_ranks else "rank " + ",".join(map(str, failed))
+    return f"{ranks}: {segment['fallback_reasons'][0]}"[:70]
+
+
+def totals_line(merged: dict[str, Any]) -> str:
+    """Run totals (ranges across ranks where they differ) and missing ranks."""
+    totals = list(merged["totals"].values())
+    compile_s = [t["compile_seconds"] for t in totals]
+    aligns = sorted({a for a in merged["alignment"].values() if a is not None})
+    if not aligns:
+        align = "n/a"
+    elif len(aligns) == 1:
+        align = f"{aligns[0]:.2f}"
+    else:
+        align = f"{aligns[0]:.2f}..{aligns[-1]:.2f} across ranks"
+    line = (
+        f"ranks {len(merged['ranks'])} of {merged['world_size']}, graphs {_span(t['graphs'] for t in totals)}, "
+        f"graph breaks {_span(t['graph_breaks'] for t in totals)}, recompiles {_span(t['recompiles'] for t in totals)}, "
+        f"segments {_span(t['segments'] for t in totals)}, fallbacks {sum(t['fallbacks'] for t in totals)}, "
+        f"compile {min(compile_s):.2f}..{max(compile_s):.2f} s per rank, alignment {align}"
+    )
+    if merged["missing_ranks"]:
+        line += f"\nwarning: no report from rank(s) {', '.join(map(str, merged['missing_ranks']))}"
+    return line
+
+
+def _span(values: Iterable[int]) -> str:
+    vals = sorted(set(values))
+    return str(vals[0]) if len(vals) == 1 else f"{vals[0]}..{vals[-1]}"
+
+
+def plan_check_lines(merged: dict[str, Any]) -> list[str]:
+    """Whether every rank's bucket plan equals the reference rank's; the differences if not."""
+    diffs = merged["plan_differences"]
+    if len(merged["ranks"]) < 2:
+        return []
+    if not diffs:
+        return [f"bucket plans: identical on all {len(merged['ranks'])} ranks"]
+    ranks = sorted({d["rank"] for d in diffs})
+    lines = [f"bucket plans DIFFER from rank {diffs[0]['reference_rank']} on rank(s) {', '.join(map(str, ranks))}:"]
+    lines += [f"  rank {d['rank']} graph {d['graph_id']} segment {d['segment']}: {d['difference']}" for d in diffs]
+    return lines

@@ -1,0 +1,155 @@
+"""Run a worker function on N real processes joined in a gloo process group.
+
+``run_distributed(fn, tmp_path, world_size=2, args=(...))`` spawns ``world_size`` fresh
+interpreters (``spawn`` start method: no forked torch state), initialises a gloo group
+through a file store inside ``tmp_path`` (no ports, nothing shared between tests), calls
+``fn(rank, world_size, *args)`` on every rank and returns the per-rank return values
+(passed back with ``torch.save``). A worker exception is re-raised in the test with the
+worker's own traceback; a hang is killed after ``timeout`` seconds.
+
+``fn`` must be a module-level function (it is pickled by reference).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 240.0
+# Seconds the other ranks get to finish (or fail on their own) once one rank has failed,
+# before they are killed: a rank blocked in a collective waiting for a dead peer never returns.
+_GRACE_S = 10.0
+
+# Environment of the worker processes (inherited at spawn time).
+_WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    # Inductor: compile in-process (no compile-worker pool on a 2-core machine).
+    "TORCHINDUCTOR_COMPILE_THREADS": "1",
+    # Compile-progress lines are noise in test logs.
+    "BUCKETWISE_PROGRESS": "0",
+}
+
+
+class WorkerError(AssertionError):
+    """A rank raised; the message carries every failed rank's traceback."""
+
+
+class WorkerTimeout(AssertionError):
+    """The ranks did not finish within the timeout (killed)."""
+
+
+def _entry(
+    rank: int,
+    world_size: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    store_path: str,
+    out_dir: str,
+    pg_timeout_s: float,
+) -> None:
+    out = Path(out_dir)
+    torch.set_num_threads(1)
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+        )
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        tmp = out / f"rank{rank}.result.tmp"
+        torch.save(result, tmp)
+        os.replace(tmp, out / f"rank{rank}.result")
+    except BaseException:  # noqa: BLE001 - everything goes back to the test
+        (out / f"rank{rank}.error").write_text(traceback.format_exc())
+        raise SystemExit(1)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    tmp_path: Path,
+    *,
+    world_size: int = 2,
+    args: Sequence[Any] = (),
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; per-rank results."""
+    run_dir = Path(tmp_path) / f"dist-{time.monotonic_ns()}"
+    run_dir.mkdir(parents=True)
+    store = run_dir / "store"
+    ctx = mp.get_context("spawn")
+    saved = {k: os.environ.get(k) for k in _WORKER_ENV}
+    procs = []
+    try:
+        os.environ.update(_WORKER_ENV)
+        for rank in range(world_size):
+            p = ctx.Process(
+                target=_entry,
+                args=(rank, world_size, fn, tuple(args), str(store), str(run_dir), min(timeout, 120.0)),
+                name=f"{getattr(fn, '__name__', 'worker')}-rank{rank}",
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    deadline = time.monotonic() + timeout
+    first_failure: float | None = None
+    timed_out = False
+    try:
+        while any(p.is_alive() for p in procs):
+            now = time.monotonic()
+            failed = any((not p.is_alive() and p.exitcode != 0) for p in procs) or any(
+                (run_dir / f"rank{r}.error").exists() for r in range(world_size)
+            )
+            if failed and first_failure is None:
+                first_failure = now
+            if now > deadline:
+                timed_out = True
+                break
+            if first_failure is not None and now - first_failure > _GRACE_S:
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+    errors = []
+    for rank, p in enumerate(procs):
+        err = run_dir / f"rank{rank}.error"
+        if err.exists():
+            errors.append(f"--- rank {rank} raised:\n{err.read_text()}")
+        elif p.exitcode != 0 and not (run_dir / f"rank{rank}.result").exists():
+            errors.append(f"--- rank {rank} exited with code {p.exitcode} without a result")
+    if errors:
+        # A rank that only died because a peer failed says so; the real cause comes first.
+        raise WorkerError(f"{getattr(fn, '__name__', fn)} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+    if timed_out:
+        raise WorkerTimeout(f"{getattr(fn, '__name__', fn)}: ranks still running after {timeout:.0f} s (killed)")
+    return [torch.load(run_dir / f"rank{rank}.result", weights_only=False) for rank in range(world_size)]
