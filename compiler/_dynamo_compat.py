@@ -54,9 +54,18 @@ def current_compile_id() -> CompileId:
     return CompileId(getattr(cid, "frame_id", None), getattr(cid, "frame_compile_id", None))
 
 
-def graph_break_counts() -> dict[str, int]:
-    """Dynamo's global count of graph breaks per reason (``counters["graph_break"]``)."""
-    return dict(_dynamo_counters["graph_break"])
+def graph_break_reason(gm: Any) -> str | None:
+    """Why Dynamo ended this graph, if a graph break did, with the user source line
+    (``gm.compile_subgraph_reason``: the same record ``torch._dynamo.explain`` reports)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    text = " ".join(str(getattr(reason, "reason", "")).split())
+    stack = getattr(reason, "user_stack", None) or []
+    if stack:
+        frame = stack[-1]
+        text += f" (at {frame.filename}:{frame.lineno})"
+    return text
 
 
 def unique_graph_count() -> int:

@@ -35,7 +35,6 @@ class GraphBackend:
         self.report = report
         self._ddp = weakref.ref(ddp) if ddp is not None else None
         self.segment_backend = dc.make_backend(config.backend, config.mode, config.options, config.dynamic)
-        self._breaks_seen = dc.graph_break_counts()
         # Graph id -> param name -> segment index, for the alignment figure.
         self.param_segments: dict[int, dict[str, int]] = {}
         self._latest_graph_of_frame: dict[Any, int] = {}
@@ -74,8 +73,6 @@ class GraphBackend:
                 progress=progress,
             )
             compiled, segments, outcomes = result.compiled, result.segments, result.outcomes
-            if len(segments) > 1:
-                compiled = FirstIterationOrder(compiled, ddp, _forward_positions(gm, params))
             unused = sorted(p.name for p in params if p.first_use < 0)
         else:
             plan_source = None
@@ -90,6 +87,8 @@ class GraphBackend:
             unused = sorted(p.name for p in params if p.first_use < 0)
 
         self._record(graph_id, cid, gm, strategy, why, segments, outcomes, unused, plan_source)
+        if ddp is not None and params:
+            compiled = FirstIterationOrder(compiled, ddp, _forward_positions(gm, params))
         return compiled
 
     def _strategy_for(self, ddp: Any | None) -> tuple[str, str | None]:
@@ -123,11 +122,8 @@ class GraphBackend:
         unused: list[str],
         plan_source: str | None,
     ) -> None:
-        breaks_now = dc.graph_break_counts()
-        new_breaks = []
-        for reason, count in breaks_now.items():
-            new_breaks.extend([reason] * (count - self._breaks_seen.get(reason, 0)))
-        self._breaks_seen = breaks_now
+        reason = dc.graph_break_reason(gm)
+        new_breaks = [reason] if reason else []
         recompile = bool(cid.frame_compile_id)
         frame_key = (cid.frame_id,)
         if cid.frame_id is not None:

@@ -49,7 +49,8 @@ class GraphStats:
     strategy_reason: str | None
     """Why the requested strategy was not applied, if it was not."""
     graph_break_reasons: list[str]
-    """Graph breaks Dynamo recorded while tracing up to this graph."""
+    """The graph break that ended this graph, with the user source line (as
+    ``torch._dynamo.explain`` reports it); empty if the graph ended with its frame."""
     recompile: bool
     """This graph replaced an earlier compile of the same frame (a guard failed)."""
     op_count: int
@@ -205,9 +206,18 @@ def format_table(data: dict[str, Any]) -> str:
         if g["strategy_reason"]:
             lines.append(f"graph {g['graph_id']}: {g['strategy']} ({g['strategy_reason']})")
         for r in g["graph_break_reasons"]:
-            lines.append(f"graph {g['graph_id']}: after graph break: {r}")
+            lines.append(f"graph {g['graph_id']}: ended by graph break: {_short_reason(r)}")
     lines.extend(f"note: {n}" for n in data.get("notes", []))
     return "\n".join(lines)
+
+
+def _short_reason(reason: str, limit: int = 160) -> str:
+    """First sentence of a Dynamo graph-break reason, plus its ``(at file:line)`` suffix."""
+    where = reason[reason.rfind(" (at ") :] if reason.endswith(")") and " (at " in reason else ""
+    head = reason[: len(reason) - len(where)].split(" Explanation:")[0].split(" Hint:")[0]
+    if len(head) > limit:
+        head = head[: limit - 3] + "..."
+    return head + where
 
 
 def _align(rows: list[tuple[str, ...]]) -> str:

@@ -149,8 +149,8 @@ def train(setup: Setup, args: argparse.Namespace) -> bool:
         loss_e = train_step(eager, opt_e, idx, targets)
         match = _close(loss_c, loss_e, rtol)
         if not match:
-            print(f"rank {setup.rank} step {step}: compiled loss {loss_c:.6f} != eager loss {loss_e:.6f} "
-                  f"(rtol {rtol:g})", file=sys.stderr, flush=True)
+            print(f"rank {setup.rank} step {step}: compiled loss {loss_c:.9g} != eager loss {loss_e:.9g} "
+                  f"(difference {abs(loss_c - loss_e):.3g}, rtol {rtol:g})", file=sys.stderr, flush=True)
         ok = ok and match
         say(f"step {step}: loss compiled {loss_c:.6f}  eager {loss_e:.6f}  "
             f"{'ok' if match else 'MISMATCH'}  compiled step {seconds * 1000:.1f} ms", flush=True)

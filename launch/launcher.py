@@ -45,11 +45,41 @@ def prepare_stats_dir(path: str) -> str:
     return path
 
 
-def torchrun_parser() -> argparse.ArgumentParser:
-    """torchrun's own argument parser (so every torchrun option is accepted as torchrun does)."""
+def launch_parser() -> argparse.ArgumentParser:
+    """torchrun's own argument parser (every torchrun option is accepted as torchrun accepts
+    it) plus ``--stats-dir``. SCRIPT is optional here so a missing one gets a clear message."""
     from torch.distributed.run import get_args_parser
 
-    return get_args_parser()
+    parser = get_args_parser()
+    parser.add_argument_group("bucketwise options").add_argument(
+        "--stats-dir", metavar="DIR",
+        help=f"folder for the ranks' rank<R>.json files (default: ./{DEFAULT_RUNS_DIR}/<YYYYmmdd-HHMMSS>); "
+             "must not already hold rank files",
+    )
+    for action in parser._actions:  # argparse has no public accessor
+        if action.dest == "training_script":
+            action.required, action.metavar = False, "SCRIPT"
+            action.help = "the training script (or module, with -m) every rank runs"
+        elif action.dest == "training_script_args":
+            action.required, action.metavar, action.help = False, "ARGS", "arguments for SCRIPT"
+    return parser
+
+
+def split_at_script(parser: argparse.ArgumentParser, args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(launcher options, [SCRIPT, *script args])``: where ``parser`` (torchrun's options,
+    no abbreviations) stops reading options. ``--`` before SCRIPT stays with the options."""
+    options = parser._option_string_actions  # argparse has no public accessor
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            return list(args[: i + 1]), list(args[i + 1 :])
+        if not a.startswith("-") or a == "-":
+            return list(args[:i]), list(args[i:])
+        action = options.get(a)
+        # "--opt=value" and "-rVALUE" carry their value; a bare option with nargs None takes the next.
+        i += 2 if action is not None and action.nargs is None else 1
+    return list(args), []
 
 
 def strip_option(args: Sequence[str], option: str) -> list[str]:

@@ -1,0 +1,187 @@
+"""Command line of ``ddp_bench.py``: flags, their validation, the NCCL environment and the
+self-relaunch through ``torch.distributed.run``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import bench_models
+from bench_configs import CONFIGS, DEFAULT_CONFIGS, base_name, recipe_for
+
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+NETS = ("default", "socket")
+DEVICES = ("auto", "cuda", "cpu")
+COMMAND_ENV = "BUCKETWISE_BENCH_COMMAND"
+ARGV_ENV = "BUCKETWISE_BENCH_ARGV"
+"""The ranks' arguments, as JSON: torchrun's own parser would take ``--nproc`` on the script's
+command line for an abbreviation of its ``--nproc-per-node`` and refuse it."""
+
+# Mandatory on the GPU machines (NVLink multicast / NVLS off), for every launched job.
+ALWAYS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# --net socket: NCCL over TCP sockets on loopback (emulates multi-node Ethernet).
+SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchArgs:
+    nproc: int
+    model: str
+    configs: tuple[str, ...]
+    steps: int
+    warmup: int
+    out: str
+    backend: str
+    bucket_cap_mb: float | None
+    net: str
+    device: str
+    sizes: dict[str, int | None]
+    profile_steps: int
+    probe_iters: int
+    timeline_config: str | None
+    seed: int
+    keep_traces: bool
+    timeout_min: float
+
+    def __post_init__(self) -> None:
+        for name in ("nproc", "steps", "probe_iters"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("warmup", "profile_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.net not in NETS:
+            raise ValueError(f"unknown --net {self.net!r}; use one of {', '.join(NETS)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"unknown --device {self.device!r}; use one of {', '.join(DEVICES)}")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise ValueError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
+        if self.timeout_min <= 0:
+            raise ValueError(f"--timeout-min must be positive, got {self.timeout_min}")
+        if not self.configs:
+            raise ValueError(f"--configs is empty; known configs: {', '.join(CONFIGS)}")
+        for config in self.configs:
+            recipe_for(config)  # raises with the list of known configs
+        dupes = sorted({c for c in self.configs if self.configs.count(c) > 1})
+        if dupes:
+            raise ValueError(f"config(s) listed twice: {', '.join(dupes)} (use --repeat CONFIG for a second run)")
+        if self.timeline_config is not None and self.timeline_config not in self.configs:
+            raise ValueError(f"--timeline-config {self.timeline_config!r} is not among --configs")
+        bench_models.check_overrides(self.model, self.sizes)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ddp_bench.py",
+        description="DDP training-step benchmark: eager vs torch.compile vs bucketwise.compile.",
+        epilog=f"models: {', '.join(bench_models.MODELS)}; configs: {', '.join(CONFIGS)}",
+    )
+    p.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs on this host, or 2 on CPU)")
+    p.add_argument("--model", default="gpt", help=f"one of {', '.join(bench_models.MODELS)} (default gpt)")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated config names")
+    p.add_argument("--repeat", action="append", default=[], metavar="CONFIG",
+                   help="run CONFIG a second time at the end, as CONFIG#2 (run-to-run spread); repeatable")
+    p.add_argument("--steps", type=int, default=30, help="timed steps (default 30; use >= 20)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps after the first (compiling) step")
+    p.add_argument("--out", default=None, help="output directory (default benchmarks/results/<date>-<model>-<net>)")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager for CPU smoke tests)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket_cap_mb (default: DDP's 25)")
+    p.add_argument("--net", default="default", help="default, or socket (NCCL over TCP on loopback)")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cuda or cpu")
+    for flag in bench_models.SIZE_FLAGS:
+        p.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help="model size override")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps traced by torch.profiler (CUDA; 0: off)")
+    p.add_argument("--probe-iters", type=int, default=5, help="allreduce bandwidth probe iterations")
+    p.add_argument("--timeline-config", default=None, help="config of timeline.png (default: first bw config)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-traces", action="store_true", help="keep the raw profiler traces under OUT/traces")
+    p.add_argument("--timeout-min", type=float, default=15.0, help="process-group timeout in minutes")
+    return p
+
+
+def parse(argv: list[str]) -> BenchArgs:
+    p = parser()
+    ns = p.parse_args(argv)
+    configs = [c.strip() for c in ns.configs.split(",") if c.strip()]
+    for config in ns.repeat:
+        if config not in configs:
+            p.error(f"--repeat {config!r} is not among --configs")
+        configs.append(f"{base_name(config)}#2")
+    device = ns.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    nproc = ns.nproc if ns.nproc is not None else _default_nproc(device)
+    out = ns.out or str(RESULTS_ROOT / f"{datetime.datetime.now():%Y%m%d-%H%M}-{ns.model}-{ns.net}")
+    try:
+        return BenchArgs(
+            nproc=nproc, model=ns.model, configs=tuple(configs), steps=ns.steps, warmup=ns.warmup,
+            out=os.path.abspath(out), backend=ns.backend, bucket_cap_mb=ns.bucket_cap_mb, net=ns.net,
+            device=device, sizes={f: getattr(ns, f) for f in bench_models.SIZE_FLAGS},
+            profile_steps=ns.profile_steps, probe_iters=ns.probe_iters, timeline_config=ns.timeline_config,
+            seed=ns.seed, keep_traces=ns.keep_traces, timeout_min=ns.timeout_min,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+        raise  # unreachable: p.error exits
+
+
+def _default_nproc(device: str) -> int:
+    if device == "cuda":
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return 2
+
+
+def job_env(net: str) -> dict[str, str]:
+    env = dict(ALWAYS_ENV)
+    if net == "socket":
+        env.update(SOCKET_ENV)
+    return env
+
+
+def check_launch(args: BenchArgs) -> None:
+    """Errors that are cheaper to report before starting the ranks."""
+    import torch
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("ddp_bench.py: error: --device cuda but CUDA is not available")
+        if args.nproc > torch.cuda.device_count():
+            raise SystemExit(
+                f"ddp_bench.py: error: --nproc {args.nproc} > {torch.cuda.device_count()} visible GPUs (one GPU per rank)"
+            )
+    known = sorted(torch.compiler.list_backends(exclude_tags=()))
+    if args.backend not in known:
+        raise SystemExit(f"ddp_bench.py: error: unknown --backend {args.backend!r}; known: {', '.join(known)}")
+
+
+def rank_argv(argv: list[str]) -> list[str]:
+    """The arguments of a rank: from ``$BUCKETWISE_BENCH_ARGV`` when relaunched, else ``argv``."""
+    packed = os.environ.get(ARGV_ENV)
+    return list(json.loads(packed)) if packed else argv
+
+
+def relaunch(args: BenchArgs, argv: list[str]) -> None:
+    """Replace this process with ``python -m torch.distributed.run --standalone`` running this
+    script; the ranks get the same arguments (plus the resolved ``--out``, ``--device`` and
+    ``--nproc``) through ``$BUCKETWISE_BENCH_ARGV``."""
+    check_launch(args)
+    env = dict(os.environ)
+    env.update(job_env(args.net))
+    env[COMMAND_ENV] = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
+    env[ARGV_ENV] = json.dumps([*argv, "--out", args.out, "--device", args.device, "--nproc", str(args.nproc)])
+    script = str(Path(__file__).resolve().parent / "ddp_bench.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc), script]
+    print(f"launching {args.nproc} ranks: {shlex.join(cmd[1:])}", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, cmd, env)

@@ -1,0 +1,136 @@
+"""The benchmark configurations: one line per config in ``CONFIGS`` (name -> :class:`Recipe`).
+
+A recipe turns a freshly built model into the module a training step calls:
+
+- ``eager``: ``DDP(model)``, no compile.
+- ``torch``: ``torch.compile(DDP(model))`` (torch's DDPOptimizer, default ``optimize_ddp``).
+- ``torch-nosplit``: the same with ``torch._dynamo.config.patch(optimize_ddp=False)`` around every
+  training-step call (Dynamo reads the flag per frame when it converts it, so the patch must be
+  active while the step runs, not while ``torch.compile()`` is called).
+- ``local``: ``torch.compile(model)`` without DDP: the compute floor, no gradient traffic.
+- ``bw-<strategy>``: ``bucketwise.compile(DDP(model), strategy=...)``.
+- ``*-ro``: the same with ``mode="reduce-overhead"`` (Inductor's CUDA graphs; CUDA only).
+
+A new strategy is one more line, e.g. ``"bw-fused": Recipe(compiler="bucketwise", strategy="fused")``
+or ``"bw-split-cg": Recipe(compiler="bucketwise", strategy="split", cudagraphs=True)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+COMPILERS = ("none", "torch", "bucketwise")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """What a recipe built: the module to call, a context entered around every step call, and
+    the bucketwise report (``None`` for the other compilers)."""
+
+    module: nn.Module
+    step_context: Callable[[], contextlib.AbstractContextManager]
+    report: Any = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recipe:
+    compiler: str = "none"
+    """``none`` (eager), ``torch`` (``torch.compile``) or ``bucketwise`` (``bucketwise.compile``)."""
+    ddp: bool = True
+    """Wrap the model in DDP (``False``: the local compute floor)."""
+    mode: str | None = None
+    """``torch.compile`` mode, e.g. ``reduce-overhead``."""
+    optimize_ddp: bool | None = None
+    """``torch._dynamo.config.optimize_ddp`` during the steps (``None``: torch's default)."""
+    strategy: str | None = None
+    """bucketwise strategy (``split``, ``none``, ...)."""
+    cudagraphs: bool | str = False
+    """bucketwise ``cudagraphs=`` argument."""
+
+    def __post_init__(self) -> None:
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"compiler must be one of {COMPILERS}, got {self.compiler!r}")
+        if (self.compiler == "bucketwise") != (self.strategy is not None):
+            raise ValueError("strategy is required for (and only for) compiler='bucketwise'")
+        if self.compiler == "bucketwise" and not self.ddp:
+            raise ValueError("bucketwise recipes compile a DDP module (ddp=True)")
+        if self.compiler == "none" and (self.mode or self.optimize_ddp is not None):
+            raise ValueError("mode/optimize_ddp need a compiler")
+
+    @property
+    def needs_cuda(self) -> str | None:
+        """Why this recipe cannot run without CUDA, or ``None``."""
+        if self.mode == "reduce-overhead":
+            return "mode='reduce-overhead' (CUDA graphs) needs CUDA"
+        if self.cudagraphs:
+            return "cudagraphs needs CUDA"
+        return None
+
+    def wrap(self, model: nn.Module, *, device: torch.device, bucket_cap_mb: float | None) -> nn.Module:
+        if not self.ddp:
+            return model
+        kwargs: dict[str, Any] = {}
+        if bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = bucket_cap_mb
+        if device.type == "cuda":
+            kwargs["device_ids"] = [device.index]
+        return DDP(model, **kwargs)
+
+    def prepare(self, model: nn.Module, *, device: torch.device, backend: str, bucket_cap_mb: float | None) -> Prepared:
+        wrapped = self.wrap(model, device=device, bucket_cap_mb=bucket_cap_mb)
+        if self.compiler == "none":
+            return Prepared(module=wrapped, step_context=contextlib.nullcontext)
+        if self.compiler == "torch":
+            compiled = torch.compile(wrapped, backend=backend, mode=self.mode)
+            if self.optimize_ddp is None:
+                return Prepared(module=compiled, step_context=contextlib.nullcontext)
+            flag = self.optimize_ddp
+            return Prepared(module=compiled, step_context=lambda: torch._dynamo.config.patch(optimize_ddp=flag))
+        import bucketwise
+
+        compiled = bucketwise.compile(
+            wrapped, backend=backend, strategy=self.strategy, mode=self.mode, cudagraphs=self.cudagraphs
+        )
+        return Prepared(module=compiled, step_context=contextlib.nullcontext, report=bucketwise.report(compiled))
+
+
+RO = "reduce-overhead"
+
+CONFIGS: dict[str, Recipe] = {
+    "eager": Recipe(),
+    "torch": Recipe(compiler="torch"),
+    "torch-nosplit": Recipe(compiler="torch", optimize_ddp=False),
+    "local": Recipe(compiler="torch", ddp=False),
+    "bw-split": Recipe(compiler="bucketwise", strategy="split"),
+    "bw-none": Recipe(compiler="bucketwise", strategy="none"),
+    "torch-ro": Recipe(compiler="torch", mode=RO),
+    "torch-nosplit-ro": Recipe(compiler="torch", optimize_ddp=False, mode=RO),
+    "local-ro": Recipe(compiler="torch", ddp=False, mode=RO),
+    "bw-split-ro": Recipe(compiler="bucketwise", strategy="split", mode=RO),
+    "bw-none-ro": Recipe(compiler="bucketwise", strategy="none", mode=RO),
+}
+
+DEFAULT_CONFIGS = ("eager", "torch", "torch-nosplit", "local", "bw-split", "bw-none")
+
+
+def base_name(config: str) -> str:
+    """``bw-split#2`` -> ``bw-split`` (a repeated run of a config)."""
+    return config.split("#", 1)[0]
+
+
+def recipe_for(config: str) -> Recipe:
+    try:
+        return CONFIGS[base_name(config)]
+    except KeyError:
+        raise ValueError(f"unknown config {config!r}; known configs: {', '.join(CONFIGS)}") from None
+
+
+def floor_config(config: str) -> str:
+    """The compute floor a config is compared with: ``local-ro`` for ``*-ro`` configs, else ``local``."""
+    return "local-ro" if base_name(config).endswith("-ro") else "local"

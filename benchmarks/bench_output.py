@@ -1,0 +1,128 @@
+"""Result files: ``results.jsonl`` (a meta object, then one object per config) and ``results.md``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Any, Sequence
+
+from bench_configs import floor_config
+
+MD_COLUMNS = (
+    "config", "median ms", "min ms", "max ms", "x floor", "first step s", "compile s", "peak MiB",
+    "{unit}/s", "NCCL ms/step", "overlapped ms/step", "exposed ms/step", "notes",
+)
+
+
+def safe_name(config: str) -> str:
+    """A file-name-safe form of a config name (``bw-split#2`` -> ``bw-split_2``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", config)
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: non-finite floats become ``None`` (strict JSON has no NaN/Infinity)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_jsonl(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for obj in (meta, *rows):
+            f.write(json.dumps(_clean(obj), allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def add_floor_ratios(rows: list[dict[str, Any]]) -> None:
+    """``floor_ratio`` = median step / median step of the compute floor (``local``, or
+    ``local-ro`` for ``*-ro`` configs when it ran)."""
+    medians = {r["config"]: r.get("median_ms") for r in rows if r.get("status") == "ok"}
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        floor = floor_config(r["config"])
+        if medians.get(floor) is None:
+            floor = "local"
+        base = medians.get(floor)
+        r["floor_config"] = floor if base else None
+        r["floor_ratio"] = r["median_ms"] / base if base else None
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _md_row(r: dict[str, Any]) -> list[str]:
+    name = r["config"]
+    if r.get("status") == "error":
+        return [name] + ["-"] * (len(MD_COLUMNS) - 2) + ["error: " + _one_line(r.get("error", ""), 160)]
+    if r.get("status") == "skipped":
+        return [name] + ["-"] * (len(MD_COLUMNS) - 2) + ["skipped: " + _one_line(r.get("skipped", ""), 160)]
+    ratio = r.get("floor_ratio")
+    return [
+        name, _fmt(r["median_ms"]), _fmt(r["min_ms"]), _fmt(r["max_ms"]),
+        "-" if ratio is None else f"{ratio:.2f}",
+        _fmt(r["first_step_s"]), _fmt(r.get("compile_s")), _fmt(r.get("peak_mib"), 0),
+        _fmt(r.get("throughput_per_s"), 0), _fmt(r.get("nccl_ms_per_step")),
+        _fmt(r.get("overlapped_ms_per_step")), _fmt(r.get("exposed_ms_per_step")),
+        _one_line("; ".join(r.get("notes", [])), 200) or "-",
+    ]
+
+
+def _one_line(text: str, limit: int) -> str:
+    text = " ".join(str(text).split()).replace("|", "/")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _meta_lines(meta: dict[str, Any]) -> list[str]:
+    model = meta["model"]
+    sizes = ", ".join(f"{k}={model[k]}" for k in model["size_meaning"])
+    probe = meta.get("allreduce_probe") or {}
+    lines = [
+        f"- date: {meta['date']}",
+        f"- command: `{meta['command']}`",
+        f"- device: {meta['device_name']} x {meta['world_size']} ranks ({meta['dist_backend']}), net: {meta['net']}",
+        f"- torch {meta['torch']}" + (f", triton {meta['triton']}" if meta.get("triton") else "")
+        + f", compile backend: {meta['compile_backend']}, bucket cap: "
+        + (f"{meta['bucket_cap_mb']} MiB" if meta["bucket_cap_mb"] else "DDP default (25 MiB)"),
+        f"- model: {model['model']} ({sizes}), {model['params']:,} parameters",
+        f"- {meta['steps']} timed steps after the first step and {meta['warmup']} warm-up steps; "
+        "step times of the slowest rank",
+    ]
+    if probe:
+        bus = probe.get("busbw_gbps")
+        lines.append(
+            f"- allreduce probe ({probe['bytes'] / 2**20:,.1f} MiB fp32, the gradient bytes): "
+            f"{probe['median_ms']:.2f} ms" + (f", bus bandwidth {bus:.1f} GB/s" if bus else "")
+        )
+    return lines
+
+
+def write_markdown(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
+    unit = meta["model"]["unit"]
+    header = [c.format(unit=unit) for c in MD_COLUMNS]
+    lines = [f"# DDP benchmark: {meta['model']['model']}", "", *_meta_lines(meta), ""]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "|".join("---" if i in (0, len(header) - 1) else "---:" for i in range(len(header))) + "|")
+    lines.extend("| " + " | ".join(_md_row(r)) + " |" for r in rows)
+    lines += [
+        "",
+        "x floor: median step / median step of `local` (compiled, no DDP: no gradient traffic; "
+        "`local-ro` for `-ro` configs when run). NCCL/overlapped/exposed: from a profiler trace, "
+        "NCCL kernel time, the part of it concurrent with compute kernels, and the rest, per step "
+        "(slowest rank by exposed time; NCCL kernel time includes waiting for the other ranks).",
+        "",
+    ]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))

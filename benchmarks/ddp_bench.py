@@ -1,0 +1,308 @@
+"""DDP training-step benchmark: eager DDP vs ``torch.compile`` vs ``bucketwise.compile``.
+
+    python benchmarks/ddp_bench.py --nproc 2 --model gpt --configs eager,torch,local,bw-split \
+        --steps 30 --warmup 5 --out DIR
+
+Started without torchrun (no ``RANK`` in the environment) it re-executes itself through
+``python -m torch.distributed.run --standalone --nproc-per-node N``. Every rank then runs the
+configs in turn (fresh model, same seed, ``torch._dynamo.reset()`` between configs); rank 0
+writes ``results.jsonl``, ``results.md`` and the plots. See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import traceback
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_metrics as bm  # noqa: E402
+from bench_cli import ALWAYS_ENV, COMMAND_ENV, SOCKET_ENV, BenchArgs, job_env, parse, rank_argv, relaunch  # noqa: E402
+from bench_configs import Prepared, Recipe, recipe_for  # noqa: E402
+from bench_models import ModelSpec, make_spec  # noqa: E402
+from bench_output import add_floor_ratios, safe_name, write_jsonl, write_markdown  # noqa: E402
+
+LR = 1e-4
+
+
+def make_step(prepared: Prepared, spec: ModelSpec, opt: torch.optim.Optimizer, batch: tuple, device: torch.device,
+              *, mark_cudagraph_step: bool, annotate: bool) -> Callable[[], None]:
+    """One training step: forward (bf16 autocast for gpt on CUDA) + backward + optimizer step
+    + ``zero_grad(set_to_none=True)``; ``annotate`` adds the profiler ranges the trace parser uses."""
+    module = prepared.module
+
+    def rng(name: str):
+        return record_function(name) if annotate else nullcontext()
+
+    def step() -> None:
+        with rng(bm.STEP_RANGE):
+            if mark_cudagraph_step:
+                torch.compiler.cudagraph_mark_step_begin()
+            with prepared.step_context():
+                with spec.autocast(device):
+                    loss = spec.loss(module, batch)
+                with rng(bm.BACKWARD_RANGE):
+                    loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _fresh_state(device: torch.device) -> None:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _dynamo_counts() -> dict[str, int]:
+    counters = torch._dynamo.utils.counters
+    return {"unique_graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
+def _profile(args: BenchArgs, config: str, step: Callable[[], None], device: torch.device, rank: int) -> dict:
+    """Overlap figures of ``args.profile_steps`` traced steps; rank 0 also saves the timeline
+    of the last traced backward pass to ``OUT/timeline/<config>.json``."""
+    trace_dir = os.path.join(args.out, "traces")
+    os.makedirs(trace_dir, exist_ok=True)
+    path = os.path.join(trace_dir, f"{safe_name(config)}-rank{rank}.json")
+    events = bm.profile_trace(step, args.profile_steps, device, path)
+    overlap = bm.overlap_from_events(events, args.profile_steps)
+    if rank == 0:
+        os.makedirs(os.path.join(args.out, "timeline"), exist_ok=True)
+        timeline = {"config": config, "rank": rank, **bm.backward_timeline(events)}
+        with open(os.path.join(args.out, "timeline", safe_name(config) + ".json"), "w") as f:
+            json.dump(timeline, f)
+    if not args.keep_traces:
+        os.remove(path)
+    return overlap
+
+
+def measure(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, device: torch.device, rank: int) -> dict:
+    """This rank's measurements of one config (raises on failure)."""
+    _fresh_state(device)
+    torch.manual_seed(args.seed)
+    model = spec.build().to(device)
+    prepared = recipe.prepare(model, device=device, backend=args.backend, bucket_cap_mb=args.bucket_cap_mb)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True if device.type == "cuda" else None)
+    batch = spec.make_batch(args.seed + 1 + rank, device)
+    kw = dict(mark_cudagraph_step=recipe.mode == "reduce-overhead")
+    step = make_step(prepared, spec, opt, batch, device, annotate=False, **kw)
+
+    first_s = bm.time_first_step(step, device)
+    for _ in range(args.warmup):
+        step()
+    per_step, mean_ms = bm.time_steps(step, args.steps, device)
+    out: dict[str, Any] = {**bm.summarize(per_step), "mean_ms": mean_ms, "first_step_s": first_s, "notes": []}
+    out["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    out["dynamo"] = _dynamo_counts() if recipe.compiler != "none" else None
+    out["bucketwise"] = dict(prepared.report.totals) if prepared.report is not None else None
+    out["compile_s"] = out["bucketwise"]["compile_seconds"] if out["bucketwise"] else None
+    if prepared.report is not None and rank == 0:
+        os.makedirs(os.path.join(args.out, "reports"), exist_ok=True)
+        prepared.report.to_json(os.path.join(args.out, "reports", safe_name(config) + ".json"))
+    out["overlap"] = None
+    if device.type == "cuda" and args.profile_steps > 0:
+        annotated = make_step(prepared, spec, opt, batch, device, annotate=True, **kw)
+        try:
+            out["overlap"] = _profile(args, config, annotated, device, rank)
+        except Exception as exc:  # noqa: BLE001 - timings stand without the trace
+            out["notes"].append(f"profiler failed: {type(exc).__name__}: {exc}")
+    return out
+
+
+def _notes(recipe: Recipe, first: dict) -> list[str]:
+    notes = list(first["notes"])
+    bw, dyn = first.get("bucketwise"), first.get("dynamo")
+    if bw:
+        notes += [f"{bw[k]} {label}" for k, label in
+                  (("fallbacks", "segment(s) fell back to eager"), ("graph_breaks", "graph break(s)"),
+                   ("recompiles", "recompile(s)")) if bw.get(k)]
+        notes.append(f"{bw['graphs']} graph(s), {bw['segments']} segment(s)")
+    if dyn and recipe.compiler != "none":
+        if dyn["unique_graphs"] == 0:
+            notes.append("Dynamo compiled no graph (ran eagerly)")
+        elif not bw and dyn["graph_breaks"]:
+            notes.append(f"{dyn['graph_breaks']} graph break(s)")
+    return notes
+
+
+def merge_ranks(config: str, recipe: Recipe, ranks: list[dict], spec: ModelSpec) -> dict:
+    """One result row from every rank's measurements: step times of the slowest rank (largest
+    median), the maximum over ranks of the other figures, overlap of the most exposed rank."""
+    row: dict[str, Any] = {"type": "result", "config": config, "recipe": dataclasses.asdict(recipe)}
+    errors = [(r, d["error"]) for r, d in enumerate(ranks) if "error" in d]
+    if errors:
+        summary = "; ".join(f"rank {r}: {tb.strip().splitlines()[-1]}" for r, tb in errors)
+        return {**row, "status": "error", "error": summary, "traceback": errors[0][1]}
+    slow = max(range(len(ranks)), key=lambda r: ranks[r]["median_ms"])
+    s = ranks[slow]
+    world = len(ranks)
+    row.update(status="ok", timed_steps=s["timed_steps"], **{k: s[k] for k in ("median_ms", "min_ms", "max_ms", "mean_ms")})
+    row["first_step_s"] = max(d["first_step_s"] for d in ranks)
+    row["compile_s"] = max(d["compile_s"] for d in ranks) if s["compile_s"] is not None else None
+    row["peak_mib"] = max(d["peak_mib"] for d in ranks) if s["peak_mib"] is not None else None
+    row["throughput_per_s"] = spec.items_per_batch * world / (s["median_ms"] / 1e3)
+    row["throughput_unit"] = f"{spec.unit}/s (all ranks)"
+    overlaps = [(r, d["overlap"]) for r, d in enumerate(ranks) if d["overlap"]]
+    worst = max(overlaps, key=lambda x: x[1]["exposed_ms_per_step"]) if overlaps else None
+    for key in ("nccl_ms_per_step", "overlapped_ms_per_step", "exposed_ms_per_step"):
+        row[key] = worst[1][key] if worst else None
+    row["overlap"] = {"rank": worst[0], **worst[1]} if worst else None
+    row["per_rank"] = {
+        "slowest_rank": slow,
+        "median_ms": [d["median_ms"] for d in ranks],
+        "first_step_s": [d["first_step_s"] for d in ranks],
+        "exposed_ms_per_step": [d["overlap"]["exposed_ms_per_step"] if d["overlap"] else None for d in ranks],
+    }
+    row["bucketwise"], row["dynamo"] = ranks[0]["bucketwise"], ranks[0]["dynamo"]
+    row["notes"] = _notes(recipe, ranks[0])
+    return row
+
+
+def run_config(args: BenchArgs, config: str, spec: ModelSpec, device: torch.device, rank: int) -> dict:
+    """Measure one config on every rank; every rank returns the same merged row. A failure is
+    caught per rank and becomes an ``error`` row; all ranks still meet at the gather."""
+    recipe = recipe_for(config)
+    if recipe.needs_cuda and device.type != "cuda":
+        return {"type": "result", "config": config, "status": "skipped", "skipped": f"{recipe.needs_cuda}; not run on CPU"}
+    try:
+        local = measure(args, config, recipe, spec, device, rank)
+        local["timed_steps"] = args.steps
+    except Exception:  # noqa: BLE001 - one config failing must not stop the others
+        local = {"error": traceback.format_exc()}
+        print(f"[rank {rank}] {config} failed:\n{local['error']}", file=sys.stderr, flush=True)
+    _fresh_state(device)
+    return merge_ranks(config, recipe, bm.gather(local), spec)
+
+
+def _git_revision() -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (rev + ("-dirty" if dirty else "")) or None
+
+
+def build_meta(args: BenchArgs, spec: ModelSpec, device: torch.device, probe: dict) -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    import bucketwise
+
+    command = os.environ.get(COMMAND_ENV) or shlex.join(getattr(sys, "orig_argv", sys.argv)) + "  # under torchrun"
+    cuda = device.type == "cuda"
+    return {
+        "type": "meta", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command, "device": device.type,
+        "device_name": torch.cuda.get_device_name(device) if cuda else (platform.processor() or "cpu"),
+        "gpu": torch.cuda.get_device_name(device) if cuda else None, "world_size": dist.get_world_size(),
+        "dist_backend": dist.get_backend(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "triton": triton_version, "python": platform.python_version(), "host": socket.gethostname(),
+        "bucketwise": bucketwise.__version__, "git": _git_revision(), "net": args.net,
+        "nccl_env": {k: os.environ.get(k) for k in {**ALWAYS_ENV, **SOCKET_ENV}},
+        "compile_backend": args.backend, "bucket_cap_mb": args.bucket_cap_mb,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "steps": args.steps, "warmup": args.warmup, "profile_steps": args.profile_steps if cuda else 0,
+        "seed": args.seed, "configs": list(args.configs), "model": spec.describe(), "allreduce_probe": probe,
+    }
+
+
+def _progress(i: int, n: int, row: dict) -> str:
+    head = f"[{i}/{n}] {row['config']}"
+    if row["status"] != "ok":
+        return f"{head}: {row['status']}: {row.get('error') or row.get('skipped')}"
+    text = f"{head}: median {row['median_ms']:.2f} ms (min {row['min_ms']:.2f}, max {row['max_ms']:.2f}), " \
+           f"first step {row['first_step_s']:.1f} s"
+    if row.get("compile_s") is not None:
+        text += f", compile {row['compile_s']:.1f} s"
+    if row.get("exposed_ms_per_step") is not None:
+        text += f", exposed comm {row['exposed_ms_per_step']:.2f} ms/step"
+    return text
+
+
+def run_all(args: BenchArgs, device: torch.device) -> None:
+    rank = dist.get_rank()
+    spec = make_spec(args.model, args.sizes)
+    probe = bm.allreduce_probe(spec.describe()["params"], device, args.probe_iters)
+    meta = build_meta(args, spec, device, probe)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        write_jsonl(os.path.join(args.out, "results.jsonl"), meta, [])
+        print(f"{meta['model']['model']}: {meta['model']['params']:,} params, {meta['world_size']} x "
+              f"{meta['device_name']}; allreduce probe {probe['median_ms']:.2f} ms; results -> {args.out}", flush=True)
+    rows: list[dict] = []
+    for i, config in enumerate(args.configs, 1):
+        if rank == 0:
+            print(f"[{i}/{len(args.configs)}] {config} ...", flush=True)
+        rows.append(run_config(args, config, spec, device, rank))
+        if rank == 0:
+            add_floor_ratios(rows)
+            write_jsonl(os.path.join(args.out, "results.jsonl"), meta, rows)
+            write_markdown(os.path.join(args.out, "results.md"), meta, rows)
+            print(_progress(i, len(args.configs), rows[-1]), flush=True)
+        dist.barrier()
+    if rank == 0:
+        from bench_plots import make_plots
+
+        make_plots(args.out, meta, rows, args.timeline_config)
+        print(f"wrote {os.path.join(args.out, 'results.md')}", flush=True)
+
+
+def worker(args: BenchArgs) -> int:
+    os.environ.update(job_env(args.net))  # NCCL reads these at communicator creation
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        timeout=datetime.timedelta(minutes=args.timeout_min),
+        device_id=device if device.type == "cuda" else None,
+    )
+    try:
+        run_all(args, device)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "RANK" not in os.environ:
+        relaunch(parse(argv), argv)  # does not return
+    return worker(parse(rank_argv(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

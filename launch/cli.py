@@ -1,0 +1,194 @@
+"""The ``bucketwise`` command: ``launch``, ``stats`` and ``demo``.
+
+``bucketwise launch [torchrun options] SCRIPT [ARGS...]`` runs a job through
+``torch.distributed.run`` with ``BUCKETWISE_STATS_DIR`` set, then prints the per-bucket compile
+table merged across ranks. ``bucketwise stats PATH`` prints that table for an earlier run.
+``bucketwise demo`` trains a small GPT on 2 ranks, compiled by bucketwise, against eager DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from . import launcher, stats
+from .demo import add_demo_arguments
+
+_DESCRIPTION = """\
+Distributed-aware torch.compile for DistributedDataParallel: launch jobs through torchrun and
+read the per-bucket compile statistics of bucketwise.compile.
+"""
+
+_EPILOG = """\
+examples:
+  bucketwise launch --standalone --nproc-per-node 2 train.py --lr 3e-4
+  bucketwise stats bucketwise-runs/20250101-120000
+  bucketwise stats bucketwise-runs/20250101-120000/rank0.json --json
+  bucketwise demo --backend aot_eager --steps 4
+"""
+
+_LAUNCH_DESCRIPTION = """\
+Run SCRIPT on every rank through torch.distributed.run (torchrun), with every option below
+passed to torchrun unchanged (spell options in full: no abbreviations). Each rank's
+bucketwise.compile results write rank<R>.json into --stats-dir; when the job ends, the
+per-bucket table merged across ranks is printed and ranks whose bucket plans differ from
+rank 0's are named. The exit code is the job's.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bucketwise", description=_DESCRIPTION, epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_launch(sub)
+    _add_stats(sub)
+    _add_demo(sub)
+    return parser
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def _stats_dir_help() -> str:
+    return f"folder for the ranks' rank<R>.json files (default: ./{launcher.DEFAULT_RUNS_DIR}/<YYYYmmdd-HHMMSS>)"
+
+
+def _add_launch(sub) -> None:
+    p = sub.add_parser(
+        "launch", parents=[launcher.launch_parser()], add_help=False, allow_abbrev=False,
+        help="run a script on every rank through torchrun, then print the merged per-bucket table",
+        description=_LAUNCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="bucketwise launch [-h] [torchrun options] [--stats-dir DIR] SCRIPT [ARGS ...]",
+    )
+    p.set_defaults(func=_cmd_launch, parser=p)
+
+
+def _add_stats(sub) -> None:
+    p = sub.add_parser(
+        "stats", help="print the per-bucket table of a run folder (rank*.json) or one rank file",
+        description="Print the per-bucket compile table of a finished run, merged across ranks: per "
+                    "(graph, segment) params, MiB, ops, min/median/max compile seconds over ranks, "
+                    "backend, fallbacks; and which ranks' bucket plans differ from rank 0's.",
+    )
+    p.add_argument("path", metavar="PATH", help="a run folder holding rank<R>.json files, or one rank file")
+    p.add_argument("--json", action="store_true", help="print the merged statistics as JSON instead")
+    p.set_defaults(func=_cmd_stats, parser=p)
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser(
+        "demo", help="train a small GPT on 2 ranks, bucketwise-compiled vs eager DDP",
+        description="Launch N ranks (torchrun --standalone; gloo on CPU, NCCL with one GPU per rank "
+                    "when enough GPUs are visible) that train a small GPT with DDP, compiled by "
+                    "bucketwise, next to an identical eager DDP copy. Prints both losses and the "
+                    "compiled step time per step, fails if the losses differ, and prints rank 0's "
+                    "per-bucket report and alignment.",
+    )
+    add_demo_arguments(p)
+    p.add_argument("--nproc", type=_positive_int, default=2, help="number of ranks (default: 2)")
+    p.add_argument("--stats-dir", metavar="DIR", help=_stats_dir_help())
+    p.set_defaults(func=_cmd_demo, parser=p)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def _cmd_launch(args: argparse.Namespace, raw: list[str]) -> int:
+    if args.training_script is None:
+        args.parser.error("missing SCRIPT: give the training script to run, e.g. "
+                          "`bucketwise launch --standalone --nproc-per-node 2 train.py`")
+    options, script = launcher.split_at_script(args.parser, raw)
+    stats_dir = _prepare_stats_dir(args)
+    print(f"bucketwise: stats folder {stats_dir}", file=sys.stderr, flush=True)
+    code = launcher.run_torchrun(launcher.strip_option(options, "--stats-dir") + script, stats_dir)
+    launcher.summarize(stats_dir)
+    if code != 0:
+        print(f"bucketwise: the job failed with exit code {code}", file=sys.stderr)
+    return code
+
+
+def _cmd_stats(args: argparse.Namespace, raw: list[str]) -> int:
+    warn = lambda msg: print(f"bucketwise stats: warning: {msg}", file=sys.stderr)  # noqa: E731
+    try:
+        reports = stats.load_reports(args.path, warn)
+    except stats.StatsError as e:
+        args.parser.error(f"PATH {e}")
+    if not reports:
+        print(f"bucketwise stats: no readable rank files in {args.path}", file=sys.stderr)
+        return 1
+    merged = stats.merge(reports)
+    if args.json:
+        print(json.dumps(merged, indent=1))
+    elif len(reports) == 1:
+        print(_single_rank_table(reports[0], merged))
+    else:
+        print(stats.format_merged(merged))
+    return 0
+
+
+def _single_rank_table(report: dict, merged: dict) -> str:
+    from ..compiler.report import format_table
+
+    head = f"rank {report['rank']} of {report['world_size']}"
+    try:
+        return f"{head}\n{format_table(report)}"
+    except (KeyError, TypeError):  # an older or partial file: the merged table needs fewer keys
+        return f"{head}\n{stats.format_merged(merged)}"
+
+
+def _cmd_demo(args: argparse.Namespace, raw: list[str]) -> int:
+    _check_backend(args)
+    stats_dir = _prepare_stats_dir(args)
+    worker = ["--backend", args.backend, "--steps", str(args.steps), "--strategy", args.strategy,
+              "--bucket-cap-mb", str(args.bucket_cap_mb)]
+    if args.rtol is not None:
+        worker += ["--rtol", str(args.rtol)]
+    torchrun = ["--standalone", "--nproc-per-node", str(args.nproc), "-m", "bucketwise.launch.demo", *worker]
+    code = launcher.run_torchrun(torchrun, stats_dir)
+    launcher.summarize(stats_dir, table=False)
+    if code != 0:
+        print(f"bucketwise demo: FAILED (exit code {code})", file=sys.stderr)
+    return code
+
+
+def _check_backend(args: argparse.Namespace) -> None:
+    import torch
+
+    known = sorted(torch.compiler.list_backends(exclude_tags=()))
+    if args.backend not in known:
+        args.parser.error(f"--backend {args.backend!r}: unknown; choose one of {', '.join(known)}")
+
+
+def _prepare_stats_dir(args: argparse.Namespace) -> str:
+    try:
+        return launcher.prepare_stats_dir(args.stats_dir or launcher.default_stats_dir())
+    except (ValueError, OSError) as e:
+        args.parser.error(str(e))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # The top-level parser has no options taking values, so argv[0] is the subcommand.
+    raw = argv[argv.index(args.command) + 1:]
+    return args.func(args, raw)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""The ``bucketwise`` command: ``stats`` on synthetic rank files, ``launch`` and ``demo`` through
+torchrun (``--standalone``: torchrun picks a free port, so these run in parallel under xdist)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from bucketwise.compiler.report import GraphStats, Report, SegmentStats, format_table
+from bucketwise.launch import cli, launcher
+
+JOB_TIMEOUT = 300
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _rank_report(rank: int, world: int, plan: list[list[str]], seconds: list[float]) -> dict:
+    """A rank file as ``Report.to_dict()`` writes it: one graph, one segment per plan entry."""
+    report = Report(target="DDP(MLP)", strategy="auto", backend="aot_eager")
+    segments = [
+        SegmentStats(index=i, params=names, bytes=1024 * 1024 * len(names), op_count=3 * len(names),
+                     compile_seconds=s, backend="aot_eager")
+        for i, (names, s) in enumerate(zip(plan, seconds))
+    ]
+    report.graphs.append(GraphStats(graph_id=0, compile_id="0/0", strategy="split", strategy_reason=None,
+                                    graph_break_reasons=[], recompile=False, op_count=10,
+                                    higher_order_ops=[], segments=segments))
+    data = report.to_dict()
+    data.update(rank=rank, world_size=world)
+    return data
+
+
+def _write(path, data) -> None:
+    path.write_text(json.dumps(data))
+
+
+PLAN = [["fc2.weight", "fc2.bias"], ["fc1.weight", "fc1.bias"]]
+ODD_PLAN = [["fc2.weight"], ["fc2.bias", "fc1.weight", "fc1.bias"]]
+
+
+@pytest.fixture
+def run_dir(tmp_path, monkeypatch):
+    """Three ranks; rank 2's bucket plan differs from rank 0's."""
+    monkeypatch.delenv("BUCKETWISE_STATS_DIR", raising=False)
+    d = tmp_path / "run"
+    d.mkdir()
+    _write(d / "rank0.json", _rank_report(0, 3, PLAN, [1.0, 0.5]))
+    _write(d / "rank1.json", _rank_report(1, 3, PLAN, [3.0, 0.25]))
+    _write(d / "rank2.json", _rank_report(2, 3, ODD_PLAN, [2.0, 0.75]))
+    return d
+
+
+def _run_cli(args: list[str], cwd, timeout: float = JOB_TIMEOUT) -> subprocess.CompletedProcess:
+    """``python -m bucketwise.launch.cli ARGS`` in its own session, killed whole on timeout."""
+    env = dict(os.environ, BUCKETWISE_PROGRESS="1")
+    env.pop("BUCKETWISE_STATS_DIR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "bucketwise.launch.cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"bucketwise {' '.join(args)} did not finish in {timeout} s\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+# -- stats ---------------------------------------------------------------------------------
+
+
+def test_stats_merges_ranks_and_flags_differing_plan(run_dir, capsys):
+    assert cli.main(["stats", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "compile s min" in out and "median" in out
+    row0 = next(line.split() for line in out.splitlines() if line.split()[:2] == ["0", "0"])
+    # graph, seg, params, MiB, ops, min, median, max, backend, fallbacks
+    assert row0 == ["0", "0", "2", "2.00", "6", "1.00", "2.00", "3.00", "aot_eager", "-"]
+    assert "ranks 3 of 3" in out
+    assert "bucket plans DIFFER from rank 0 on rank(s) 2" in out
+    assert "rank 2 graph 0 segment 0: only on rank 0: fc2.bias" in out
+    assert "rank 2 graph 0 segment 1: only on rank 2: fc2.bias" in out
+    assert "rank 1 graph" not in out
+
+
+def test_stats_json(run_dir, capsys):
+    assert cli.main(["stats", str(run_dir), "--json"]) == 0
+    merged = json.loads(capsys.readouterr().out)
+    assert merged["ranks"] == [0, 1, 2] and merged["missing_ranks"] == []
+    seg0, seg1 = merged["segments"]
+    assert seg0["compile_seconds"]["min"] == 1.0
+    assert seg0["compile_seconds"]["median"] == 2.0
+    assert seg0["compile_seconds"]["max"] == 3.0
+    assert seg0["compile_seconds"]["per_rank"] == {"0": 1.0, "1": 3.0, "2": 2.0}
+    assert seg1["compile_seconds"]["median"] == 0.5
+    assert {(d["rank"], d["graph_id"], d["segment"]) for d in merged["plan_differences"]} == {(2, 0, 0), (2, 0, 1)}
+
+
+def test_stats_identical_plans_and_missing_rank(run_dir, capsys):
+    (run_dir / "rank2.json").unlink()
+    assert cli.main(["stats", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "bucket plans: identical on all 2 ranks" in out
+    assert "no report from rank(s) 2" in out
+
+
+def test_stats_skips_partial_file(run_dir, capsys):
+    (run_dir / "rank1.json").write_text('{"schema": 1, "rank": 1, "gra')
+    (run_dir / "rank3.json").write_text(json.dumps({"hello": "world"}))
+    assert cli.main(["stats", str(run_dir)]) == 0
+    captured = capsys.readouterr()
+    assert "skipping" in captured.err and "rank1.json" in captured.err and "rank3.json" in captured.err
+    assert "ranks 2 of 3" in captured.out
+
+
+def test_stats_single_rank_file_uses_report_table(run_dir, capsys):
+    path = run_dir / "rank1.json"
+    assert cli.main(["stats", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("rank 1 of 3\n")
+    assert format_table(json.loads(path.read_text())) in out
+
+
+def test_stats_bad_paths(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["stats", str(tmp_path / "nope")])
+    assert e.value.code == 2 and "no such file or folder" in capsys.readouterr().err
+    assert cli.main(["stats", str(tmp_path)]) == 1
+    assert "no readable rank files" in capsys.readouterr().err
+
+
+# -- argument handling ---------------------------------------------------------------------
+
+
+def test_launch_argument_split():
+    parser = launcher.launch_parser()
+    opts, script = launcher.split_at_script(
+        parser, ["--nproc-per-node", "2", "--standalone", "--stats-dir", "s", "--rdzv-conf=a=1", "t.py", "--lr", "1"]
+    )
+    assert opts == ["--nproc-per-node", "2", "--standalone", "--stats-dir", "s", "--rdzv-conf=a=1"]
+    assert script == ["t.py", "--lr", "1"]
+    assert launcher.strip_option(opts, "--stats-dir") == ["--nproc-per-node", "2", "--standalone", "--rdzv-conf=a=1"]
+    assert launcher.strip_option(["--stats-dir=x", "-m"], "--stats-dir") == ["-m"]
+    assert launcher.split_at_script(parser, ["--standalone", "--", "t.py", "--", "x"]) == (
+        ["--standalone", "--"], ["t.py", "--", "x"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["launch"], "missing SCRIPT"),
+    (["launch", "--nproc-per-node", "2", "--standalone"], "missing SCRIPT"),
+    (["frobnicate"], "invalid choice"),
+    ([], "required"),
+    (["demo", "--steps", "0"], "--steps"),
+])
+def test_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_demo_rejects_unknown_backend(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--backend", "no-such-backend"])
+    assert "--backend 'no-such-backend': unknown" in capsys.readouterr().err
+
+
+def test_launch_refuses_used_stats_dir(run_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "--standalone", "--stats-dir", str(run_dir), str(tmp_path / "x.py")])
+    assert "already holds rank*.json" in capsys.readouterr().err
+
+
+def test_help(tmp_path):
+    for args in (["--help"], ["launch", "--help"], ["stats", "--help"], ["demo", "--help"]):
+        result = _run_cli(args, tmp_path, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert "usage: bucketwise" in result.stdout
+    assert "--stats-dir" in _run_cli(["launch", "--help"], tmp_path, timeout=120).stdout
+
+
+# -- launch through torchrun ---------------------------------------------------------------
+
+TRAIN_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import bucketwise
+from bucketwise.launch.models import mlp
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DDP(mlp(width=64, depth=4), bucket_cap_mb=0.01)
+compiled = bucketwise.compile(model, backend="aot_eager")
+opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+for step in range(3):
+    torch.manual_seed(step + 10 * dist.get_rank())
+    compiled(torch.randn(8, 32)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+print("script args", sys.argv[1:], flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_launch_runs_job_and_merges_stats(tmp_path):
+    (tmp_path / "train.py").write_text(TRAIN_SCRIPT)
+    stats_dir = tmp_path / "stats"
+    result = _run_cli(["launch", "--nproc-per-node", "2", "--standalone", "--stats-dir", str(stats_dir),
+                       "train.py", "--stats-dir", "mine"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (stats_dir / "rank0.json").exists() and (stats_dir / "rank1.json").exists()
+    assert "script args ['--stats-dir', 'mine']" in result.stdout  # after SCRIPT: the script's
+    assert "compile s min" in result.stdout
+    assert "ranks 2 of 2" in result.stdout
+    assert "bucket plans: identical on all 2 ranks" in result.stdout
+    merged = json.loads(_run_cli(["stats", str(stats_dir), "--json"], tmp_path, timeout=120).stdout)
+    assert merged["ranks"] == [0, 1] and len(merged["segments"]) > 1
+
+
+def test_launch_propagates_failure(tmp_path):
+    (tmp_path / "fail.py").write_text(textwrap.dedent("""
+        import os, sys
+        if os.environ["RANK"] == "1":
+            sys.exit("rank 1 fails on purpose")
+    """))
+    result = _run_cli(["launch", "--nproc-per-node=2", "--standalone", "--stats-dir", str(tmp_path / "s"),
+                       "fail.py"], tmp_path)
+    assert result.returncode != 0
+    assert "failed with exit code" in result.stderr
+    assert "no rank files" in result.stdout
+
+
+# -- demo ----------------------------------------------------------------------------------
+
+
+def _check_demo(result, steps: int) -> None:
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert sum(line.startswith("step ") and " ok " in line for line in out.splitlines()) == steps
+    assert "rank 0 report:" in out and "compile s" in out
+    assert "alignment" in out
+    assert "compiled losses match eager" in out
+    assert "bucket plans: identical on all 2 ranks" in out
+
+
+def test_demo_aot_eager(tmp_path):
+    result = _run_cli(["demo", "--steps", "2", "--backend", "aot_eager", "--stats-dir", str(tmp_path / "s")],
+                      tmp_path)
+    _check_demo(result, 2)
+    assert (tmp_path / "s" / "rank0.json").exists()
+
+
+@pytest.mark.inductor
+def test_demo_default_backend(tmp_path):
+    result = _run_cli(["demo", "--steps", "2"], tmp_path)
+    _check_demo(result, 2)
+    assert "inductor" in result.stdout
+    assert len(os.listdir(tmp_path / "bucketwise-runs")) == 1
