@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-STRATEGIES = ("auto", "split", "none")
+STRATEGIES = ("auto", "split", "fused", "none")
 FALLBACKS = ("eager", "raise")
 CUDAGRAPHS = (True, False, "auto")
 
@@ -28,7 +28,8 @@ class CompileConfig:
     ``(GraphModule, example_inputs) -> callable``. Each bucket segment is compiled with it."""
 
     strategy: str = "auto"
-    """``"split"``: cut every Dynamo graph at gradient-bucket boundaries; ``"none"``: compile
+    """``"split"``: cut every Dynamo graph at gradient-bucket boundaries; ``"fused"``: compile
+    each graph whole with the bucket allreduces traced into its backward; ``"none"``: compile
     each graph whole; ``"auto"``: ``"split"`` for DDP modules."""
 
     mode: str | None = None
@@ -69,7 +70,7 @@ class CompileConfig:
             )
         if self.strategy not in STRATEGIES:
             raise ValueError(
-                f"unknown strategy {self.strategy!r}; use 'split', 'none' or 'auto'"
+                f"unknown strategy {self.strategy!r}; use 'split', 'fused', 'none' or 'auto'"
             )
         if self.fallback not in FALLBACKS:
             raise ValueError(f"unknown fallback {self.fallback!r}; use 'eager' or 'raise'")

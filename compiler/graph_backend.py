@@ -1,41 +1,72 @@
-"""The backend bucketwise hands to ``torch.compile``: one call per Dynamo graph."""
+"""The backend bucketwise hands to ``torch.compile``: one call per Dynamo graph.
+
+For each graph, in this order: find the DDP parameters it reads, pick the strategy, plan
+buckets, transform and compile (``split``: cut and compile segments; ``fused``: insert bucket
+allreduces and compile whole; ``none``: compile whole), record the stats.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
+from ..distributed import _collectives_compat as cc
 from ..distributed import _ddp_compat
 from ..distributed.ddp_optimizer import plan_for_graph, split_and_compile
-from ..distributed.plan import BucketCaps
+from ..distributed.fused import CommSpec, backward_positions, insert_bucket_syncs
+from ..distributed.plan import BucketCaps, plan_buckets
+from ..distributed.rank_check import check_same_on_all_ranks
 from ..distributed.ready_order import FirstIterationOrder
-from ..partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops
+from ..partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops, ready_order
 from ..partitioners.split import Segment
 from . import _dynamo_compat as dc
 from .config import CompileConfig
 from .progress import Progress
-from .report import GraphStats, Report, SegmentStats
+from .report import BucketStats, GraphStats, Report, SegmentStats
 from .segments import CompileOutcome, compile_with_fallback
 
 log = logging.getLogger(__name__)
 
 
-class GraphBackend:
-    """Plans, splits and compiles every graph Dynamo captures for one compiled object.
+@dataclasses.dataclass
+class _Result:
+    fn: Callable[..., Any]
+    segments: list[Segment]
+    outcomes: list[CompileOutcome]
+    buckets: list[BucketStats]
+    plan_source: str | None = None
 
-    ``ddp`` is the DDP module whose reducer owns the gradients (``None`` for plain modules and
-    functions: graphs are then compiled whole).
+
+class GraphBackend:
+    """Plans, transforms and compiles every graph Dynamo captures for one compiled object.
+
+    ``ddp``: the DDP module whose gradients are at stake (``None`` for plain modules and
+    functions; a function that calls a DDP module is detected at compile time).
+    ``fused_runtime``: present when bucketwise owns the DDP forward and may keep the reducer
+    idle, which the fused strategy needs.
     """
 
-    def __init__(self, config: CompileConfig, report: Report, ddp: Any | None) -> None:
+    def __init__(
+        self,
+        config: CompileConfig,
+        report: Report,
+        ddp: Any | None,
+        *,
+        fused_runtime: Any | None = None,
+        variant: str | None = None,
+    ) -> None:
         self.config = config
         self.report = report
+        self.variant = variant
+        self.fused_runtime = fused_runtime
         self._ddp = weakref.ref(ddp) if ddp is not None else None
         self.segment_backend = dc.make_backend(config.backend, config.mode, config.options, config.dynamic)
-        # Graph id -> param name -> segment index, for the alignment figure.
+        self._fused_backend: Callable[..., Any] | None = None
+        # Graph id -> param name -> segment index (latest compile of each frame): alignment.
         self.param_segments: dict[int, dict[str, int]] = {}
         self._latest_graph_of_frame: dict[Any, int] = {}
 
@@ -48,91 +79,129 @@ class GraphBackend:
         graph_id = len(self.report.graphs)
         cid = dc.current_compile_id()
         progress = Progress(f"graph {graph_id}")
+        ddp = self._resolve_ddp()
+        strategy, why = self._strategy_for(ddp)
+        params = find_graph_params(gm, example_inputs, _ddp_compat.reducer_parameters(ddp)) if ddp is not None else []
+        op_count, hops = _op_count(gm), higher_order_ops(gm)
+        break_reason = dc.graph_break_reason(gm)
+
+        handler = {"split": self._split, "fused": self._fused, "none": self._whole}[strategy]
+        result = handler(gm, example_inputs, ddp, params, progress)
+
+        self._record(graph_id, cid, strategy, why, params, result, op_count, hops, break_reason)
+        if ddp is not None and params and strategy != "fused":
+            return FirstIterationOrder(result.fn, ddp, _forward_positions(gm, params))
+        return result.fn
+
+    # -- strategy choice -------------------------------------------------------------------
+
+    def _resolve_ddp(self) -> Any | None:
         ddp = self.ddp
         if ddp is None and dc.active_ddp_module() is not None:
             # A compiled function calling a DDP module: that module's reducer owns the grads.
             ddp = dc.active_ddp_module()
             self._ddp = weakref.ref(ddp)
-        strategy, why = self._strategy_for(ddp)
-
-        if strategy == "split":
-            caps = BucketCaps.from_ddp(
-                ddp, bucket_cap_mb=self.config.bucket_cap_mb, first_bucket_cap_mb=self.config.first_bucket_cap_mb
-            )
-            params = find_graph_params(gm, example_inputs, _ddp_compat.reducer_parameters(ddp))
-            buckets, plan_source = plan_for_graph(ddp, params, caps)
-            result = split_and_compile(
-                gm,
-                example_inputs,
-                params,
-                buckets,
-                self._compile_whole,
-                self.segment_backend,
-                backend_name=self.config.backend_name,
-                fallback=self.config.fallback,
-                progress=progress,
-            )
-            compiled, segments, outcomes = result.compiled, result.segments, result.outcomes
-            unused = sorted(p.name for p in params if p.first_use < 0)
-        else:
-            plan_source = None
-            with progress.step("whole graph", self.config.backend_name):
-                compiled, outcome = self._compile_whole(gm, example_inputs)
-            params = (
-                find_graph_params(gm, example_inputs, _ddp_compat.reducer_parameters(ddp)) if ddp is not None else []
-            )
-            segments = [Segment(index=0, submodule="", params=[p for p in params if p.first_use >= 0])]
-            segments[0].op_count = sum(1 for n in gm.graph.nodes if n.op.startswith("call_"))
-            outcomes = [outcome]
-            unused = sorted(p.name for p in params if p.first_use < 0)
-
-        self._record(graph_id, cid, gm, strategy, why, segments, outcomes, unused, plan_source)
-        if ddp is not None and params:
-            compiled = FirstIterationOrder(compiled, ddp, _forward_positions(gm, params))
-        return compiled
+        return ddp
 
     def _strategy_for(self, ddp: Any | None) -> tuple[str, str | None]:
         requested = self.config.strategy
         if requested == "none":
-            return "none", None
+            return "none", ("no_sync(): no gradient communication" if self.variant == "no_sync" else None)
         if ddp is None:
             return "none", "no DDP module: nothing to align with"
         if _ddp_compat.uses_python_reducer(ddp):
             return "none", "DDP's python reducer (compiled autograd) does its own bucketing"
-        return "split", None
+        if requested == "split":
+            return "split", None
+        # "fused" or "auto"
+        if self.fused_runtime is None:
+            return "split", "fused needs bucketwise to run the DDP forward: compile the DDP module itself"
+        kind, hook = _ddp_compat.comm_hook_kind(ddp)
+        if kind == "unsupported":
+            return "split", f"comm hook {hook} cannot be reproduced in the graph; DDP's reducer runs it"
+        return "fused", None
 
-    def _compile_whole(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable[..., Any], CompileOutcome]:
-        return compile_with_fallback(
+    # -- strategies ------------------------------------------------------------------------
+
+    def _caps(self, ddp: Any) -> BucketCaps:
+        return BucketCaps.from_ddp(
+            ddp, bucket_cap_mb=self.config.bucket_cap_mb, first_bucket_cap_mb=self.config.first_bucket_cap_mb
+        )
+
+    def _split(self, gm, example_inputs, ddp, params, progress) -> _Result:
+        buckets, source = plan_for_graph(ddp, params, self._caps(ddp))
+        result = split_and_compile(
             gm,
             example_inputs,
+            params,
+            buckets,
+            self._compile_whole,
             self.segment_backend,
             backend_name=self.config.backend_name,
             fallback=self.config.fallback,
+            progress=progress,
+        )
+        seg_of = {p.name: seg.index for seg in result.segments for p in seg.params}
+        stats = [_bucket_stats(i, b, None, None, seg_of) for i, b in enumerate(buckets)]
+        return _Result(result.compiled, result.segments, result.outcomes, stats, source)
+
+    def _fused(self, gm, example_inputs, ddp, params, progress) -> _Result:
+        buckets = plan_buckets(ready_order(params), self._caps(ddp))
+        spec = _comm_spec(ddp)
+        check_same_on_all_ranks(
+            _layout_signature(buckets, spec), _ddp_compat.process_group(ddp), what="fused bucket layout"
+        )
+        positions = backward_positions(gm, buckets)
+        insert_bucket_syncs(gm, buckets, spec)
+        with progress.step("whole graph + %d bucket allreduces" % len(buckets), self.config.backend_name):
+            compiled, outcome = compile_with_fallback(
+                gm,
+                example_inputs,
+                self._fused_compiler(),
+                backend_name=self.config.backend_name,
+                fallback=self.config.fallback,
+            )
+        self.fused_runtime.graphs_compiled((id(p.tensor) for b in buckets for p in b), spec)
+        used = [p for p in params if p.first_use >= 0]
+        segment = Segment(index=0, submodule="", params=used, op_count=_op_count(gm))
+        stats = [
+            _bucket_stats(i, b, pos, spec.describe(), {p.name: 0 for p in used})
+            for i, (b, pos) in enumerate(zip(buckets, positions))
+        ]
+        return _Result(compiled, [segment], [outcome], stats, "predicted")
+
+    def _whole(self, gm, example_inputs, ddp, params, progress) -> _Result:
+        with progress.step("whole graph", self.config.backend_name):
+            compiled, outcome = self._compile_whole(gm, example_inputs)
+        used = [p for p in params if p.first_use >= 0]
+        segment = Segment(index=0, submodule="", params=used, op_count=_op_count(gm))
+        return _Result(compiled, [segment], [outcome], [])
+
+    def _compile_whole(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Callable[..., Any], CompileOutcome]:
+        return compile_with_fallback(
+            gm, example_inputs, self.segment_backend, backend_name=self.config.backend_name, fallback=self.config.fallback
         )
 
-    def _record(
-        self,
-        graph_id: int,
-        cid: dc.CompileId,
-        gm: fx.GraphModule,
-        strategy: str,
-        why: str | None,
-        segments: list[Segment],
-        outcomes: list[CompileOutcome],
-        unused: list[str],
-        plan_source: str | None,
-    ) -> None:
-        reason = dc.graph_break_reason(gm)
-        new_breaks = [reason] if reason else []
-        recompile = bool(cid.frame_compile_id)
-        frame_key = (cid.frame_id,)
+    def _fused_compiler(self) -> Callable[..., Any]:
+        """The backend, with Inductor's comm/compute reordering on (scoped to its compiles)."""
+        if self._fused_backend is None:
+            if self.config.backend == "inductor":
+                options = {**cc.comm_overlap_options(), **(self.config.options or {})}
+                self._fused_backend = dc.make_backend("inductor", self.config.mode, options, self.config.dynamic)
+            else:
+                self._fused_backend = self.segment_backend
+        return self._fused_backend
+
+    # -- stats -----------------------------------------------------------------------------
+
+    def _record(self, graph_id, cid, strategy, why, params, result: _Result, op_count, hops, break_reason) -> None:
         if cid.frame_id is not None:
-            previous = self._latest_graph_of_frame.get(frame_key)
+            previous = self._latest_graph_of_frame.get(cid.frame_id)
             if previous is not None:
                 self.param_segments.pop(previous, None)
-            self._latest_graph_of_frame[frame_key] = graph_id
-        self.param_segments[graph_id] = {p.name: seg.index for seg in segments for p in seg.params}
-        stats = [
+            self._latest_graph_of_frame[cid.frame_id] = graph_id
+        self.param_segments[graph_id] = {p.name: seg.index for seg in result.segments for p in seg.params}
+        segments = [
             SegmentStats(
                 index=seg.index,
                 params=[p.name for p in seg.params],
@@ -144,7 +213,7 @@ class GraphBackend:
                 reason=out.reason,
                 phases=out.phases,
             )
-            for seg, out in zip(segments, outcomes)
+            for seg, out in zip(result.segments, result.outcomes)
         ]
         self.report.add_graph(
             GraphStats(
@@ -152,15 +221,54 @@ class GraphBackend:
                 compile_id=str(cid),
                 strategy=strategy,
                 strategy_reason=why,
-                graph_break_reasons=new_breaks,
-                recompile=recompile,
-                op_count=sum(1 for n in gm.graph.nodes if n.op.startswith("call_")),
-                higher_order_ops=higher_order_ops(gm),
-                segments=stats,
-                unused_params=unused,
-                plan_source=plan_source,
+                graph_break_reasons=[break_reason] if break_reason else [],
+                recompile=bool(cid.frame_compile_id),
+                op_count=op_count,
+                higher_order_ops=hops,
+                segments=segments,
+                buckets=result.buckets,
+                unused_params=sorted(p.name for p in params if p.first_use < 0),
+                plan_source=result.plan_source,
             )
         )
+
+
+def _op_count(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op.startswith("call_"))
+
+
+def _bucket_stats(index, bucket, issued_at, comm_dtype, seg_of) -> BucketStats:
+    segs = sorted({seg_of[p.name] for p in bucket if p.name in seg_of})
+    return BucketStats(
+        index=index,
+        params=[p.name for p in bucket],
+        bytes=sum(p.nbytes for p in bucket),
+        segment=segs[0] if len(segs) == 1 else None,
+        issued_at=issued_at,
+        comm_dtype=comm_dtype,
+    )
+
+
+def _comm_spec(ddp: Any) -> CommSpec:
+    pg = _ddp_compat.process_group(ddp)
+    kind, _ = _ddp_compat.comm_hook_kind(ddp)
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(kind)
+    import torch
+
+    return CommSpec(
+        group=cc.group_name(pg),
+        world_size=cc.world_size(pg),
+        comm_dtype=getattr(torch, dtype) if dtype else None,
+        divide_first=kind != "reducer",
+    )
+
+
+def _layout_signature(buckets: Sequence[Sequence[GraphParam]], spec: CommSpec) -> list[str]:
+    return [
+        f"bucket {i}: {len(b)} params, {sum(p.tensor.numel() for p in b)} elements, "
+        f"{b[0].dtype}, {spec.describe()}, [{b[0].name} .. {b[-1].name}]"
+        for i, b in enumerate(buckets)
+    ]
 
 
 def _forward_positions(gm: fx.GraphModule, params: Sequence[GraphParam]) -> list[int]:

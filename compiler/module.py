@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Callable
@@ -11,6 +12,8 @@ import torch.nn as nn
 
 from ..distributed import _ddp_compat
 from ..distributed.alignment import measure_alignment
+from ..distributed.fused_runtime import FusedRuntime
+from ..distributed.rank_check import prepare_rank_checks
 from . import _dynamo_compat as dc
 from .config import CompileConfig
 from .graph_backend import GraphBackend
@@ -56,19 +59,39 @@ class CompiledModule(nn.Module):
         inner = mod.module if ddp is not None else mod
         report = Report(target=type(inner).__name__ if ddp is None else f"DDP({type(inner).__name__})",
                         strategy=config.strategy, backend=config.backend_name)
-        backend = GraphBackend(config, report, ddp)
-        if ddp is not None:
-            report.set_alignment_source(lambda: measure_alignment(ddp, backend.param_segments))
+        runtime = FusedRuntime(ddp) if ddp is not None and config.strategy == "fused" else None
+        backend = GraphBackend(config, report, ddp, fused_runtime=runtime)
+        forward = _inner_forward(inner)
         # Plain attributes, not submodules: keep them out of parameters()/state_dict().
         self.__dict__["_bucketwise_report"] = report
         self.__dict__["_bucketwise_ddp"] = ddp
-        self.__dict__["_bucketwise_call"] = _torch_compile(_inner_forward(inner), backend, config)
-        self.__dict__["_alignment_pending"] = ddp is not None
+        self.__dict__["_bucketwise_runtime"] = runtime
+        self.__dict__["_bucketwise_call"] = _torch_compile(forward, backend, config)
+        self.__dict__["_alignment_pending"] = ddp is not None and runtime is None
+        if runtime is not None:
+            # no_sync() steps and evaluation run a second compiled variant without collectives;
+            # Dynamo keeps one cache entry per backend, so switching costs no recompile.
+            nosync = GraphBackend(dataclasses.replace(config, strategy="none"), report, ddp, variant="no_sync")
+            self.__dict__["_bucketwise_call_nosync"] = _torch_compile(forward, nosync, config)
+            prepare_rank_checks(_ddp_compat.process_group(ddp))
+            report.set_alignment_source(
+                lambda: {"alignment": None, "status": "fused: DDP's reducer is idle, the compiled backward reduces"}
+            )
+        elif ddp is not None:
+            report.set_alignment_source(lambda: measure_alignment(ddp, backend.param_segments))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         ddp = self._bucketwise_ddp
         if ddp is None:
             return self._bucketwise_call(*args, **kwargs)
+        runtime = self._bucketwise_runtime
+        if runtime is not None:
+            sync = _ddp_compat.grad_sync_requested(ddp) and torch.is_grad_enabled()
+            runtime.before_forward(sync)
+            call = self._bucketwise_call if sync else self._bucketwise_call_nosync
+            out = _ddp_compat.run_forward_with_idle_reducer(ddp, args, kwargs, call)
+            runtime.after_forward(out, sync)
+            return out
         args, kwargs = _ddp_compat.pre_forward(ddp, args, kwargs)
         if self._alignment_pending and _ddp_compat.has_rebuilt_buckets(ddp):
             self._refresh_alignment()

@@ -39,6 +39,25 @@ class SegmentStats:
 
 
 @dataclasses.dataclass
+class BucketStats:
+    """One planned gradient bucket of a graph."""
+
+    index: int
+    """Gradient-ready order: bucket 0 is reduced first in the backward."""
+    params: list[str]
+    bytes: int
+    segment: int | None
+    """Segment holding every parameter of the bucket (``split``), ``None`` if none does."""
+    issued_at: float | None = None
+    """``fused``: where in the backward its allreduce is issued (fraction of backward nodes)."""
+    comm_dtype: str | None = None
+    """``fused``: dtype on the wire (``bfloat16`` with ``bf16_compress_hook``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
 class GraphStats:
     """One graph Dynamo handed to bucketwise."""
 
@@ -56,6 +75,7 @@ class GraphStats:
     op_count: int
     higher_order_ops: list[str]
     segments: list[SegmentStats]
+    buckets: list[BucketStats] = dataclasses.field(default_factory=list)
     unused_params: list[str] = dataclasses.field(default_factory=list)
     plan_source: str | None = None
     """Where the bucket plan came from: ``"predicted"`` (DDP's routine over the predicted
@@ -68,6 +88,7 @@ class GraphStats:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["segments"] = [s.to_dict() for s in self.segments]
+        d["buckets"] = [b.to_dict() for b in self.buckets]
         d["compile_seconds"] = self.compile_seconds
         return d
 

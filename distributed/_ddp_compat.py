@@ -190,3 +190,50 @@ def fixed_buckets(ddp: DDP) -> list[list[int]] | None:
         buckets, source = reducer_buckets(ddp)
         return buckets if source == "rebuilt" else None
     return None
+
+
+# --- keeping the reducer idle (fused strategy) --------------------------------------------
+
+
+def grad_sync_requested(ddp: DDP) -> bool:
+    """False inside ``ddp.no_sync()``."""
+    return bool(ddp.require_backward_grad_sync)
+
+
+def run_forward_with_idle_reducer(ddp: DDP, args: tuple, kwargs: dict, call: Any) -> Any:
+    """DDP's forward with the reducer kept out of the backward.
+
+    ``require_backward_grad_sync=False`` (what ``no_sync()`` sets) makes ``_pre_forward`` and
+    ``_post_forward`` skip ``prepare_for_forward``/``prepare_for_backward``, so the reducer's
+    autograd hooks do nothing. Everything else stays DDP's: buffer broadcast (restored from the
+    user's own sync flag, as ``_post_forward`` would set it), input moves, mixed-precision
+    casts. Static-graph DDP's first-iteration delayed allreduce is marked done: the reducer
+    must not reduce the gradients the compiled backward already reduced.
+    """
+    user_sync = ddp.require_backward_grad_sync
+    if static_graph(ddp):
+        ddp._static_graph_delay_allreduce_enqueued = True
+    ddp.require_backward_grad_sync = False
+    try:
+        args, kwargs = ddp._pre_forward(*args, **kwargs)
+        out = ddp._post_forward(call(*args, **kwargs))
+    finally:
+        ddp.require_backward_grad_sync = user_sync
+    ddp.require_forward_param_sync = bool(torch.is_grad_enabled() and user_sync)
+    return out
+
+
+def comm_hook_kind(ddp: DDP) -> tuple[str, str | None]:
+    """What DDP would do per bucket: ``("reducer", None)`` without a hook, ``("allreduce"|
+    "bf16"|"fp16", None)`` for torch's default hooks, or ``("unsupported", name)``."""
+    hooks = getattr(ddp, "_comm_hooks", None) or []
+    if not hooks:
+        return "reducer", None
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+
+    hook, _state = hooks[-1]
+    known = {dh.allreduce_hook: "allreduce", dh.bf16_compress_hook: "bf16", dh.fp16_compress_hook: "fp16"}
+    kind = known.get(hook)
+    if kind is None:
+        return "unsupported", getattr(hook, "__qualname__", repr(hook))
+    return kind, None

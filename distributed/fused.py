@@ -1,0 +1,135 @@
+"""The fused strategy: gradient allreduces traced into the compiled backward.
+
+NOTE [fused strategy]: the split strategy has to cut graphs where buckets end, so bucket size
+and graph breaks are coupled (smaller buckets: more overlap, more cuts, less fusion). Here every
+Dynamo graph stays whole. For each bucket the pass inserts one ``BucketSync`` call right before
+the bucket's earliest parameter use; its forward hands out views of the parameters, which replace
+every use of them in the graph. Autograd runs its backward once every gradient of the bucket is
+complete, i.e. right after the bucket's last gradient is computed; it flattens the gradients,
+reduces them with a functional all-reduce on the DDP module's process group and hands the
+averaged gradients back. AOTAutograd traces that backward into the compiled backward graph, so
+the collective is part of what Inductor compiles and schedules (its comm-reordering passes keep
+the collective early and its wait late, see ``comm_overlap_options``). DDP's reducer is kept idle
+(``fused_runtime``): nothing is reduced twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from . import _collectives_compat as cc
+from ..partitioners.param_usage import GraphParam
+
+log = logging.getLogger(__name__)
+
+BUCKET_META_KEY = "bucketwise.bucket"
+
+
+@dataclasses.dataclass(frozen=True)
+class CommSpec:
+    """How one bucket is reduced, mirroring DDP's reducer or its registered comm hook."""
+
+    group: str
+    """Functional-collectives process group name."""
+    world_size: int
+    comm_dtype: torch.dtype | None = None
+    """Compress to this dtype for the wire (``bf16_compress_hook``/``fp16_compress_hook``)."""
+    divide_first: bool = False
+    """``True``: divide by the world size (as the Python hooks do); ``False``: multiply by its
+    reciprocal (as the C++ reducer does), so results match eager DDP bit for bit where they can."""
+
+    def describe(self) -> str:
+        return str(self.comm_dtype).removeprefix("torch.") if self.comm_dtype else "same as grads"
+
+
+class BucketSync(torch.autograd.Function):
+    """Identity in the forward; all-reduces the bucket's gradients in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: CommSpec, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.spec = spec
+        ctx.shapes = [(p.shape, p.dtype, p.device) for p in params]
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        spec: CommSpec = ctx.spec
+        full = [
+            g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (shape, dtype, device) in zip(grads, ctx.shapes)
+        ]
+        flat = torch.cat([g.reshape(-1) for g in full])
+        wire = flat.to(spec.comm_dtype) if spec.comm_dtype is not None else flat
+        wire = wire / spec.world_size if spec.divide_first else wire * (1.0 / spec.world_size)
+        reduced = cc.all_reduce_sum(wire, spec.group)
+        if spec.comm_dtype is not None:
+            reduced = reduced.to(flat.dtype)
+        out: list[torch.Tensor] = []
+        offset = 0
+        for g in full:
+            out.append(reduced[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return (None, *out)
+
+
+def insert_bucket_syncs(
+    gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]], spec: CommSpec
+) -> fx.GraphModule:
+    """Graph pass: one ``BucketSync`` per bucket, placed before the bucket's earliest use.
+
+    Returns ``gm`` rewritten in place; every use of a bucket parameter reads the synced view.
+    """
+    log.debug("graph before bucket syncs:\n%s", _Lazy(gm))
+    nodes = list(gm.graph.nodes)
+    for index, bucket in enumerate(buckets):
+        params = [p for p in bucket if p.first_use >= 0]
+        if not params:
+            continue
+        first_user = nodes[min(p.first_use for p in params)]
+        with gm.graph.inserting_before(first_user):
+            sync = gm.graph.call_function(BucketSync.apply, (spec, *[p.node for p in params]))
+            sync.meta[BUCKET_META_KEY] = index
+            views = []
+            for i, p in enumerate(params):
+                view = gm.graph.call_function(operator.getitem, (sync, i))
+                view.meta.update(p.node.meta)
+                view.meta[BUCKET_META_KEY] = index
+                views.append(view)
+            if all("example_value" in p.node.meta for p in params):
+                sync.meta["example_value"] = tuple(p.node.meta["example_value"] for p in params)
+        for p, view in zip(params, views):
+            p.node.replace_all_uses_with(view, delete_user_cb=lambda user: user is not sync)
+    gm.graph.lint()
+    gm.recompile()
+    log.debug("graph after bucket syncs:\n%s", _Lazy(gm))
+    return gm
+
+
+def backward_positions(gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]]) -> list[float]:
+    """Where each bucket's allreduce is issued, as a fraction of the backward (0 = start).
+
+    The backward visits forward nodes in reverse, so a bucket whose earliest use sits at
+    forward position ``f`` of ``n`` nodes is issued after ``(n - f) / n`` of the backward.
+    """
+    n = max(1, sum(1 for node in gm.graph.nodes if node.op not in ("placeholder", "output")))
+    offset = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
+    out = []
+    for bucket in buckets:
+        used = [p.first_use for p in bucket if p.first_use >= 0]
+        first = (min(used) - offset) if used else 0
+        out.append(round(min(1.0, max(0.0, (n - first) / n)), 4))
+    return out
+
+
+class _Lazy:
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+
+    def __str__(self) -> str:
+        return str(self.gm.graph)

@@ -1,0 +1,182 @@
+"""Run-time side of the fused strategy: what the compiled graphs do not reduce themselves.
+
+NOTE [fused strategy runtime]: with the reducer idle (``run_forward_with_idle_reducer``), three
+kinds of gradient still need DDP's treatment, each reduced exactly once:
+
+1. gradients accumulated under ``no_sync()``: the compiled graphs reduce only the gradient of
+   the step they run in, so on the first synced step after accumulation the accumulated part of
+   every parameter a graph syncs is averaged before its backward (avg(acc) + avg(new) ==
+   avg(acc + new), which is what eager DDP reduces);
+2. parameters no compiled graph syncs (used only in eager code between graph breaks, or in a
+   ``torch.compiler.disable``d submodule): a post-accumulate-grad hook collects them and one
+   callback at the end of the backward averages them;
+3. parameters a graph syncs but eager code also uses: their gradient reaches the accumulator
+   from two autograd nodes; the eager node's contribution is averaged by a hook on that node,
+   found by walking the autograd graph after the forward (done while such parameters exist,
+   and once after every new compile to look for them).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from . import _ddp_compat
+
+log = logging.getLogger(__name__)
+
+
+def _average_(tensors: list[torch.Tensor], pg: Any, comm_dtype: torch.dtype | None = None, divide_first: bool = False) -> None:
+    """Average in place across ranks the way DDP would for this module: the reducer's
+    ``grad * (1/world)`` then sum, or a compress hook's ``grad.to(dtype) / world`` then sum."""
+    if not tensors:
+        return
+    world = dist.get_world_size(pg)
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in group])
+        wire = flat.to(comm_dtype) if comm_dtype is not None else flat
+        wire = wire / world if divide_first else wire * (1.0 / world)
+        dist.all_reduce(wire, group=pg)
+        offset = 0
+        for t in group:
+            t.copy_(wire[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+class FusedRuntime:
+    """Per compiled DDP module: keeps DDP's semantics for what the graphs leave out."""
+
+    def __init__(self, ddp: Any) -> None:
+        self._ddp = weakref.ref(ddp)
+        self.params = [p for _, p in _ddp_compat.reducer_parameters(ddp)]
+        self.covered: set[int] = set()
+        """ids of parameters that some compiled graph reduces in its backward."""
+        self.mixed: set[int] = set()
+        """ids of covered parameters that eager code also uses."""
+        self.accumulated = False
+        self.spec: Any = None
+        """The CommSpec the graphs use; eager reductions follow it too."""
+        self._check_autograd_graph = True
+        self._in_synced_backward = False
+        self._eager_ready: list[torch.Tensor] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+
+    @property
+    def ddp(self) -> Any:
+        return self._ddp()
+
+    def graphs_compiled(self, param_ids: Iterable[int], spec: Any) -> None:
+        """A new graph syncs these parameters in its backward, as ``spec`` says."""
+        self.covered.update(param_ids)
+        self.spec = spec
+        self._check_autograd_graph = True
+
+    # -- around each forward ---------------------------------------------------------------
+
+    def before_forward(self, sync: bool) -> None:
+        self._in_synced_backward = sync and torch.is_grad_enabled()
+        if not torch.is_grad_enabled():
+            return
+        if not sync:
+            self.accumulated = True
+
+    def after_forward(self, output: Any, sync: bool) -> None:
+        if not (sync and torch.is_grad_enabled()):
+            return
+        if self.accumulated:
+            # (1) average what no_sync() steps accumulated, for the parameters graphs sync.
+            # After the forward: graphs compiled by this very forward count too, and the
+            # accumulated gradients are untouched until the backward starts.
+            grads = [p.grad for p in self.params if id(p) in self.covered and p.grad is not None]
+            self._average(grads)
+            self.accumulated = False
+        if self._check_autograd_graph or self.mixed:
+            self._hook_eager_uses(output)
+            self._check_autograd_graph = False
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # -- (2) parameters no graph reduces ---------------------------------------------------
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._in_synced_backward or id(param) in self.covered:
+            return
+        if not self._eager_ready:
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush_eager)
+        self._eager_ready.append(param)
+
+    def _flush_eager(self) -> None:
+        params, self._eager_ready = self._eager_ready, []
+        self._in_synced_backward = False
+        self._average([p.grad for p in params if p.grad is not None])
+
+    # -- (3) parameters used both in a graph and eagerly ----------------------------------
+
+    def _hook_eager_uses(self, output: Any) -> None:
+        """Find autograd nodes outside compiled graphs that feed a covered parameter's
+        accumulator, and average their contribution to it in the backward."""
+        roots = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        seen: set[Any] = set()
+        stack = list(roots)
+        found: set[int] = set()
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            eager_slots = []
+            for slot, (nxt, _) in enumerate(node.next_functions):
+                if nxt is None:
+                    continue
+                var = getattr(nxt, "variable", None)
+                if var is not None:
+                    if id(var) in self.covered and not _is_compiled_node(node):
+                        eager_slots.append(slot)
+                        found.add(id(var))
+                else:
+                    stack.append(nxt)
+            if eager_slots:
+                node.register_hook(self._averaging_hook(eager_slots))
+        if found - self.mixed:
+            log.info("bucketwise fused: %d parameter(s) are also used outside compiled graphs", len(found - self.mixed))
+        self.mixed = found
+
+    def _average(self, tensors: list[torch.Tensor]) -> None:
+        spec = self.spec
+        _average_(
+            tensors,
+            _ddp_compat.process_group(self.ddp),
+            spec.comm_dtype if spec is not None else None,
+            spec.divide_first if spec is not None else False,
+        )
+
+    def _averaging_hook(self, slots: list[int]):
+        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+            out = list(grad_inputs)
+            for slot in slots:
+                if out[slot] is not None:
+                    g = out[slot].clone()
+                    self._average([g])
+                    out[slot] = g
+            return tuple(out)
+
+        return hook
+
+
+def _is_compiled_node(node: Any) -> bool:
+    return "CompiledFunction" in type(node).__name__
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    leaves, _ = torch.utils._pytree.tree_flatten(obj)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -1,0 +1,63 @@
+"""Fail on every rank, with the difference named, instead of hanging in a collective."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import weakref
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+TIMEOUT_ENV = "BUCKETWISE_RANK_CHECK_TIMEOUT"
+_DEFAULT_TIMEOUT_S = 120.0
+
+# One gloo side group per job process group, created on first use (all ranks create it at the
+# same point: when bucketwise.compile() runs, see ``prepare_rank_checks``).
+_side_groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks disagree on something that must be identical everywhere."""
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, _DEFAULT_TIMEOUT_S)))
+
+
+def prepare_rank_checks(pg: Any) -> None:
+    """Create the gloo side group used for checks (a collective: call on every rank)."""
+    if pg in _side_groups or dist.get_world_size(pg) == 1:
+        return
+    ranks = dist.get_process_group_ranks(pg)
+    _side_groups[pg] = dist.new_group(ranks=ranks, backend="gloo", timeout=_timeout())
+
+
+def check_same_on_all_ranks(signature: Sequence[str], pg: Any, *, what: str) -> None:
+    """All-gather ``signature`` (one line per item) over a gloo side group with a timeout and
+    raise :class:`RankMismatchError` on every rank if any rank differs, naming the first
+    differing item. A rank that never joins (it compiled a graph the others did not) makes the
+    waiting ranks raise after ``$BUCKETWISE_RANK_CHECK_TIMEOUT`` seconds."""
+    if dist.get_world_size(pg) == 1:
+        return
+    side = _side_groups.get(pg)
+    if side is None:
+        raise AssertionError("expected prepare_rank_checks() to run at compile() time")
+    gathered: list[Any] = [None] * dist.get_world_size(pg)
+    me = dist.get_rank(pg)
+    try:
+        dist.all_gather_object(gathered, list(signature), group=side)
+    except RuntimeError as exc:
+        raise RankMismatchError(
+            f"rank {me}: other ranks did not join the {what} check within {_timeout().total_seconds():.0f} s "
+            f"(did this rank compile a graph the others did not, e.g. a recompile on one rank only?): {exc}"
+        ) from exc
+    reference = gathered[0]
+    for rank, theirs in enumerate(gathered):
+        if theirs == reference:
+            continue
+        for i in range(max(len(theirs), len(reference))):
+            a = reference[i] if i < len(reference) else "<missing>"
+            b = theirs[i] if i < len(theirs) else "<missing>"
+            if a != b:
+                raise RankMismatchError(f"{what} differs between ranks: rank 0 has {a!r}, rank {rank} has {b!r}")
