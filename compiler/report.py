@@ -189,11 +189,18 @@ def _atomic_write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=False)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; a report is for everyone
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def format_table(data: dict[str, Any]) -> str:
