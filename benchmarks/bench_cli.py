@@ -27,6 +27,10 @@ command line for an abbreviation of its ``--nproc-per-node`` and refuse it."""
 ALWAYS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # --net socket: NCCL over TCP sockets on loopback (emulates multi-node Ethernet).
 SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
+# --compile-cache off: no FX-graph / AOTAutograd cache hits between configs (comparable compile
+# times whatever the config order); Triton's kernel binary cache still applies.
+NO_CACHE_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+COMPILE_CACHES = ("off", "on")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +52,7 @@ class BenchArgs:
     seed: int
     keep_traces: bool
     timeout_min: float
+    compile_cache: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("nproc", "steps", "probe_iters"):
@@ -60,6 +65,8 @@ class BenchArgs:
             raise ValueError(f"unknown --net {self.net!r}; use one of {', '.join(NETS)}")
         if self.device not in DEVICES:
             raise ValueError(f"unknown --device {self.device!r}; use one of {', '.join(DEVICES)}")
+        if self.compile_cache not in COMPILE_CACHES:
+            raise ValueError(f"unknown --compile-cache {self.compile_cache!r}; use one of {', '.join(COMPILE_CACHES)}")
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
         if self.timeout_min <= 0:
@@ -101,6 +108,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline-config", default=None, help="config of timeline.png (default: first bw config)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-traces", action="store_true", help="keep the raw profiler traces under OUT/traces")
+    p.add_argument("--compile-cache", default="off",
+                   help="off (default): no Inductor FX-graph/AOTAutograd cache hits across configs; on: torch's default")
     p.add_argument("--timeout-min", type=float, default=15.0, help="process-group timeout in minutes")
     return p
 
@@ -126,7 +135,7 @@ def parse(argv: list[str]) -> BenchArgs:
             out=os.path.abspath(out), backend=ns.backend, bucket_cap_mb=ns.bucket_cap_mb, net=ns.net,
             device=device, sizes={f: getattr(ns, f) for f in bench_models.SIZE_FLAGS},
             profile_steps=ns.profile_steps, probe_iters=ns.probe_iters, timeline_config=ns.timeline_config,
-            seed=ns.seed, keep_traces=ns.keep_traces, timeout_min=ns.timeout_min,
+            seed=ns.seed, keep_traces=ns.keep_traces, timeout_min=ns.timeout_min, compile_cache=ns.compile_cache,
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -141,10 +150,12 @@ def _default_nproc(device: str) -> int:
     return 2
 
 
-def job_env(net: str) -> dict[str, str]:
+def job_env(args: BenchArgs) -> dict[str, str]:
     env = dict(ALWAYS_ENV)
-    if net == "socket":
+    if args.net == "socket":
         env.update(SOCKET_ENV)
+    if args.compile_cache == "off":
+        env.update(NO_CACHE_ENV)
     return env
 
 
@@ -176,7 +187,7 @@ def relaunch(args: BenchArgs, argv: list[str]) -> None:
     ``--nproc``) through ``$BUCKETWISE_BENCH_ARGV``."""
     check_launch(args)
     env = dict(os.environ)
-    env.update(job_env(args.net))
+    env.update(job_env(args))
     env[COMMAND_ENV] = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
     env[ARGV_ENV] = json.dumps([*argv, "--out", args.out, "--device", args.device, "--nproc", str(args.nproc)])
     script = str(Path(__file__).resolve().parent / "ddp_bench.py")

@@ -109,14 +109,16 @@ CONFIGS: dict[str, Recipe] = {
     "local": Recipe(compiler="torch", ddp=False),
     "bw-split": Recipe(compiler="bucketwise", strategy="split"),
     "bw-none": Recipe(compiler="bucketwise", strategy="none"),
+    "bw-fused": Recipe(compiler="bucketwise", strategy="fused"),
     "torch-ro": Recipe(compiler="torch", mode=RO),
     "torch-nosplit-ro": Recipe(compiler="torch", optimize_ddp=False, mode=RO),
     "local-ro": Recipe(compiler="torch", ddp=False, mode=RO),
     "bw-split-ro": Recipe(compiler="bucketwise", strategy="split", mode=RO),
     "bw-none-ro": Recipe(compiler="bucketwise", strategy="none", mode=RO),
+    "bw-fused-ro": Recipe(compiler="bucketwise", strategy="fused", mode=RO),
 }
 
-DEFAULT_CONFIGS = ("eager", "torch", "torch-nosplit", "local", "bw-split", "bw-none")
+DEFAULT_CONFIGS = ("eager", "torch", "torch-nosplit", "local", "bw-split", "bw-none", "bw-fused")
 
 
 def base_name(config: str) -> str:

@@ -10,6 +10,7 @@ kernel in the CPU-side ``record_function`` range (``bench_step``/``bench_backwar
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -195,6 +196,10 @@ def _launch_times(events: Sequence[dict[str, Any]]) -> dict[Any, float]:
     return out
 
 
+def _launch_of(kernel: dict[str, Any], launch: dict[Any, float]) -> float:
+    return launch.get(kernel.get("args", {}).get("correlation"), math.nan)
+
+
 def backward_timeline(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The kernels of the last profiled backward pass (kernels launched inside the last
     ``bench_backward`` CPU range), as merged compute intervals and one interval per NCCL kernel,
@@ -206,8 +211,14 @@ def backward_timeline(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     picked = []
     if ranges and launch:
         lo, hi = ranges[-1]
-        picked = [k for k in ks if lo <= launch.get(k.get("args", {}).get("correlation"), float("nan")) <= hi]
-    if not picked:
+        picked = [k for k in ks if lo <= _launch_of(k, launch) <= hi]
+    if picked:
+        # Kernels whose launch call is not in the trace (e.g. an API category kineto did not
+        # record) but which ran on the GPU within the window of the picked ones.
+        start = min(float(k["ts"]) for k in picked)
+        end = max(float(k["ts"]) + float(k["dur"]) for k in picked)
+        picked += [k for k in ks if math.isnan(_launch_of(k, launch)) and start <= float(k["ts"]) <= end]
+    else:
         picked, window = ks, "all profiled kernels (backward range not found in the trace)"
     if not picked:
         return {"window": "no kernels in the trace", "compute": [], "nccl": []}

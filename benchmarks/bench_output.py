@@ -97,7 +97,7 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
         + f", compile backend: {meta['compile_backend']}, bucket cap: "
         + (f"{meta['bucket_cap_mb']} MiB" if meta["bucket_cap_mb"] else "DDP default (25 MiB)"),
         f"- model: {model['model']} ({sizes}), {model['params']:,} parameters",
-        f"- {meta['steps']} timed steps after the first step and {meta['warmup']} warm-up steps; "
+        f"- {meta['steps']} timed steps after the first step and {meta['warmup']} warm-up step(s); "
         "step times of the slowest rank",
     ]
     if probe:
@@ -121,7 +121,8 @@ def write_markdown(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any
         "x floor: median step / median step of `local` (compiled, no DDP: no gradient traffic; "
         "`local-ro` for `-ro` configs when run). NCCL/overlapped/exposed: from a profiler trace, "
         "NCCL kernel time, the part of it concurrent with compute kernels, and the rest, per step "
-        "(slowest rank by exposed time; NCCL kernel time includes waiting for the other ranks).",
+        "(an NCCL kernel also runs while it waits for the other ranks: figures of the rank with the "
+        "least NCCL time, the one the others waited for; every rank's under `per_rank` in results.jsonl).",
         "",
     ]
     with open(path, "w") as f:

@@ -27,13 +27,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch._functorch.config
+import torch._inductor.config
 import torch.distributed as dist
 from torch.profiler import record_function
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_metrics as bm  # noqa: E402
-from bench_cli import ALWAYS_ENV, COMMAND_ENV, SOCKET_ENV, BenchArgs, job_env, parse, rank_argv, relaunch  # noqa: E402
+from bench_cli import ALWAYS_ENV, COMMAND_ENV, NO_CACHE_ENV, SOCKET_ENV, BenchArgs, job_env, parse, rank_argv, relaunch  # noqa: E402
 from bench_configs import Prepared, Recipe, recipe_for  # noqa: E402
 from bench_models import ModelSpec, make_spec  # noqa: E402
 from bench_output import add_floor_ratios, safe_name, write_jsonl, write_markdown  # noqa: E402
@@ -149,11 +151,15 @@ def _notes(recipe: Recipe, first: dict) -> list[str]:
 
 def merge_ranks(config: str, recipe: Recipe, ranks: list[dict], spec: ModelSpec) -> dict:
     """One result row from every rank's measurements: step times of the slowest rank (largest
-    median), the maximum over ranks of the other figures, overlap of the most exposed rank."""
+    median), the maximum over ranks of the other figures, overlap of the rank the others waited
+    for in the profiled steps; per-rank lists under ``per_rank``."""
     row: dict[str, Any] = {"type": "result", "config": config, "recipe": dataclasses.asdict(recipe)}
     errors = [(r, d["error"]) for r, d in enumerate(ranks) if "error" in d]
     if errors:
-        summary = "; ".join(f"rank {r}: {tb.strip().splitlines()[-1]}" for r, tb in errors)
+        by_message: dict[str, list[str]] = {}
+        for r, tb in errors:
+            by_message.setdefault(tb.strip().splitlines()[-1], []).append(str(r))
+        summary = "; ".join(f"rank{'s' * (len(rs) > 1)} {','.join(rs)}: {m}" for m, rs in by_message.items())
         return {**row, "status": "error", "error": summary, "traceback": errors[0][1]}
     slow = max(range(len(ranks)), key=lambda r: ranks[r]["median_ms"])
     s = ranks[slow]
@@ -164,16 +170,19 @@ def merge_ranks(config: str, recipe: Recipe, ranks: list[dict], spec: ModelSpec)
     row["peak_mib"] = max(d["peak_mib"] for d in ranks) if s["peak_mib"] is not None else None
     row["throughput_per_s"] = spec.items_per_batch * world / (s["median_ms"] / 1e3)
     row["throughput_unit"] = f"{spec.unit}/s (all ranks)"
+    # A rank's NCCL kernels also run while they wait for the other ranks to join; the rank with
+    # the least NCCL time is the one the others waited for (the slowest rank while profiled).
     overlaps = [(r, d["overlap"]) for r, d in enumerate(ranks) if d["overlap"]]
-    worst = max(overlaps, key=lambda x: x[1]["exposed_ms_per_step"]) if overlaps else None
+    laggard = min(overlaps, key=lambda x: x[1]["nccl_ms"]) if overlaps else None
     for key in ("nccl_ms_per_step", "overlapped_ms_per_step", "exposed_ms_per_step"):
-        row[key] = worst[1][key] if worst else None
-    row["overlap"] = {"rank": worst[0], **worst[1]} if worst else None
+        row[key] = laggard[1][key] if laggard else None
+    row["overlap"] = {"rank": laggard[0], **laggard[1]} if laggard else None
     row["per_rank"] = {
         "slowest_rank": slow,
         "median_ms": [d["median_ms"] for d in ranks],
         "first_step_s": [d["first_step_s"] for d in ranks],
-        "exposed_ms_per_step": [d["overlap"]["exposed_ms_per_step"] if d["overlap"] else None for d in ranks],
+        **{k: [d["overlap"][k] if d["overlap"] else None for d in ranks]
+           for k in ("nccl_ms_per_step", "exposed_ms_per_step")},
     }
     row["bucketwise"], row["dynamo"] = ranks[0]["bucketwise"], ranks[0]["dynamo"]
     row["notes"] = _notes(recipe, ranks[0])
@@ -227,7 +236,8 @@ def build_meta(args: BenchArgs, spec: ModelSpec, device: torch.device, probe: di
         "dist_backend": dist.get_backend(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": triton_version, "python": platform.python_version(), "host": socket.gethostname(),
         "bucketwise": bucketwise.__version__, "git": _git_revision(), "net": args.net,
-        "nccl_env": {k: os.environ.get(k) for k in {**ALWAYS_ENV, **SOCKET_ENV}},
+        "env": {k: os.environ.get(k) for k in {**ALWAYS_ENV, **SOCKET_ENV, **NO_CACHE_ENV}},
+        "compile_cache": args.compile_cache,
         "compile_backend": args.backend, "bucket_cap_mb": args.bucket_cap_mb,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "steps": args.steps, "warmup": args.warmup, "profile_steps": args.profile_steps if cuda else 0,
@@ -276,8 +286,20 @@ def run_all(args: BenchArgs, device: torch.device) -> None:
         print(f"wrote {os.path.join(args.out, 'results.md')}", flush=True)
 
 
+def _prime_compiler(backend: str, device: torch.device) -> None:
+    """Pay the process's one-time compiler start-up (imports, compile workers, first Triton
+    build) before the first config, so its first-step time is comparable with the others'."""
+    x = torch.ones(8, 8, device=device, requires_grad=True)
+    torch.compile(lambda t: torch.relu(t @ t) * 2, backend=backend)(x).sum().backward()
+    bm.sync(device)
+    torch._dynamo.reset()
+
+
 def worker(args: BenchArgs) -> int:
-    os.environ.update(job_env(args.net))  # NCCL reads these at communicator creation
+    os.environ.update(job_env(args))  # NCCL reads these at communicator creation
+    if args.compile_cache == "off":
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":
         device = torch.device("cuda", local_rank)
@@ -291,6 +313,7 @@ def worker(args: BenchArgs) -> int:
         device_id=device if device.type == "cuda" else None,
     )
     try:
+        _prime_compiler(args.backend, device)
         run_all(args, device)
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,133 @@
+"""The DDP benchmark harness (benchmarks/ddp_bench.py): a 2-rank gloo smoke run on CPU, plus
+its trace parsing and flag checking in-process."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+SMOKE_CONFIGS = ("eager", "torch", "torch-nosplit", "local", "bw-split", "bw-none", "bw-fused")
+TIMING_FIELDS = ("median_ms", "min_ms", "max_ms", "mean_ms", "first_step_s", "throughput_per_s", "floor_ratio")
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "TORCHELASTIC_RUN_ID", "BUCKETWISE_BENCH_ARGV", "BUCKETWISE_BENCH_COMMAND")
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    import bench_cli
+    import bench_metrics
+
+    return bench_cli, bench_metrics
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: the session we started
+        out, _ = proc.communicate()
+        pytest.fail(f"benchmark timed out after {timeout} s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def _check_numbers(row: dict) -> None:
+    for key, value in row.items():
+        if isinstance(value, float):
+            assert math.isfinite(value) and value > 0, (row["config"], key, value)
+    for key in TIMING_FIELDS:
+        assert isinstance(row[key], float) and row[key] > 0, (row["config"], key, row[key])
+    if row["config"].startswith("bw-"):
+        assert row["compile_s"] > 0, row
+        assert row["bucketwise"]["fallbacks"] == 0, row["bucketwise"]
+
+
+def test_smoke_two_gloo_ranks(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable, str(BENCH_DIR / "ddp_bench.py"), "--nproc", "2", "--device", "cpu", "--model", "mlp",
+        "--configs", ",".join(SMOKE_CONFIGS), "--backend", "aot_eager", "--steps", "2", "--warmup", "1",
+        "--out", str(out),
+    ]
+    result = _run(cmd, timeout=240)
+    assert result.returncode == 0, result.stdout[-4000:]
+
+    objs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    meta, rows = objs[0], objs[1:]
+    assert meta["type"] == "meta" and meta["world_size"] == 2 and meta["dist_backend"] == "gloo"
+    assert "ddp_bench.py" in meta["command"] and meta["model"]["model"] == "mlp"
+    assert [r["config"] for r in rows] == list(SMOKE_CONFIGS)
+    for row in rows:
+        assert "error" not in row, row.get("traceback", row)
+        assert row["type"] == "result" and row["status"] == "ok"
+        assert row["timed_steps"] == 2
+        _check_numbers(row)
+    assert next(r for r in rows if r["config"] == "local")["floor_ratio"] == 1.0
+
+    md = (out / "results.md").read_text()
+    for config in SMOKE_CONFIGS:
+        assert sum(line.startswith(f"| {config} |") for line in md.splitlines()) == 1, config
+    png = (out / "step_time.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_overlap_from_trace(bench):
+    _, bm = bench
+
+    def kernel(name, ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
+                "args": {"correlation": corr}}
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": bm.BACKWARD_RANGE, "ts": 0, "dur": 100},
+        launch(1, 1), launch(2, 2), launch(3, 3), launch(200, 4),
+        kernel("gemm", 1000, 500, 1),                          # compute 1000-1500
+        kernel("ncclDevKernel_AllReduce_Sum_f32", 1200, 600, 2),  # NCCL 1200-1800: 300 overlapped
+        kernel("triton_fused", 1700, 200, 3),                  # compute 1700-1900: 100 more overlapped
+        kernel("adamw", 2000, 100, 4),                         # launched after the backward range
+    ]
+    o = bm.overlap_from_events(events, steps=2)
+    assert o["nccl_ms"] == pytest.approx(0.6) and o["overlapped_ms"] == pytest.approx(0.4)
+    assert o["exposed_ms_per_step"] == pytest.approx(0.1) and o["compute_kernels"] == 3
+    t = bm.backward_timeline(events)
+    assert t["kernels"] == 3 and t["compute"] == [[0.0, 0.5], [0.7, 0.9]]
+    assert [n[:2] for n in t["nccl"]] == [[0.2, 0.8]]
+
+
+def test_intervals(bench):
+    _, bm = bench
+    a = bm.merge([(5, 7), (0, 2), (1, 3), (7, 8)])
+    assert a == [(0, 3), (5, 8)]
+    assert bm.intersection_length(a, bm.merge([(2, 6), (7.5, 9)])) == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "resnet"], "known models: gpt, gpt-tiny, convnet, mlp"),
+        (["--configs", "eager,bw-magic"], "known configs: eager, torch, torch-nosplit, local"),
+        (["--model", "mlp", "--heads", "4"], "--heads does not apply to model 'mlp'"),
+        (["--configs", "eager", "--repeat", "torch"], "--repeat 'torch' is not among --configs"),
+        (["--steps", "0"], "--steps must be at least 1"),
+    ],
+)
+def test_bad_flags(bench, capsys, argv, message):
+    cli, _ = bench
+    with pytest.raises(SystemExit):
+        cli.parse(["--device", "cpu", *argv])
+    assert message in capsys.readouterr().err
