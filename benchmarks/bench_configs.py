@@ -52,6 +52,8 @@ class Recipe:
     """bucketwise strategy (``split``, ``none``, ...)."""
     cudagraphs: bool | str = False
     """bucketwise ``cudagraphs=`` argument."""
+    comm_hook: str | None = None
+    """``"bf16"``: register torch's ``bf16_compress_hook`` on the DDP module (opt-in compressed comm)."""
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -60,6 +62,8 @@ class Recipe:
             raise ValueError("strategy is required for (and only for) compiler='bucketwise'")
         if self.compiler == "bucketwise" and not self.ddp:
             raise ValueError("bucketwise recipes compile a DDP module (ddp=True)")
+        if self.comm_hook not in (None, "bf16"):
+            raise ValueError(f"comm_hook must be None or 'bf16', got {self.comm_hook!r}")
         if self.compiler == "none" and (self.mode or self.optimize_ddp is not None):
             raise ValueError("mode/optimize_ddp need a compiler")
 
@@ -80,7 +84,12 @@ class Recipe:
             kwargs["bucket_cap_mb"] = bucket_cap_mb
         if device.type == "cuda":
             kwargs["device_ids"] = [device.index]
-        return DDP(model, **kwargs)
+        ddp = DDP(model, **kwargs)
+        if self.comm_hook == "bf16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        return ddp
 
     def prepare(self, model: nn.Module, *, device: torch.device, backend: str, bucket_cap_mb: float | None) -> Prepared:
         wrapped = self.wrap(model, device=device, bucket_cap_mb=bucket_cap_mb)
@@ -110,6 +119,8 @@ CONFIGS: dict[str, Recipe] = {
     "bw-split": Recipe(compiler="bucketwise", strategy="split"),
     "bw-none": Recipe(compiler="bucketwise", strategy="none"),
     "bw-fused": Recipe(compiler="bucketwise", strategy="fused"),
+    "bw-fused-bf16": Recipe(compiler="bucketwise", strategy="fused", comm_hook="bf16"),
+    "eager-bf16": Recipe(comm_hook="bf16"),
     "torch-ro": Recipe(compiler="torch", mode=RO),
     "torch-nosplit-ro": Recipe(compiler="torch", optimize_ddp=False, mode=RO),
     "local-ro": Recipe(compiler="torch", ddp=False, mode=RO),

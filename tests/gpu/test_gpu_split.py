@@ -66,6 +66,8 @@ def _gpt_case(rank: int, *, strategy: str, dynamic: bool = False) -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}.grad: {m}")
     rep = bucketwise.report(comp)
+    if strategy == "fused":
+        assert len(rep.graphs[0].buckets) > 1, rep.table()
     if strategy == "split":
         assert rep.totals["segments"] > 1, rep.table()
         assert rep.alignment == 1.0, rep.alignment_detail()
@@ -79,6 +81,7 @@ _CASES = {
     "gpt-split": lambda r: _gpt_case(r, strategy="split"),
     "gpt-none": lambda r: _gpt_case(r, strategy="none"),
     "gpt-split-dynamic": lambda r: _gpt_case(r, strategy="split", dynamic=True),
+    "gpt-fused": lambda r: _gpt_case(r, strategy="fused"),
 }
 
 
