@@ -57,10 +57,6 @@ def _version() -> str:
     return __version__
 
 
-def _stats_dir_help() -> str:
-    return f"folder for the ranks' rank<R>.json files (default: ./{launcher.DEFAULT_RUNS_DIR}/<YYYYmmdd-HHMMSS>)"
-
-
 def _add_launch(sub) -> None:
     p = sub.add_parser(
         "launch", parents=[launcher.launch_parser()], add_help=False, allow_abbrev=False,
@@ -94,7 +90,7 @@ def _add_demo(sub) -> None:
     )
     add_demo_arguments(p)
     p.add_argument("--nproc", type=_positive_int, default=2, help="number of ranks (default: 2)")
-    p.add_argument("--stats-dir", metavar="DIR", help=_stats_dir_help())
+    p.add_argument("--stats-dir", metavar="DIR", help=launcher.STATS_DIR_HELP)
     p.set_defaults(func=_cmd_demo, parser=p)
 
 

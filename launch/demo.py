@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..compiler.config import STRATEGIES
+
 DEFAULT_BACKEND = "inductor"
 DEFAULT_STEPS = 8
 DEFAULT_BUCKET_CAP_MB = 0.05
@@ -38,8 +40,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"torch.compile backend for each bucket segment (default: {DEFAULT_BACKEND})")
     parser.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
                         help=f"training steps (default: {DEFAULT_STEPS})")
-    parser.add_argument("--strategy", default="auto", choices=("auto", "split", "none"),
-                        help="bucketwise strategy (default: auto = split at DDP's buckets)")
+    parser.add_argument("--strategy", default="auto", choices=STRATEGIES,
+                        help="bucketwise.compile strategy (default: auto)")
     parser.add_argument("--bucket-cap-mb", type=_positive_float, default=DEFAULT_BUCKET_CAP_MB,
                         help="DDP bucket cap in MiB, small so the tiny model has several buckets "
                              f"(default: {DEFAULT_BUCKET_CAP_MB})")
@@ -167,12 +169,19 @@ def _summarize(setup: Setup, compiled) -> None:
         return
     print("\nrank 0 report:")
     print(report.table())
-    detail = report.alignment_detail()
+    print(_alignment_line(report.alignment_detail()), flush=True)
+
+
+def _alignment_line(detail: dict) -> str:
+    if detail.get("alignment") is None:
+        status = str(detail.get("status"))
+        if status.startswith("pending"):
+            status += "; DDP publishes them from the 3rd step on"
+        return f"alignment n/a ({status})"
     buckets = detail.get("buckets") or []
     aligned = sum(1 for b in buckets if b["status"] == "aligned")
-    figure = "n/a" if detail.get("alignment") is None else f"{detail['alignment']:.2f}"
-    print(f"alignment {figure}: {aligned} of {len(buckets)} DDP buckets lie inside one compiled segment "
-          f"({detail.get('status')})", flush=True)
+    return (f"alignment {detail['alignment']:.2f}: {aligned} of {len(buckets)} DDP buckets lie inside one "
+            f"compiled segment ({detail.get('status')})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

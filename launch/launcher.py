@@ -18,6 +18,8 @@ from ..compiler.report import STATS_DIR_ENV
 from . import stats
 
 DEFAULT_RUNS_DIR = "bucketwise-runs"
+STATS_DIR_HELP = (f"folder for the ranks' rank<R>.json files (default: ./{DEFAULT_RUNS_DIR}/<YYYYmmdd-HHMMSS>); "
+                  "must not already hold rank files")
 
 
 def default_stats_dir(now: datetime.datetime | None = None) -> str:
@@ -52,10 +54,7 @@ def launch_parser() -> argparse.ArgumentParser:
 
     parser = get_args_parser()
     parser.add_argument_group("bucketwise options").add_argument(
-        "--stats-dir", metavar="DIR",
-        help=f"folder for the ranks' rank<R>.json files (default: ./{DEFAULT_RUNS_DIR}/<YYYYmmdd-HHMMSS>); "
-             "must not already hold rank files",
-    )
+        "--stats-dir", metavar="DIR", help=STATS_DIR_HELP)
     for action in parser._actions:  # argparse has no public accessor
         if action.dest == "training_script":
             action.required, action.metavar = False, "SCRIPT"

@@ -6,7 +6,8 @@ Each rank's :class:`bucketwise.Report` writes ``$BUCKETWISE_STATS_DIR/rank<R>.js
 ``{"schema", "ranks", "world_size", "missing_ranks", "target", "strategy", "backend",
 "segments": [{"graph_id", "index", "params", "bytes", "op_count", "ranks",
 "compile_seconds": {"min", "median", "max", "per_rank"}, "backends", "fallback_ranks",
-"fallback_reasons"}], "plan_differences": [...], "totals": {"<rank>": {...}},
+"fallback_reasons"}], "plan_differences": [{"rank", "reference_rank", "graph_id", "part",
+"index", "difference"}], "totals": {"<rank>": {...}},
 "alignment": {"<rank>": float | None}, "graph_notes": [...], "notes": [...]}``
 
 Per-segment sizes (params, bytes, ops) are the reference rank's (the lowest rank present);
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterable
 MERGED_SCHEMA = 1
 _RANK_FILE = re.compile(r"^rank(\d+)\.json$")
 _REQUIRED = ("rank", "world_size", "totals", "graphs")
+_TOTALS_KEYS = ("graphs", "graph_breaks", "recompiles", "segments", "fallbacks", "compile_seconds")
 _SEGMENT_KEYS = ("index", "params", "bytes", "op_count", "compile_seconds", "backend", "fell_back")
 
 
@@ -56,6 +58,10 @@ def load_rank_file(path: str) -> dict[str, Any]:
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
         raise ValueError(f"not a bucketwise report (missing {', '.join(missing)})")
+    if not isinstance(data["rank"], int) or not isinstance(data["world_size"], int):
+        raise ValueError("not a bucketwise report ('rank' and 'world_size' must be integers)")
+    if not isinstance(data["totals"], dict) or any(k not in data["totals"] for k in _TOTALS_KEYS):
+        raise ValueError(f"not a bucketwise report ('totals' must hold {', '.join(_TOTALS_KEYS)})")
     if not isinstance(data["graphs"], list):
         raise ValueError("not a bucketwise report ('graphs' is not a list)")
     for g in data["graphs"]:
@@ -87,32 +93,42 @@ def load_reports(path: str, warn: Callable[[str], None]) -> list[dict[str, Any]]
 # -- merging -------------------------------------------------------------------------------
 
 
-def plan_of(report: dict[str, Any]) -> list[tuple[int, int, tuple[str, ...]]]:
-    """A rank's bucket plan: ``(graph_id, segment index, parameter names)`` per segment."""
-    return [(g["graph_id"], s["index"], tuple(s["params"])) for g in report["graphs"] for s in g["segments"]]
+def plan_of(report: dict[str, Any]) -> dict[tuple[int, str, int], tuple[str, ...]]:
+    """A rank's bucket plan: ``(graph_id, "segment", index) -> parameter names`` per segment,
+    plus ``(graph_id, "bucket", index)`` entries where the file lists planned buckets."""
+    plan = {}
+    for g in report["graphs"]:
+        for s in g["segments"]:
+            plan[(g["graph_id"], "segment", s["index"])] = tuple(s["params"])
+        for b in g.get("buckets") or []:
+            if isinstance(b, dict) and "index" in b and isinstance(b.get("params"), list):
+                plan[(g["graph_id"], "bucket", b["index"])] = tuple(b["params"])
+    return plan
 
 
 def plan_differences(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Where each rank's plan differs from the reference (first) rank's, segment by segment."""
+    """Where each rank's plan differs from the reference (first) rank's, segment by segment
+    (and bucket by bucket): ``{"rank", "reference_rank", "graph_id", "part", "index",
+    "difference"}`` with ``part`` ``"segment"`` or ``"bucket"``."""
     if not reports:
         return []
     ref = reports[0]
-    ref_plan = {(g, i): p for g, i, p in plan_of(ref)}
+    ref_plan = plan_of(ref)
     diffs = []
     for other in reports[1:]:
-        plan = {(g, i): p for g, i, p in plan_of(other)}
-        for key in sorted(set(ref_plan) | set(plan)):
+        plan = plan_of(other)
+        for key in sorted(set(ref_plan) | set(plan), key=lambda k: (k[0], k[1] != "segment", k[2])):
             a, b = ref_plan.get(key), plan.get(key)
             if a == b:
                 continue
             if b is None:
-                what = f"segment missing on rank {other['rank']}"
+                what = f"{key[1]} missing on rank {other['rank']}"
             elif a is None:
-                what = f"segment not on rank {ref['rank']}"
+                what = f"{key[1]} not on rank {ref['rank']}"
             else:
                 what = _describe_param_diff(a, b, ref["rank"], other["rank"])
             diffs.append({"rank": other["rank"], "reference_rank": ref["rank"], "graph_id": key[0],
-                          "segment": key[1], "difference": what})
+                          "part": key[1], "index": key[2], "difference": what})
     return diffs
 
 
@@ -277,5 +293,5 @@ def plan_check_lines(merged: dict[str, Any]) -> list[str]:
         return [f"bucket plans: identical on all {len(merged['ranks'])} ranks"]
     ranks = sorted({d["rank"] for d in diffs})
     lines = [f"bucket plans DIFFER from rank {diffs[0]['reference_rank']} on rank(s) {', '.join(map(str, ranks))}:"]
-    lines += [f"  rank {d['rank']} graph {d['graph_id']} segment {d['segment']}: {d['difference']}" for d in diffs]
+    lines += [f"  rank {d['rank']} graph {d['graph_id']} {d['part']} {d['index']}: {d['difference']}" for d in diffs]
     return lines
