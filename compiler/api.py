@@ -31,15 +31,17 @@ def compile(
 ) -> Any:
     """Compile a DDP-wrapped module, a plain module or a function, like ``torch.compile``.
 
-    For a ``DistributedDataParallel`` module, every graph Dynamo captures is split at the
-    gradient-bucket boundaries of DDP's reducer (``strategy="split"``) so each bucket's
-    allreduce overlaps the backward of the segments before it; each segment is compiled with
-    ``backend``. ``bucketwise.report(result)`` tells what happened per graph and bucket.
+    For a ``DistributedDataParallel`` module, every graph Dynamo captures either keeps its
+    gradient-bucket allreduces inside its compiled backward (``strategy="fused"``, the default
+    where it applies) or is split at the bucket boundaries of DDP's reducer (``"split"``), so
+    each bucket's allreduce overlaps the rest of the backward. ``bucketwise.report(result)``
+    tells what happened per graph and bucket.
 
     Args:
         obj: ``DDP(module)``, an ``nn.Module`` or a callable.
         backend: a ``torch.compile`` backend name or a callable backend.
-        strategy: ``"split"``, ``"none"`` (compile graphs whole) or ``"auto"`` (= ``"split"``).
+        strategy: ``"fused"``, ``"split"``, ``"none"`` (compile graphs whole, DDP's reducer
+            reduces at the end) or ``"auto"`` (``"fused"`` where it applies, else ``"split"``).
         mode, options, fullgraph, dynamic: as for ``torch.compile``.
         cudagraphs: CUDA-graph wrapping of segments (``True``/``False``/``"auto"``).
         bucket_cap_mb, first_bucket_cap_mb: bucket caps in MiB (default: the DDP module's).

@@ -30,7 +30,8 @@ class CompileConfig:
     strategy: str = "auto"
     """``"split"``: cut every Dynamo graph at gradient-bucket boundaries; ``"fused"``: compile
     each graph whole with the bucket allreduces traced into its backward; ``"none"``: compile
-    each graph whole; ``"auto"``: ``"split"`` for DDP modules."""
+    each graph whole; ``"auto"``: ``"fused"`` where it applies, else ``"split"`` (the report says
+    why)."""
 
     mode: str | None = None
     """``torch.compile`` mode, e.g. ``"reduce-overhead"`` or ``"max-autotune"``."""

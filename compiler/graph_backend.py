@@ -129,7 +129,13 @@ class GraphBackend:
         )
 
     def _split(self, gm, example_inputs, ddp, params, progress) -> _Result:
-        buckets, source = plan_for_graph(ddp, params, self._caps(ddp))
+        caps = self._caps(ddp)
+        if not caps.matches_ddp(ddp):
+            self.report.note(
+                f"bucket caps {caps.limits()} differ from the DDP module's own: its reducer keeps "
+                "its buckets, so they will not coincide with the segments (see alignment)"
+            )
+        buckets, source = plan_for_graph(ddp, params, caps)
         result = split_and_compile(
             gm,
             example_inputs,

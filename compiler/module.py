@@ -59,7 +59,7 @@ class CompiledModule(nn.Module):
         inner = mod.module if ddp is not None else mod
         report = Report(target=type(inner).__name__ if ddp is None else f"DDP({type(inner).__name__})",
                         strategy=config.strategy, backend=config.backend_name)
-        runtime = FusedRuntime(ddp) if ddp is not None and config.strategy == "fused" else None
+        runtime = FusedRuntime(ddp) if ddp is not None and config.strategy in ("fused", "auto") else None
         backend = GraphBackend(config, report, ddp, fused_runtime=runtime)
         forward = _inner_forward(inner)
         # Plain attributes, not submodules: keep them out of parameters()/state_dict().

@@ -222,6 +222,17 @@ def format_table(data: dict[str, Any]) -> str:
                 )
             )
     lines = [_align([header, *rows])]
+    bucket_rows = [
+        (str(g["graph_id"]), str(b["index"]), str(len(b["params"])), f"{b['bytes'] / 2**20:.2f}",
+         f"{b['issued_at']:.2f}", b["comm_dtype"] or "-")
+        for g in data["graphs"]
+        for b in g.get("buckets", [])
+        if b.get("issued_at") is not None
+    ]
+    if bucket_rows:
+        lines.append("")
+        lines.append(_align([("graph", "bucket", "params", "MiB", "issued at", "comm dtype"), *bucket_rows]))
+        lines.append("issued at: fraction of the backward done when the bucket's allreduce starts")
     t = data["totals"]
     align = t["alignment"]
     lines.append(
