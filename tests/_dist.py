@@ -116,6 +116,7 @@ def run_distributed(
     deadline = time.monotonic() + timeout
     first_failure: float | None = None
     timed_out = False
+    killed: set[int] = set()
     try:
         while any(p.is_alive() for p in procs):
             now = time.monotonic()
@@ -131,8 +132,9 @@ def run_distributed(
                 break
             time.sleep(0.05)
     finally:
-        for p in procs:
+        for rank, p in enumerate(procs):
             if p.is_alive():
+                killed.add(rank)
                 p.terminate()
         for p in procs:
             p.join(5)
@@ -140,16 +142,19 @@ def run_distributed(
                 p.kill()
                 p.join(5)
 
+    name = getattr(fn, "__name__", repr(fn))
     errors = []
     for rank, p in enumerate(procs):
         err = run_dir / f"rank{rank}.error"
         if err.exists():
             errors.append(f"--- rank {rank} raised:\n{err.read_text()}")
-        elif p.exitcode != 0 and not (run_dir / f"rank{rank}.result").exists():
+        elif rank in killed:
+            why = "still running at the timeout" if timed_out else "still running after another rank failed"
+            errors.append(f"--- rank {rank} killed: {why}")
+        elif p.exitcode != 0 or not (run_dir / f"rank{rank}.result").exists():
             errors.append(f"--- rank {rank} exited with code {p.exitcode} without a result")
-    if errors:
-        # A rank that only died because a peer failed says so; the real cause comes first.
-        raise WorkerError(f"{getattr(fn, '__name__', fn)} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
     if timed_out:
-        raise WorkerTimeout(f"{getattr(fn, '__name__', fn)}: ranks still running after {timeout:.0f} s (killed)")
+        raise WorkerTimeout(f"{name}: ranks still running after {timeout:.0f} s (killed):\n" + "\n".join(errors))
+    if errors:
+        raise WorkerError(f"{name} failed on rank(s) {', '.join(e.split()[2] for e in errors)}:\n" + "\n".join(errors))
     return [torch.load(run_dir / f"rank{rank}.result", weights_only=False) for rank in range(world_size)]

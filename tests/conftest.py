@@ -21,9 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo(monkeypatch):
-    """Fresh Dynamo caches/counters per test; no compile-progress noise; deterministic seed."""
-    monkeypatch.setenv("BUCKETWISE_PROGRESS", "0")
+def _fresh_dynamo():
+    """Fresh Dynamo caches per test, a deterministic seed, and no leaked Dynamo setting."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     optimize_ddp = torch._dynamo.config.optimize_ddp

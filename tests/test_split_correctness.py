@@ -13,8 +13,10 @@ the same order on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import re
 from typing import Any, Callable
 
 import pytest
@@ -53,21 +55,27 @@ class MLP(nn.Module):
 
 
 class GraphBreakNet(nn.Module):
-    """An explicit graph break, then a data-dependent branch (another graph break)."""
+    """An explicit graph break, then a data-dependent branch (another graph break).
+
+    Sizes: l0 8 KiB, l1 16 KiB, l2 and l3 4 KiB, l4 2 KiB, so at a 10 KiB cap one bucket
+    (l4 + l3 + l2) must straddle the graph of l2 and the graph of l3/l4.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.l0 = nn.Linear(32, 64)
         self.l1 = nn.Linear(64, 64)
-        self.l2 = nn.Linear(64, 64)
-        self.l3 = nn.Linear(64, 64)
+        self.l2 = nn.Linear(64, 16)
+        self.l3 = nn.Linear(16, 64)
         self.l4 = nn.Linear(64, 8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.gelu(self.l1(F.gelu(self.l0(x))))
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.l1(F.gelu(self.l0(inp))))
         torch._dynamo.graph_break()
         x = F.gelu(self.l2(x))
-        if x.sum() > 0:  # data-dependent: Dynamo breaks the graph here
+        # Data-dependent (Dynamo breaks the graph here); with the test's seeds both ranks take
+        # both branches within 6 steps.
+        if inp.sum() > 0:
             x = self.l3(x)
         else:
             x = self.l3(-x) * 0.5
@@ -151,12 +159,31 @@ class ParamFreePrologue(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.l0 = nn.Linear(32, 64)
+        self.mid = nn.Linear(64, 64)
         self.l1 = nn.Linear(64, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.relu(x) * 2.0 + x.sin()
         torch._dynamo.graph_break()
-        return self.l1(F.gelu(self.l0(x)))
+        return self.l1(F.gelu(self.mid(F.gelu(self.l0(x)))))
+
+
+class SharedAcrossBreak(nn.Module):
+    """One layer used on both sides of a graph break: its parameters are read by two graphs
+    and get their gradient from both backwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, 64)
+        self.shared = nn.Linear(64, 64)
+        self.mid = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.shared(F.gelu(self.inp(x))))
+        torch._dynamo.graph_break()
+        x = F.gelu(self.shared(F.gelu(self.mid(x))))
+        return self.out(x)
 
 
 def _tiny_gpt_config(**kw: Any):
@@ -180,7 +207,10 @@ class Case:
     optimizer: str = "adamw"
     ignore: list[str] | None = None
     check_buffers: bool = False
+    """The model has buffers (buffers are compared at every step whatever this says)."""
     steps: int = STEPS
+    micro: int = 1
+    """Micro-batches per step: all but the last run under ``no_sync()`` (grad accumulation)."""
 
 
 def _gen(rank: int, step: int) -> torch.Generator:
@@ -201,8 +231,13 @@ def _mse(out: torch.Tensor, args: tuple, step: int) -> torch.Tensor:
 
 
 def case_mlp() -> Case:
-    # 10 KiB buckets: every 16 KiB layer is a bucket of its own (same cap on DDP and compile).
+    # 10 KiB buckets (the same cap given to DDP and to bucketwise.compile).
     return Case(MLP(), _x, _mse, ddp_kwargs={"bucket_cap_mb": 0.01}, compile_kwargs={"bucket_cap_mb": 0.01})
+
+
+def case_compile_cap_only() -> Case:
+    # The small cap is given to bucketwise.compile only; DDP keeps its 25 MiB default.
+    return Case(MLP(), _x, _mse, compile_kwargs={"bucket_cap_mb": 0.01}, optimizer="sgd")
 
 
 def case_sequential() -> Case:
@@ -277,6 +312,23 @@ def case_dynamic() -> Case:
     )
 
 
+def case_auto_dynamic() -> Case:
+    # dynamic=None (torch's default): static first compile, one recompile with a dynamic batch.
+    return Case(MLP(), _dynamic_x, _mse, ddp_kwargs={"bucket_cap_mb": 0.01}, steps=len(DYNAMIC_BATCHES))
+
+
+def case_no_sync() -> Case:
+    return Case(MLP(), _x, _mse, ddp_kwargs={"bucket_cap_mb": 0.01}, micro=3, optimizer="sgd")
+
+
+def case_static_graph() -> Case:
+    return Case(CheckpointNet(), _x, _mse, ddp_kwargs={"bucket_cap_mb": 0.01, "static_graph": True})
+
+
+def case_shared_across_break() -> Case:
+    return Case(SharedAcrossBreak(), _x, _mse, ddp_kwargs={"bucket_cap_mb": 0.01})
+
+
 def _same_tensor_twice(rank: int, step: int) -> tuple:
     (x,) = _x(rank, step)
     return x, x
@@ -313,6 +365,12 @@ def case_find_unused() -> Case:
 
 def case_param_free_prologue() -> Case:
     return Case(ParamFreePrologue(), _x, _mse, ddp_kwargs={"bucket_cap_mb": 0.01})
+
+
+def case_inductor_checkpoint() -> Case:
+    # SGD, not AdamW: Adam's first step is ~lr * sign(grad), so a gradient element that is
+    # ~0 up to rounding (Inductor's, not eager's) would move by a full lr either way.
+    return Case(CheckpointNet(), _x, _mse, ddp_kwargs={"bucket_cap_mb": 0.01}, optimizer="sgd")
 
 
 def case_inductor_mlp() -> Case:
@@ -382,14 +440,19 @@ def train_and_compare(rank: int, world_size: int, case_name: str, strategy: str,
     losses: list[tuple[float, float]] = []
     grad_norms: dict[str, list[float]] = {}
     for step in range(case.steps):
-        args = case.inputs(rank, step)
-        ref_loss = case.loss(ref(*args), args, step)
-        ref_loss.backward()
-        cargs = _clone_args(args)
-        cmp_loss = case.loss(compiled(*cargs), cargs, step)
-        cmp_loss.backward()
+        for micro in range(case.micro):
+            # Gradient accumulation: every micro-batch but the last skips the allreduce.
+            accumulate = micro < case.micro - 1
+            args = case.inputs(rank, step * case.micro + micro)
+            with ref.no_sync() if accumulate else contextlib.nullcontext():
+                ref_loss = case.loss(ref(*args), args, step)
+                ref_loss.backward()
+            cargs = _clone_args(args)
+            with compiled.no_sync() if accumulate else contextlib.nullcontext():
+                cmp_loss = case.loss(compiled(*cargs), cargs, step)
+                cmp_loss.backward()
+            _close(f"step {step}.{micro} loss", cmp_loss.detach(), ref_loss.detach(), rtol, atol)
         losses.append((ref_loss.item(), cmp_loss.item()))
-        _close(f"step {step} loss", cmp_loss.detach(), ref_loss.detach(), rtol, atol)
         for name, p in ref_named.items():
             q = cmp_named[name]
             if p.grad is None or q.grad is None:
@@ -400,9 +463,12 @@ def train_and_compare(rank: int, world_size: int, case_name: str, strategy: str,
                 continue
             _close(f"step {step} grad of {name}", q.grad, p.grad, rtol, atol)
             grad_norms.setdefault(name.removeprefix("module."), []).append(p.grad.norm().item())
-        if case.check_buffers:
-            for (name, b), (_, c) in zip(ref_module.named_buffers(), cmp_module.named_buffers()):
-                _close(f"step {step} buffer {name}", c, b, rtol, atol)
+        ref_buffers = dict(ref_module.named_buffers())
+        cmp_buffers = dict(cmp_module.named_buffers())
+        assert list(ref_buffers) == list(cmp_buffers)
+        assert bool(ref_buffers) == case.check_buffers
+        for name, b in ref_buffers.items():
+            _close(f"step {step} buffer {name}", cmp_buffers[name], b, rtol, atol)
         ref_opt.step()
         cmp_opt.step()
         for name, p in ref_named.items():
@@ -425,7 +491,7 @@ def _run(tmp_path, case: str, strategy: str, backend: str = "aot_eager", **kw: A
     results = run_distributed(train_and_compare, tmp_path, args=(case, strategy, backend), **kw)
     for r in results:
         assert len(r["losses"]) >= 3
-        assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in results)
+        assert torch.isfinite(torch.tensor(r["losses"])).all(), r["losses"]
     # Different data per rank: the losses differ across ranks (else the test proves little).
     assert results[0]["losses"][0][0] != results[1]["losses"][0][0]
     return results
@@ -462,10 +528,29 @@ def _assert_aligned(result: dict[str, Any]) -> None:
 def test_mlp(tmp_path, strategy):
     results = _run(tmp_path, "mlp", strategy)
     for r in results:
-        _assert_report_basics(r["report"], strategy, min_split_segments=4)
+        # Buckets at a 10 KiB cap (ready order): [layers.3 (2 KiB) + layers.2 (16 KiB)],
+        # [layers.1], [layers.0]: three segments.
+        _assert_report_basics(r["report"], strategy, min_split_segments=3)
         _assert_aligned(r)
         assert r["report"]["totals"]["graphs"] == 1
         assert r["report"]["totals"]["recompiles"] == 0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bucket_cap_given_to_compile_only(tmp_path, strategy):
+    results = _run(tmp_path, "compile_cap_only", strategy)
+    for r in results:
+        rep = r["report"]
+        # bucketwise.compile(bucket_cap_mb=0.01) plans and splits at 10 KiB ...
+        _assert_report_basics(rep, strategy, min_split_segments=3)
+        # ... but DDP's reducer was built with its own 25 MiB cap and rebuilds one bucket.
+        # Segments that cannot coincide with the reducer's buckets must not pass silently:
+        # either the buckets follow the requested cap (alignment 1.0) or the report says why
+        # they cannot (a note about the bucket caps).
+        if r["alignment"] != 1.0:
+            assert any(re.search(r"bucket[ _]cap", n) for n in rep["notes"]), (r["alignment_detail"], rep["notes"])
+        if strategy == "split":
+            assert r["alignment"] < 1.0  # one 25 MiB reducer bucket across 3 segments
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -509,7 +594,8 @@ def test_frozen_parameters(tmp_path, strategy):
     results = _run(tmp_path, "frozen", strategy)
     for r in results:
         rep = r["report"]
-        _assert_report_basics(rep, strategy, min_split_segments=3)
+        # Trainable: layers.1, layers.3, layers.4 -> buckets [4 + 3], [1].
+        _assert_report_basics(rep, strategy, min_split_segments=2)
         _assert_aligned(r)
         names = {p for g in rep["graphs"] for s in g["segments"] for p in s["params"]}
         assert not names & {"layers.0.weight", "layers.0.bias", "layers.2.weight", "layers.2.bias"}, names
@@ -538,8 +624,9 @@ def test_graph_breaks(tmp_path, strategy):
     results = _run(tmp_path, "graph_break", strategy)
     for r in results:
         rep = r["report"]
-        # graph_break() and the data-dependent `if` each cut the frame: >= 3 graphs with params.
-        assert rep["totals"]["graphs"] >= 3, rep
+        # graph_break() and the data-dependent `if` each cut the frame: l0/l1, l2, then one
+        # graph per branch taken (both are).
+        assert rep["totals"]["graphs"] == 4, rep
         assert rep["totals"]["graph_breaks"] >= 2, rep
         _assert_report_basics(rep, strategy, min_split_segments=None)
         if strategy == "split":
@@ -547,18 +634,19 @@ def test_graph_breaks(tmp_path, strategy):
             assert _segments_per_graph(rep)[0] >= 2, _segments_per_graph(rep)
         detail = r["alignment_detail"]
         assert detail["status"].endswith("rebuilt"), detail
-        # Each Dynamo graph's parameters get their gradients together, and the reducer cuts
-        # its buckets in gradient-ready order with the same caps, so with these layer sizes
-        # (every layer >= the cap except l4) no bucket straddles two graphs except where a
-        # leftover small layer is packed with the next one. Assert what holds for this model:
-        # every bucket is either aligned or split only across graphs (never inside one graph
-        # segment boundary of a split graph).
-        for b in detail["buckets"]:
-            if b["status"] in ("aligned", "eager"):
-                continue
-            places = b["status"].removeprefix("split across ").split(", ")
-            graphs = [p.split(" segment ")[0] for p in places]
-            assert len(set(graphs)) == len(graphs), f"bucket split inside one graph: {b}"
+        # Gradients are ready graph by graph (l3/l4's graph, then l2's, then l0/l1's), and
+        # the reducer packs them with the 10 KiB cap: [l4, l3, l2] | [l1] | [l0]. The first
+        # bucket straddles two graphs: no split can align it (a graph boundary is not a bucket
+        # boundary), so it is reported split across two *graphs*; the others are aligned.
+        buckets = {tuple(sorted({p.split(".")[0] for p in b["params"]})): b["status"] for b in detail["buckets"]}
+        assert set(buckets) == {("l2", "l3", "l4"), ("l1",), ("l0",)}, detail
+        assert buckets[("l1",)] == buckets[("l0",)] == "aligned", detail
+        straddle = buckets[("l2", "l3", "l4")]
+        assert straddle.startswith("split across graph "), detail
+        places = straddle.removeprefix("split across ").split(", ")
+        graphs = [p.split(" segment ")[0] for p in places]
+        assert len(places) == 2 and len(set(graphs)) == 2, f"must straddle two graphs, not segments of one: {detail}"
+        assert r["alignment"] == pytest.approx(2 / 3), detail
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -579,7 +667,51 @@ def test_dynamic_batch(tmp_path, strategy):
         # dynamic=True: the first compile is already shape-generic; no batch size recompiles.
         assert rep["totals"]["recompiles"] == 0, rep
         assert rep["totals"]["graphs"] == 1, rep
-        _assert_report_basics(rep, strategy, min_split_segments=4)
+        _assert_report_basics(rep, strategy, min_split_segments=3)
+        _assert_aligned(r)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_automatic_dynamic_recompile(tmp_path, strategy):
+    results = _run(tmp_path, "auto_dynamic", strategy)
+    for r in results:
+        rep = r["report"]
+        # dynamic=None: the second batch size recompiles once with a dynamic batch dimension;
+        # the later sizes reuse it. Both compiles are split alike.
+        assert rep["totals"]["recompiles"] == 1 and rep["totals"]["graphs"] == 2, rep
+        assert [g["recompile"] for g in rep["graphs"]] == [False, True]
+        _assert_report_basics(rep, strategy, min_split_segments=3)
+        _assert_aligned(r)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_sync_gradient_accumulation(tmp_path, strategy):
+    results = _run(tmp_path, "no_sync", strategy)
+    for r in results:
+        _assert_report_basics(r["report"], strategy, min_split_segments=3)
+        assert r["report"]["totals"]["graphs"] == 1, r["report"]
+        _assert_aligned(r)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_static_graph(tmp_path, strategy):
+    results = _run(tmp_path, "static_graph", strategy)
+    for r in results:
+        _assert_report_basics(r["report"], strategy, min_split_segments=3)
+        _assert_aligned(r)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_layer_shared_across_graph_break(tmp_path, strategy):
+    results = _run(tmp_path, "shared_across_break", strategy)
+    for r in results:
+        rep = r["report"]
+        assert rep["totals"]["graphs"] == 2, rep
+        _assert_report_basics(rep, strategy, min_split_segments=None)
+        # `shared` is read by both graphs; its gradient is complete only when the *first*
+        # graph's backward has run (the autograd engine sums both contributions before its
+        # AccumulateGrad fires). The reducer therefore buckets [out + mid] | [shared] | [inp]:
+        # graph 1 must not plan `shared` as ready inside its own backward.
         _assert_aligned(r)
 
 
@@ -587,7 +719,8 @@ def test_dynamic_batch(tmp_path, strategy):
 def test_same_tensor_as_two_inputs(tmp_path, strategy):
     results = _run(tmp_path, "same_input_twice", strategy)
     for r in results:
-        _assert_report_basics(r["report"], strategy, min_split_segments=3)
+        # [out + mid], [b + a] at a 10 KiB cap.
+        _assert_report_basics(r["report"], strategy, min_split_segments=2)
         _assert_aligned(r)
 
 
@@ -595,7 +728,8 @@ def test_same_tensor_as_two_inputs(tmp_path, strategy):
 def test_batchnorm_broadcast_buffers(tmp_path, strategy):
     results = _run(tmp_path, "batchnorm", strategy)
     for r in results:
-        _assert_report_basics(r["report"], strategy, min_split_segments=3)
+        # [l2 + bn1 + l1], [bn0 + l0] at a 10 KiB cap.
+        _assert_report_basics(r["report"], strategy, min_split_segments=2)
         _assert_aligned(r)
 
 
@@ -607,14 +741,19 @@ def test_find_unused_parameters(tmp_path, strategy):
         # use_extra is a Python bool: one graph per value (the second a recompile).
         assert rep["totals"]["graphs"] == 2, rep
         _assert_report_basics(rep, strategy, min_split_segments=3)
-        for g in rep["graphs"]:
-            assert "never.weight" in g["unused_params"] and "never.bias" in g["unused_params"], g
+        # Parameters a graph never reads are not part of it (Dynamo does not lift them).
+        seg_params = [{p for s in g["segments"] for p in s["params"]} for g in rep["graphs"]]
+        assert all(not {"never.weight", "never.bias"} & ps for ps in seg_params), seg_params
+        assert sorted(ps >= {"extra.weight", "extra.bias"} for ps in seg_params) == [False, True], seg_params
         # find_unused_parameters=True: the reducer never rebuilds its buckets; it keeps the
         # construction-time assignment (reverse registration order), so alignment is measured
         # against those buckets.
         detail = r["alignment_detail"]
         assert detail["status"].endswith("initial"), detail
         assert r["alignment"] is not None, detail
+        # Not 1.0 here (0.25 under split, 0.5 under none on torch 2.13; explained in the
+        # suite's report): the buckets are DDP's construction-time ones, in registration order.
+        assert 0 < r["alignment"] <= 1, detail
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -674,20 +813,18 @@ def test_module_without_parameters(tmp_path, strategy):
 @pytest.mark.inductor
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_inductor_mlp(tmp_path, strategy):
-    # Inductor fuses and reorders float ops (e.g. addmm epilogues, GELU codegen), so results
-    # differ from eager by a few ulps that momentum SGD carries forward: 1e-4 relative.
-    results = run_distributed(
-        train_and_compare, tmp_path, args=("inductor_mlp", strategy, "inductor", 1e-4, 1e-5), timeout=400
-    )
+    # Same tight tolerance as aot_eager: with SGD, Inductor's fused kernels stay within it.
+    results = _run(tmp_path, "inductor_mlp", strategy, backend="inductor", timeout=400)
     for r in results:
-        _assert_report_basics(r["report"], strategy, min_split_segments=3)
+        # 4 KiB hidden layers at a 2 KiB cap: [2 + 4] | [0].
+        _assert_report_basics(r["report"], strategy, min_split_segments=2)
         assert all(s["backend"] == "inductor" for g in r["report"]["graphs"] for s in g["segments"])
         _assert_aligned(r)
 
 
 @pytest.mark.inductor
 def test_inductor_checkpoint_split(tmp_path):
-    results = run_distributed(train_and_compare, tmp_path, args=("checkpoint", "split", "inductor", 1e-4, 1e-5), timeout=400)
+    results = _run(tmp_path, "inductor_checkpoint", "split", backend="inductor", timeout=400)
     for r in results:
         _assert_report_basics(r["report"], "split", min_split_segments=3)
         assert all(s["backend"] == "inductor" for g in r["report"]["graphs"] for s in g["segments"])
