@@ -13,6 +13,9 @@ import torch.distributed as dist
 STATS_DIR_ENV = "BUCKETWISE_STATS_DIR"
 SCHEMA_VERSION = 1
 
+# Stats folder -> how many compiled objects of this process write into it (see write_rank_file).
+_stats_slots: dict[str, int] = {}
+
 
 @dataclasses.dataclass
 class SegmentStats:
@@ -107,6 +110,7 @@ class Report:
         self.graphs: list[GraphStats] = []
         self.notes: list[str] = []
         self._alignment_fn: Callable[[], dict[str, Any]] | None = None
+        self._slot: tuple[str, int] | None = None
 
     # -- recording -------------------------------------------------------------------------
 
@@ -173,13 +177,24 @@ class Report:
         )
 
     def write_rank_file(self) -> None:
-        """``$BUCKETWISE_STATS_DIR/rank<R>.json``, written whole then renamed (never torn)."""
+        """``$BUCKETWISE_STATS_DIR/rank<R>.json``, written whole then renamed (never torn).
+
+        The first compiled object of a process that writes into a stats folder owns
+        ``rank<R>.json``; further ones (a second model, an eval copy) write
+        ``obj<k>/rank<R>.json`` instead of overwriting it.
+        """
         out_dir = os.environ.get(STATS_DIR_ENV)
         if not out_dir:
             return
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-        os.makedirs(out_dir, exist_ok=True)
-        self.to_json(os.path.join(out_dir, f"rank{rank}.json"))
+        key = os.path.abspath(out_dir)
+        if self._slot is None or self._slot[0] != key:
+            index = _stats_slots.get(key, 0)
+            _stats_slots[key] = index + 1
+            self._slot = (key, index)
+        folder = out_dir if self._slot[1] == 0 else os.path.join(out_dir, f"obj{self._slot[1]}")
+        os.makedirs(folder, exist_ok=True)
+        self.to_json(os.path.join(folder, f"rank{rank}.json"))
 
 
 def _atomic_write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:

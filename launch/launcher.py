@@ -134,5 +134,9 @@ def summarize(stats_dir: str, *, table: bool = True, out: TextIO | None = None) 
         print(stats.format_merged(merged), file=out)
     else:
         print("\n".join([stats.totals_line(merged), *stats.plan_check_lines(merged)]), file=out)
+    others = sorted(d for d in os.listdir(stats_dir) if d.startswith("obj") and os.path.isdir(os.path.join(stats_dir, d)))
+    if others:
+        hint = ", ".join(f"bucketwise stats {os.path.join(stats_dir, d)}" for d in others)
+        print(f"bucketwise: {len(others)} more compiled object(s) reported per rank: {hint}", file=out)
     out.flush()
     return True
