@@ -35,6 +35,11 @@ def make_backend(
     return torch._TorchCompileWrapper(backend, mode, options, dynamic)
 
 
+def is_higher_order_op(target: Any) -> bool:
+    """A higher-order op in a Dynamo graph (checkpoint, torch.func transforms, ...)."""
+    return isinstance(target, torch._ops.HigherOrderOperator)
+
+
 # --- compile ids, counters, timings -----------------------------------------------------
 
 

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from . import _ddp_compat
+from . import _autograd_compat, _ddp_compat
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class FusedRuntime:
         if not self._in_synced_backward or id(param) in self.covered:
             return
         if not self._eager_ready:
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush_eager)
+            _autograd_compat.queue_backward_callback(self._flush_eager)
         self._eager_ready.append(param)
 
     def _flush_eager(self) -> None:
@@ -140,7 +140,7 @@ class FusedRuntime:
                     continue
                 var = getattr(nxt, "variable", None)
                 if var is not None:
-                    if id(var) in self.covered and not _is_compiled_node(node):
+                    if id(var) in self.covered and not _autograd_compat.is_compiled_graph_node(node):
                         eager_slots.append(slot)
                         found.add(id(var))
                 else:
@@ -173,10 +173,5 @@ class FusedRuntime:
         return hook
 
 
-def _is_compiled_node(node: Any) -> bool:
-    return "CompiledFunction" in type(node).__name__
-
-
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    leaves, _ = torch.utils._pytree.tree_flatten(obj)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    return [t for t in _autograd_compat.tensor_leaves(obj) if t.requires_grad]

@@ -8,6 +8,8 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx as fx
 
+from ..compiler._dynamo_compat import is_higher_order_op
+
 
 @dataclasses.dataclass(frozen=True)
 class GraphParam:
@@ -31,7 +33,7 @@ class GraphParam:
 
 
 def _is_hop_node(node: fx.Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)
+    return node.op == "call_function" and is_higher_order_op(node.target)
 
 
 def _flat_args(node: fx.Node) -> list[Any]:
