@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import torch
@@ -95,8 +96,8 @@ class CompileConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a positive number of MiB, got {value!r}")
-            if not value > 0:
-                raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive, finite number of MiB, got {value!r}")
 
     @property
     def backend_name(self) -> str:

@@ -66,9 +66,9 @@ class GraphBackend:
         self._ddp = weakref.ref(ddp) if ddp is not None else None
         self.segment_backend = dc.make_backend(config.backend, config.mode, config.options, config.dynamic)
         self._fused_backend: Callable[..., Any] | None = None
-        # Graph id -> param name -> segment index (latest compile of each frame): alignment.
+        # Frame -> param name -> segment index (latest compile of each frame): alignment.
+        # Frames are numbered in the order Dynamo first meets them, i.e. forward order.
         self.param_segments: dict[int, dict[str, int]] = {}
-        self._latest_graph_of_frame: dict[Any, int] = {}
 
     @property
     def ddp(self) -> Any | None:
@@ -129,6 +129,11 @@ class GraphBackend:
         )
 
     def _split(self, gm, example_inputs, ddp, params, progress) -> _Result:
+        # A parameter an earlier graph also reads (used on both sides of a graph break) gets
+        # its gradient completed by that earlier graph's backward: plan it there only.
+        frame = _frame_key(dc.current_compile_id(), len(self.report.graphs))
+        earlier = {n for key, names in self.param_segments.items() if key < frame for n in names}
+        params = [p for p in params if p.name not in earlier]
         caps = self._caps(ddp)
         if not caps.matches_ddp(ddp):
             self.report.note(
@@ -201,12 +206,9 @@ class GraphBackend:
     # -- stats -----------------------------------------------------------------------------
 
     def _record(self, graph_id, cid, strategy, why, params, result: _Result, op_count, hops, break_reason) -> None:
-        if cid.frame_id is not None:
-            previous = self._latest_graph_of_frame.get(cid.frame_id)
-            if previous is not None:
-                self.param_segments.pop(previous, None)
-            self._latest_graph_of_frame[cid.frame_id] = graph_id
-        self.param_segments[graph_id] = {p.name: seg.index for seg in result.segments for p in seg.params}
+        self.param_segments[_frame_key(cid, graph_id)] = {
+            p.name: seg.index for seg in result.segments for p in seg.params
+        }
         segments = [
             SegmentStats(
                 index=seg.index,
@@ -237,6 +239,11 @@ class GraphBackend:
                 plan_source=result.plan_source,
             )
         )
+
+
+def _frame_key(cid: dc.CompileId, graph_id: int) -> int:
+    """Dynamo's frame id (recompiles of a frame share it); the graph id when unknown."""
+    return cid.frame_id if cid.frame_id is not None else 10**6 + graph_id
 
 
 def _op_count(gm: fx.GraphModule) -> int:

@@ -9,7 +9,9 @@ from . import _ddp_compat
 
 def measure_alignment(ddp: Any, param_segments: Mapping[int, Mapping[str, int]]) -> dict[str, Any]:
     """``alignment`` = fraction of the reducer's buckets whose parameters all lie in one
-    compiled segment (one graph, one segment).
+    compiled segment (one frame's graph, one segment). ``param_segments`` maps each compiled
+    frame (forward order) to its parameters' segments; a parameter several frames read belongs
+    to the earliest, whose backward completes its gradient.
 
     Buckets holding only parameters that no compiled graph reads (their gradients come from
     eager code) are listed as ``eager`` and left out of the fraction. Returns
@@ -24,9 +26,9 @@ def measure_alignment(ddp: Any, param_segments: Mapping[int, Mapping[str, int]])
         }
     names = [name for name, _ in _ddp_compat.reducer_parameters(ddp)]
     where: dict[str, tuple[int, int]] = {}
-    for graph_id in sorted(param_segments):
-        for name, seg in param_segments[graph_id].items():
-            where[name] = (graph_id, seg)
+    for frame in sorted(param_segments):
+        for name, seg in param_segments[frame].items():
+            where.setdefault(name, (frame, seg))
     rows = []
     aligned = considered = 0
     for index, members in enumerate(buckets):
@@ -37,7 +39,7 @@ def measure_alignment(ddp: Any, param_segments: Mapping[int, Mapping[str, int]])
         else:
             considered += 1
             status = "aligned" if len(places) == 1 else "split across " + ", ".join(
-                "eager" if g < 0 else f"graph {g} segment {s}" for g, s in places
+                "eager" if g < 0 else f"frame {g} segment {s}" for g, s in places
             )
             aligned += len(places) == 1
         rows.append({"bucket": index, "params": member_names, "status": status})

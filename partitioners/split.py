@@ -33,12 +33,26 @@ class Segment:
 
 
 def bucket_boundaries(gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]]) -> Callable[[fx.Node], int]:
-    """Policy: node -> segment, cutting the graph where each bucket's earliest parameter use
-    begins, so each bucket's gradients are complete when its segment's backward finishes.
+    """Policy: node -> segment, such that every bucket's parameters are first used inside one
+    segment, with as many segments as that allows.
 
-    Buckets come in gradient-ready order; segments are numbered in forward order.
+    Each bucket spans the range of its parameters' first uses; overlapping ranges are merged
+    (buckets that are not contiguous in forward order, e.g. DDP's construction-time buckets,
+    share a segment) and the graph is cut where each merged range begins. A bucket's gradients
+    are then complete when its segment's backward finishes. Segments are numbered in forward
+    order.
     """
-    starts = sorted({min(p.first_use for p in b) for b in buckets if any(p.first_use >= 0 for p in b)})
+    ranges = sorted(
+        (min(uses), max(uses))
+        for uses in ([p.first_use for p in b if p.first_use >= 0] for b in buckets)
+        if uses
+    )
+    starts: list[int] = []
+    end = -1
+    for lo, hi in ranges:
+        if lo > end:
+            starts.append(lo)
+        end = max(end, hi)
     starts = [0] + [s for s in starts if s > 0]
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
 

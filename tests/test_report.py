@@ -1,0 +1,295 @@
+"""bucketwise.report(): serialisation, the text table, per-rank stats files, compile fallbacks,
+and leaving torch's own DDPOptimizer alone.
+
+A one-rank gloo group in this process gives DDP a real reducer (bucket rebuild, alignment)
+without spawning; numerics are compared against eager DDP on the same group.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import bucketwise
+
+
+class MLP(nn.Module):
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(depth))  # 16 KiB weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class BreakNet(nn.Module):
+    """Two graphs (an explicit graph break in the middle)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = MLP(2)
+        self.b = MLP(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+class ReluNet(nn.Module):
+    """torch.relu only in the first layer's segment (what relu_compile_error_TESTING_ONLY
+    refuses); the other segments have none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = nn.Linear(64, 64)
+        self.l1 = nn.Linear(64, 64)
+        self.l2 = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.l0(x))
+        x = torch.tanh(self.l1(x))
+        return self.l2(x)
+
+
+CAP_MB = 0.01  # 10 KiB: every 16 KiB layer is a bucket of its own
+
+
+def _train(compiled, ref, steps: int, *, batch: int = 8, check: bool = True) -> None:
+    """Train both with SGD on the same data; compare losses, grads and params each step."""
+    opt_c = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(steps):
+        x = torch.randn(batch, 64, generator=torch.Generator().manual_seed(step))
+        loss_c = compiled(x).square().mean()
+        loss_r = ref(x).square().mean()
+        loss_c.backward()
+        loss_r.backward()
+        if check:
+            torch.testing.assert_close(loss_c, loss_r, rtol=1e-5, atol=1e-6)
+            for (n, p), (_, q) in zip(compiled.named_parameters(), ref.named_parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad {n}: {m}")
+        opt_c.step()
+        opt_r.step()
+        opt_c.zero_grad()
+        opt_r.zero_grad()
+    if check:
+        for (n, p), (_, q) in zip(compiled.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"param {n}: {m}")
+
+
+def _pair(module: nn.Module, **compile_kwargs):
+    """(bucketwise-compiled DDP, eager DDP) over two copies of ``module``."""
+    ref = DDP(copy.deepcopy(module), bucket_cap_mb=CAP_MB)
+    compiled = bucketwise.compile(
+        DDP(copy.deepcopy(module), bucket_cap_mb=CAP_MB), **{"backend": "aot_eager", "strategy": "split", **compile_kwargs}
+    )
+    return compiled, ref
+
+
+# --- to_dict / to_json / table ---------------------------------------------------------------
+
+
+def test_to_dict_and_json_round_trip(single_rank_group, tmp_path):
+    compiled, ref = _pair(MLP())
+    rep = bucketwise.report(compiled)
+    assert rep.totals["graphs"] == 0 and rep.alignment is None
+    _train(compiled, ref, 1)
+    # One iteration: the reducer has not rebuilt its buckets yet.
+    assert rep.alignment is None
+    assert "pending" in rep.alignment_detail()["status"]
+    assert "alignment n/a" in rep.table()
+    _train(compiled, ref, 4)
+    d = rep.to_dict()
+    assert d["schema"] == 1
+    assert d["target"] == "DDP(MLP)" and d["strategy"] == "split" and d["backend"] == "aot_eager"
+    assert (d["rank"], d["world_size"]) == (0, 1)
+    assert d["totals"]["graphs"] == len(d["graphs"]) == 1
+    assert d["totals"]["segments"] == sum(len(g["segments"]) for g in d["graphs"]) == 4
+    assert d["totals"]["alignment"] == d["alignment"]["alignment"] == rep.alignment == 1.0
+    seg_params = [p for g in d["graphs"] for s in g["segments"] for p in s["params"]]
+    assert sorted(seg_params) == sorted(n for n, _ in compiled.module.named_parameters())
+    for g in d["graphs"]:
+        for s in g["segments"]:
+            assert s["param_count"] == len(s["params"])
+            assert s["bytes"] == sum(compiled.module.get_parameter(p).nbytes for p in s["params"])
+            assert s["backend"] == "aot_eager" and not s["fell_back"]
+    # JSON: serialisable as is, and to_json writes exactly to_dict().
+    assert json.loads(json.dumps(d)) == d
+    out = tmp_path / "out"
+    out.mkdir()
+    path = out / "report.json"
+    rep.to_json(path)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(rep.to_dict()))
+    rep.to_json(str(path))  # str paths too; overwrites
+    assert json.loads(path.read_text())["totals"]["segments"] == 4
+    assert sorted(os.listdir(out)) == ["report.json"], "no temporary files left behind"
+    assert "alignment=1.0" in repr(rep)
+
+
+def test_table_has_a_row_per_segment(single_rank_group):
+    compiled, ref = _pair(BreakNet())
+    _train(compiled, ref, 4)
+    rep = bucketwise.report(compiled)
+    d = rep.to_dict()
+    assert d["totals"]["graphs"] == 2
+    rows_expected = [(g["graph_id"], s["index"]) for g in d["graphs"] for s in g["segments"]]
+    assert len(rows_expected) == d["totals"]["segments"] == 5
+    lines = rep.table().splitlines()
+    assert lines[0].split()[:3] == ["graph", "seg", "params"]
+    rows = [ln.split() for ln in lines[1 : 1 + len(rows_expected)]]
+    assert [(int(r[0]), int(r[1])) for r in rows] == rows_expected
+    for r, (gid, idx) in zip(rows, rows_expected):
+        seg = d["graphs"][gid]["segments"][idx]
+        assert int(r[2]) == seg["param_count"]
+        assert r[6] == "aot_eager" and r[7] == "-"
+    # Then the totals line; nothing else looks like a segment row.
+    assert lines[1 + len(rows_expected)].startswith("graphs 2, ")
+    assert "segments 5" in lines[1 + len(rows_expected)]
+    assert "graph break" in rep.table()
+
+
+# --- $BUCKETWISE_STATS_DIR ---------------------------------------------------------------------
+
+
+def test_stats_dir_rank_file(single_rank_group, tmp_path, monkeypatch):
+    stats = tmp_path / "stats"
+    monkeypatch.setenv("BUCKETWISE_STATS_DIR", str(stats))
+    compiled, ref = _pair(MLP())
+    assert not stats.exists() or not os.listdir(stats), "nothing written before a graph compiles"
+    _train(compiled, ref, 1)
+    assert sorted(os.listdir(stats)) == ["rank0.json"], os.listdir(stats)
+    data = json.loads((stats / "rank0.json").read_text())
+    assert data["rank"] == 0 and data["totals"]["graphs"] == 1 and data["totals"]["segments"] == 4
+    assert data["totals"]["alignment"] is None
+    # Once the reducer's buckets are known, the file is refreshed with the alignment.
+    _train(compiled, ref, 4)
+    data = json.loads((stats / "rank0.json").read_text())
+    assert data["totals"]["alignment"] == 1.0, data["alignment"]
+    # Written whole then renamed: no temporary file is left next to it.
+    assert sorted(os.listdir(stats)) == ["rank0.json"], os.listdir(stats)
+
+    # A second compiled object of this process does not overwrite the first one's file.
+    second, ref2 = _pair(MLP(depth=2))
+    _train(second, ref2, 1)
+    assert json.loads((stats / "rank0.json").read_text())["totals"]["segments"] == 4
+    other = [p for p in stats.rglob("rank0.json") if p != stats / "rank0.json"]
+    assert len(other) == 1, sorted(map(str, stats.rglob("*")))
+    assert json.loads(other[0].read_text())["totals"]["segments"] == 2
+    leftovers = [p.name for p in stats.rglob("*") if p.is_file() and p.name != "rank0.json"]
+    assert not leftovers, leftovers
+
+
+# --- compile failures ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["split", "none"])
+def test_failing_backend_falls_back_to_eager(single_rank_group, strategy):
+    compiled, ref = _pair(ReluNet(), backend="relu_compile_error_TESTING_ONLY", strategy=strategy, fallback="eager")
+    _train(compiled, ref, 4)  # correct numerics, eagerly where the compile failed
+    d = bucketwise.report(compiled).to_dict()
+    segs = [s for g in d["graphs"] for s in g["segments"]]
+    failed = [s for s in segs if s["fell_back"]]
+    assert d["totals"]["fallbacks"] == len(failed) == 1, segs
+    assert failed[0]["backend"] == "eager"
+    assert "ReluCompileError" in failed[0]["reason"]
+    assert "l0.weight" in failed[0]["params"]
+    if strategy == "split":
+        # Only the segment holding torch.relu fails; the others compile.
+        assert len(segs) == 3
+        assert [s["fell_back"] for s in segs] == [True, False, False]
+        assert [s["backend"] for s in segs[1:]] == ["relu_compile_error_TESTING_ONLY"] * 2
+    assert "ReluCompileError" in bucketwise.report(compiled).table()
+
+
+def _exploding_backend(gm, example_inputs):
+    raise RuntimeError("boom: this backend cannot compile anything")
+
+
+def test_callable_backend_raising_falls_back(single_rank_group):
+    compiled, ref = _pair(MLP(), backend=_exploding_backend, fallback="eager")
+    _train(compiled, ref, 3)
+    d = bucketwise.report(compiled).to_dict()
+    assert d["backend"] == "_exploding_backend"
+    segs = [s for g in d["graphs"] for s in g["segments"]]
+    assert len(segs) == 4 and all(s["fell_back"] for s in segs)
+    assert all(s["reason"].startswith("RuntimeError: boom") for s in segs)
+    assert d["totals"]["fallbacks"] == 4
+
+
+@pytest.mark.parametrize("strategy", ["split", "none"])
+def test_failing_backend_with_fallback_raise(single_rank_group, strategy):
+    compiled, _ = _pair(ReluNet(), backend="relu_compile_error_TESTING_ONLY", strategy=strategy, fallback="raise")
+    with pytest.raises(Exception) as info:
+        compiled(torch.randn(4, 64))
+    chain, exc = [], info.value
+    while exc is not None:
+        chain.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    assert any("ReluCompileError" in c for c in chain), chain
+    assert bucketwise.report(compiled).totals["fallbacks"] == 0
+
+
+# --- torch's own DDPOptimizer is left alone -----------------------------------------------------
+
+
+class Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(512, 512) for _ in range(4))  # 1 MiB each
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _plain_torch_compile_graph_count() -> int:
+    """Graphs torch.compile(DDP(model)) hands the backend: torch's DDPOptimizer splits one
+    Dynamo graph into one subgraph per 1 MiB bucket."""
+    calls = []
+
+    def counting_backend(gm, example_inputs):
+        calls.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    ddp = DDP(Wide(), bucket_cap_mb=1)
+    compiled = torch.compile(ddp, backend=counting_backend)
+    compiled(torch.randn(2, 512)).sum().backward()
+    return len(calls)
+
+
+def test_plain_torch_compile_keeps_ddp_optimizer(single_rank_group):
+    assert torch._dynamo.config.optimize_ddp  # torch's default
+    baseline = _plain_torch_compile_graph_count()
+    assert baseline >= 3, "torch's DDPOptimizer should split the graph at 1 MiB buckets"
+    flag = torch._dynamo.config.optimize_ddp
+
+    # A bucketwise-compiled DDP module, trained a few steps.
+    compiled, ref = _pair(MLP())
+    _train(compiled, ref, 3)
+    assert torch._dynamo.config.optimize_ddp == flag
+
+    # A bucketwise-compiled function calling a DDP module (optimize_ddp is patched per call).
+    ddp = DDP(MLP(), bucket_cap_mb=CAP_MB)
+    fn = bucketwise.compile(lambda x: ddp(x).square().mean(), backend="aot_eager", strategy="split")
+    for _ in range(2):
+        fn(torch.randn(4, 64)).backward()
+    assert torch._dynamo.config.optimize_ddp == flag
+    assert bucketwise.report(fn).totals["segments"] >= 2
+    with pytest.raises(RuntimeError):
+        fn(torch.randn(4, 63))  # a failing call restores the flag too
+    assert torch._dynamo.config.optimize_ddp == flag
+
+    # The user's own torch.compile still goes through torch's DDPOptimizer.
+    assert _plain_torch_compile_graph_count() == baseline
