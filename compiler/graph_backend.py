@@ -66,6 +66,7 @@ class GraphBackend:
         self._ddp = weakref.ref(ddp) if ddp is not None else None
         self.segment_backend = dc.make_backend(config.backend, config.mode, config.options, config.dynamic)
         self._fused_backend: Callable[..., Any] | None = None
+        self._layout_checked = False
         # Frame -> param name -> segment index (latest compile of each frame): alignment.
         # Frames are numbered in the order Dynamo first meets them, i.e. forward order.
         self.param_segments: dict[int, dict[str, int]] = {}
@@ -114,11 +115,11 @@ class GraphBackend:
         if requested == "split":
             return "split", None
         # "fused" or "auto"
-        if self.fused_runtime is None:
-            return "split", "fused needs bucketwise to run the DDP forward: compile the DDP module itself"
         kind, hook = _ddp_compat.comm_hook_kind(ddp)
         if kind == "unsupported":
             return "split", f"comm hook {hook} cannot be reproduced in the graph; DDP's reducer runs it"
+        if self.fused_runtime is None:
+            return "split", "fused needs bucketwise to run the DDP forward: compile the DDP module itself"
         return "fused", None
 
     # -- strategies ------------------------------------------------------------------------
@@ -159,9 +160,16 @@ class GraphBackend:
     def _fused(self, gm, example_inputs, ddp, params, progress) -> _Result:
         buckets = plan_buckets(ready_order(params), self._caps(ddp))
         spec = _comm_spec(ddp)
-        check_same_on_all_ranks(
-            _layout_signature(buckets, spec), _ddp_compat.process_group(ddp), what="fused bucket layout"
-        )
+        if not self._layout_checked:
+            # NOTE [fused layout check]: only the first fused graph is checked with a collective:
+            # every rank compiles it in the same step. Later graphs may be compiled at different
+            # steps on different ranks (a data-dependent branch taken first on one rank), so a
+            # collective there would pair unrelated compiles; their layouts are in the report,
+            # and `bucketwise launch`/`stats` compare them across ranks.
+            check_same_on_all_ranks(
+                _layout_signature(buckets, spec), _ddp_compat.process_group(ddp), what="fused bucket layout"
+            )
+            self._layout_checked = True
         positions = backward_positions(gm, buckets)
         insert_bucket_syncs(gm, buckets, spec)
         with progress.step("whole graph + %d bucket allreduces" % len(buckets), self.config.backend_name):
@@ -206,9 +214,11 @@ class GraphBackend:
     # -- stats -----------------------------------------------------------------------------
 
     def _record(self, graph_id, cid, strategy, why, params, result: _Result, op_count, hops, break_reason) -> None:
-        self.param_segments[_frame_key(cid, graph_id)] = {
-            p.name: seg.index for seg in result.segments for p in seg.params
-        }
+        frame = _frame_key(cid, graph_id)
+        # A recompile: this backend compiles a frame it compiled before (a guard failed). The
+        # no_sync variant's first compile of a frame is not one, though Dynamo counts it.
+        recompile = frame in self.param_segments
+        self.param_segments[frame] = {p.name: seg.index for seg in result.segments for p in seg.params}
         segments = [
             SegmentStats(
                 index=seg.index,
@@ -230,7 +240,7 @@ class GraphBackend:
                 strategy=strategy,
                 strategy_reason=why,
                 graph_break_reasons=[break_reason] if break_reason else [],
-                recompile=bool(cid.frame_compile_id),
+                recompile=recompile,
                 op_count=op_count,
                 higher_order_ops=hops,
                 segments=segments,

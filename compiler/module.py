@@ -66,6 +66,8 @@ class CompiledModule(nn.Module):
         self.__dict__["_bucketwise_report"] = report
         self.__dict__["_bucketwise_ddp"] = ddp
         self.__dict__["_bucketwise_runtime"] = runtime
+        self.__dict__["_bucketwise_backend"] = backend
+        self.__dict__["_fused_checked"] = runtime is None
         self.__dict__["_bucketwise_call"] = _torch_compile(forward, backend, config)
         self.__dict__["_alignment_pending"] = ddp is not None and runtime is None
         if runtime is not None:
@@ -85,6 +87,8 @@ class CompiledModule(nn.Module):
         if ddp is None:
             return self._bucketwise_call(*args, **kwargs)
         runtime = self._bucketwise_runtime
+        if runtime is not None and not self._fused_checked:
+            runtime = self._confirm_fused(ddp, runtime)
         if runtime is not None:
             sync = _ddp_compat.grad_sync_requested(ddp) and torch.is_grad_enabled()
             runtime.before_forward(sync)
@@ -97,6 +101,21 @@ class CompiledModule(nn.Module):
             self._refresh_alignment()
         out = self._bucketwise_call(*args, **kwargs)
         return _ddp_compat.post_forward(ddp, out)
+
+    def _confirm_fused(self, ddp: Any, runtime: FusedRuntime) -> FusedRuntime | None:
+        """At the first forward (comm hooks are registered after construction): keep DDP's
+        reducer in charge when the fused strategy cannot reproduce what it would do."""
+        self.__dict__["_fused_checked"] = True
+        kind, _ = _ddp_compat.comm_hook_kind(ddp)
+        if kind != "unsupported" and not _ddp_compat.uses_python_reducer(ddp):
+            return runtime
+        runtime.remove_hooks()
+        self.__dict__["_bucketwise_runtime"] = None
+        self.__dict__["_alignment_pending"] = True
+        backend = self._bucketwise_backend
+        backend.fused_runtime = None
+        self._bucketwise_report.set_alignment_source(lambda: measure_alignment(ddp, backend.param_segments))
+        return None
 
     def _refresh_alignment(self) -> None:
         """Once the reducer's rebuilt buckets are readable, publish the alignment figure."""

@@ -1,0 +1,155 @@
+"""The fused strategy against eager DDP on 2 real gloo ranks.
+
+Every case of the foundation suite (tests/test_split_correctness.py) runs again with
+``strategy="fused"``: per step, losses, every gradient after reduction, every parameter after the
+optimizer step and every buffer must equal eager DDP's. Then the cases only the fused strategy
+has: eager-produced gradients (a ``torch.compiler.disable``d submodule, a parameter used inside
+and outside a graph), comm hooks (reproduced in the graph, or a fallback to ``split`` with the
+reason), ``no_sync()`` without a recompile per step, and the idle reducer.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _dist import run_distributed
+from test_split_correctness import CASES, _run
+
+# Cases whose model has no DDP parameters compiled through DDP, or that are specific to split.
+_SKIP = {"compile_cap_only": "about split's alignment with a cap only compile() knows"}
+
+
+def _assert_fused(report: dict[str, Any], *, min_buckets: int = 1) -> None:
+    graphs = [g for g in report["graphs"] if g["strategy"] == "fused"]
+    assert graphs, [(g["strategy"], g["strategy_reason"]) for g in report["graphs"]]
+    assert report["totals"]["fallbacks"] == 0, report
+    assert max(len(g["buckets"]) for g in graphs) >= min_buckets, [len(g["buckets"]) for g in graphs]
+    for g in graphs:
+        assert len(g["segments"]) == 1, g  # compiled whole: bucket size does not cut the graph
+        for b in g["buckets"]:
+            assert 0.0 <= b["issued_at"] <= 1.0 and b["comm_dtype"], b
+    # The reducer stays idle: there is no alignment to measure.
+    assert report["alignment"]["alignment"] is None, report["alignment"]
+
+
+@pytest.mark.parametrize("case", sorted(c for c in CASES if c not in _SKIP and not c.startswith("inductor")))
+def test_fused_matches_eager_ddp(tmp_path, case):
+    results = _run(tmp_path, case, "fused")
+    for r in results:
+        _assert_fused(r["report"])
+
+
+@pytest.mark.inductor
+def test_fused_inductor_matches_eager_ddp(tmp_path):
+    results = _run(tmp_path, "inductor_mlp", "fused", backend="inductor")
+    for r in results:
+        _assert_fused(r["report"], min_buckets=2)
+
+
+def test_fused_no_sync_compiles_once_per_variant(tmp_path):
+    results = _run(tmp_path, "no_sync", "fused")
+    for r in results:
+        rep = r["report"]
+        # One synced and one no_sync variant per frame, no recompile per step.
+        assert rep["totals"]["recompiles"] == 0, rep
+        assert sorted(g["strategy"] for g in rep["graphs"]) == ["fused", "none"], rep["graphs"]
+        nosync = next(g for g in rep["graphs"] if g["strategy"] == "none")
+        assert "no_sync" in nosync["strategy_reason"]
+
+
+# --- fused-only cases ---------------------------------------------------------------------
+
+
+class EagerRegions(nn.Module):
+    """``d`` lives in a ``torch.compiler.disable``d method (its gradient is produced eagerly);
+    ``a.weight`` is used in the compiled graph and again inside that eager method."""
+
+    def __init__(self, mixed: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.d, self.c = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 4)
+        self.mixed = mixed
+
+    @torch.compiler.disable
+    def eager_part(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.gelu(self.d(x))
+        return y + self.a.weight.sum() * 0.01 if self.mixed else y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.a(x))
+        x = self.eager_part(x)
+        return self.c(F.gelu(self.b(x)))
+
+
+def _custom_hook(state, bucket):
+    """A user comm hook bucketwise cannot reproduce in a graph (it is not one of torch's)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+# DDP checks the annotations' objects; this module's `from __future__ import annotations`
+# would make them strings.
+_custom_hook.__annotations__ = {
+    "state": object,
+    "bucket": torch.distributed.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def _train_fused(rank: int, world: int, variant: str, micro: int) -> dict[str, Any]:
+    import bucketwise
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.manual_seed(0)
+    model = EagerRegions(mixed=variant == "mixed")
+    ref = DDP(model, bucket_cap_mb=0.01)
+    ddp = DDP(copy.deepcopy(model), bucket_cap_mb=0.01)
+    rtol, atol = 1e-5, 1e-6
+    if variant == "fp16_hook":
+        ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    if variant == "custom_hook":
+        ref.register_comm_hook(None, _custom_hook)
+        ddp.register_comm_hook(None, _custom_hook)
+    compiled = bucketwise.compile(ddp, backend="aot_eager", strategy="auto")
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_cmp = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    for step in range(3):
+        for m, opt in ((ref, opt_ref), (compiled, opt_cmp)):
+            opt.zero_grad(set_to_none=True)
+            for k in range(micro):
+                g = torch.Generator().manual_seed(1000 * rank + 10 * step + k)
+                x = torch.randn(8, 16, generator=g)
+                if k < micro - 1:
+                    with m.no_sync():
+                        m(x).pow(2).mean().backward()
+                else:
+                    m(x).pow(2).mean().backward()
+        for (name, p), q in zip(ref.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=rtol, atol=atol, msg=lambda s: f"step {step} {name}: {s}")
+        opt_ref.step()
+        opt_cmp.step()
+    return bucketwise.report(compiled).to_dict()
+
+
+@pytest.mark.parametrize("variant,micro", [("disabled", 1), ("disabled", 3), ("mixed", 1), ("mixed", 3), ("fp16_hook", 1)])
+def test_fused_eager_gradients_reduced_once(tmp_path, variant, micro):
+    for rep in run_distributed(_train_fused, tmp_path, args=(variant, micro)):
+        strategies = {g["strategy"] for g in rep["graphs"]}
+        assert "fused" in strategies, rep["graphs"]
+        if variant == "fp16_hook":
+            dtypes = {b["comm_dtype"] for g in rep["graphs"] for b in g["buckets"]}
+            assert dtypes == {"float16"}, dtypes
+
+
+def test_fused_falls_back_to_split_for_unknown_comm_hook(tmp_path):
+    for rep in run_distributed(_train_fused, tmp_path, args=("custom_hook", 1)):
+        assert {g["strategy"] for g in rep["graphs"]} == {"split"}, rep["graphs"]
+        assert all("_custom_hook" in g["strategy_reason"] for g in rep["graphs"]), rep["graphs"]
