@@ -226,7 +226,7 @@ from bucketwise.launch.models import mlp
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = DDP(mlp(width=64, depth=4), bucket_cap_mb=0.01)
-compiled = bucketwise.compile(model, backend="aot_eager")
+compiled = bucketwise.compile(model, backend="aot_eager", strategy="split")
 opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
 for step in range(3):
     torch.manual_seed(step + 10 * dist.get_rank())
@@ -269,26 +269,29 @@ def test_launch_propagates_failure(tmp_path):
 # -- demo ----------------------------------------------------------------------------------
 
 
-def _check_demo(result, steps: int) -> None:
+def _check_demo(result, steps: int, strategy: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert sum(line.startswith("step ") and " ok " in line for line in out.splitlines()) == steps
     assert "rank 0 report:" in out and "compile s" in out
-    assert "alignment 1.00: " in out  # the reducer publishes its buckets from the 3rd step on
+    if strategy == "split":
+        assert "alignment 1.00: " in out  # the reducer publishes its buckets from the 3rd step on
+    else:  # auto = fused: the allreduces are in the compiled backward, the reducer is idle
+        assert "issued at" in out and "alignment n/a (fused" in out
     assert "compiled losses match eager" in out
     assert "bucket plans: identical on all 2 ranks" in out
 
 
 def test_demo_aot_eager(tmp_path):
-    result = _run_cli(["demo", "--steps", "3", "--backend", "aot_eager", "--stats-dir", str(tmp_path / "s")],
-                      tmp_path)
-    _check_demo(result, 3)
+    result = _run_cli(["demo", "--steps", "3", "--backend", "aot_eager", "--strategy", "split",
+                       "--stats-dir", str(tmp_path / "s")], tmp_path)
+    _check_demo(result, 3, "split")
     assert (tmp_path / "s" / "rank0.json").exists()
 
 
 @pytest.mark.inductor
 def test_demo_default_backend(tmp_path):
     result = _run_cli(["demo", "--steps", "3"], tmp_path)
-    _check_demo(result, 3)
+    _check_demo(result, 3, "auto")
     assert "inductor" in result.stdout
     assert len(os.listdir(tmp_path / "bucketwise-runs")) == 1
