@@ -169,7 +169,9 @@ def _summarize(setup: Setup, compiled) -> None:
         return
     print("\nrank 0 report:")
     print(report.table())
-    print(_alignment_line(report.alignment_detail()), flush=True)
+    detail = report.alignment_detail()
+    if detail.get("alignment") is not None:  # the table's last line already says why it is n/a
+        print(_alignment_line(detail), flush=True)
 
 
 def _alignment_line(detail: dict) -> str:
