@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
-from . import launcher, stats
+from . import failures, launcher, stats
 from .demo import add_demo_arguments
 
 _DESCRIPTION = """\
@@ -111,10 +112,13 @@ def _cmd_launch(args: argparse.Namespace, raw: list[str]) -> int:
     options, script = launcher.split_at_script(args.parser, raw)
     stats_dir = _prepare_stats_dir(args)
     print(f"bucketwise: stats folder {stats_dir}", file=sys.stderr, flush=True)
-    code = launcher.run_torchrun(launcher.strip_option(options, "--stats-dir") + script, stats_dir)
+    options = launcher.strip_option(options, "--stats-dir")
+    logs = failures.log_options(options, stats_dir)
+    code = launcher.run_torchrun(logs + options + script, stats_dir)
     launcher.summarize(stats_dir)
     if code != 0:
-        print(f"bucketwise: the job failed with exit code {code}", file=sys.stderr)
+        found = failures.find_failures(os.path.join(stats_dir, "logs")) if logs else []
+        print("\n".join(failures.describe(found, code)), file=sys.stderr)
     return code
 
 
