@@ -153,3 +153,46 @@ def test_fused_falls_back_to_split_for_unknown_comm_hook(tmp_path):
     for rep in run_distributed(_train_fused, tmp_path, args=("custom_hook", 1)):
         assert {g["strategy"] for g in rep["graphs"]} == {"split"}, rep["graphs"]
         assert all("_custom_hook" in g["strategy_reason"] for g in rep["graphs"]), rep["graphs"]
+
+
+# --- rank safety --------------------------------------------------------------------------
+
+
+class RankDependent(nn.Module):
+    """Rank 0 runs ``a``, the others ``b``: same parameter shapes, different graphs."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 4)
+        self.rank = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.a(x) if self.rank == 0 else self.b(x)))
+
+
+def _rank_dependent(rank: int, world: int) -> str:
+    import bucketwise
+    from bucketwise.distributed.rank_check import RankMismatchError
+
+    torch.manual_seed(0)
+    compiled = bucketwise.compile(
+        DDP(RankDependent(rank), bucket_cap_mb=0.001, find_unused_parameters=True), backend="aot_eager"
+    )
+    try:
+        compiled(torch.randn(4, 16)).sum().backward()
+    except Exception as exc:  # Dynamo wraps backend errors
+        cause = exc
+        while cause is not None and not isinstance(cause, RankMismatchError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        return str(cause)
+    raise AssertionError("expected a RankMismatchError")
+
+
+def test_fused_rank_mismatch_raises_on_every_rank(tmp_path):
+    messages = run_distributed(_rank_dependent, tmp_path, timeout=120)
+    for msg in messages:
+        assert "fused bucket layout differs between ranks" in msg, msg
+        assert "rank 0 has" in msg and "rank 1 has" in msg, msg
+        assert "a.weight" in msg or "a.bias" in msg, msg  # the differing bucket is named
