@@ -73,6 +73,17 @@ def graph_break_reason(gm: Any) -> str | None:
     return text
 
 
+def recompile_reason() -> str | None:
+    """Why Dynamo is recompiling the frame being compiled now: the first guard that failed
+    (what ``TORCH_LOGS=recompiles`` prints), read from Dynamo's per-compile metrics."""
+    try:
+        metrics = torch._dynamo.utils.get_metrics_context()._metrics
+    except AttributeError:
+        return None
+    reason = metrics.get("recompile_reason")
+    return " ".join(str(reason).split()) if reason else None
+
+
 def unique_graph_count() -> int:
     return int(_dynamo_counters["stats"]["unique_graphs"])
 

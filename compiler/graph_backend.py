@@ -85,11 +85,12 @@ class GraphBackend:
         params = find_graph_params(gm, example_inputs, _ddp_compat.reducer_parameters(ddp)) if ddp is not None else []
         op_count, hops = _op_count(gm), higher_order_ops(gm)
         break_reason = dc.graph_break_reason(gm)
+        recompile_reason = dc.recompile_reason()
 
         handler = {"split": self._split, "fused": self._fused, "none": self._whole}[strategy]
         result = handler(gm, example_inputs, ddp, params, progress)
 
-        self._record(graph_id, cid, strategy, why, params, result, op_count, hops, break_reason)
+        self._record(graph_id, cid, strategy, why, params, result, op_count, hops, break_reason, recompile_reason)
         if ddp is not None and params and strategy != "fused":
             return FirstIterationOrder(result.fn, ddp, _forward_positions(gm, params))
         return result.fn
@@ -109,7 +110,7 @@ class GraphBackend:
         if requested == "none":
             return "none", ("no_sync(): no gradient communication" if self.variant == "no_sync" else None)
         if ddp is None:
-            return "none", "no DDP module: nothing to align with"
+            return "none", ("no DDP module: no gradient buckets" if requested in ("split", "fused") else None)
         if _ddp_compat.uses_python_reducer(ddp):
             return "none", "DDP's python reducer (compiled autograd) does its own bucketing"
         if requested == "split":
@@ -213,7 +214,9 @@ class GraphBackend:
 
     # -- stats -----------------------------------------------------------------------------
 
-    def _record(self, graph_id, cid, strategy, why, params, result: _Result, op_count, hops, break_reason) -> None:
+    def _record(
+        self, graph_id, cid, strategy, why, params, result: _Result, op_count, hops, break_reason, recompile_reason
+    ) -> None:
         frame = _frame_key(cid, graph_id)
         # A recompile: this backend compiles a frame it compiled before (a guard failed). The
         # no_sync variant's first compile of a frame is not one, though Dynamo counts it.
@@ -241,6 +244,7 @@ class GraphBackend:
                 strategy_reason=why,
                 graph_break_reasons=[break_reason] if break_reason else [],
                 recompile=recompile,
+                recompile_reason=recompile_reason if recompile else None,
                 op_count=op_count,
                 higher_order_ops=hops,
                 segments=segments,

@@ -80,6 +80,8 @@ class GraphStats:
     segments: list[SegmentStats]
     buckets: list[BucketStats] = dataclasses.field(default_factory=list)
     unused_params: list[str] = dataclasses.field(default_factory=list)
+    recompile_reason: str | None = None
+    """For a recompile: the guard that failed (as ``TORCH_LOGS=recompiles`` reports it)."""
     plan_source: str | None = None
     """Where the bucket plan came from: ``"predicted"`` (DDP's routine over the predicted
     gradient-ready order) or ``"reducer"`` (the reducer's buckets, already final)."""
@@ -261,6 +263,8 @@ def format_table(data: dict[str, Any]) -> str:
             lines.append(f"graph {g['graph_id']}: {g['strategy']} ({g['strategy_reason']})")
         for r in g["graph_break_reasons"]:
             lines.append(f"graph {g['graph_id']}: ended by graph break: {_short_reason(r)}")
+        if g.get("recompile_reason"):
+            lines.append(f"graph {g['graph_id']}: recompile, guard failed: {g['recompile_reason'][:200]}")
     lines.extend(f"note: {n}" for n in data.get("notes", []))
     return "\n".join(lines)
 

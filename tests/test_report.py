@@ -293,3 +293,20 @@ def test_plain_torch_compile_keeps_ddp_optimizer(single_rank_group):
 
     # The user's own torch.compile still goes through torch's DDPOptimizer.
     assert _plain_torch_compile_graph_count() == baseline
+
+
+def test_recompile_names_the_failed_guard():
+    import bucketwise
+
+    def scale(x, n):
+        return x * n
+
+    compiled = bucketwise.compile(scale, backend="aot_eager")
+    torch.testing.assert_close(compiled(torch.ones(3), 2), torch.full((3,), 2.0))
+    torch.testing.assert_close(compiled(torch.ones(3), 3), torch.full((3,), 3.0))
+    rep = bucketwise.report(compiled)
+    assert rep.totals["recompiles"] == 1, rep.table()
+    first, second = rep.graphs
+    assert not first.recompile and first.recompile_reason is None
+    assert second.recompile and "n == 2" in second.recompile_reason, second.recompile_reason
+    assert "recompile, guard failed" in rep.table()
