@@ -35,6 +35,12 @@ def make_backend(
     return torch._TorchCompileWrapper(backend, mode, options, dynamic)
 
 
+def functorch_depth() -> int:
+    """How many torch.func transform levels are active (0 outside any transform)."""
+    stack = torch._C._functorch.get_interpreter_stack()
+    return len(stack) if stack else 0
+
+
 def is_higher_order_op(target: Any) -> bool:
     """A higher-order op in a Dynamo graph (checkpoint, torch.func transforms, ...)."""
     return isinstance(target, torch._ops.HigherOrderOperator)

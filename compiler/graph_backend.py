@@ -143,17 +143,26 @@ class GraphBackend:
                 "its buckets, so they will not coincide with the segments (see alignment)"
             )
         buckets, source = plan_for_graph(ddp, params, caps)
-        result = split_and_compile(
-            gm,
-            example_inputs,
-            params,
-            buckets,
-            self._compile_whole,
-            self.segment_backend,
-            backend_name=self.config.backend_name,
-            fallback=self.config.fallback,
-            progress=progress,
-        )
+        try:
+            result = split_and_compile(
+                gm,
+                example_inputs,
+                params,
+                buckets,
+                self._compile_whole,
+                self.segment_backend,
+                backend_name=self.config.backend_name,
+                fallback=self.config.fallback,
+                progress=progress,
+            )
+        except Exception as exc:
+            if self.config.fallback == "raise" or dc.functorch_depth():
+                raise
+            # Splitting itself failed (an op torch.fx's splitter cannot carry across a cut):
+            # compile the graph whole; DDP's reducer still reduces it, after its backward.
+            log.warning("bucketwise: could not split graph, compiling it whole: %s", exc)
+            self.report.note(f"a graph could not be split and was compiled whole: {type(exc).__name__}: {exc}"[:300])
+            return self._whole(gm, example_inputs, ddp, params, progress)
         seg_of = {p.name: seg.index for seg in result.segments for p in seg.params}
         stats = [_bucket_stats(i, b, None, None, seg_of) for i, b in enumerate(buckets)]
         return _Result(result.compiled, result.segments, result.outcomes, stats, source)

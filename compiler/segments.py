@@ -66,6 +66,7 @@ def compile_with_fallback(
     reason kept) or re-raise (``fallback="raise"``)."""
     outcome = CompileOutcome(backend=backend_name)
     phases0 = dc.compile_phase_seconds()
+    depth = dc.functorch_depth()
     start = time.perf_counter()
     try:
         if tracing is not None:
@@ -74,7 +75,10 @@ def compile_with_fallback(
         else:
             compiled = backend_fn(gm, list(example_inputs))
     except Exception as exc:
-        if fallback == "raise":
+        # A compile that failed inside a torch.func transform can leave its functorch level
+        # pushed; running on eagerly would then trip Dynamo's guards. Re-raise instead, as
+        # plain torch.compile does.
+        if fallback == "raise" or dc.functorch_depth() != depth:
             raise
         log.warning("bucketwise: %s compile failed, running eagerly: %s", backend_name, exc)
         compiled = gm

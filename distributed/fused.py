@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from . import _collectives_compat as cc
 from ..partitioners.param_usage import GraphParam
+from ..partitioners.regions import outside_regions, transform_regions
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +88,13 @@ def insert_bucket_syncs(
     """
     log.debug("graph before bucket syncs:\n%s", _Lazy(gm))
     nodes = list(gm.graph.nodes)
+    regions = transform_regions(gm)
     for index, bucket in enumerate(buckets):
         params = [p for p in bucket if p.first_use >= 0]
         if not params:
             continue
-        first_user = nodes[min(p.first_use for p in params)]
+        # Before any torch.func transform the first use sits in (see partitioners/regions.py).
+        first_user = nodes[outside_regions(min(p.first_use for p in params), regions)]
         with gm.graph.inserting_before(first_user):
             sync = gm.graph.call_function(BucketSync.apply, (spec, *[p.node for p in params]))
             sync.meta[BUCKET_META_KEY] = index

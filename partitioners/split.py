@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from .param_usage import GraphParam
+from .regions import outside_regions, transform_regions
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ class Segment:
 
 def bucket_boundaries(gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]]) -> Callable[[fx.Node], int]:
     """Policy: node -> segment, such that every bucket's parameters are first used inside one
-    segment, with as many segments as that allows.
+    segment, with as many segments as that allows, and no cut inside an inlined torch.func
+    transform (``partitioners/regions.py``).
 
     Each bucket spans the range of its parameters' first uses; overlapping ranges are merged
     (buckets that are not contiguous in forward order, e.g. DDP's construction-time buckets,
@@ -53,6 +55,8 @@ def bucket_boundaries(gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]
         if lo > end:
             starts.append(lo)
         end = max(end, hi)
+    regions = transform_regions(gm)
+    starts = sorted({outside_regions(s, regions) for s in starts})
     starts = [0] + [s for s in starts if s > 0]
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
 
