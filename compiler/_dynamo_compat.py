@@ -90,10 +90,6 @@ def recompile_reason() -> str | None:
     return " ".join(str(reason).split()) if reason else None
 
 
-def unique_graph_count() -> int:
-    return int(_dynamo_counters["stats"]["unique_graphs"])
-
-
 def aot_autograd_count() -> int:
     return int(_dynamo_counters["aot_autograd"]["total"])
 

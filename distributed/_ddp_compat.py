@@ -33,11 +33,6 @@ def post_forward(ddp: DDP, output: Any) -> Any:
     return ddp._post_forward(output)
 
 
-def runs_inner_forward_directly(ddp: DDP) -> bool:
-    """True when DDP calls ``module.forward`` itself (all-params delayed all-reduce mode)."""
-    return bool(getattr(ddp, "_delay_all_reduce_all_params", False))
-
-
 def uses_python_reducer(ddp: DDP) -> bool:
     return bool(getattr(ddp, "_use_python_reducer", False))
 
@@ -76,10 +71,6 @@ def process_group(ddp: DDP):
     return ddp.process_group
 
 
-def has_comm_hook(ddp: DDP) -> bool:
-    return bool(getattr(ddp, "_comm_hooks", None))
-
-
 # --- the reducer's parameters and buckets ------------------------------------------------
 
 
@@ -113,11 +104,11 @@ def _parse_index_groups(text: str) -> list[list[int]]:
 def reducer_buckets(ddp: DDP) -> tuple[list[list[int]] | None, str]:
     """The reducer's bucket membership as lists of reducer parameter indices, and its source.
 
-    After DDP rebuilds its buckets (first iteration, when neither ``find_unused_parameters``
-    nor... see ``will_rebuild``) the reducer logs ``rebuilt_per_bucket_param_indices`` in its
-    logging data (refreshed at the next sampled forward). Before a rebuild, or when none will
-    happen, the buckets are the construction-time assignment, which we recompute with the same
-    C++ routine DDP calls.
+    Once DDP has rebuilt its buckets (after the first iteration, see ``will_rebuild``) the
+    reducer logs ``rebuilt_per_bucket_param_indices`` in its logging data, refreshed at the next
+    sampled forward: source ``"rebuilt"``. Before that: ``(None, "pending")``. When no rebuild
+    will happen, the construction-time assignment, recomputed with the C++ routine DDP calls:
+    source ``"initial"``.
     """
     data = ddp._get_ddp_logging_data()
     rebuilt = data.get("rebuilt_per_bucket_param_indices")
