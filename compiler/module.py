@@ -16,6 +16,7 @@ from ..distributed.fused_runtime import FusedRuntime
 from ..distributed.rank_check import prepare_rank_checks
 from . import _dynamo_compat as dc
 from .config import CompileConfig
+from .freeze import stance
 from .graph_backend import GraphBackend
 from .report import Report
 
@@ -85,7 +86,8 @@ class CompiledModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         ddp = self._bucketwise_ddp
         if ddp is None:
-            return self._bucketwise_call(*args, **kwargs)
+            with stance(self):
+                return self._bucketwise_call(*args, **kwargs)
         runtime = self._bucketwise_runtime
         if runtime is not None and not self._fused_checked:
             runtime = self._confirm_fused(ddp, runtime)
@@ -93,13 +95,15 @@ class CompiledModule(nn.Module):
             sync = _ddp_compat.grad_sync_requested(ddp) and torch.is_grad_enabled()
             runtime.before_forward(sync)
             call = self._bucketwise_call if sync else self._bucketwise_call_nosync
-            out = _ddp_compat.run_forward_with_idle_reducer(ddp, args, kwargs, call)
+            with stance(self):
+                out = _ddp_compat.run_forward_with_idle_reducer(ddp, args, kwargs, call)
             runtime.after_forward(out, sync)
             return out
         args, kwargs = _ddp_compat.pre_forward(ddp, args, kwargs)
         if self._alignment_pending and _ddp_compat.has_rebuilt_buckets(ddp):
             self._refresh_alignment()
-        out = self._bucketwise_call(*args, **kwargs)
+        with stance(self):
+            out = self._bucketwise_call(*args, **kwargs)
         return _ddp_compat.post_forward(ddp, out)
 
     def _confirm_fused(self, ddp: Any, runtime: FusedRuntime) -> FusedRuntime | None:
@@ -155,7 +159,7 @@ def compile_function(fn: Callable[..., Any], config: CompileConfig) -> Callable[
 
     @functools.wraps(fn)
     def bucketwise_compiled(*args: Any, **kwargs: Any) -> Any:
-        with dc.torch_ddp_optimizer_disabled():
+        with dc.torch_ddp_optimizer_disabled(), stance(bucketwise_compiled):
             return compiled(*args, **kwargs)
 
     bucketwise_compiled._bucketwise_report = report  # type: ignore[attr-defined]

@@ -310,3 +310,32 @@ def test_recompile_names_the_failed_guard():
     assert not first.recompile and first.recompile_reason is None
     assert second.recompile and "n == 2" in second.recompile_reason, second.recompile_reason
     assert "recompile, guard failed" in rep.table()
+
+
+@pytest.mark.parametrize("on_recompile", ["raise", "eager"])
+def test_freeze_stops_compiling(on_recompile):
+    import bucketwise
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    compiled = bucketwise.compile(model, backend="aot_eager", dynamic=False)
+    compiled(torch.randn(3, 4))
+    bucketwise.freeze(compiled, on_recompile=on_recompile)
+    x = torch.randn(5, 4)  # a new static shape: a guard fails
+    if on_recompile == "raise":
+        with pytest.raises(RuntimeError, match="size mismatch at index 0. expected 3, actual 5"):
+            compiled(x)
+    else:
+        torch.testing.assert_close(compiled(x), model(x))
+    assert bucketwise.report(compiled).totals["graphs"] == 1  # nothing new was compiled
+    # Other compiled code in the process still compiles.
+    other = torch.compile(lambda t: t * 2, backend="eager")
+    other(torch.ones(2)), other(torch.ones(3))
+
+
+def test_freeze_rejects_bad_arguments():
+    import bucketwise
+
+    with pytest.raises(ValueError, match="on_recompile"):
+        bucketwise.freeze(bucketwise.compile(nn.Linear(2, 2), backend="eager"), on_recompile="ignore")
+    with pytest.raises(TypeError, match="bucketwise.compile"):
+        bucketwise.freeze(nn.Linear(2, 2))
