@@ -116,6 +116,12 @@ def detect_fake_mode(example_inputs: Any):
     return mode
 
 
+def is_fake(value: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor)
+
+
 def to_fake(value: Any, fake_mode) -> Any:
     from torch._subclasses.fake_tensor import FakeTensor
 

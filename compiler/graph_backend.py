@@ -7,6 +7,7 @@ allreduces and compile whole; ``none``: compile whole), record the stats.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import weakref
@@ -24,6 +25,7 @@ from ..distributed.ready_order import FirstIterationOrder
 from ..partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops, ready_order
 from ..partitioners.split import Segment
 from . import _dynamo_compat as dc
+from . import doctor
 from .config import CompileConfig
 from .progress import Progress
 from .report import BucketStats, GraphStats, Report, SegmentStats
@@ -88,7 +90,11 @@ class GraphBackend:
         recompile_reason = dc.recompile_reason()
 
         handler = {"split": self._split, "fused": self._fused, "none": self._whole}[strategy]
+        diagnosed_gm = copy.deepcopy(gm) if doctor.enabled() and strategy != "split" else None
         result = handler(gm, example_inputs, ddp, params, progress)
+        if diagnosed_gm is not None and len(result.segments) == 1:
+            # split graphs are diagnosed per segment (compile_segments)
+            result.fn = doctor.Diagnosed(result.fn, diagnosed_gm, f"graph {graph_id} segment 0", self.config.backend_name)
 
         self._record(graph_id, cid, strategy, why, params, result, op_count, hops, break_reason, recompile_reason)
         if ddp is not None and params and strategy != "fused":

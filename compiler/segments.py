@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from . import _dynamo_compat as dc
+from . import doctor
 from .progress import Progress
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,9 @@ def compile_segments(
                         submod, args, backend_fn, backend_name=backend_name, fallback=fallback, tracing=tracing
                     )
                 outcomes.append(outcome)
+                if doctor.enabled():
+                    where = f"{progress.label} segment {len(outcomes) - 1}"
+                    compiled = doctor.Diagnosed(compiled, submod, where, backend_name)
                 wrapper = _SegmentCall(compiled, unwrap)
                 name = f"compiled_{node.target}"
                 split_gm.add_submodule(name, wrapper)

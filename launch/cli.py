@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Sequence
 
+from ..compiler import doctor
 from . import failures, launcher, stats
 from .demo import add_demo_arguments
 
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_launch(sub)
+    _add_doctor(sub)
     _add_stats(sub)
     _add_demo(sub)
     return parser
@@ -66,6 +68,21 @@ def _add_launch(sub) -> None:
         usage="bucketwise launch [-h] [torchrun options] [--stats-dir DIR] SCRIPT [ARGS ...]",
     )
     p.set_defaults(func=_cmd_launch, parser=p)
+
+
+def _add_doctor(sub) -> None:
+    p = sub.add_parser(
+        "doctor", parents=[launcher.launch_parser()], add_help=False, allow_abbrev=False,
+        help="run a script like launch, checking every compiled segment through eager -> aot_eager -> inductor",
+        description="Run SCRIPT like `bucketwise launch`. The first real call of every compiled "
+                    "segment also recompiles a copy of it through eager -> aot_eager -> inductor "
+                    "(up to the backend in use; $BUCKETWISE_DOCTOR_LADDER overrides) and compares "
+                    "each stage's outputs with the uncompiled segment. Prints, per segment, the "
+                    "first stage that fails or diverges, with the error; the segment's graph is "
+                    "saved under STATS_DIR/doctor/.",
+        usage="bucketwise doctor [-h] [torchrun options] [--stats-dir DIR] SCRIPT [ARGS ...]",
+    )
+    p.set_defaults(func=lambda args, raw: _cmd_launch(args, raw, doctor_dir="doctor"), parser=p)
 
 
 def _add_stats(sub) -> None:
@@ -105,17 +122,21 @@ def _positive_int(text: str) -> int:
 # -- commands ------------------------------------------------------------------------------
 
 
-def _cmd_launch(args: argparse.Namespace, raw: list[str]) -> int:
+def _cmd_launch(args: argparse.Namespace, raw: list[str], doctor_dir: str | None = None) -> int:
+    command = "doctor" if doctor_dir is not None else "launch"
     if args.training_script is None:
         args.parser.error("missing SCRIPT: give the training script to run, e.g. "
-                          "`bucketwise launch --standalone --nproc-per-node 2 train.py`")
+                          f"`bucketwise {command} --standalone --nproc-per-node 2 train.py`")
     options, script = launcher.split_at_script(args.parser, raw)
     stats_dir = _prepare_stats_dir(args)
     print(f"bucketwise: stats folder {stats_dir}", file=sys.stderr, flush=True)
     options = launcher.strip_option(options, "--stats-dir")
     logs = failures.log_options(options, stats_dir)
-    code = launcher.run_torchrun(logs + options + script, stats_dir)
+    extra = {doctor.DOCTOR_ENV: os.path.join(stats_dir, "doctor")} if doctor_dir is not None else None
+    code = launcher.run_torchrun(logs + options + script, stats_dir, extra)
     launcher.summarize(stats_dir)
+    if doctor_dir is not None:
+        print("\n".join(doctor.summarize(os.path.join(stats_dir, "doctor"))))
     if code != 0:
         found = failures.find_failures(os.path.join(stats_dir, "logs")) if logs else []
         print("\n".join(failures.describe(found, code)), file=sys.stderr)

@@ -99,9 +99,9 @@ def torchrun_command(torchrun_args: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args]
 
 
-def run_torchrun(torchrun_args: Sequence[str], stats_dir: str) -> int:
+def run_torchrun(torchrun_args: Sequence[str], stats_dir: str, extra_env: dict[str, str] | None = None) -> int:
     """Run torchrun with ``BUCKETWISE_STATS_DIR=stats_dir``; its exit code."""
-    env = dict(os.environ, **{STATS_DIR_ENV: stats_dir})
+    env = dict(os.environ, **{STATS_DIR_ENV: stats_dir}, **(extra_env or {}))
     proc = subprocess.Popen(torchrun_command(torchrun_args), env=env)
     try:
         return proc.wait()

@@ -329,6 +329,58 @@ def test_launch_max_restarts_follows_torchrun(tmp_path):
     assert list((tmp_path / "s" / "logs").glob("*/attempt_1"))
 
 
+# -- doctor --------------------------------------------------------------------------------
+
+DOCTOR_SCRIPT = """
+import torch, torch.nn as nn, torch.distributed as dist
+import bucketwise
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 300), nn.Linear(300, 300), nn.Linear(300, 4)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+compiled = bucketwise.compile(nn.parallel.DistributedDataParallel(M(), bucket_cap_mb=0.3),
+                              backend="aot_eager", strategy="split")
+for _ in range(2):
+    compiled(torch.randn(8, 16)).sum().backward()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("bad_stage, expected", [
+    ("relu_compile_error_TESTING_ONLY", "first fails at relu_compile_error_TESTING_ONLY: ReluCompileError"),
+    ("relu_accuracy_error_TESTING_ONLY", "first fails at relu_accuracy_error_TESTING_ONLY: numerics: output 0 differs"),
+])
+def test_doctor_names_the_failing_stage_and_segment(tmp_path, monkeypatch, bad_stage, expected):
+    # torch's fault-injecting test backends stand in for a broken compiler stage.
+    monkeypatch.setenv("BUCKETWISE_DOCTOR_LADDER", f"eager,aot_eager,{bad_stage}")
+    (tmp_path / "train.py").write_text(DOCTOR_SCRIPT)
+    result = _run_cli(["doctor", "--nproc-per-node", "2", "--standalone", "--stats-dir", str(tmp_path / "s"),
+                       "train.py"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "checked through eager -> aot_eager -> " + bad_stage in result.stdout
+    for rank in (0, 1):
+        for seg in (0, 1):
+            assert f"rank {rank} graph 0 segment {seg}: {expected}" in result.stdout, result.stdout
+    saved = tmp_path / "s" / "doctor" / f"graph-0-segment-0-{bad_stage}-rank0.py"
+    assert "torch.relu" in saved.read_text()
+
+
+def test_doctor_passes_a_healthy_model(tmp_path):
+    (tmp_path / "train.py").write_text(DOCTOR_SCRIPT)
+    result = _run_cli(["doctor", "--nproc-per-node", "2", "--standalone", "--stats-dir", str(tmp_path / "s"),
+                       "train.py"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # aot_eager is the backend in use: the ladder stops there.
+    assert "4 segment run(s) checked through eager -> aot_eager, 0 failing" in result.stdout
+
+
 # -- demo ----------------------------------------------------------------------------------
 
 
