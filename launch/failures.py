@@ -21,6 +21,7 @@ _FOLLOW_ON = re.compile(
     r"communicator was aborted|ProcessGroup\w* .*abort|Socket Timeout",
     re.IGNORECASE,
 )
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt|Exit)\w*(: |:?$)")
 LOG_OPTIONS = ("--log-dir", "--log_dir", "--tee", "--redirects", "-r", "-t")
 
 
@@ -74,6 +75,11 @@ def _last_exception(path: str) -> str | None:
         return None
     if not any(line.startswith("Traceback (most recent call last)") for line in lines):
         return None
+    # The last "SomeError: message" line: the innermost cause (Dynamo appends its own hints
+    # after a backend error, and wraps it as "BackendCompilerFailed: ... raised:").
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line):
+            return line[:300]
     for line in reversed(lines):
         if line and not line.startswith((" ", "\t")) and not line.startswith("Traceback"):
             return line[:300]
