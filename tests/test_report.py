@@ -339,3 +339,18 @@ def test_freeze_rejects_bad_arguments():
         bucketwise.freeze(bucketwise.compile(nn.Linear(2, 2), backend="eager"), on_recompile="ignore")
     with pytest.raises(TypeError, match="bucketwise.compile"):
         bucketwise.freeze(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_progress_lines(monkeypatch, capsys, setting):
+    import bucketwise
+
+    monkeypatch.setenv("BUCKETWISE_PROGRESS", setting)
+    compiled = bucketwise.compile(nn.Linear(4, 2), backend="aot_eager")
+    compiled(torch.randn(3, 4))
+    err = capsys.readouterr().err
+    line = "[bucketwise] graph 0: whole graph, aot_eager, "
+    if setting == "1":
+        assert line in err and err.rstrip().endswith(" s"), err
+    else:
+        assert "[bucketwise]" not in err, err
