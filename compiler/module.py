@@ -22,6 +22,8 @@ from .report import Report
 
 log = logging.getLogger(__name__)
 
+_ALIGNMENT_POLLS = 20
+
 
 def _inner_forward(module: nn.Module) -> Callable[..., Any]:
     """The frame Dynamo compiles for a module.
@@ -122,8 +124,14 @@ class CompiledModule(nn.Module):
         return None
 
     def _refresh_alignment(self) -> None:
-        """Once the reducer's rebuilt buckets are readable, publish the alignment figure."""
-        if self._bucketwise_report.alignment is not None:
+        """Once the reducer's rebuilt buckets are readable, publish the alignment figure.
+
+        DDP refreshes its logging data on its first iterations (then every 100th); stop asking
+        after ``_ALIGNMENT_POLLS`` forwards so a long run never pays for this on its hot path
+        (``report()`` still reads it on demand)."""
+        polls = self.__dict__.get("_alignment_polls", 0) + 1
+        self.__dict__["_alignment_polls"] = polls
+        if self._bucketwise_report.alignment is not None or polls >= _ALIGNMENT_POLLS:
             self.__dict__["_alignment_pending"] = False
             self._bucketwise_report.write_rank_file()
 

@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from . import _collectives_compat as cc
 from ..partitioners.param_usage import GraphParam
+from ..partitioners.split import LazyGraph
 from ..partitioners.regions import outside_regions, transform_regions
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def insert_bucket_syncs(
 
     Returns ``gm`` rewritten in place; every use of a bucket parameter reads the synced view.
     """
-    log.debug("graph before bucket syncs:\n%s", _Lazy(gm))
+    log.debug("graph before bucket syncs:\n%s", LazyGraph(gm))
     nodes = list(gm.graph.nodes)
     regions = transform_regions(gm)
     for index, bucket in enumerate(buckets):
@@ -110,7 +111,7 @@ def insert_bucket_syncs(
             p.node.replace_all_uses_with(view, delete_user_cb=lambda user: user is not sync)
     gm.graph.lint()
     gm.recompile()
-    log.debug("graph after bucket syncs:\n%s", _Lazy(gm))
+    log.debug("graph after bucket syncs:\n%s", LazyGraph(gm))
     return gm
 
 
@@ -128,11 +129,3 @@ def backward_positions(gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam
         first = (min(used) - offset) if used else 0
         out.append(round(min(1.0, max(0.0, (n - first) / n)), 4))
     return out
-
-
-class _Lazy:
-    def __init__(self, gm: fx.GraphModule) -> None:
-        self.gm = gm
-
-    def __str__(self) -> str:
-        return str(self.gm.graph)

@@ -71,7 +71,7 @@ def split_graph(
 ) -> tuple[fx.GraphModule, list[Segment]]:
     """Split ``gm`` with the policy ``segment_of`` into a GraphModule that calls one submodule
     per segment, in order. Each original node keeps its meta, plus ``bucketwise.segment``."""
-    log.debug("graph before split:\n%s", _LazyGraph(gm))
+    log.debug("graph before split:\n%s", LazyGraph(gm))
     ids: dict[int, int] = {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -94,7 +94,7 @@ def split_graph(
         sub = getattr(split_gm, name)
         op_count = sum(1 for n in sub.graph.nodes if n.op.startswith("call_"))
         segments.append(Segment(index=len(segments), submodule=name, params=by_segment.get(seg, []), op_count=op_count))
-    log.debug("graph after split:\n%s", _LazyGraph(split_gm))
+    log.debug("graph after split:\n%s", LazyGraph(split_gm))
     return split_gm, segments
 
 
@@ -102,7 +102,7 @@ def _first_user_segment(p: GraphParam) -> int:
     return min(u.meta[SEGMENT_META_KEY] for u in p.node.users if SEGMENT_META_KEY in u.meta)
 
 
-class _LazyGraph:
+class LazyGraph:
     """Formats a graph only if the log record is emitted."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
