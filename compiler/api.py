@@ -28,6 +28,7 @@ def compile(
     bucket_cap_mb: float | None = None,
     first_bucket_cap_mb: float | None = None,
     fallback: str = "eager",
+    freeze: bool | str = False,
 ) -> Any:
     """Compile a DDP-wrapped module, a plain module or a function, like ``torch.compile``.
 
@@ -47,6 +48,9 @@ def compile(
         bucket_cap_mb, first_bucket_cap_mb: bucket caps in MiB (default: the DDP module's).
         fallback: ``"eager"`` runs a segment whose compile fails uncompiled (reason in the
             report); ``"raise"`` re-raises.
+        freeze: ``True``/``"raise"`` or ``"eager"``: after the first call no new compile
+            happens; a call that would recompile raises naming the failed guard, or runs
+            eagerly (as :func:`bucketwise.freeze`).
 
     Returns:
         For a module, a module with the same parameters and ``state_dict`` keys; for a
@@ -67,6 +71,7 @@ def compile(
         bucket_cap_mb=bucket_cap_mb,
         first_bucket_cap_mb=first_bucket_cap_mb,
         fallback=fallback,
+        freeze=freeze,
     )
     if _ddp_compat.is_ddp(obj):
         problem = _ddp_compat.process_group_usable(obj)

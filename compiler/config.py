@@ -11,6 +11,7 @@ import torch
 STRATEGIES = ("auto", "split", "fused", "none")
 FALLBACKS = ("eager", "raise")
 CUDAGRAPHS = (True, False, "auto")
+FREEZE = (False, True, "raise", "eager")
 
 
 def _known_backends() -> list[str]:
@@ -59,7 +60,14 @@ class CompileConfig:
     """What a segment whose compile fails does: ``"eager"`` runs it uncompiled and records the
     reason in the report; ``"raise"`` re-raises."""
 
+    freeze: bool | str = False
+    """Stop compiling after the first call (the warm-up): ``True``/``"raise"`` makes a later
+    recompile raise an error naming the failed guard, ``"eager"`` runs that frame eagerly (see
+    :func:`bucketwise.freeze`, which freezes at a point of your choosing)."""
+
     def __post_init__(self) -> None:
+        if self.freeze not in FREEZE or isinstance(self.freeze, int) and not isinstance(self.freeze, bool):
+            raise ValueError(f"freeze must be False, True, 'raise' or 'eager', got {self.freeze!r}")
         if isinstance(self.backend, str):
             known = _known_backends()
             if self.backend not in known:
@@ -98,6 +106,13 @@ class CompileConfig:
                 raise TypeError(f"{name} must be a positive number of MiB, got {value!r}")
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive, finite number of MiB, got {value!r}")
+
+    @property
+    def freeze_mode(self) -> str | None:
+        """``"raise"``/``"eager"`` once warmed up, or ``None`` (never frozen)."""
+        if self.freeze is False:
+            return None
+        return "raise" if self.freeze is True else self.freeze
 
     @property
     def backend_name(self) -> str:

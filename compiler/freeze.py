@@ -26,6 +26,12 @@ def freeze(compiled: Any, *, on_recompile: str = "raise") -> Any:
     return compiled
 
 
+def freeze_after_warmup(compiled: Any, mode: str | None) -> None:
+    """``compile(..., freeze=...)``: freeze ``compiled`` once its first call has returned."""
+    if mode is not None and "_bucketwise_frozen" not in compiled.__dict__:
+        freeze(compiled, on_recompile=mode)
+
+
 def stance(compiled: Any) -> contextlib.AbstractContextManager:
     """The scope a compiled object's calls run in (a no-op unless frozen)."""
     mode = getattr(compiled, "__dict__", {}).get("_bucketwise_frozen")

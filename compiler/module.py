@@ -16,7 +16,7 @@ from ..distributed.fused_runtime import FusedRuntime
 from ..distributed.rank_check import prepare_rank_checks
 from . import _dynamo_compat as dc
 from .config import CompileConfig
-from .freeze import stance
+from .freeze import freeze_after_warmup, stance
 from .graph_backend import GraphBackend
 from .report import Report
 
@@ -70,6 +70,7 @@ class CompiledModule(nn.Module):
         self.__dict__["_bucketwise_ddp"] = ddp
         self.__dict__["_bucketwise_runtime"] = runtime
         self.__dict__["_bucketwise_backend"] = backend
+        self.__dict__["_bucketwise_freeze"] = config.freeze_mode
         self.__dict__["_fused_checked"] = runtime is None
         self.__dict__["_bucketwise_call"] = _torch_compile(forward, backend, config)
         self.__dict__["_alignment_pending"] = ddp is not None and runtime is None
@@ -86,6 +87,11 @@ class CompiledModule(nn.Module):
             report.set_alignment_source(lambda: measure_alignment(ddp, backend.param_segments))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._forward(*args, **kwargs)
+        freeze_after_warmup(self, self._bucketwise_freeze)
+        return out
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         ddp = self._bucketwise_ddp
         if ddp is None:
             with stance(self):
@@ -168,7 +174,9 @@ def compile_function(fn: Callable[..., Any], config: CompileConfig) -> Callable[
     @functools.wraps(fn)
     def bucketwise_compiled(*args: Any, **kwargs: Any) -> Any:
         with dc.torch_ddp_optimizer_disabled(), stance(bucketwise_compiled):
-            return compiled(*args, **kwargs)
+            out = compiled(*args, **kwargs)
+        freeze_after_warmup(bucketwise_compiled, config.freeze_mode)
+        return out
 
     bucketwise_compiled._bucketwise_report = report  # type: ignore[attr-defined]
     return bucketwise_compiled
