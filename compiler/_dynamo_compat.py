@@ -35,6 +35,16 @@ def make_backend(
     return torch._TorchCompileWrapper(backend, mode, options, dynamic)
 
 
+def is_dynamo_control_flow(exc: BaseException) -> bool:
+    """Exceptions Dynamo raises through a backend to restart or skip the frame (e.g.
+    ``TensorifyScalarRestartAnalysis`` under dynamic shapes): never a compile failure, always
+    re-raised."""
+    from torch._dynamo import exc as dynamo_exc
+
+    kinds = tuple(getattr(dynamo_exc, n) for n in ("RestartAnalysis", "SkipFrame") if hasattr(dynamo_exc, n))
+    return isinstance(exc, kinds)
+
+
 def functorch_depth() -> int:
     """How many torch.func transform levels are active (0 outside any transform)."""
     stack = torch._C._functorch.get_interpreter_stack()
@@ -217,3 +227,56 @@ def active_ddp_module():
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel._get_active_ddp_module()
+
+
+# --- CUDA graphs (compiler/cudagraphs.py) -------------------------------------------------
+
+
+def compile_with_inner(
+    mode: str | None, options: dict | None, dynamic: bool | None, make_inner: Callable[[], Callable[..., Any]]
+) -> Callable[..., Any]:
+    """An Inductor backend like ``make_backend("inductor", ...)`` whose every compiled graph
+    (forward, backward, inference) goes through ``inner_compile(gm, example_inputs, **kwargs)``,
+    ``inner_compile = make_inner()`` made once per graph handed to the backend (a lazily
+    compiled backward uses its forward's).
+
+    ``inner_compile`` gets the same arguments as ``torch._inductor.compile_fx.compile_fx_inner``
+    (``static_input_idxs``, ``is_backward``, ``is_inference``, ...) and must call
+    :func:`inductor_compile_inner` with them. The AOTAutograd cache is off during these compiles:
+    a cache hit would return the compiled graphs without calling ``inner_compile``.
+    """
+    wrapper = torch._TorchCompileInductorWrapper(mode, options, dynamic)
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=make_inner(), config_patches=dict(wrapper.config))
+
+    backend.__name__ = "inductor"
+    return backend
+
+
+def inductor_compile_inner(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def forward_returned_outputs() -> int | None:
+    """In a forward graph's inner compile: how many leading outputs AOTAutograd returns to
+    autograd (mutated inputs, user outputs, intermediate bases, RNG offset); the rest are saved
+    for the backward. ``None`` when unknown (treat every output as returned)."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    n = getattr(meta, "num_forward", None)
+    return int(n) if n is not None else None
+
+
+def storage_cdata(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def storage_use_count(cdata: int) -> int:
+    """References to a storage (every tensor viewing it holds one)."""
+    return int(torch._C._storage_Use_Count(cdata))

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from ..distributed import _ddp_compat
+from . import cudagraph_policy
 from .config import CompileConfig
 from .module import CompiledModule, compile_function
 
@@ -84,13 +85,11 @@ def compile(
 
 
 def _check_cudagraphs(config: CompileConfig) -> None:
-    if config.cudagraphs is False:
-        return
-    if not torch.cuda.is_available():
+    """Reject contradictory CUDA-graph requests before anything is built; say so when the
+    request is a no-op on this machine."""
+    decision = cudagraph_policy.resolve(config.cudagraphs, cuda=torch.cuda.is_available(), backend=config.backend,
+                                        mode=config.mode, dynamic=config.dynamic)
+    if config.cudagraphs is True and not torch.cuda.is_available():
         log.warning("bucketwise: cudagraphs=%r is a no-op without CUDA; compiling without CUDA graphs", config.cudagraphs)
-        return
-    if config.cudagraphs is True:
-        raise NotImplementedError(
-            "cudagraphs=True: bucketwise's CUDA-graph wrapping is not implemented yet; "
-            "use mode='reduce-overhead' (Inductor's cudagraph trees) meanwhile"
-        )
+    elif config.cudagraphs is True and not decision.enabled:
+        log.warning("bucketwise: cudagraphs=True not applied: %s", decision.reason)

@@ -25,8 +25,9 @@ from ..distributed.ready_order import FirstIterationOrder
 from ..partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops, ready_order
 from ..partitioners.split import Segment
 from . import _dynamo_compat as dc
-from . import doctor
+from . import cudagraph_policy, doctor
 from .config import CompileConfig
+from .cudagraphs import CudaGraphGroup, inner_compile_factory
 from .progress import Progress
 from .report import BucketStats, GraphStats, Report, SegmentStats
 from .segments import CompileOutcome, compile_with_fallback
@@ -66,12 +67,39 @@ class GraphBackend:
         self.variant = variant
         self.fused_runtime = fused_runtime
         self._ddp = weakref.ref(ddp) if ddp is not None else None
-        self.segment_backend = dc.make_backend(config.backend, config.mode, config.options, config.dynamic)
+        self.cudagraphs = self._cudagraph_group()
+        self._label = "graph ?"
+        self._segment_no = 0
+        self.segment_backend = self._make_backend(config.options)
         self._fused_backend: Callable[..., Any] | None = None
         self._layout_checked = False
         # Frame -> param name -> segment index (latest compile of each frame): alignment.
         # Frames are numbered in the order Dynamo first meets them, i.e. forward order.
         self.param_segments: dict[int, dict[str, int]] = {}
+
+    def _cudagraph_group(self) -> CudaGraphGroup | None:
+        import torch
+
+        cfg = self.config
+        decision = cudagraph_policy.resolve(cfg.cudagraphs, cuda=torch.cuda.is_available(), backend=cfg.backend,
+                                            mode=cfg.mode, dynamic=cfg.dynamic)
+        if decision.reason and cfg.cudagraphs is not False:
+            self.report.note(f"cudagraphs={cfg.cudagraphs!r} not applied: {decision.reason}")
+        return CudaGraphGroup(self.report.add_cudagraph) if decision.enabled else None
+
+    def _make_backend(self, options: dict | None) -> Callable[..., Any]:
+        """The backend segments and graphs are compiled with: the user's, or Inductor with every
+        compiled graph wrapped in a CUDA-graph runner (``cudagraphs``)."""
+        cfg = self.config
+        if self.cudagraphs is None:
+            return dc.make_backend(cfg.backend, cfg.mode, options, cfg.dynamic)
+        make_inner = inner_compile_factory(self.cudagraphs, self._next_label, auto=cfg.cudagraphs == "auto")
+        return dc.compile_with_inner(cfg.mode, options, cfg.dynamic, make_inner)
+
+    def _next_label(self) -> str:
+        label = f"{self._label} segment {self._segment_no}"
+        self._segment_no += 1
+        return label if self.variant is None else f"{label} ({self.variant})"
 
     @property
     def ddp(self) -> Any | None:
@@ -80,6 +108,7 @@ class GraphBackend:
     # torch.compile calls backend(gm, example_inputs)
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         graph_id = len(self.report.graphs)
+        self._label, self._segment_no = f"graph {graph_id}", 0
         cid = dc.current_compile_id()
         progress = Progress(f"graph {graph_id}")
         ddp = self._resolve_ddp()
@@ -162,7 +191,7 @@ class GraphBackend:
                 progress=progress,
             )
         except Exception as exc:
-            if self.config.fallback == "raise" or dc.functorch_depth():
+            if self.config.fallback == "raise" or dc.functorch_depth() or dc.is_dynamo_control_flow(exc):
                 raise
             # Splitting itself failed (an op torch.fx's splitter cannot carry across a cut):
             # compile the graph whole; DDP's reducer still reduces it, after its backward.
@@ -222,7 +251,7 @@ class GraphBackend:
         if self._fused_backend is None:
             if self.config.backend == "inductor":
                 options = {**cc.comm_overlap_options(), **(self.config.options or {})}
-                self._fused_backend = dc.make_backend("inductor", self.config.mode, options, self.config.dynamic)
+                self._fused_backend = self._make_backend(options)
             else:
                 self._fused_backend = self.segment_backend
         return self._fused_backend

@@ -110,6 +110,8 @@ class Report:
         self.strategy = strategy
         self.backend = backend
         self.graphs: list[GraphStats] = []
+        self.cudagraphs: list[Any] = []
+        """:class:`~bucketwise.compiler.cudagraphs.CudaGraphStats` of every wrapped graph (live)."""
         self.notes: list[str] = []
         self._alignment_fn: Callable[[], dict[str, Any]] | None = None
         self._slot: tuple[str, int] | None = None
@@ -119,6 +121,9 @@ class Report:
     def add_graph(self, graph: GraphStats) -> None:
         self.graphs.append(graph)
         self.write_rank_file()
+
+    def add_cudagraph(self, stats: Any) -> None:
+        self.cudagraphs.append(stats)
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -162,6 +167,7 @@ class Report:
             "totals": self.totals,
             "alignment": self.alignment_detail(),
             "graphs": [g.to_dict() for g in self.graphs],
+            "cudagraphs": [c.to_dict() for c in self.cudagraphs],
             "notes": list(self.notes),
         }
 
@@ -250,6 +256,14 @@ def format_table(data: dict[str, Any]) -> str:
         lines.append("")
         lines.append(_align([("graph", "bucket", "params", "MiB", "issued at", "comm dtype"), *bucket_rows]))
         lines.append("issued at: fraction of the backward done when the bucket's allreduce starts")
+    cg_rows = [
+        (c["name"], "yes" if c["captured"] else "no", str(c["replays"]), str(c["records"]),
+         str(c["uncaptured_runs"]), f"{c['pool_bytes'] / 2**20:.1f}", (c["reason"] or "-")[:70])
+        for c in data.get("cudagraphs", [])
+    ]
+    if cg_rows:
+        lines.append("")
+        lines.append(_align([("cuda graph", "captured", "replays", "records", "uncaptured", "pool MiB", "reason"), *cg_rows], right=range(2, 6)))
     t = data["totals"]
     align = t["alignment"]
     lines.append(
@@ -278,11 +292,11 @@ def _short_reason(reason: str, limit: int = 160) -> str:
     return head + where
 
 
-def _align(rows: list[tuple[str, ...]]) -> str:
+def _align(rows: list[tuple[str, ...]], right: Any = range(6)) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
     for r in rows:
-        out.append("  ".join(c.rjust(w) if i < 6 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+        out.append("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
     return "\n".join(out)
 
 

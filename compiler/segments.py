@@ -79,7 +79,7 @@ def compile_with_fallback(
         # A compile that failed inside a torch.func transform can leave its functorch level
         # pushed; running on eagerly would then trip Dynamo's guards. Re-raise instead, as
         # plain torch.compile does.
-        if fallback == "raise" or dc.functorch_depth() != depth:
+        if fallback == "raise" or dc.functorch_depth() != depth or dc.is_dynamo_control_flow(exc):
             raise
         log.warning("bucketwise: %s compile failed, running eagerly: %s", backend_name, exc)
         compiled = gm

@@ -641,3 +641,18 @@ def test_wrap_numpy_tensors_and_gradients():
     torch.testing.assert_close(y.grad, yr.grad, rtol=RTOL, atol=ATOL)
     # Eager wrap_numpy gives the same values (through NumPy).
     torch.testing.assert_close(_wrapped_numpy(x.detach(), y.detach()), ref.detach(), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.inductor
+def test_dynamic_true_with_inductor_compiles_without_fallback():
+    # Dynamo restarts analysis through the backend under dynamic shapes
+    # (TensorifyScalarRestartAnalysis); bucketwise must re-raise it, not fall back to eager.
+    import bucketwise
+
+    m = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh())
+    c = bucketwise.compile(m, backend="inductor", dynamic=True, fallback="raise")
+    for n in (4, 5, 6):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(c(x), m(x))
+    rep = bucketwise.report(c)
+    assert rep.totals["fallbacks"] == 0 and all(s.backend == "inductor" for g in rep.graphs for s in g.segments)

@@ -1,0 +1,153 @@
+"""Which compiled graphs bucketwise replays from CUDA graphs, and why not the others.
+
+Two levels:
+
+- per compile (:func:`resolve`): ``cudagraphs=True | False | "auto"`` against the machine and
+  the other options (no CUDA: off with a message; ``"auto"``: on for static shapes on CUDA);
+- per compiled graph (:func:`capture_blockers`): what in an Inductor-ready FX graph would make a
+  CUDA-graph replay wrong or impossible. A blocked graph runs uncaptured, with the reason in the
+  report; it never changes numerics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+# Ops that read a tensor's value on the host (a device-to-host copy + synchronisation) or whose
+# output shape depends on tensor values: a capture would bake one step's answer into the graph.
+HOST_SYNC_OPS = frozenset(
+    {
+        "aten._local_scalar_dense",
+        "aten.item",
+        "aten.is_nonzero",
+        "aten.equal",
+        "aten.nonzero",
+        "aten.nonzero_static",
+        "aten.masked_select",
+        "aten.unique",
+        "aten._unique",
+        "aten._unique2",
+        "aten.unique_dim",
+        "aten.unique_consecutive",
+        "aten.bincount",
+        "aten.repeat_interleave",
+        "aten._assert_async",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Decision:
+    """Whether a compile wraps its graphs in CUDA graphs, and why not if it does not."""
+
+    enabled: bool
+    reason: str | None = None
+
+
+def resolve(requested: bool | str, *, cuda: bool, backend: str | Any, mode: str | None, dynamic: bool | None) -> Decision:
+    """The compile-level decision for ``cudagraphs=requested``.
+
+    Raises ``ValueError`` for combinations that cannot mean anything sensible (``True`` with
+    Inductor's own CUDA graphs, or with a backend other than Inductor); returns a disabled
+    decision with a reason where the request is only moot (no CUDA, ``"auto"`` with dynamic
+    shapes).
+    """
+    if requested is False:
+        return Decision(enabled=False)
+    if mode == "reduce-overhead":
+        if requested is True:
+            raise ValueError(
+                "cudagraphs=True and mode='reduce-overhead' both ask for CUDA graphs; use cudagraphs=True "
+                "(bucketwise's wrapper) or mode='reduce-overhead' (Inductor's cudagraph trees), not both"
+            )
+        return Decision(enabled=False, reason="mode='reduce-overhead': Inductor's cudagraph trees are in use")
+    if not cuda:
+        return Decision(enabled=False, reason="no CUDA device: CUDA graphs are a no-op")
+    if backend != "inductor":
+        if requested is True:
+            raise ValueError(
+                f"cudagraphs=True wraps Inductor-compiled graphs; backend {backend!r} is not 'inductor' "
+                "(use backend='inductor' or cudagraphs=False)"
+            )
+        return Decision(enabled=False, reason=f"backend {backend!r}: only Inductor graphs are wrapped")
+    if requested == "auto" and dynamic is True:
+        return Decision(enabled=False, reason="auto: dynamic=True (shapes change between calls)")
+    return Decision(enabled=True)
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return f"{target._qualified_op_name.replace('::', '.')}"
+    return getattr(target, "__name__", str(target))
+
+
+def _devices(value: Any) -> set[torch.device]:
+    vals = value if isinstance(value, (list, tuple)) else [value]
+    return {v.device for v in vals if isinstance(v, torch.Tensor)}
+
+
+def _unbacked(value: Any) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    try:
+        return bool(free_unbacked_symbols(value))
+    except Exception:  # a value free_unbacked_symbols cannot walk: not a shape
+        return False
+
+
+def mutated_placeholders(gm: fx.GraphModule) -> dict[int, str]:
+    """Placeholder index -> the op that writes into it (in-place ops, ``copy_`` back)."""
+    index = {node: i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    out: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        schema = node.target._schema
+        for arg, value in zip(schema.arguments, node.args):
+            if arg.alias_info is not None and arg.alias_info.is_write and value in index:
+                out.setdefault(index[value], _op_name(node.target))
+        for name, value in node.kwargs.items():
+            arg = next((a for a in schema.arguments if a.name == name), None)
+            if arg is not None and arg.alias_info is not None and arg.alias_info.is_write and value in index:
+                out.setdefault(index[value], _op_name(node.target))
+    return out
+
+
+def capture_blockers(gm: fx.GraphModule, example_inputs: Sequence[Any], static_input_idxs: Sequence[int],
+                     *, device_type: str = "cuda") -> list[str]:
+    """Why replaying ``gm`` from a CUDA graph would be wrong or impossible (empty: capturable).
+
+    ``static_input_idxs``: inputs at fixed addresses (parameters, buffers); a graph may write
+    into those (captured in place), not into inputs bucketwise copies into static buffers.
+    ``device_type``: the device the graphs replay on; a tensor elsewhere (the host) blocks.
+    """
+    reasons: list[str] = []
+    for i, value in enumerate(example_inputs):
+        if isinstance(value, torch.Tensor) and value.device.type != device_type:
+            reasons.append(f"input {i} is a {value.device.type} tensor")
+            break
+    static = set(static_input_idxs)
+    for i, op in sorted(mutated_placeholders(gm).items()):
+        if i not in static:
+            reasons.append(f"{op} writes into input {i}, which is not a parameter or buffer")
+            break
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            name = _op_name(node.target)
+            if name in HOST_SYNC_OPS:
+                reasons.append(f"{name} synchronises with the host (node {node.name})")
+                break
+        val = node.meta.get("val")
+        if node.op != "output" and _unbacked(val):
+            reasons.append(f"data-dependent shape at node {node.name}")
+            break
+        if node.op == "call_function" and any(d.type != device_type for d in _devices(val)):
+            reasons.append(f"node {node.name} ({_op_name(node.target)}) makes a tensor off the {device_type} device")
+            break
+    return reasons

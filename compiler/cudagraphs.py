@@ -1,0 +1,328 @@
+"""bucketwise's own CUDA-graph wrapper for compiled graphs (``cudagraphs=True``).
+
+One :class:`CudaGraphRunner` wraps one Inductor-compiled graph (the forward, the backward or the
+inference graph of a segment) and replays it from a ``torch.cuda.CUDAGraph``; the runners of one
+compiled object share a :class:`CudaGraphGroup` (one memory pool, one capture stream, one set
+of stats). A replay is one launch and a few pointer checks: no cudagraph trees.
+
+NOTE [cudagraph replay safety]: a replay writes into the same output memory every time. The
+runner therefore
+
+- clones the outputs a forward returns to autograd/the user (cheap: activations saved for the
+  backward are not among them) and every output of an inference graph;
+- hands out the other outputs (saved activations, gradients) as the static tensors themselves,
+  and before the next replay checks that nobody still holds them (tensor and storage use
+  counts); if someone does (two forwards before their backwards, gradients kept across
+  steps), that call runs uncaptured instead of overwriting them;
+- uses parameters, buffers and outputs of other runners of its group in place (their address
+  is checked each call, a moved one runs uncaptured, then re-records), and copies every other
+  tensor input into a static buffer;
+- runs a new input signature once uncaptured (the warm-up) and records on its second call,
+  at most ``max_records`` times; past that it runs uncaptured and the stats say why.
+
+The first call of a signature and every fallback call run the compiled graph itself, so a
+failed or refused capture never changes numerics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import _dynamo_compat as dc
+
+log = logging.getLogger(__name__)
+
+MAX_RECORDS = 8
+"""Recordings per runner (input signatures, moved parameters) before it stays uncaptured."""
+
+_MOVED_BEFORE_RERECORD = 2
+"""Consecutive calls with a moved static input before the runner records again."""
+
+
+@dataclasses.dataclass
+class CudaGraphStats:
+    """One wrapped graph: a segment's forward, backward or inference graph."""
+
+    name: str
+    captured: bool = False
+    """At least one recording is live and replaying."""
+    reason: str | None = None
+    """Why it does not replay from a CUDA graph (``None`` while it does or may)."""
+    replays: int = 0
+    records: int = 0
+    warmups: int = 0
+    uncaptured_runs: int = 0
+    """Calls after the warm-up that ran uncaptured (reasons counted in ``uncaptured_reasons``)."""
+    uncaptured_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    pool_bytes: int = 0
+    """Bytes this graph's recordings added to the group's memory pool."""
+
+    def ran_uncaptured(self, why: str) -> None:
+        self.uncaptured_runs += 1
+        self.uncaptured_reasons[why] = self.uncaptured_reasons.get(why, 0) + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class CudaGraphs:
+    """The CUDA side of capture and replay (a test on CPU passes an emulation instead)."""
+
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        self._pool = None
+        self._stream = None
+
+    def capture(self, fn: Callable[[], Any], inputs: Sequence[Any]) -> tuple[Any, Any]:
+        """Record ``fn()`` (which reads ``inputs``) into a new graph in the shared pool; returns
+        (graph, fn's result). Nothing runs: the first replay computes."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: NCCL's watchdog and other threads keep querying events meanwhile.
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+            out = fn()
+        return graph, out
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+    def reserved_bytes(self) -> int:
+        return torch.cuda.memory_reserved()
+
+
+class CudaGraphGroup:
+    """The runners of one compiled object: shared pool and stream, stats, stable addresses."""
+
+    def __init__(self, on_stats: Callable[[CudaGraphStats], None], graphs: CudaGraphs | None = None,
+                 *, max_records: int = MAX_RECORDS) -> None:
+        self.graphs = graphs if graphs is not None else CudaGraphs()
+        self.on_stats = on_stats
+        self.max_records = max_records
+        # data_ptr of every tensor at a fixed address a runner may use in place: static inputs
+        # of forwards (parameters, buffers) and the static outputs of every recording.
+        self.stable_ptrs: set[int] = set()
+
+    def runner(self, compiled: Callable[[list[Any]], Any], *, name: str, static_input_idxs: Sequence[int],
+               returned_outputs: int | None, blockers: Sequence[str]) -> "CudaGraphRunner":
+        stats = CudaGraphStats(name=name, reason="; ".join(blockers) if blockers else None)
+        self.on_stats(stats)
+        return CudaGraphRunner(compiled, self, stats, static_input_idxs=static_input_idxs,
+                               returned_outputs=returned_outputs, blocked=bool(blockers))
+
+
+@dataclasses.dataclass
+class _Recording:
+    graph: Any
+    inputs: list[Any]  # what the graph reads: static tensors in place, copy buffers, scalars
+    copy_idxs: list[int]  # inputs copied into inputs[i] on every call
+    stable_idxs: list[int]  # inputs used in place; their address is checked on every call
+    stable_ptrs: list[int]
+    outputs: list[Any]
+    clone_idxs: list[int]
+    held_idxs: list[int]  # outputs handed out as is: checked free before the next replay
+    held_use: list[int]
+    held_storage: list[tuple[int, int]]  # (storage cdata, use count) at record time
+
+
+class CudaGraphRunner:
+    """One compiled graph replayed from CUDA graphs (boxed calling convention, like Inductor's).
+
+    ``returned_outputs``: how many leading outputs go back to autograd/the user and are cloned
+    after each replay (``None``: all of them, an inference graph).
+    """
+
+    def __init__(self, compiled: Callable[[list[Any]], Any], group: CudaGraphGroup, stats: CudaGraphStats, *,
+                 static_input_idxs: Sequence[int], returned_outputs: int | None, blocked: bool) -> None:
+        # An instance attribute: torch wraps the backward in torch._dynamo.disable, whose
+        # functools.wraps copies the instance __dict__ (a class attribute would be lost).
+        self._boxed_call = True
+        self.compiled = compiled
+        self.group = group
+        self.stats = stats
+        self.static_input_idxs = frozenset(static_input_idxs)
+        self.returned_outputs = returned_outputs
+        self.disabled = blocked
+        self.records: dict[tuple, _Recording] = {}
+        self.warmed: set[tuple] = set()
+        self._moved_calls = 0
+
+    def __call__(self, args: list[Any]) -> Any:
+        if self.disabled:
+            return self.compiled(args)
+        key = _signature(args)
+        rec = self.records.get(key)
+        if rec is None:
+            if key not in self.warmed:
+                self.warmed.add(key)
+                self.stats.warmups += 1
+                return self.compiled(args)
+            return self._record(key, args)
+        why = self._why_not_replay(rec, args)
+        if why is not None:
+            if why == "moved":
+                self._moved_calls += 1
+                if self._moved_calls >= _MOVED_BEFORE_RERECORD:
+                    del self.records[key]
+                    return self._record(key, args)
+                why = "a parameter or saved input moved since the recording"
+            self.stats.ran_uncaptured(why)
+            return self.compiled(args)
+        self._moved_calls = 0
+        return self._replay(rec, args)
+
+    # -- replay ------------------------------------------------------------------------------
+
+    def _why_not_replay(self, rec: _Recording, args: list[Any]) -> str | None:
+        for i, ptr in zip(rec.stable_idxs, rec.stable_ptrs):
+            if args[i].data_ptr() != ptr:
+                return "moved"
+        outs = rec.outputs
+        for i, use, (cdata, suse) in zip(rec.held_idxs, rec.held_use, rec.held_storage):
+            if outs[i]._use_count() > use or dc.storage_use_count(cdata) > suse:
+                return "outputs of the previous replay still in use (kept gradients or a second forward before the backward)"
+        return None
+
+    def _replay(self, rec: _Recording, args: list[Any]) -> list[Any]:
+        for i in rec.copy_idxs:
+            rec.inputs[i].copy_(args[i])
+        args.clear()
+        self.group.graphs.replay(rec.graph)
+        self.stats.replays += 1
+        out = list(rec.outputs)
+        for i in rec.clone_idxs:
+            out[i] = out[i].clone()
+        return out
+
+    # -- record ------------------------------------------------------------------------------
+
+    def _record(self, key: tuple, args: list[Any]) -> list[Any]:
+        if self.stats.records >= self.group.max_records:
+            self._disable(f"recorded {self.stats.records} times (new input shapes or moved parameters); runs uncaptured")
+            return self.compiled(args)
+        try:
+            rec = self._capture(args)
+        except Exception as exc:  # a refused capture: run uncaptured from now on, numerics unchanged
+            log.warning("bucketwise: CUDA-graph capture of %s failed, running uncaptured: %s", self.stats.name, exc)
+            self._disable(f"capture failed: {type(exc).__name__}: {exc}"[:300])
+            return self.compiled(args)
+        if rec is None:
+            return self.compiled(args)
+        self.records[key] = rec
+        self.stats.records += 1
+        self.stats.captured = True
+        self._moved_calls = 0
+        return self._replay(rec, args)
+
+    def _disable(self, reason: str) -> None:
+        self.disabled = True
+        self.records.clear()
+        self.stats.captured = False
+        self.stats.reason = reason
+
+    def _capture(self, args: list[Any]) -> _Recording | None:
+        stable = self.group.stable_ptrs
+        inputs: list[Any] = []
+        copy_idxs, stable_idxs = [], []
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                inputs.append(a)
+            elif i in self.static_input_idxs or a.data_ptr() in stable:
+                inputs.append(a)
+                stable_idxs.append(i)
+            elif not _dense(a):
+                self._disable(f"input {i} is not dense (strides {tuple(a.stride())}): cannot keep a static copy")
+                return None
+            else:
+                buf = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
+                buf.copy_(a)
+                inputs.append(buf)
+                copy_idxs.append(i)
+        before = self.group.graphs.reserved_bytes()
+        graph, outputs = self.group.graphs.capture(lambda: self.compiled(list(inputs)), inputs)
+        self.stats.pool_bytes += max(0, self.group.graphs.reserved_bytes() - before)
+        outputs = list(outputs)
+        # An output may be a copy buffer itself (the forward saving its input for the backward):
+        # it is protected like any other output.
+        copy_ptrs = {inputs[i].untyped_storage().data_ptr() for i in copy_idxs}
+        input_ptrs = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
+        n_returned = len(outputs) if self.returned_outputs is None else self.returned_outputs
+        clone_idxs, held_idxs = [], []
+        for i, o in enumerate(outputs):
+            if not isinstance(o, torch.Tensor):
+                continue
+            base = o.untyped_storage().data_ptr()
+            if base in input_ptrs and base not in copy_ptrs:
+                continue  # a parameter or buffer handed back: nothing to protect
+            if i < n_returned:
+                clone_idxs.append(i)
+            else:
+                held_idxs.append(i)
+                stable.add(o.data_ptr())
+        for i in stable_idxs:
+            stable.add(inputs[i].data_ptr())
+        return _Recording(
+            graph=graph, inputs=inputs, copy_idxs=copy_idxs, stable_idxs=stable_idxs,
+            stable_ptrs=[inputs[i].data_ptr() for i in stable_idxs], outputs=outputs,
+            clone_idxs=clone_idxs, held_idxs=held_idxs,
+            held_use=[outputs[i]._use_count() for i in held_idxs],
+            held_storage=[(c, dc.storage_use_count(c)) for c in (dc.storage_cdata(outputs[i]) for i in held_idxs)],
+        )
+
+
+def _signature(args: Sequence[Any]) -> tuple:
+    """What a recording depends on besides addresses: shapes, strides, dtypes, scalar values."""
+    return tuple(
+        (tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
+        for a in args
+    )
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or t.is_non_overlapping_and_dense()
+
+
+def inner_compile_factory(group: CudaGraphGroup, label: Callable[[], str], *, auto: bool) -> Callable[[], Callable[..., Any]]:
+    """``make_inner`` for :func:`_dynamo_compat.compile_with_inner`: each graph handed to the
+    backend gets an inner compile that compiles with Inductor and wraps the result in a runner
+    named after ``label()`` (read once, when the backend is called)."""
+    from .cudagraph_policy import capture_blockers
+
+    def make_inner() -> Callable[..., Any]:
+        name = label()
+
+        def inner_compile(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+            # A backward's "static" inputs (Inductor's view) include saved activations, whose
+            # address is stable only when the forward replayed: the runner finds those itself.
+            static = [] if kwargs.get("is_backward") else list(kwargs.get("static_input_idxs") or ())
+            blockers = capture_blockers(gm, example_inputs, static, device_type=group.graphs.device_type)
+            if auto and _symbolic(example_inputs):
+                blockers.append("auto: dynamic shapes")
+            if kwargs.get("is_backward"):
+                kind, returned = "backward", 0
+            elif kwargs.get("is_inference"):
+                kind, returned = "inference", None
+            else:
+                kind, returned = "forward", dc.forward_returned_outputs()
+            compiled = dc.inductor_compile_inner(gm, example_inputs, **kwargs)
+            return group.runner(compiled, name=f"{name} {kind}", static_input_idxs=static,
+                                returned_outputs=returned, blockers=blockers)
+
+        return inner_compile
+
+    return make_inner
+
+
+def _symbolic(example_inputs: Sequence[Any]) -> bool:
+    for a in example_inputs:
+        if isinstance(a, torch.SymInt):
+            return True
+        if isinstance(a, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in a.shape):
+            return True
+    return False

@@ -1,0 +1,245 @@
+"""bucketwise's CUDA-graph wrapper (``cudagraphs=True``): the decisions, on CPU.
+
+The policy (when to wrap, which graphs cannot be captured and why) is tested directly. The
+runner (warm-up, record, replay, re-record, fallbacks, output protection) runs end to end with
+Inductor on CPU through an emulated graph backend that keeps what matters of a real CUDA graph:
+capture runs nothing, and a replay overwrites the very tensors the capture returned (see
+tests/_cudagraph_emulator.py). Every test compares numerics with the uncompiled model. The real
+thing (NCCL, CUDA) is tested by tests/gpu/ on the device machines.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import bucketwise
+from bucketwise.compiler import cudagraph_policy as policy
+from bucketwise.compiler.cudagraphs import MAX_RECORDS
+
+from _cudagraph_emulator import use_emulated_graphs
+from _dist import run_distributed
+from test_split_correctness import train_and_compare
+
+pytestmark = pytest.mark.inductor
+
+
+# --- compile-level decision -------------------------------------------------------------
+
+
+def test_resolve_matrix():
+    r = functools.partial(policy.resolve, backend="inductor", mode=None, dynamic=None)
+    assert r(False, cuda=True) == policy.Decision(enabled=False)
+    assert r(True, cuda=True).enabled and r("auto", cuda=True).enabled
+    off = r(True, cuda=False)
+    assert not off.enabled and "no CUDA" in off.reason
+    auto_dyn = policy.resolve("auto", cuda=True, backend="inductor", mode=None, dynamic=True)
+    assert not auto_dyn.enabled and "dynamic" in auto_dyn.reason
+    assert policy.resolve(True, cuda=True, backend="inductor", mode=None, dynamic=True).enabled
+    assert not policy.resolve("auto", cuda=True, backend="aot_eager", mode=None, dynamic=None).enabled
+    with pytest.raises(ValueError, match="backend 'aot_eager'"):
+        policy.resolve(True, cuda=True, backend="aot_eager", mode=None, dynamic=None)
+    with pytest.raises(ValueError, match="reduce-overhead"):
+        policy.resolve(True, cuda=False, backend="inductor", mode="reduce-overhead", dynamic=None)
+
+
+def test_contradictory_request_is_rejected_before_compiling():
+    with pytest.raises(ValueError, match="cudagraphs=True and mode='reduce-overhead'"):
+        bucketwise.compile(nn.Linear(2, 2), cudagraphs=True, mode="reduce-overhead")
+
+
+# --- graph-level blockers ----------------------------------------------------------------
+
+
+def _graph(fn, *args):
+    return make_fx(fn)(*args)
+
+
+def test_host_sync_blocks_capture():
+    gm = make_fx(lambda x: x * x.sum().item(), tracing_mode="symbolic")(torch.randn(4))
+    reasons = policy.capture_blockers(gm, [torch.randn(4)], [], device_type="cpu")
+    assert any("_local_scalar_dense" in r and "host" in r for r in reasons), reasons
+
+
+def test_data_dependent_shape_blocks_capture():
+    gm = make_fx(lambda x: torch.nonzero(x), tracing_mode="symbolic")(torch.randn(4))
+    reasons = policy.capture_blockers(gm, [torch.randn(4)], [], device_type="cpu")
+    assert reasons and any("nonzero" in r or "data-dependent" in r for r in reasons), reasons
+
+
+def test_mutating_a_copied_input_blocks_capture_but_a_buffer_may_be_mutated():
+    def f(buf, x):
+        buf.add_(1)
+        return x * 2
+
+    gm = _graph(f, torch.zeros(3), torch.randn(3))
+    assert policy.mutated_placeholders(gm) == {0: "aten.add_"}
+    assert policy.capture_blockers(gm, [torch.zeros(3), torch.randn(3)], [0], device_type="cpu") == []
+    reasons = policy.capture_blockers(gm, [torch.zeros(3), torch.randn(3)], [], device_type="cpu")
+    assert reasons == ["aten.add_ writes into input 0, which is not a parameter or buffer"]
+
+
+def test_off_device_tensor_blocks_capture():
+    gm = _graph(lambda x: x + 1, torch.randn(3))
+    assert policy.capture_blockers(gm, [torch.randn(3)], [], device_type="cpu") == []
+    reasons = policy.capture_blockers(gm, [torch.randn(3)], [])  # replay device: cuda
+    assert reasons and reasons[0] == "input 0 is a cpu tensor", reasons
+
+
+# --- the runner, end to end on CPU (emulated graphs) --------------------------------------
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.bn(self.a(x))))
+
+
+def _pair(**kw):
+    torch.manual_seed(0)
+    ref = Net()
+    mod = copy.deepcopy(ref)
+    return ref, mod, bucketwise.compile(mod, backend="inductor", cudagraphs=True, **kw)
+
+
+def _stats(compiled) -> dict[str, dict]:
+    return {c.name: c.to_dict() for c in bucketwise.report(compiled).cudagraphs}
+
+
+def _train(ref, mod, compiled, steps, *, batch=lambda i: 6, zero=True):
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_c = torch.optim.SGD(mod.parameters(), lr=0.1)
+    for i in range(steps):
+        x = torch.randn(batch(i), 8)
+        ref(x).pow(2).mean().backward()
+        compiled(x).pow(2).mean().backward()
+        for p, q in zip(ref.parameters(), mod.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"step {i}: {m}")
+        opt_r.step()
+        opt_c.step()
+        if zero:
+            opt_r.zero_grad()
+            opt_c.zero_grad()
+    torch.testing.assert_close(dict(mod.state_dict()), dict(ref.state_dict()))
+
+
+def test_training_replays_and_matches_eager(monkeypatch):
+    emulators = use_emulated_graphs(monkeypatch)
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 5)
+    stats = _stats(compiled)
+    fw, bw = stats["graph 0 segment 0 forward"], stats["graph 0 segment 0 backward"]
+    # Step 1 warms up, step 2 records (and replays), steps 3-5 replay.
+    for s in (fw, bw):
+        assert (s["warmups"], s["records"], s["replays"], s["uncaptured_runs"]) == (1, 1, 4, 0), s
+        assert s["captured"] and s["reason"] is None
+    assert emulators[0].captures == 2 and emulators[0].replays == 8
+    rep = bucketwise.report(compiled)
+    assert "cuda graph" in rep.table() and rep.to_dict()["cudagraphs"][0]["name"] == "graph 0 segment 0 forward"
+
+
+def test_evaluation_after_training_and_mode_switches(monkeypatch):
+    use_emulated_graphs(monkeypatch)
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 3)
+    x = torch.randn(5, 8)
+    for _ in range(3):
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), ref(x))
+    for m in (ref, mod):
+        m.eval()
+    for _ in range(3):
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), ref(x))
+    for m in (ref, mod):
+        m.train()
+    _train(ref, mod, compiled, 3)
+    stats = _stats(compiled)
+    inference = [s for n, s in stats.items() if n.endswith("inference")]
+    assert inference and all(s["replays"] >= 1 for s in inference), stats
+    # Outputs handed to the caller are copies: a kept result is not overwritten by later replays.
+    with torch.no_grad():
+        first = compiled(x)
+        kept = first.clone()
+        compiled(torch.randn(5, 8))
+    torch.testing.assert_close(first, kept)
+
+
+def test_two_forwards_before_backward_do_not_overwrite_saved_activations(monkeypatch):
+    use_emulated_graphs(monkeypatch)
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 3)  # recorded and replaying
+    x1, x2 = torch.randn(6, 8), torch.randn(6, 8)
+    (ref(x1).sum() + 2 * ref(x2).sum()).backward()
+    (compiled(x1).sum() + 2 * compiled(x2).sum()).backward()
+    for p, q in zip(ref.parameters(), mod.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    fw = _stats(compiled)["graph 0 segment 0 forward"]
+    assert fw["uncaptured_runs"] >= 1 and any("still in use" in r for r in fw["uncaptured_reasons"]), fw
+
+
+def test_gradient_accumulation_matches_eager(monkeypatch):
+    use_emulated_graphs(monkeypatch)
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 6, zero=False)  # gradients accumulate across steps
+
+
+def test_new_shapes_rerecord_up_to_the_bound(monkeypatch):
+    use_emulated_graphs(monkeypatch)
+    ref, mod, compiled = _pair(dynamic=True)
+    steps = 2 * (MAX_RECORDS + 2)
+    _train(ref, mod, compiled, steps, batch=lambda i: 4 + i // 2)  # each size twice: warm-up, record
+    fw = _stats(compiled)["graph 0 segment 0 forward"]
+    assert fw["records"] == MAX_RECORDS and not fw["captured"], fw
+    assert "recorded 8 times" in fw["reason"], fw
+
+
+def test_failed_capture_runs_uncaptured_with_the_reason(monkeypatch):
+    use_emulated_graphs(monkeypatch, fail_capture=True)
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 4)
+    fw = _stats(compiled)["graph 0 segment 0 forward"]
+    assert not fw["captured"] and fw["replays"] == 0 and "capture failed" in fw["reason"], fw
+
+
+def test_a_moved_parameter_rerecords(monkeypatch):
+    use_emulated_graphs(monkeypatch)
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 3)
+    with torch.no_grad():  # new storage for a parameter (as load_state_dict(assign=True) does)
+        mod.a.weight.data = mod.a.weight.data.clone()
+    _train(ref, mod, compiled, 4)
+    fw = _stats(compiled)["graph 0 segment 0 forward"]
+    assert fw["records"] == 2 and fw["uncaptured_runs"] >= 1, fw
+
+
+# --- DDP, 2 gloo ranks ---------------------------------------------------------------------
+
+
+def _ddp_worker(rank: int, world_size: int, case: str, strategy: str) -> dict:
+    use_emulated_graphs()
+    bucketwise.compile = functools.partial(bucketwise.compile, cudagraphs=True)
+    return train_and_compare(rank, world_size, case, strategy, "inductor")
+
+
+@pytest.mark.parametrize("case,strategy", [("inductor_mlp", "split"), ("inductor_mlp", "fused"), ("no_sync", "fused")])
+def test_ddp_with_cudagraphs_matches_eager_ddp(tmp_path, case, strategy):
+    results = run_distributed(_ddp_worker, tmp_path, args=(case, strategy), timeout=500)
+    for r in results:
+        stats = r["report"]["cudagraphs"]
+        assert stats, r["report"]
+        replayed = [s for s in stats if s["replays"] > 0]
+        assert any(s["name"].endswith("backward") for s in replayed), stats
+        assert any(s["name"].endswith("forward") for s in replayed), stats
+        if strategy == "split":
+            assert len({s["name"].rsplit(" ", 1)[0] for s in stats}) >= 2, stats  # one per segment
