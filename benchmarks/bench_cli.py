@@ -8,6 +8,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -31,6 +32,8 @@ SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFN
 # times whatever the config order); Triton's kernel binary cache still applies.
 NO_CACHE_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
 COMPILE_CACHES = ("off", "on")
+# Recorded in the meta line (``None`` when unset), never set by the harness.
+RECORD_ENV = ("NCCL_MAX_NCHANNELS", "NCCL_MIN_NCHANNELS", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_VISIBLE_DEVICES")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,7 +131,7 @@ def parse(argv: list[str]) -> BenchArgs:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     nproc = ns.nproc if ns.nproc is not None else _default_nproc(device)
-    out = ns.out or str(RESULTS_ROOT / f"{datetime.datetime.now():%Y%m%d-%H%M}-{ns.model}-{ns.net}")
+    out = ns.out or default_out(ns.model, ns.net)
     try:
         return BenchArgs(
             nproc=nproc, model=ns.model, configs=tuple(configs), steps=ns.steps, warmup=ns.warmup,
@@ -140,6 +143,20 @@ def parse(argv: list[str]) -> BenchArgs:
     except ValueError as exc:
         p.error(str(exc))
         raise  # unreachable: p.error exits
+
+
+def default_out(model: str, net: str) -> str:
+    """``results/<YYYYmmdd-HHMM>-<model>-<net>``, plus ``-gpus<CUDA_VISIBLE_DEVICES>`` when that is
+    set, plus ``-2``, ``-3``, ... when the directory exists (back-to-back or concurrent runs).
+    Under torchrun (``RANK`` set) without the suffix: every rank must compute the same path."""
+    name = f"{datetime.datetime.now():%Y%m%d-%H%M}-{model}-{net}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        name += "-gpus" + re.sub(r"[^A-Za-z0-9,]+", "_", visible)
+    path, n = RESULTS_ROOT / name, 2
+    while "RANK" not in os.environ and path.exists():
+        path, n = RESULTS_ROOT / f"{name}-{n}", n + 1
+    return str(path)
 
 
 def _default_nproc(device: str) -> int:

@@ -10,9 +10,10 @@ A recipe turns a freshly built model into the module a training step calls:
 - ``local``: ``torch.compile(model)`` without DDP: the compute floor, no gradient traffic.
 - ``bw-<strategy>``: ``bucketwise.compile(DDP(model), strategy=...)``.
 - ``*-ro``: the same with ``mode="reduce-overhead"`` (Inductor's CUDA graphs; CUDA only).
+- ``bw-<strategy>-cg``: ``bucketwise.compile(..., cudagraphs=True)`` (bucketwise's own CUDA-graph
+  wrapper; CUDA only). Its floor, like that of the ``*-ro`` configs, is ``local-ro``.
 
-A new strategy is one more line, e.g. ``"bw-fused": Recipe(compiler="bucketwise", strategy="fused")``
-or ``"bw-split-cg": Recipe(compiler="bucketwise", strategy="split", cudagraphs=True)``.
+A new strategy is one more line, e.g. ``"bw-fused": Recipe(compiler="bucketwise", strategy="fused")``.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ class Recipe:
             raise ValueError(f"comm_hook must be None or 'bf16', got {self.comm_hook!r}")
         if self.compiler == "none" and (self.mode or self.optimize_ddp is not None):
             raise ValueError("mode/optimize_ddp need a compiler")
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Inductor's (``mode="reduce-overhead"``) or bucketwise's (``cudagraphs``) CUDA graphs."""
+        return self.mode == "reduce-overhead" or bool(self.cudagraphs)
 
     @property
     def needs_cuda(self) -> str | None:
@@ -127,6 +133,9 @@ CONFIGS: dict[str, Recipe] = {
     "bw-split-ro": Recipe(compiler="bucketwise", strategy="split", mode=RO),
     "bw-none-ro": Recipe(compiler="bucketwise", strategy="none", mode=RO),
     "bw-fused-ro": Recipe(compiler="bucketwise", strategy="fused", mode=RO),
+    "bw-split-cg": Recipe(compiler="bucketwise", strategy="split", cudagraphs=True),
+    "bw-none-cg": Recipe(compiler="bucketwise", strategy="none", cudagraphs=True),
+    "bw-fused-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True),
 }
 
 DEFAULT_CONFIGS = ("eager", "torch", "torch-nosplit", "local", "bw-split", "bw-none", "bw-fused")
@@ -145,5 +154,6 @@ def recipe_for(config: str) -> Recipe:
 
 
 def floor_config(config: str) -> str:
-    """The compute floor a config is compared with: ``local-ro`` for ``*-ro`` configs, else ``local``."""
-    return "local-ro" if base_name(config).endswith("-ro") else "local"
+    """The compute floor a config is compared with: ``local-ro`` (CUDA graphs) for the configs that
+    use CUDA graphs (``*-ro``, ``*-cg``), else ``local``."""
+    return "local-ro" if recipe_for(config).uses_cuda_graphs else "local"

@@ -9,6 +9,7 @@ kernel in the CPU-side ``record_function`` range (``bench_step``/``bench_backwar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -33,43 +34,78 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_first_step(step: Callable[[], None], device: torch.device) -> float:
-    """Seconds of one step (includes compiling), synchronised on both ends."""
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+    """What :func:`time_steps` measured: per-step milliseconds, the host time of issuing each
+    step, the wall-clock mean, and what each ``step()`` returned (the loss tensors, unread)."""
+
+    per_step_ms: list[float]
+    cpu_issue_ms: list[float]
+    mean_ms: float
+    outputs: list[Any]
+
+
+def time_first_step(step: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """Seconds of one step (includes compiling), synchronised on both ends, and its output."""
     sync(device)
     t0 = time.perf_counter()
-    step()
+    out = step()
     sync(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, out
 
 
-def time_steps(step: Callable[[], None], n: int, device: torch.device) -> tuple[list[float], float]:
+def time_steps(step: Callable[[], Any], n: int, device: torch.device) -> StepTimes:
     """Per-step milliseconds of ``n`` consecutive steps, and the wall-clock mean.
 
     On CUDA, events recorded between steps (no synchronisation inside the loop, so the CPU can
     run ahead as in training); one ``torch.cuda.synchronize()`` before the events are read.
+    ``cpu_issue_ms``: ``perf_counter`` around each ``step()`` call, no sync: the host time spent
+    issuing the step (on CUDA, close to the step time when the CPU is the bottleneck or the step
+    synchronises; on CPU the step time itself).
     """
     sync(device)
+    cuda = device.type == "cuda"
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)] if cuda else []
+    issue, outputs = [], []
     t0 = time.perf_counter()
-    if device.type == "cuda":
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    if cuda:
         events[0].record()
-        for i in range(n):
-            step()
+    for i in range(n):
+        t = time.perf_counter()
+        outputs.append(step())
+        issue.append((time.perf_counter() - t) * 1e3)
+        if cuda:
             events[i + 1].record()
-        torch.cuda.synchronize(device)
-        per_step = [events[i].elapsed_time(events[i + 1]) for i in range(n)]
-    else:
-        per_step = []
-        for _ in range(n):
-            t = time.perf_counter()
-            step()
-            per_step.append((time.perf_counter() - t) * 1e3)
+    sync(device)
+    per_step = [events[i].elapsed_time(events[i + 1]) for i in range(n)] if cuda else list(issue)
     mean_ms = (time.perf_counter() - t0) * 1e3 / n
-    return per_step, mean_ms
+    return StepTimes(per_step_ms=per_step, cpu_issue_ms=issue, mean_ms=mean_ms, outputs=outputs)
+
+
+def read_scalars(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """Python floats of 0-d tensors, read with one device-to-host copy (one sync)."""
+    if not tensors:
+        return []
+    return torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist()
 
 
 def summarize(per_step_ms: Sequence[float]) -> dict[str, float]:
     return {"median_ms": statistics.median(per_step_ms), "min_ms": min(per_step_ms), "max_ms": max(per_step_ms)}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100), linear interpolation between order statistics (numpy's default)."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def spread(per_step_ms: Sequence[float]) -> dict[str, float]:
+    """p10/p50/p90 and the (population) standard deviation of per-step times, in ms."""
+    return {**{f"p{q}_ms": percentile(per_step_ms, q) for q in (10, 50, 90)},
+            "std_ms": statistics.pstdev(per_step_ms)}
 
 
 def gather(obj: Any) -> list[Any]:
@@ -237,7 +273,7 @@ def backward_timeline(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def profile_trace(step: Callable[[], None], n: int, device: torch.device, trace_path: str) -> list[dict[str, Any]]:
+def profile_trace(step: Callable[[], Any], n: int, device: torch.device, trace_path: str) -> list[dict[str, Any]]:
     """Run ``n`` steps under ``torch.profiler`` (CPU + CUDA activities), export the chrome trace
     to ``trace_path`` and return its events."""
     from torch.profiler import ProfilerActivity, profile

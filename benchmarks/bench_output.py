@@ -8,11 +8,12 @@ import os
 import re
 from typing import Any, Sequence
 
+from bench_cli import RECORD_ENV
 from bench_configs import floor_config
 
 MD_COLUMNS = (
-    "config", "median ms", "min ms", "max ms", "x floor", "first step s", "compile s", "peak MiB",
-    "{unit}/s", "NCCL ms/step", "overlapped ms/step", "exposed ms/step", "notes",
+    "config", "median ms", "min ms", "max ms", "p90 ms", "CPU issue ms", "x floor", "first step s", "compile s",
+    "peak MiB", "{unit}/s", "NCCL ms/step", "overlapped ms/step", "exposed ms/step", "final loss", "notes",
 )
 
 
@@ -42,7 +43,7 @@ def write_jsonl(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]])
 
 def add_floor_ratios(rows: list[dict[str, Any]]) -> None:
     """``floor_ratio`` = median step / median step of the compute floor (``local``, or
-    ``local-ro`` for ``*-ro`` configs when it ran)."""
+    ``local-ro`` for the CUDA-graph configs, ``*-ro`` and ``*-cg``, when it ran)."""
     medians = {r["config"]: r.get("median_ms") for r in rows if r.get("status") == "ok"}
     for r in rows:
         if r.get("status") != "ok":
@@ -70,12 +71,15 @@ def _md_row(r: dict[str, Any]) -> list[str]:
     if r.get("status") == "skipped":
         return [name] + ["-"] * (len(MD_COLUMNS) - 2) + ["skipped: " + _one_line(r.get("skipped", ""), 160)]
     ratio = r.get("floor_ratio")
+    issue = r.get("per_rank", {}).get("cpu_issue_ms")
     return [
-        name, _fmt(r["median_ms"]), _fmt(r["min_ms"]), _fmt(r["max_ms"]),
+        name, _fmt(r["median_ms"]), _fmt(r["min_ms"]), _fmt(r["max_ms"]), _fmt(r.get("spread", {}).get("p90_ms")),
+        _fmt(max(d["median"] for d in issue) if issue else None),
         "-" if ratio is None else f"{ratio:.2f}",
         _fmt(r["first_step_s"]), _fmt(r.get("compile_s")), _fmt(r.get("peak_mib"), 0),
         _fmt(r.get("throughput_per_s"), 0), _fmt(r.get("nccl_ms_per_step")),
         _fmt(r.get("overlapped_ms_per_step")), _fmt(r.get("exposed_ms_per_step")),
+        _fmt(r.get("losses", {}).get("final_loss"), 4),
         _one_line("; ".join(r.get("notes", [])), 200) or "-",
     ]
 
@@ -97,9 +101,12 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
         + f", compile backend: {meta['compile_backend']}, bucket cap: "
         + (f"{meta['bucket_cap_mb']} MiB" if meta["bucket_cap_mb"] else "DDP default (25 MiB)"),
         f"- model: {model['model']} ({sizes}), {model['params']:,} parameters",
-        f"- {meta['steps']} timed steps after the first step and {meta['warmup']} warm-up step(s); "
-        "step times of the slowest rank",
+        f"- {meta['steps']} timed steps after the first step and {meta['warmup']} warm-up step(s) "
+        f"({1 + meta['warmup'] + meta['steps']} training steps per config); step times of the slowest rank",
     ]
+    env = {k: v for k, v in (meta.get("env") or {}).items() if k in RECORD_ENV and v is not None}
+    if env:
+        lines.append("- environment: " + " ".join(f"`{k}={v}`" for k, v in env.items()))
     if probe:
         bus = probe.get("busbw_gbps")
         lines.append(
@@ -118,8 +125,11 @@ def write_markdown(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any
     lines.extend("| " + " | ".join(_md_row(r)) + " |" for r in rows)
     lines += [
         "",
+        "p90: 90th percentile of the slowest rank's timed steps. CPU issue: median host time of the "
+        "`step()` call (no sync; largest over ranks): near the step time when the CPU is the bottleneck. "
         "x floor: median step / median step of `local` (compiled, no DDP: no gradient traffic; "
-        "`local-ro` for `-ro` configs when run). NCCL/overlapped/exposed: from a profiler trace, "
+        "`local-ro` for CUDA-graph configs, `-ro` and `-cg`, when run). final loss: the loss of the "
+        "last timed step, mean over ranks. NCCL/overlapped/exposed: from a profiler trace, "
         "NCCL kernel time, the part of it concurrent with compute kernels, and the rest, per step "
         "(an NCCL kernel also runs while it waits for the other ranks: figures of the rank with the "
         "least NCCL time, the one the others waited for; every rank's under `per_rank` in results.jsonl).",

@@ -19,6 +19,7 @@ import os
 import platform
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import traceback
@@ -35,7 +36,7 @@ from torch.profiler import record_function
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_metrics as bm  # noqa: E402
-from bench_cli import ALWAYS_ENV, COMMAND_ENV, NO_CACHE_ENV, SOCKET_ENV, BenchArgs, job_env, parse, rank_argv, relaunch  # noqa: E402
+from bench_cli import ALWAYS_ENV, COMMAND_ENV, NO_CACHE_ENV, RECORD_ENV, SOCKET_ENV, BenchArgs, job_env, parse, rank_argv, relaunch  # noqa: E402
 from bench_configs import Prepared, Recipe, recipe_for  # noqa: E402
 from bench_models import ModelSpec, make_spec  # noqa: E402
 from bench_output import add_floor_ratios, safe_name, write_jsonl, write_markdown  # noqa: E402
@@ -44,15 +45,17 @@ LR = 1e-4
 
 
 def make_step(prepared: Prepared, spec: ModelSpec, opt: torch.optim.Optimizer, batch: tuple, device: torch.device,
-              *, mark_cudagraph_step: bool, annotate: bool) -> Callable[[], None]:
+              *, mark_cudagraph_step: bool, annotate: bool) -> Callable[[], torch.Tensor]:
     """One training step: forward (bf16 autocast for gpt on CUDA) + backward + optimizer step
-    + ``zero_grad(set_to_none=True)``; ``annotate`` adds the profiler ranges the trace parser uses."""
+    + ``zero_grad(set_to_none=True)``; ``annotate`` adds the profiler ranges the trace parser uses.
+    Returns a copy of the loss, not read (no host sync): a CUDA-graph output is overwritten by
+    the next replay, so the step clones it (one tiny device copy, in every config alike)."""
     module = prepared.module
 
     def rng(name: str):
         return record_function(name) if annotate else nullcontext()
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         with rng(bm.STEP_RANGE):
             if mark_cudagraph_step:
                 torch.compiler.cudagraph_mark_step_begin()
@@ -61,8 +64,10 @@ def make_step(prepared: Prepared, spec: ModelSpec, opt: torch.optim.Optimizer, b
                     loss = spec.loss(module, batch)
                 with rng(bm.BACKWARD_RANGE):
                     loss.backward()
+            kept = loss.detach().clone()
             opt.step()
             opt.zero_grad(set_to_none=True)
+        return kept
 
     return step
 
@@ -82,7 +87,7 @@ def _dynamo_counts() -> dict[str, int]:
             "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
-def _profile(args: BenchArgs, config: str, step: Callable[[], None], device: torch.device, rank: int) -> dict:
+def _profile(args: BenchArgs, config: str, step: Callable[[], Any], device: torch.device, rank: int) -> dict:
     """Overlap figures of ``args.profile_steps`` traced steps; rank 0 also saves the timeline
     of the last traced backward pass to ``OUT/timeline/<config>.json``."""
     trace_dir = os.path.join(args.out, "traces")
@@ -100,6 +105,18 @@ def _profile(args: BenchArgs, config: str, step: Callable[[], None], device: tor
     return overlap
 
 
+def _train_and_time(args: BenchArgs, step: Callable[[], torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """The first step, the warm-up steps and the timed steps; the loss of every one of them is
+    read after the timed loop, in one host sync."""
+    first_s, first_loss = bm.time_first_step(step, device)
+    warm = [step() for _ in range(args.warmup)]
+    timed = bm.time_steps(step, args.steps, device)
+    issue = timed.cpu_issue_ms
+    return {**bm.summarize(timed.per_step_ms), "mean_ms": timed.mean_ms, "first_step_s": first_s, "notes": [],
+            "per_step_ms": timed.per_step_ms, "cpu_issue_ms": {"median": statistics.median(issue), "max": max(issue)},
+            "losses": bm.read_scalars([first_loss, *warm, *timed.outputs])}
+
+
 def measure(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, device: torch.device, rank: int) -> dict:
     """This rank's measurements of one config (raises on failure)."""
     _fresh_state(device)
@@ -111,11 +128,7 @@ def measure(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, devic
     kw = dict(mark_cudagraph_step=recipe.mode == "reduce-overhead")
     step = make_step(prepared, spec, opt, batch, device, annotate=False, **kw)
 
-    first_s = bm.time_first_step(step, device)
-    for _ in range(args.warmup):
-        step()
-    per_step, mean_ms = bm.time_steps(step, args.steps, device)
-    out: dict[str, Any] = {**bm.summarize(per_step), "mean_ms": mean_ms, "first_step_s": first_s, "notes": []}
+    out = _train_and_time(args, step, device)
     out["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     out["dynamo"] = _dynamo_counts() if recipe.compiler != "none" else None
     out["bucketwise"] = dict(prepared.report.totals) if prepared.report is not None else None
@@ -149,18 +162,47 @@ def _notes(recipe: Recipe, first: dict) -> list[str]:
     return notes
 
 
+def loss_summary(per_rank: list[list[float]], keep: int = 5) -> dict[str, Any]:
+    """The training loss per step, averaged over ranks (the loss of the global batch: every rank
+    has a batch of the same size): its first and last ``keep`` values, ``final_loss`` (the loss of
+    the last timed step, computed after ``steps_total - 1`` optimizer steps) and each rank's own
+    final loss."""
+    mean = [sum(v) / len(v) for v in zip(*per_rank)]
+    return {"steps_total": len(mean), "first": mean[:keep], "last": mean[-keep:],
+            "final_loss": mean[-1], "per_rank_final": [r[-1] for r in per_rank]}
+
+
+def _error_row(row: dict[str, Any], errors: list[tuple[int, str]]) -> dict[str, Any]:
+    """An ``error`` row: the last line of each distinct traceback with the ranks that raised it."""
+    by_message: dict[str, list[str]] = {}
+    for r, tb in errors:
+        by_message.setdefault(tb.strip().splitlines()[-1], []).append(str(r))
+    summary = "; ".join(f"rank{'s' * (len(rs) > 1)} {','.join(rs)}: {m}" for m, rs in by_message.items())
+    return {**row, "status": "error", "error": summary, "traceback": errors[0][1]}
+
+
+def _per_rank(ranks: list[dict], slow: int) -> dict[str, Any]:
+    """Every rank's own figures (``per_step_ms``: each timed step, ms, rounded to 0.001)."""
+    return {
+        "slowest_rank": slow,
+        "median_ms": [d["median_ms"] for d in ranks],
+        "first_step_s": [d["first_step_s"] for d in ranks],
+        **{k: [d["overlap"][k] if d["overlap"] else None for d in ranks]
+           for k in ("nccl_ms_per_step", "exposed_ms_per_step")},
+        "cpu_issue_ms": [{k: round(v, 3) for k, v in d["cpu_issue_ms"].items()} for d in ranks],
+        "per_step_ms": [[round(t, 3) for t in d["per_step_ms"]] for d in ranks],
+    }
+
+
 def merge_ranks(config: str, recipe: Recipe, ranks: list[dict], spec: ModelSpec) -> dict:
     """One result row from every rank's measurements: step times of the slowest rank (largest
-    median), the maximum over ranks of the other figures, overlap of the rank the others waited
-    for in the profiled steps; per-rank lists under ``per_rank``."""
+    median) and their ``spread``, the maximum over ranks of the other figures, overlap of the
+    rank the others waited for in the profiled steps, the loss averaged over ranks; per-rank
+    lists under ``per_rank``."""
     row: dict[str, Any] = {"type": "result", "config": config, "recipe": dataclasses.asdict(recipe)}
     errors = [(r, d["error"]) for r, d in enumerate(ranks) if "error" in d]
     if errors:
-        by_message: dict[str, list[str]] = {}
-        for r, tb in errors:
-            by_message.setdefault(tb.strip().splitlines()[-1], []).append(str(r))
-        summary = "; ".join(f"rank{'s' * (len(rs) > 1)} {','.join(rs)}: {m}" for m, rs in by_message.items())
-        return {**row, "status": "error", "error": summary, "traceback": errors[0][1]}
+        return _error_row(row, errors)
     slow = max(range(len(ranks)), key=lambda r: ranks[r]["median_ms"])
     s = ranks[slow]
     world = len(ranks)
@@ -177,13 +219,9 @@ def merge_ranks(config: str, recipe: Recipe, ranks: list[dict], spec: ModelSpec)
     for key in ("nccl_ms_per_step", "overlapped_ms_per_step", "exposed_ms_per_step"):
         row[key] = laggard[1][key] if laggard else None
     row["overlap"] = {"rank": laggard[0], **laggard[1]} if laggard else None
-    row["per_rank"] = {
-        "slowest_rank": slow,
-        "median_ms": [d["median_ms"] for d in ranks],
-        "first_step_s": [d["first_step_s"] for d in ranks],
-        **{k: [d["overlap"][k] if d["overlap"] else None for d in ranks]
-           for k in ("nccl_ms_per_step", "exposed_ms_per_step")},
-    }
+    row["per_rank"] = _per_rank(ranks, slow)
+    row["spread"] = {"rank": slow, **bm.spread(s["per_step_ms"])}
+    row["losses"] = loss_summary([d["losses"] for d in ranks])
     row["bucketwise"], row["dynamo"] = ranks[0]["bucketwise"], ranks[0]["dynamo"]
     row["notes"] = _notes(recipe, ranks[0])
     return row
@@ -236,7 +274,7 @@ def build_meta(args: BenchArgs, spec: ModelSpec, device: torch.device, probe: di
         "dist_backend": dist.get_backend(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": triton_version, "python": platform.python_version(), "host": socket.gethostname(),
         "bucketwise": bucketwise.__version__, "git": _git_revision(), "net": args.net,
-        "env": {k: os.environ.get(k) for k in {**ALWAYS_ENV, **SOCKET_ENV, **NO_CACHE_ENV}},
+        "env": {k: os.environ.get(k) for k in (*ALWAYS_ENV, *SOCKET_ENV, *NO_CACHE_ENV, *RECORD_ENV)},
         "compile_cache": args.compile_cache,
         "compile_backend": args.backend, "bucket_cap_mb": args.bucket_cap_mb,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
@@ -255,7 +293,7 @@ def _progress(i: int, n: int, row: dict) -> str:
         text += f", compile {row['compile_s']:.1f} s"
     if row.get("exposed_ms_per_step") is not None:
         text += f", exposed comm {row['exposed_ms_per_step']:.2f} ms/step"
-    return text
+    return text + f", loss {row['losses']['final_loss']:.4f} after {row['losses']['steps_total']} steps"
 
 
 def run_all(args: BenchArgs, device: torch.device) -> None:

@@ -54,6 +54,23 @@ def _check_numbers(row: dict) -> None:
         assert row["bucketwise"]["fallbacks"] == 0, row["bucketwise"]
 
 
+def _check_steps(row: dict, steps: int, total: int) -> None:
+    """Per-step times, their spread, host issue times and the losses of one result row."""
+    per_rank = row["per_rank"]
+    assert [len(ms) for ms in per_rank["per_step_ms"]] == [steps, steps]
+    slowest = per_rank["per_step_ms"][per_rank["slowest_rank"]]
+    spread = row["spread"]
+    assert spread["rank"] == per_rank["slowest_rank"] and spread["std_ms"] >= 0
+    assert min(slowest) - 1e-3 <= spread["p10_ms"] <= spread["p50_ms"] <= spread["p90_ms"] <= max(slowest) + 1e-3
+    assert spread["p50_ms"] == pytest.approx(row["median_ms"])
+    for issue in per_rank["cpu_issue_ms"]:
+        assert 0 < issue["median"] <= issue["max"]
+    losses = row["losses"]
+    assert losses["steps_total"] == total and len(losses["first"]) == len(losses["last"]) == min(5, total)
+    assert losses["final_loss"] == losses["last"][-1] and math.isfinite(losses["final_loss"])
+    assert losses["final_loss"] == pytest.approx(sum(losses["per_rank_final"]) / 2)
+
+
 def test_smoke_two_gloo_ranks(tmp_path):
     out = tmp_path / "bench"
     cmd = [
@@ -69,12 +86,20 @@ def test_smoke_two_gloo_ranks(tmp_path):
     assert meta["type"] == "meta" and meta["world_size"] == 2 and meta["dist_backend"] == "gloo"
     assert "ddp_bench.py" in meta["command"] and meta["model"]["model"] == "mlp"
     assert [r["config"] for r in rows] == list(SMOKE_CONFIGS)
+    assert meta["env"]["CUDA_VISIBLE_DEVICES"] is None and "NCCL_MAX_NCHANNELS" in meta["env"]
     for row in rows:
         assert "error" not in row, row.get("traceback", row)
         assert row["type"] == "result" and row["status"] == "ok"
         assert row["timed_steps"] == 2
         _check_numbers(row)
+        _check_steps(row, steps=2, total=4)
     assert next(r for r in rows if r["config"] == "local")["floor_ratio"] == 1.0
+    # Same seed, weights and data in every config: every DDP config trains like eager DDP.
+    eager = next(r for r in rows if r["config"] == "eager")["losses"]
+    for row in rows:
+        if row["config"] != "local":
+            assert row["losses"]["first"] == pytest.approx(eager["first"], rel=1e-4), row["config"]
+            assert row["losses"]["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-4), row["config"]
 
     md = (out / "results.md").read_text()
     for config in SMOKE_CONFIGS:
@@ -131,3 +156,40 @@ def test_bad_flags(bench, capsys, argv, message):
     with pytest.raises(SystemExit):
         cli.parse(["--device", "cpu", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_spread(bench):
+    _, bm = bench
+    assert bm.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert bm.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 10) == pytest.approx(1.4)
+    assert bm.spread([7.0]) == {"p10_ms": 7.0, "p50_ms": 7.0, "p90_ms": 7.0, "std_ms": 0.0}
+    assert bm.spread([1.0, 3.0])["std_ms"] == pytest.approx(1.0)
+
+
+def test_cudagraph_configs(bench):
+    import bench_configs
+
+    for config in ("bw-split-cg", "bw-none-cg", "bw-fused-cg", "bw-fused-ro", "local-ro"):
+        recipe = bench_configs.recipe_for(config)
+        assert bench_configs.floor_config(config) == "local-ro" and recipe.needs_cuda, config
+    assert bench_configs.recipe_for("bw-fused-cg").cudagraphs is True
+    for config in ("bw-fused", "eager", "torch#2", "local"):
+        assert bench_configs.floor_config(config) == "local", config
+
+
+def test_default_out(bench, monkeypatch, tmp_path):
+    import datetime
+    import types
+
+    cli, _ = bench
+    fixed = datetime.datetime(2026, 11, 22, 9, 30)
+    monkeypatch.setattr(cli, "datetime", types.SimpleNamespace(datetime=types.SimpleNamespace(now=lambda: fixed)))
+    monkeypatch.setattr(cli, "RESULTS_ROOT", tmp_path)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    first = cli.default_out("gpt", "default")
+    assert first == str(tmp_path / "20261122-0930-gpt-default-gpus2,3")
+    os.makedirs(first)
+    assert cli.default_out("gpt", "default") == first + "-2"  # a second run in the same minute
+    monkeypatch.setenv("RANK", "1")
+    assert cli.default_out("gpt", "default") == first  # under torchrun: the same path on every rank
