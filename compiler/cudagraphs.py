@@ -60,6 +60,10 @@ class CudaGraphStats:
     uncaptured_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     pool_bytes: int = 0
     """Bytes this graph's recordings added to the group's memory pool."""
+    inputs_in_place: int = 0
+    """Latest recording: tensor inputs read in place (parameters, buffers, other graphs' outputs)."""
+    inputs_copied: int = 0
+    """Latest recording: tensor inputs copied into a static buffer on every replay."""
 
     def ran_uncaptured(self, why: str) -> None:
         self.uncaptured_runs += 1
@@ -216,6 +220,7 @@ class CudaGraphRunner:
             return self.compiled(args)
         self.records[key] = rec
         self.stats.records += 1
+        self.stats.inputs_in_place, self.stats.inputs_copied = len(rec.stable_idxs), len(rec.copy_idxs)
         self.stats.captured = True
         self._moved_calls = 0
         return self._replay(rec, args)

@@ -143,6 +143,10 @@ def test_training_replays_and_matches_eager(monkeypatch):
     for s in (fw, bw):
         assert (s["warmups"], s["records"], s["replays"], s["uncaptured_runs"]) == (1, 1, 4, 0), s
         assert s["captured"] and s["reason"] is None
+    # Parameters and buffers are read in place; only the batch is copied. The backward reads
+    # the forward's saved activations in place too; it copies only the incoming gradient.
+    assert fw["inputs_copied"] == 1 and fw["inputs_in_place"] >= 6, fw
+    assert bw["inputs_copied"] == 1, bw
     assert emulators[0].captures == 2 and emulators[0].replays == 8
     rep = bucketwise.report(compiled)
     assert "cuda graph" in rep.table() and rep.to_dict()["cudagraphs"][0]["name"] == "graph 0 segment 0 forward"

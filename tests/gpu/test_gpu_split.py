@@ -34,7 +34,7 @@ def _worker(rank: int, world: int, store: str, case: str, errors) -> None:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
 
 
-def _gpt_case(rank: int, *, strategy: str, dynamic: bool = False) -> None:
+def _gpt_case(rank: int, *, strategy: str, dynamic: bool = False, cudagraphs: bool = False) -> None:
     import bucketwise
     from bucketwise.launch.models import GPT, GPTConfig, synthetic_tokens
 
@@ -44,7 +44,7 @@ def _gpt_case(rank: int, *, strategy: str, dynamic: bool = False) -> None:
     eager = DDP(model, device_ids=[rank], bucket_cap_mb=0.5)
     comp = bucketwise.compile(
         DDP(copy.deepcopy(model), device_ids=[rank], bucket_cap_mb=0.5),
-        backend="inductor", strategy=strategy, dynamic=dynamic,
+        backend="inductor", strategy=strategy, dynamic=dynamic, cudagraphs=cudagraphs,
     )
     # SGD, not Adam: Adam's normalisation turns the last-bit differences of fused GPU kernels
     # (and the atomic-add order of the embedding backward) on near-zero gradients into lr-sized
@@ -73,6 +73,12 @@ def _gpt_case(rank: int, *, strategy: str, dynamic: bool = False) -> None:
         assert rep.alignment == 1.0, rep.alignment_detail()
     if dynamic:
         assert rep.totals["recompiles"] == 0, rep.table()
+    if cudagraphs:
+        # Every forward and backward graph replays from a CUDA graph (with the fused strategy
+        # the backward holds the NCCL allreduces), parameters read in place.
+        stats = {c.name: c for c in rep.cudagraphs}
+        assert stats and all(c.captured and c.replays >= 3 for c in stats.values()), rep.table()
+        assert all(c.inputs_copied <= 2 for c in stats.values()), rep.table()
     if rank == 0:
         print(rep.table())
 
@@ -82,6 +88,8 @@ _CASES = {
     "gpt-none": lambda r: _gpt_case(r, strategy="none"),
     "gpt-split-dynamic": lambda r: _gpt_case(r, strategy="split", dynamic=True),
     "gpt-fused": lambda r: _gpt_case(r, strategy="fused"),
+    "gpt-split-cg": lambda r: _gpt_case(r, strategy="split", cudagraphs=True),
+    "gpt-fused-cg": lambda r: _gpt_case(r, strategy="fused", cudagraphs=True),
 }
 
 
