@@ -26,11 +26,28 @@ def _timeout() -> datetime.timedelta:
 
 
 def prepare_rank_checks(pg: Any) -> None:
-    """Create the gloo side group used for checks (a collective: call on every rank)."""
+    """Create the gloo side group used for checks (a collective over ``pg``: call on each of its
+    ranks).
+
+    ``use_local_synchronization``: only the ranks of ``pg`` take part, under a name derived from
+    them, so DDP over data-parallel subgroups ({0, 1} and {2, 3} of a 4-rank world, each calling
+    this with its own ranks) gets one side group per subgroup instead of two groups created
+    under the same name. A rank of ``pg`` that never joins (it compiled with another strategy)
+    makes the others raise :class:`RankMismatchError` after ``$BUCKETWISE_RANK_CHECK_TIMEOUT``
+    seconds instead of gloo's bare "Wait timeout"."""
     if pg in _side_groups or dist.get_world_size(pg) == 1:
         return
     ranks = dist.get_process_group_ranks(pg)
-    _side_groups[pg] = dist.new_group(ranks=ranks, backend="gloo", timeout=_timeout())
+    try:
+        side = dist.new_group(ranks=ranks, backend="gloo", timeout=_timeout(), use_local_synchronization=True)
+    except RuntimeError as exc:
+        raise RankMismatchError(
+            f"rank {dist.get_rank(pg)}: other ranks of the DDP process group (global ranks {ranks}) did not "
+            f"set up bucketwise's rank checks within {_timeout().total_seconds():.0f} s: every rank must call "
+            f"bucketwise.compile on its DDP module at the same point, with the same strategy "
+            f"('fused'/'auto' on some ranks, 'split'/'none' on others does not work): {exc}"
+        ) from exc
+    _side_groups[pg] = side
 
 
 def check_same_on_all_ranks(signature: Sequence[str], pg: Any, *, what: str) -> None:
