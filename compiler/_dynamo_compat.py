@@ -273,6 +273,17 @@ def forward_returned_outputs() -> int | None:
     return int(n) if n is not None else None
 
 
+def has_static_address(t: torch.Tensor) -> bool:
+    """A parameter or buffer Dynamo marked as living at a fixed address (what Inductor's own
+    ``static_input_idxs`` are made of); true in split segments too, where AOTAutograd sees
+    parameters as plain inputs."""
+    if isinstance(t, torch.nn.Parameter):
+        return True
+    get = getattr(torch._dynamo.utils, "get_static_address_type", None)
+    kind = get(t) if get is not None else getattr(t, "_dynamo_static_input_type", None)
+    return kind is not None
+
+
 def storage_cdata(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 

@@ -119,23 +119,17 @@ def mutated_placeholders(gm: fx.GraphModule) -> dict[int, str]:
     return out
 
 
-def capture_blockers(gm: fx.GraphModule, example_inputs: Sequence[Any], static_input_idxs: Sequence[int],
-                     *, device_type: str = "cuda") -> list[str]:
+def capture_blockers(gm: fx.GraphModule, example_inputs: Sequence[Any], *, device_type: str = "cuda") -> list[str]:
     """Why replaying ``gm`` from a CUDA graph would be wrong or impossible (empty: capturable).
 
-    ``static_input_idxs``: inputs at fixed addresses (parameters, buffers); a graph may write
-    into those (captured in place), not into inputs bucketwise copies into static buffers.
+    Writes into inputs are checked when recording (:func:`mutated_placeholders`): a graph may
+    write into parameters and buffers, read in place, not into inputs copied to static buffers.
     ``device_type``: the device the graphs replay on; a tensor elsewhere (the host) blocks.
     """
     reasons: list[str] = []
     for i, value in enumerate(example_inputs):
         if isinstance(value, torch.Tensor) and value.device.type != device_type:
             reasons.append(f"input {i} is a {value.device.type} tensor")
-            break
-    static = set(static_input_idxs)
-    for i, op in sorted(mutated_placeholders(gm).items()):
-        if i not in static:
-            reasons.append(f"{op} writes into input {i}, which is not a parameter or buffer")
             break
     for node in gm.graph.nodes:
         if node.op == "call_function":

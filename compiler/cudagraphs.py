@@ -114,10 +114,10 @@ class CudaGraphGroup:
         self.stable_ptrs: set[int] = set()
 
     def runner(self, compiled: Callable[[list[Any]], Any], *, name: str, static_input_idxs: Sequence[int],
-               returned_outputs: int | None, blockers: Sequence[str]) -> "CudaGraphRunner":
+               mutated_inputs: dict[int, str], returned_outputs: int | None, blockers: Sequence[str]) -> "CudaGraphRunner":
         stats = CudaGraphStats(name=name, reason="; ".join(blockers) if blockers else None)
         self.on_stats(stats)
-        return CudaGraphRunner(compiled, self, stats, static_input_idxs=static_input_idxs,
+        return CudaGraphRunner(compiled, self, stats, static_input_idxs=static_input_idxs, mutated_inputs=mutated_inputs,
                                returned_outputs=returned_outputs, blocked=bool(blockers))
 
 
@@ -143,7 +143,8 @@ class CudaGraphRunner:
     """
 
     def __init__(self, compiled: Callable[[list[Any]], Any], group: CudaGraphGroup, stats: CudaGraphStats, *,
-                 static_input_idxs: Sequence[int], returned_outputs: int | None, blocked: bool) -> None:
+                 static_input_idxs: Sequence[int], mutated_inputs: dict[int, str], returned_outputs: int | None,
+                 blocked: bool) -> None:
         # An instance attribute: torch wraps the backward in torch._dynamo.disable, whose
         # functools.wraps copies the instance __dict__ (a class attribute would be lost).
         self._boxed_call = True
@@ -151,6 +152,7 @@ class CudaGraphRunner:
         self.group = group
         self.stats = stats
         self.static_input_idxs = frozenset(static_input_idxs)
+        self.mutated_inputs = dict(mutated_inputs)
         self.returned_outputs = returned_outputs
         self.disabled = blocked
         self.records: dict[tuple, _Recording] = {}
@@ -238,9 +240,12 @@ class CudaGraphRunner:
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 inputs.append(a)
-            elif i in self.static_input_idxs or a.data_ptr() in stable:
+            elif i in self.static_input_idxs or a.data_ptr() in stable or dc.has_static_address(a):
                 inputs.append(a)
                 stable_idxs.append(i)
+            elif i in self.mutated_inputs:
+                self._disable(f"{self.mutated_inputs[i]} writes into input {i}, which is not a parameter or buffer")
+                return None
             elif not _dense(a):
                 self._disable(f"input {i} is not dense (strides {tuple(a.stride())}): cannot keep a static copy")
                 return None
@@ -297,7 +302,7 @@ def inner_compile_factory(group: CudaGraphGroup, label: Callable[[], str], *, au
     """``make_inner`` for :func:`_dynamo_compat.compile_with_inner`: each graph handed to the
     backend gets an inner compile that compiles with Inductor and wraps the result in a runner
     named after ``label()`` (read once, when the backend is called)."""
-    from .cudagraph_policy import capture_blockers
+    from .cudagraph_policy import capture_blockers, mutated_placeholders
 
     def make_inner() -> Callable[..., Any]:
         name = label()
@@ -306,7 +311,8 @@ def inner_compile_factory(group: CudaGraphGroup, label: Callable[[], str], *, au
             # A backward's "static" inputs (Inductor's view) include saved activations, whose
             # address is stable only when the forward replayed: the runner finds those itself.
             static = [] if kwargs.get("is_backward") else list(kwargs.get("static_input_idxs") or ())
-            blockers = capture_blockers(gm, example_inputs, static, device_type=group.graphs.device_type)
+            blockers = capture_blockers(gm, example_inputs, device_type=group.graphs.device_type)
+            mutated = mutated_placeholders(gm)
             if auto and _symbolic(example_inputs):
                 blockers.append("auto: dynamic shapes")
             if kwargs.get("is_backward"):
@@ -316,7 +322,7 @@ def inner_compile_factory(group: CudaGraphGroup, label: Callable[[], str], *, au
             else:
                 kind, returned = "forward", dc.forward_returned_outputs()
             compiled = dc.inductor_compile_inner(gm, example_inputs, **kwargs)
-            return group.runner(compiled, name=f"{name} {kind}", static_input_idxs=static,
+            return group.runner(compiled, name=f"{name} {kind}", static_input_idxs=static, mutated_inputs=mutated,
                                 returned_outputs=returned, blockers=blockers)
 
         return inner_compile

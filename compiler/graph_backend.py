@@ -225,7 +225,8 @@ class GraphBackend:
                 backend_name=self.config.backend_name,
                 fallback=self.config.fallback,
             )
-        self.fused_runtime.graphs_compiled((id(p.tensor) for b in buckets for p in b), spec)
+        key = self.fused_runtime.graphs_compiled((id(p.tensor) for b in buckets for p in b), spec)
+        compiled = _MarksRun(compiled, self.fused_runtime, key)
         used = [p for p in params if p.first_use >= 0]
         segment = Segment(index=0, submodule="", params=used, op_count=_op_count(gm))
         stats = [
@@ -297,6 +298,17 @@ class GraphBackend:
                 plan_source=result.plan_source,
             )
         )
+
+
+class _MarksRun:
+    """A fused graph that tells the runtime it ran (see NOTE [fused strategy runtime])."""
+
+    def __init__(self, fn: Callable[..., Any], runtime: Any, key: int) -> None:
+        self.fn, self.runtime, self.key = fn, runtime, key
+
+    def __call__(self, *args: Any) -> Any:
+        self.runtime.graph_ran(self.key)
+        return self.fn(*args)
 
 
 def _frame_key(cid: dc.CompileId, graph_id: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -103,8 +104,13 @@ class CompiledModule(nn.Module):
             sync = _ddp_compat.grad_sync_requested(ddp) and torch.is_grad_enabled()
             runtime.before_forward(sync)
             call = self._bucketwise_call if sync else self._bucketwise_call_nosync
-            with stance(self):
+            # The no_sync() variant is bucketwise's own second cache entry: its first call is
+            # part of the warm-up even when it comes after freezing.
+            warm = sync or self.__dict__.setdefault("_nosync_warm", False)
+            with stance(self) if warm else contextlib.nullcontext():
                 out = _ddp_compat.run_forward_with_idle_reducer(ddp, args, kwargs, call)
+            if not sync:
+                self.__dict__["_nosync_warm"] = True
             runtime.after_forward(out, sync)
             return out
         args, kwargs = _ddp_compat.pre_forward(ddp, args, kwargs)

@@ -14,6 +14,11 @@ kinds of gradient still need DDP's treatment, each reduced exactly once:
    from two autograd nodes; the eager node's contribution is averaged by a hook on that node,
    found by walking the autograd graph after the forward (done while such parameters exist,
    and once after every new compile to look for them).
+
+A graph that was compiled but did not run in a step (Dynamo ran its frame eagerly:
+``bucketwise.freeze(..., on_recompile="eager")``, the recompile limit) reduces nothing that step:
+each compiled graph marks itself when it runs, and the parameters of graphs that did not run
+are treated as in (2) for that step.
 """
 
 from __future__ import annotations
@@ -58,6 +63,10 @@ class FusedRuntime:
         self.params = [p for _, p in _ddp_compat.reducer_parameters(ddp)]
         self.covered: set[int] = set()
         """ids of parameters that some compiled graph reduces in its backward."""
+        self._graph_params: list[frozenset[int]] = []
+        self._ran: set[int] = set()
+        self._step_covered: frozenset[int] | set[int] = frozenset()
+        """ids of parameters that the graphs which ran in this step's forward reduce."""
         self.mixed: set[int] = set()
         """ids of covered parameters that eager code also uses."""
         self.accumulated = False
@@ -72,16 +81,24 @@ class FusedRuntime:
     def ddp(self) -> Any:
         return self._ddp()
 
-    def graphs_compiled(self, param_ids: Iterable[int], spec: Any) -> None:
-        """A new graph syncs these parameters in its backward, as ``spec`` says."""
-        self.covered.update(param_ids)
+    def graphs_compiled(self, param_ids: Iterable[int], spec: Any) -> int:
+        """A new graph syncs these parameters in its backward, as ``spec`` says; returns the key
+        it passes to :meth:`graph_ran` when it runs."""
+        ids = frozenset(param_ids)
+        self.covered.update(ids)
         self.spec = spec
         self._check_autograd_graph = True
+        self._graph_params.append(ids)
+        return len(self._graph_params) - 1
+
+    def graph_ran(self, key: int) -> None:
+        self._ran.add(key)
 
     # -- around each forward ---------------------------------------------------------------
 
     def before_forward(self, sync: bool) -> None:
         self._in_synced_backward = sync and torch.is_grad_enabled()
+        self._ran = set()
         if not torch.is_grad_enabled():
             return
         if not sync:
@@ -90,6 +107,7 @@ class FusedRuntime:
     def after_forward(self, output: Any, sync: bool) -> None:
         if not (sync and torch.is_grad_enabled()):
             return
+        self._step_covered = self._covered_by_graphs_that_ran()
         if self.accumulated:
             # (1) average what no_sync() steps accumulated, for the parameters graphs sync.
             # After the forward: graphs compiled by this very forward count too, and the
@@ -101,6 +119,15 @@ class FusedRuntime:
             self._hook_eager_uses(output)
             self._check_autograd_graph = False
 
+    def _covered_by_graphs_that_ran(self) -> frozenset[int] | set[int]:
+        if len(self._ran) == len(self._graph_params):
+            return self.covered
+        ran = set().union(*(self._graph_params[k] for k in self._ran))
+        skipped = len(self.covered - ran)
+        if skipped:
+            log.info("bucketwise fused: %d parameter(s) reduced after the backward: their graph ran eagerly", skipped)
+        return ran
+
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
@@ -109,7 +136,7 @@ class FusedRuntime:
     # -- (2) parameters no graph reduces ---------------------------------------------------
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self._in_synced_backward or id(param) in self.covered:
+        if not self._in_synced_backward or id(param) in self._step_covered:
             return
         if not self._eager_ready:
             _autograd_compat.queue_backward_callback(self._flush_eager)

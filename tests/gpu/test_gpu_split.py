@@ -23,6 +23,9 @@ pytestmark = [
 
 def _worker(rank: int, world: int, store: str, case: str, errors) -> None:
     try:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(300, exit=True)  # a hung rank shows where it waits
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
