@@ -32,6 +32,12 @@ def _worker(rank: int, world: int, store: str, case: str, errors) -> None:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         _CASES[case](rank)
+        # NOTE [CUDA graphs and destroy_process_group]: a live CUDA graph holding NCCL kernels
+        # makes ncclCommDestroy hang (pytorch issue 115388); release compiled graphs first.
+        import gc
+
+        torch._dynamo.reset()
+        gc.collect()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
         errors.put(f"rank {rank}: {traceback.format_exc()}")
