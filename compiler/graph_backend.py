@@ -72,7 +72,6 @@ class GraphBackend:
         self._segment_no = 0
         self.segment_backend = self._make_backend(config.options)
         self._fused_backend: Callable[..., Any] | None = None
-        self._layout_checked = False
         # Frame -> param name -> segment index (latest compile of each frame): alignment.
         # Frames are numbered in the order Dynamo first meets them, i.e. forward order.
         self.param_segments: dict[int, dict[str, int]] = {}
@@ -205,16 +204,18 @@ class GraphBackend:
     def _fused(self, gm, example_inputs, ddp, params, progress) -> _Result:
         buckets = plan_buckets(ready_order(params), self._caps(ddp))
         spec = _comm_spec(ddp)
-        if not self._layout_checked:
-            # NOTE [fused layout check]: only the first fused graph is checked with a collective:
-            # every rank compiles it in the same step. Later graphs may be compiled at different
-            # steps on different ranks (a data-dependent branch taken first on one rank), so a
-            # collective there would pair unrelated compiles; their layouts are in the report,
-            # and `bucketwise launch`/`stats` compare them across ranks.
-            check_same_on_all_ranks(
-                _layout_signature(buckets, spec), _ddp_compat.process_group(ddp), what="fused bucket layout"
-            )
-            self._layout_checked = True
+        # NOTE [fused layout check]: every fused compile (the first and each recompile) checks
+        # its bucket layout against the other ranks with one collective on a gloo side group.
+        # Ranks compile in the same step when they run the same program on same-shaped data; a
+        # rank that compiles alone (a recompile on one rank only, a data-dependent branch first
+        # taken on one rank) would run collectives the others do not, so it must stop: the
+        # check times out there and raises RankMismatchError naming the recompile.
+        check_same_on_all_ranks(
+            _layout_signature(buckets, spec),
+            _ddp_compat.process_group(ddp),
+            what="fused bucket layout",
+            context=_compile_context(recompile_reason=dc.recompile_reason(), graphs=len(self.report.graphs)),
+        )
         positions = backward_positions(gm, buckets)
         insert_bucket_syncs(gm, buckets, spec)
         with progress.step("whole graph + %d bucket allreduces" % len(buckets), self.config.backend_name):
@@ -344,6 +345,12 @@ def _comm_spec(ddp: Any) -> CommSpec:
         comm_dtype=getattr(torch, dtype) if dtype else None,
         divide_first=kind != "reducer",
     )
+
+
+def _compile_context(*, recompile_reason: str | None, graphs: int) -> str:
+    if recompile_reason:
+        return f"this rank is recompiling (guard failed: {recompile_reason[:200]})"
+    return f"this rank is compiling its graph number {graphs}"
 
 
 def _layout_signature(buckets: Sequence[Sequence[GraphParam]], spec: CommSpec) -> list[str]:

@@ -50,7 +50,7 @@ def prepare_rank_checks(pg: Any) -> None:
     _side_groups[pg] = side
 
 
-def check_same_on_all_ranks(signature: Sequence[str], pg: Any, *, what: str) -> None:
+def check_same_on_all_ranks(signature: Sequence[str], pg: Any, *, what: str, context: str = "") -> None:
     """All-gather ``signature`` (one line per item) over a gloo side group with a timeout and
     raise :class:`RankMismatchError` on every rank if any rank differs, naming the first
     differing item. A rank that never joins (it compiled a graph the others did not) makes the
@@ -67,7 +67,8 @@ def check_same_on_all_ranks(signature: Sequence[str], pg: Any, *, what: str) -> 
     except RuntimeError as exc:
         raise RankMismatchError(
             f"rank {me}: other ranks did not join the {what} check within {_timeout().total_seconds():.0f} s "
-            f"(did this rank compile a graph the others did not, e.g. a recompile on one rank only?): {exc}"
+            f"({context + '; ' if context else ''}did this rank compile a graph the others did not, e.g. a "
+            f"recompile on one rank only?): {exc}"
         ) from exc
     reference = gathered[0]
     for rank, theirs in enumerate(gathered):

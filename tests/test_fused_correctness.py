@@ -196,3 +196,29 @@ def test_fused_rank_mismatch_raises_on_every_rank(tmp_path):
         assert "fused bucket layout differs between ranks" in msg, msg
         assert "rank 0 has" in msg and "rank 1 has" in msg, msg
         assert "a.weight" in msg or "a.bias" in msg, msg  # the differing bucket is named
+
+
+def _one_rank_recompiles(rank: int, world: int) -> None:
+    import os
+
+    import bucketwise
+
+    os.environ["BUCKETWISE_RANK_CHECK_TIMEOUT"] = "5"
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    compiled = bucketwise.compile(DDP(net), backend="aot_eager", strategy="fused", dynamic=False)
+    for step in range(3):
+        # Rank 0 changes its batch size at step 2: a recompile on that rank only. Rank 0 must
+        # raise RankMismatchError; rank 1 then fails in (or is killed during) step 2's allreduce.
+        n = 6 if rank == 0 and step == 2 else 4
+        compiled(torch.randn(n, 16)).sum().backward()
+
+
+def test_fused_recompile_on_one_rank_raises_instead_of_hanging(tmp_path):
+    from _dist import WorkerError
+
+    with pytest.raises(WorkerError) as info:
+        run_distributed(_one_rank_recompiles, tmp_path, timeout=120)
+    text = str(info.value)
+    assert "RankMismatchError" in text and "rank 0: other ranks did not join" in text, text[-3000:]
+    assert "recompiling (guard failed" in text and "size mismatch" in text, text[-3000:]
