@@ -67,6 +67,7 @@ class GraphBackend:
         self.variant = variant
         self.fused_runtime = fused_runtime
         self._ddp = weakref.ref(ddp) if ddp is not None else None
+        self._checked_layouts: set[tuple[str, ...]] = set()
         self.cudagraphs = self._cudagraph_group()
         self._label = "graph ?"
         self._segment_no = 0
@@ -204,18 +205,23 @@ class GraphBackend:
     def _fused(self, gm, example_inputs, ddp, params, progress) -> _Result:
         buckets = plan_buckets(ready_order(params), self._caps(ddp))
         spec = _comm_spec(ddp)
-        # NOTE [fused layout check]: every fused compile (the first and each recompile) checks
-        # its bucket layout against the other ranks with one collective on a gloo side group.
-        # Ranks compile in the same step when they run the same program on same-shaped data; a
-        # rank that compiles alone (a recompile on one rank only, a data-dependent branch first
-        # taken on one rank) would run collectives the others do not, so it must stop: the
-        # check times out there and raises RankMismatchError naming the recompile.
-        check_same_on_all_ranks(
-            _layout_signature(buckets, spec),
-            _ddp_compat.process_group(ddp),
-            what="fused bucket layout",
-            context=_compile_context(recompile_reason=dc.recompile_reason(), graphs=len(self.report.graphs)),
-        )
+        # NOTE [fused layout check]: a fused graph's collectives line up with the other ranks'
+        # only if they run graphs with the same bucket layout. A layout already checked across
+        # ranks is safe wherever it shows up again (the same frame recompiled for a new shape on
+        # one rank, the other side of a data-dependent branch compiled a few steps later), so it
+        # is not checked again. A new layout is checked with one collective on a gloo side group:
+        # ranks that compile it together compare it; a rank that compiles it alone (a recompile
+        # on one rank that changes which parameters the graph reads) times out and raises
+        # RankMismatchError naming the failed guard, instead of hanging in a mismatched allreduce.
+        layout = tuple(_layout_signature(buckets, spec))
+        if layout not in self._checked_layouts:
+            check_same_on_all_ranks(
+                layout,
+                _ddp_compat.process_group(ddp),
+                what="fused bucket layout",
+                context=_compile_context(recompile_reason=dc.recompile_reason(), graphs=len(self.report.graphs)),
+            )
+            self._checked_layouts.add(layout)
         positions = backward_positions(gm, buckets)
         insert_bucket_syncs(gm, buckets, spec)
         with progress.step("whole graph + %d bucket allreduces" % len(buckets), self.config.backend_name):

@@ -198,27 +198,49 @@ def test_fused_rank_mismatch_raises_on_every_rank(tmp_path):
         assert "a.weight" in msg or "a.bias" in msg, msg  # the differing bucket is named
 
 
-def _one_rank_recompiles(rank: int, world: int) -> None:
+class Switchable(nn.Module):
+    """Reads ``a`` or ``b`` depending on a flag Dynamo guards on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 4)
+        self.use_b = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.b(x) if self.use_b else self.a(x)))
+
+
+def _one_rank_recompiles(rank: int, world: int, change: str) -> None:
     import os
 
     import bucketwise
 
     os.environ["BUCKETWISE_RANK_CHECK_TIMEOUT"] = "5"
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-    compiled = bucketwise.compile(DDP(net), backend="aot_eager", strategy="fused", dynamic=False)
-    for step in range(3):
-        # Rank 0 changes its batch size at step 2: a recompile on that rank only. Rank 0 must
-        # raise RankMismatchError; rank 1 then fails in (or is killed during) step 2's allreduce.
-        n = 6 if rank == 0 and step == 2 else 4
+    net = Switchable()
+    compiled = bucketwise.compile(DDP(net, find_unused_parameters=True), backend="aot_eager", strategy="fused")
+    for step in range(4):
+        n = 4
+        if rank == 0 and step >= 2:  # a recompile on rank 0 only
+            if change == "layout":
+                net.use_b = True  # another parameter: the allreduces no longer line up
+            else:
+                n = 6  # a new shape: same parameters, same buckets
         compiled(torch.randn(n, 16)).sum().backward()
+    return [p.grad.clone() for p in net.parameters() if p.grad is not None]
 
 
-def test_fused_recompile_on_one_rank_raises_instead_of_hanging(tmp_path):
+def test_fused_recompile_on_one_rank_with_a_new_layout_raises(tmp_path):
     from _dist import WorkerError
 
     with pytest.raises(WorkerError) as info:
-        run_distributed(_one_rank_recompiles, tmp_path, timeout=120)
+        run_distributed(_one_rank_recompiles, tmp_path, args=("layout",), timeout=120)
     text = str(info.value)
     assert "RankMismatchError" in text and "rank 0: other ranks did not join" in text, text[-3000:]
-    assert "recompiling (guard failed" in text and "size mismatch" in text, text[-3000:]
+    assert "recompiling (guard failed" in text and "use_b" in text, text[-3000:]
+
+
+def test_fused_recompile_on_one_rank_with_the_same_layout_runs(tmp_path):
+    grads = run_distributed(_one_rank_recompiles, tmp_path, args=("shape",), timeout=120)
+    for a, b in zip(*grads):  # reduced: every rank holds the same gradients
+        torch.testing.assert_close(a, b)
