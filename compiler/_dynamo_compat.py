@@ -273,6 +273,39 @@ def forward_returned_outputs() -> int | None:
     return int(n) if n is not None else None
 
 
+def op_name(target: Any) -> str:
+    """``aten.add_``-style name of an FX call target."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.replace("::", ".")
+    return getattr(target, "__name__", str(target))
+
+
+def written_args(node: Any) -> list[Any]:
+    """The arguments an aten op node writes into (its schema marks them ``a!``)."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    schema = node.target._schema.arguments
+    given = {**{a.name: v for a, v in zip(schema, node.args)}, **node.kwargs}
+    return [given[a.name] for a in schema if a.alias_info is not None and a.alias_info.is_write and a.name in given]
+
+
+def has_unbacked_symbols(value: Any) -> bool:
+    """A data-dependent size (unbacked SymInt) in ``value`` (a node's ``meta["val"]``)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    try:
+        return bool(free_unbacked_symbols(value))
+    except Exception:  # a value free_unbacked_symbols cannot walk: not a shape
+        return False
+
+
+def tensor_use_count(t: torch.Tensor) -> int:
+    """References to a tensor's TensorImpl (a saved-for-backward slot holds one)."""
+    return int(t._use_count())
+
+
 def has_static_address(t: torch.Tensor) -> bool:
     """A parameter or buffer Dynamo marked as living at a fixed address (what Inductor's own
     ``static_input_idxs`` are made of); true in split segments too, where AOTAutograd sees

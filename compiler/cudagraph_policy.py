@@ -17,6 +17,8 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from . import _dynamo_compat as dc
+
 # Ops that read a tensor's value on the host (a device-to-host copy + synchronisation) or whose
 # output shape depends on tensor values: a capture would bake one step's answer into the graph.
 HOST_SYNC_OPS = frozenset(
@@ -79,26 +81,9 @@ def resolve(requested: bool | str, *, cuda: bool, backend: str | Any, mode: str 
     return Decision(enabled=True)
 
 
-def _op_name(target: Any) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._opname}"
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return f"{target._qualified_op_name.replace('::', '.')}"
-    return getattr(target, "__name__", str(target))
-
-
 def _devices(value: Any) -> set[torch.device]:
     vals = value if isinstance(value, (list, tuple)) else [value]
     return {v.device for v in vals if isinstance(v, torch.Tensor)}
-
-
-def _unbacked(value: Any) -> bool:
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    try:
-        return bool(free_unbacked_symbols(value))
-    except Exception:  # a value free_unbacked_symbols cannot walk: not a shape
-        return False
 
 
 def mutated_placeholders(gm: fx.GraphModule) -> dict[int, str]:
@@ -106,16 +91,9 @@ def mutated_placeholders(gm: fx.GraphModule) -> dict[int, str]:
     index = {node: i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))}
     out: dict[int, str] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        schema = node.target._schema
-        for arg, value in zip(schema.arguments, node.args):
-            if arg.alias_info is not None and arg.alias_info.is_write and value in index:
-                out.setdefault(index[value], _op_name(node.target))
-        for name, value in node.kwargs.items():
-            arg = next((a for a in schema.arguments if a.name == name), None)
-            if arg is not None and arg.alias_info is not None and arg.alias_info.is_write and value in index:
-                out.setdefault(index[value], _op_name(node.target))
+        for value in dc.written_args(node) if node.op == "call_function" else ():
+            if value in index:
+                out.setdefault(index[value], dc.op_name(node.target))
     return out
 
 
@@ -133,15 +111,15 @@ def capture_blockers(gm: fx.GraphModule, example_inputs: Sequence[Any], *, devic
             break
     for node in gm.graph.nodes:
         if node.op == "call_function":
-            name = _op_name(node.target)
+            name = dc.op_name(node.target)
             if name in HOST_SYNC_OPS:
                 reasons.append(f"{name} synchronises with the host (node {node.name})")
                 break
         val = node.meta.get("val")
-        if node.op != "output" and _unbacked(val):
+        if node.op != "output" and dc.has_unbacked_symbols(val):
             reasons.append(f"data-dependent shape at node {node.name}")
             break
         if node.op == "call_function" and any(d.type != device_type for d in _devices(val)):
-            reasons.append(f"node {node.name} ({_op_name(node.target)}) makes a tensor off the {device_type} device")
+            reasons.append(f"node {node.name} ({dc.op_name(node.target)}) makes a tensor off the {device_type} device")
             break
     return reasons

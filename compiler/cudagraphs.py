@@ -191,7 +191,7 @@ class CudaGraphRunner:
                 return "moved"
         outs = rec.outputs
         for i, use, (cdata, suse) in zip(rec.held_idxs, rec.held_use, rec.held_storage):
-            if outs[i]._use_count() > use or dc.storage_use_count(cdata) > suse:
+            if dc.tensor_use_count(outs[i]) > use or dc.storage_use_count(cdata) > suse:
                 return "outputs of the previous replay still in use (kept gradients or a second forward before the backward)"
         return None
 
@@ -281,7 +281,7 @@ class CudaGraphRunner:
             graph=graph, inputs=inputs, copy_idxs=copy_idxs, stable_idxs=stable_idxs,
             stable_ptrs=[inputs[i].data_ptr() for i in stable_idxs], outputs=outputs,
             clone_idxs=clone_idxs, held_idxs=held_idxs,
-            held_use=[outputs[i]._use_count() for i in held_idxs],
+            held_use=[dc.tensor_use_count(outputs[i]) for i in held_idxs],
             held_storage=[(c, dc.storage_use_count(c)) for c in (dc.storage_cdata(outputs[i]) for i in held_idxs)],
         )
 

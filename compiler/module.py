@@ -72,6 +72,7 @@ class CompiledModule(nn.Module):
         self.__dict__["_bucketwise_runtime"] = runtime
         self.__dict__["_bucketwise_backend"] = backend
         self.__dict__["_bucketwise_freeze"] = config.freeze_mode
+        self.__dict__["_nosync_warm"] = False
         self.__dict__["_fused_checked"] = runtime is None
         self.__dict__["_bucketwise_call"] = _torch_compile(forward, backend, config)
         self.__dict__["_alignment_pending"] = ddp is not None and runtime is None
@@ -106,7 +107,7 @@ class CompiledModule(nn.Module):
             call = self._bucketwise_call if sync else self._bucketwise_call_nosync
             # The no_sync() variant is bucketwise's own second cache entry: its first call is
             # part of the warm-up even when it comes after freezing.
-            warm = sync or self.__dict__.setdefault("_nosync_warm", False)
+            warm = sync or self._nosync_warm
             with stance(self) if warm else contextlib.nullcontext():
                 out = _ddp_compat.run_forward_with_idle_reducer(ddp, args, kwargs, call)
             if not sync:

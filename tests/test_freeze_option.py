@@ -18,25 +18,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
 from _dist import run_distributed
+from test_bad_input import Net, _unique_graphs
 
 # The guard a new batch size fails (dynamic=False: no automatic dynamic shapes either way).
 _GUARD = r"size mismatch at index 0\. expected 2, actual 3"
-
-
-def _unique_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l0 = nn.Linear(8, 16)
-        self.l1 = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l1(torch.tanh(self.l0(x)))
 
 
 def fn(x: torch.Tensor) -> torch.Tensor:
