@@ -10,10 +10,15 @@ runner therefore
 
 - clones the outputs a forward returns to autograd/the user (cheap: activations saved for the
   backward are not among them) and every output of an inference graph;
-- hands out the other outputs (saved activations, gradients) as the static tensors themselves,
-  and before the next replay checks that nobody still holds them (tensor and storage use
-  counts); if someone does (two forwards before their backwards, gradients kept across
-  steps), that call runs uncaptured instead of overwriting them;
+- lends the other outputs (saved activations, gradients) as fresh aliases of the static
+  tensors (``detach()``: no copy), so autograd's AccumulateGrad can *steal* a gradient into
+  ``param.grad`` instead of cloning it (it clones a tensor somebody else references, and the
+  runner keeps the static ones); before the next replay it checks that nobody still holds
+  their memory (storage use counts); if someone does (two forwards before their backwards, a
+  stolen gradient kept across ``no_sync()`` micro-steps or without ``zero_grad()``), that call
+  runs uncaptured instead of overwriting it, and the runner stops lending: it hands out the
+  static tensors themselves from then on, which AccumulateGrad copies (the pre-lending cost,
+  one copy per gradient, instead of uncaptured steps);
 - uses parameters, buffers and outputs of other runners of its group in place (their address
   is checked each call, a moved one runs uncaptured, then re-records), and copies every other
   tensor input into a static buffer;
@@ -38,6 +43,8 @@ log = logging.getLogger(__name__)
 
 MAX_RECORDS = 8
 """Recordings per runner (input signatures, moved parameters) before it stays uncaptured."""
+
+_HELD = "outputs of the previous replay still in use (kept gradients or a second forward before the backward)"
 
 _MOVED_BEFORE_RERECORD = 2
 """Consecutive calls with a moved static input before the runner records again."""
@@ -82,19 +89,22 @@ class CudaGraphs:
         self._pool = None
         self._stream = None
 
-    def capture(self, fn: Callable[[], Any], inputs: Sequence[Any]) -> tuple[Any, Any]:
-        """Record ``fn()`` (which reads ``inputs``) into a new graph in the shared pool; returns
-        (graph, fn's result). Nothing runs: the first replay computes."""
+    def capture(self, fn: Callable[[list[Any]], Any], inputs: Sequence[Any]) -> tuple[Any, Any]:
+        """Record ``fn(list(inputs))`` into a new graph in the shared pool; returns (graph, fn's
+        result). Nothing runs: the first replay computes. The graph keeps no reference to
+        ``inputs``, only their addresses."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
         # thread_local: NCCL's watchdog and other threads keep querying events meanwhile.
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            out = fn()
+            out = fn(list(inputs))
         return graph, out
 
-    def replay(self, graph: Any) -> None:
+    def replay(self, graph: Any, inputs: Sequence[Any]) -> None:
+        """Replay ``graph``; ``inputs`` are the tensors at the recorded addresses right now
+        (a real graph reads the addresses; an emulation reads the tensors)."""
         graph.replay()
 
     def reserved_bytes(self) -> int:
@@ -124,15 +134,16 @@ class CudaGraphGroup:
 @dataclasses.dataclass
 class _Recording:
     graph: Any
-    inputs: list[Any]  # what the graph reads: static tensors in place, copy buffers, scalars
+    inputs: list[Any]  # the copy buffers at copy_idxs (None elsewhere: no reference is kept to
+    # tensors read in place, their owners' use counts stay exact, see NOTE [cudagraph replay safety])
     copy_idxs: list[int]  # inputs copied into inputs[i] on every call
     stable_idxs: list[int]  # inputs used in place; their address is checked on every call
     stable_ptrs: list[int]
     outputs: list[Any]
     clone_idxs: list[int]
-    held_idxs: list[int]  # outputs handed out as is: checked free before the next replay
+    held_idxs: list[int]  # outputs lent out (or handed out as is): checked free before the next replay
     held_use: list[int]
-    held_storage: list[tuple[int, int]]  # (storage cdata, use count) at record time
+    held_storage: list[tuple[int, int]]  # distinct (storage cdata, use count) at record time
 
 
 class CudaGraphRunner:
@@ -158,6 +169,8 @@ class CudaGraphRunner:
         self.records: dict[tuple, _Recording] = {}
         self.warmed: set[tuple] = set()
         self._moved_calls = 0
+        self.lend = True
+        """Hand out held outputs as aliases (see NOTE [cudagraph replay safety])."""
 
     def __call__(self, args: list[Any]) -> Any:
         if self.disabled:
@@ -178,6 +191,11 @@ class CudaGraphRunner:
                     del self.records[key]
                     return self._record(key, args)
                 why = "a parameter or saved input moved since the recording"
+            elif why.startswith("outputs") and self.lend:
+                # Someone keeps a lent output across calls (accumulated gradients): stop lending.
+                self.lend = False
+                log.info("bucketwise: %s: outputs kept across calls; handing out the static outputs from now on",
+                         self.stats.name)
             self.stats.ran_uncaptured(why)
             return self.compiled(args)
         self._moved_calls = 0
@@ -190,20 +208,27 @@ class CudaGraphRunner:
             if args[i].data_ptr() != ptr:
                 return "moved"
         outs = rec.outputs
-        for i, use, (cdata, suse) in zip(rec.held_idxs, rec.held_use, rec.held_storage):
-            if dc.tensor_use_count(outs[i]) > use or dc.storage_use_count(cdata) > suse:
-                return "outputs of the previous replay still in use (kept gradients or a second forward before the backward)"
+        for i, use in zip(rec.held_idxs, rec.held_use):
+            if dc.tensor_use_count(outs[i]) > use:
+                return _HELD
+        for cdata, use in rec.held_storage:
+            if dc.storage_use_count(cdata) > use:
+                return _HELD
         return None
 
     def _replay(self, rec: _Recording, args: list[Any]) -> list[Any]:
         for i in rec.copy_idxs:
             rec.inputs[i].copy_(args[i])
+            args[i] = rec.inputs[i]
+        self.group.graphs.replay(rec.graph, args)
         args.clear()
-        self.group.graphs.replay(rec.graph)
         self.stats.replays += 1
         out = list(rec.outputs)
         for i in rec.clone_idxs:
             out[i] = out[i].clone()
+        if self.lend:
+            for i in rec.held_idxs:
+                out[i] = out[i].detach()
         return out
 
     # -- record ------------------------------------------------------------------------------
@@ -255,7 +280,7 @@ class CudaGraphRunner:
                 inputs.append(buf)
                 copy_idxs.append(i)
         before = self.group.graphs.reserved_bytes()
-        graph, outputs = self.group.graphs.capture(lambda: self.compiled(list(inputs)), inputs)
+        graph, outputs = self.group.graphs.capture(self.compiled, inputs)
         self.stats.pool_bytes += max(0, self.group.graphs.reserved_bytes() - before)
         outputs = list(outputs)
         # An output may be a copy buffer itself (the forward saving its input for the backward):
@@ -277,12 +302,14 @@ class CudaGraphRunner:
                 stable.add(o.data_ptr())
         for i in stable_idxs:
             stable.add(inputs[i].data_ptr())
+        kept = set(copy_idxs)
         return _Recording(
-            graph=graph, inputs=inputs, copy_idxs=copy_idxs, stable_idxs=stable_idxs,
+            graph=graph, inputs=[a if i in kept else None for i, a in enumerate(inputs)], copy_idxs=copy_idxs,
+            stable_idxs=stable_idxs,
             stable_ptrs=[inputs[i].data_ptr() for i in stable_idxs], outputs=outputs,
             clone_idxs=clone_idxs, held_idxs=held_idxs,
             held_use=[dc.tensor_use_count(outputs[i]) for i in held_idxs],
-            held_storage=[(c, dc.storage_use_count(c)) for c in (dc.storage_cdata(outputs[i]) for i in held_idxs)],
+            held_storage=[(c, dc.storage_use_count(c)) for c in dict.fromkeys(dc.storage_cdata(outputs[i]) for i in held_idxs)],
         )
 
 

@@ -9,7 +9,9 @@ kinds of gradient still need DDP's treatment, each reduced exactly once:
    avg(acc + new), which is what eager DDP reduces);
 2. parameters no compiled graph syncs (used only in eager code between graph breaks, or in a
    ``torch.compiler.disable``d submodule): a post-accumulate-grad hook collects them and one
-   callback at the end of the backward averages them;
+   callback at the end of the backward averages them. Only those parameters carry the hook
+   (updated when the set changes): a per-parameter Python hook on every gradient would cost
+   launch-bound models more than the rest of the step's bookkeeping;
 3. parameters a graph syncs but eager code also uses: their gradient reaches the accumulator
    from two autograd nodes; the eager node's contribution is averaged by a hook on that node,
    found by walking the autograd graph after the forward (done while such parameters exist,
@@ -75,7 +77,9 @@ class FusedRuntime:
         self._check_autograd_graph = True
         self._in_synced_backward = False
         self._eager_ready: list[torch.Tensor] = []
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self._hooks: dict[int, Any] = {}
+        """id(param) -> post-accumulate-grad hook handle, for the parameters of (2)."""
+        self._hooked_for: Any = None
 
     @property
     def ddp(self) -> Any:
@@ -108,6 +112,7 @@ class FusedRuntime:
         if not (sync and torch.is_grad_enabled()):
             return
         self._step_covered = self._covered_by_graphs_that_ran()
+        self._hook_uncovered()
         if self.accumulated:
             # (1) average what no_sync() steps accumulated, for the parameters graphs sync.
             # After the forward: graphs compiled by this very forward count too, and the
@@ -129,9 +134,23 @@ class FusedRuntime:
         return ran
 
     def remove_hooks(self) -> None:
-        for handle in self._hooks:
+        for handle in self._hooks.values():
             handle.remove()
-        self._hooks = []
+        self._hooks = {}
+        self._hooked_for = None
+
+    def _hook_uncovered(self) -> None:
+        """Hook exactly the parameters this step's graphs do not reduce (see (2))."""
+        key = ("all", len(self._graph_params)) if len(self._ran) == len(self._graph_params) else None
+        if key is not None and key == self._hooked_for:
+            return
+        self._hooked_for = key
+        wanted = {id(p): p for p in self.params if id(p) not in self._step_covered}
+        for pid in [pid for pid in self._hooks if pid not in wanted]:
+            self._hooks.pop(pid).remove()
+        for pid, p in wanted.items():
+            if pid not in self._hooks:
+                self._hooks[pid] = p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     # -- (2) parameters no graph reduces ---------------------------------------------------
 

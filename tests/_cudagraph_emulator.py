@@ -1,8 +1,10 @@
 """A CPU stand-in for ``bucketwise.compiler.cudagraphs.CudaGraphs`` (the test seam).
 
-It keeps the two properties of a real CUDA graph that bucketwise's runner must respect:
-capture runs nothing (inputs are restored, so in-place updates of buffers happen once), and a
-replay writes its results into the very output tensors the capture returned.
+It keeps the three properties of a real CUDA graph that bucketwise's runner must respect:
+capture runs nothing (inputs are restored, so in-place updates of buffers happen once), a
+replay writes its results into the very output tensors the capture returned, and the graph
+holds no reference to its inputs (a replay reads whatever lives at their addresses: here the
+tensors the runner passes to ``replay``, which must sit at the captured addresses).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ class EmulatedGraphs:
     def __init__(self, *, fail_capture: bool = False) -> None:
         self.captures = 0
         self.replays = 0
+        self.output_ptrs: set[int] = set()
+        """Addresses of every recorded graph's static outputs."""
         self.fail_capture = fail_capture
 
     def capture(self, fn, inputs):
@@ -23,16 +27,21 @@ class EmulatedGraphs:
             raise RuntimeError("emulated capture failure")
         self.captures += 1
         saved = [(t, t.clone()) for t in inputs if isinstance(t, torch.Tensor)]
-        out = fn()
+        ptrs = [t.data_ptr() if isinstance(t, torch.Tensor) else None for t in inputs]
+        out = fn(list(inputs))
         for t, before in saved:
             t.copy_(before)
-        return (fn, list(out)), out
+        self.output_ptrs.update(o.data_ptr() for o in out if isinstance(o, torch.Tensor))
+        return (fn, ptrs, list(out)), out
 
-    def replay(self, graph) -> None:
+    def replay(self, graph, inputs) -> None:
         self.replays += 1
-        fn, outs = graph
+        fn, ptrs, outs = graph
+        now = [t.data_ptr() if isinstance(t, torch.Tensor) else None for t in inputs]
+        if now != ptrs:
+            raise AssertionError(f"replay inputs are not at the captured addresses: {ptrs} vs {now}")
         with torch.no_grad():
-            for o, n in zip(outs, fn()):
+            for o, n in zip(outs, fn(list(inputs))):
                 if isinstance(o, torch.Tensor):
                     o.copy_(n)
 

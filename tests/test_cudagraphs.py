@@ -195,6 +195,48 @@ def test_gradient_accumulation_matches_eager(monkeypatch):
     _train(ref, mod, compiled, 6, zero=False)  # gradients accumulate across steps
 
 
+def test_replayed_gradients_are_stolen_not_copied(monkeypatch):
+    # AccumulateGrad copies a gradient that someone else references; the runner lends aliases
+    # of its static outputs, so param.grad *is* the backward graph's output memory.
+    emulators = use_emulated_graphs(monkeypatch)
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 3)
+    x = torch.randn(6, 8)
+    compiled(x).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    for p, q in zip(ref.parameters(), mod.parameters()):
+        assert q.grad.data_ptr() in emulators[0].output_ptrs, "gradient was copied out of the graph's output"
+        torch.testing.assert_close(q.grad, p.grad)
+
+
+def test_accumulating_stolen_gradients_stops_lending(monkeypatch):
+    # zero_grad(set_to_none=True), then micro-steps: the first one's gradient *is* the graph's
+    # output memory, so the next backward must not replay over it; the runner then stops
+    # lending and replays again once the user let go of the gradients.
+    use_emulated_graphs(monkeypatch)
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 3)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_c = torch.optim.SGD(mod.parameters(), lr=0.1)
+    for step in range(3):
+        for _ in range(3):
+            x = torch.randn(6, 8)
+            ref(x).pow(2).mean().backward()
+            compiled(x).pow(2).mean().backward()
+        for p, q in zip(ref.parameters(), mod.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"step {step}: {m}")
+        opt_r.step()
+        opt_c.step()
+        opt_r.zero_grad(set_to_none=True)
+        opt_c.zero_grad(set_to_none=True)
+    torch.testing.assert_close(dict(mod.state_dict()), dict(ref.state_dict()))
+    bw = _stats(compiled)["graph 0 segment 0 backward"]
+    # The two micro-steps that found the first one's lent gradients held run uncaptured; every
+    # backward after that replays (2 in the warm-up steps, 1 + 3 + 3 here).
+    assert bw["uncaptured_runs"] == 2 and any("still in use" in r for r in bw["uncaptured_reasons"]), bw
+    assert bw["replays"] == 9, bw
+
+
 def test_new_shapes_rerecord_up_to_the_bound(monkeypatch):
     use_emulated_graphs(monkeypatch)
     ref, mod, compiled = _pair(dynamic=True)
