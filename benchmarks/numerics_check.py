@@ -1,0 +1,114 @@
+"""Training numerics of bucketwise strategies against eager DDP on GPUs (a diagnostic).
+
+    python3 benchmarks/numerics_check.py --nproc 2 [--steps 20] [--layers 6 ...]
+
+Trains the same GPT (bf16 autocast, AdamW, one fixed batch per rank, as ``ddp_bench.py``) under
+eager DDP and under each variant, from the same initial weights, and prints per variant: the
+largest gradient difference from eager DDP after the first backward (absolute, and relative to
+the gradient's own largest value), the loss trajectory's largest gap from eager's, and whether
+the parameters are still equal on every rank at the end. Prints one JSON line per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+NO_REORDER = {"reorder_for_compute_comm_overlap": False}
+VARIANTS = {
+    "bw-none": dict(strategy="none"),
+    "bw-split": dict(strategy="split"),
+    "bw-fused": dict(strategy="fused"),
+    "bw-fused-noreorder": dict(strategy="fused", options=NO_REORDER),
+    "bw-fused-aot_eager": dict(strategy="fused", backend="aot_eager"),
+    "bw-none-aot_eager": dict(strategy="none", backend="aot_eager"),
+}
+
+
+def _train(model, steps, batch, autocast):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses, first_grads = [], None
+    for step in range(steps):
+        with torch.autocast(batch[0].device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(*batch)
+        loss.backward()
+        if step == 0:
+            first_grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, first_grads
+
+
+def _worker(rank, world, store, args):
+    cuda = torch.cuda.is_available()  # CPU (gloo): a smoke run of this script
+    if cuda:
+        torch.cuda.set_device(rank)
+    dev = "cuda" if cuda else "cpu"
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    import bucketwise
+    from bucketwise.launch.models import GPT, GPTConfig, synthetic_tokens
+
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, d_model=args.d_model, heads=args.heads)
+    torch.manual_seed(0)
+    base = GPT(cfg).to(dev)
+    batch = synthetic_tokens(cfg, args.batch, seed=1000 + rank, device=dev)
+    ref_losses, ref_grads = _train(DDP(copy.deepcopy(base), device_ids=[rank] if cuda else None), args.steps, batch, not args.fp32)
+    for name in args.variants.split(","):
+        kw = dict(VARIANTS[name])
+        kw.setdefault("backend", "inductor")
+        model = bucketwise.compile(DDP(copy.deepcopy(base), device_ids=[rank] if cuda else None), **kw)
+        losses, grads = _train(model, args.steps, batch, not args.fp32)
+        worst = max(grads, key=lambda n: (grads[n] - ref_grads[n]).abs().max().item())
+        diff = (grads[worst] - ref_grads[worst]).abs().max().item()
+        rel = max(((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-30)).item()
+                  for n in grads)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        first = flat.clone()
+        dist.broadcast(first, 0)
+        spread = (flat - first).abs().max()
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+        gap = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        if rank == 0:
+            print(json.dumps({"variant": name, "grad_absdiff_step1": diff, "worst_param": worst, "grad_reldiff_step1": rel,
+                              "loss_gap_max": gap, "final_loss": losses[-1], "eager_final_loss": ref_losses[-1],
+                              "param_spread_across_ranks": spread.item(), "losses": [round(x, 5) for x in losses],
+                              "eager_losses": [round(x, 5) for x in ref_losses]}), flush=True)
+        del model
+        torch._dynamo.reset()
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--variants", default="bw-none,bw-fused,bw-fused-noreorder,bw-fused-aot_eager,bw-none-aot_eager")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    args = p.parse_args()
+    for v in args.variants.split(","):
+        if v not in VARIANTS:
+            p.error(f"unknown variant {v!r}; use {', '.join(VARIANTS)}")
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(args.nproc, os.path.join(d, "store"), args), nprocs=args.nproc)
+
+
+if __name__ == "__main__":
+    main()
