@@ -10,15 +10,17 @@ runner therefore
 
 - clones the outputs a forward returns to autograd/the user (cheap: activations saved for the
   backward are not among them) and every output of an inference graph;
-- lends the other outputs (saved activations, gradients) as fresh aliases of the static
-  tensors (``detach()``: no copy), so autograd's AccumulateGrad can *steal* a gradient into
-  ``param.grad`` instead of cloning it (it clones a tensor somebody else references, and the
-  runner keeps the static ones); before the next replay it checks that nobody still holds
-  their memory (storage use counts); if someone does (two forwards before their backwards, a
-  stolen gradient kept across ``no_sync()`` micro-steps or without ``zero_grad()``), that call
-  runs uncaptured instead of overwriting it, and the runner stops lending: it hands out the
-  static tensors themselves from then on, which AccumulateGrad copies (the pre-lending cost,
-  one copy per gradient, instead of uncaptured steps);
+- hands out the other outputs (saved activations, gradients) without a copy, and before the
+  next replay checks that nobody still holds their memory (tensor and storage use counts);
+  if someone does (two forwards before their backwards, gradients kept across steps), that
+  call runs uncaptured instead of overwriting them;
+- hands a backward's gradients out as fresh aliases of its static outputs (``detach()``), so
+  autograd's AccumulateGrad *steals* each one into ``param.grad`` instead of cloning it (it
+  clones a tensor somebody else references, and the runner keeps the static ones: one copy
+  kernel per parameter per step, measured on gpt-tiny). A stolen gradient that is kept
+  (``no_sync()`` micro-steps after ``zero_grad(set_to_none=True)``) makes the next backward
+  run uncaptured; the runner then stops lending and hands out the static tensors themselves,
+  which AccumulateGrad copies, instead of running uncaptured again;
 - uses parameters, buffers and outputs of other runners of its group in place (their address
   is checked each call, a moved one runs uncaptured, then re-records), and copies every other
   tensor input into a static buffer;
@@ -169,8 +171,8 @@ class CudaGraphRunner:
         self.records: dict[tuple, _Recording] = {}
         self.warmed: set[tuple] = set()
         self._moved_calls = 0
-        self.lend = True
-        """Hand out held outputs as aliases (see NOTE [cudagraph replay safety])."""
+        self.lend = returned_outputs == 0
+        """A backward: hand out its gradients as aliases (see NOTE [cudagraph replay safety])."""
 
     def __call__(self, args: list[Any]) -> Any:
         if self.disabled:
