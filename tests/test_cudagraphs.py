@@ -113,13 +113,16 @@ def _stats(compiled) -> dict[str, dict]:
     return {c.name: c.to_dict() for c in bucketwise.report(compiled).cudagraphs}
 
 
-def _train(ref, mod, compiled, steps, *, batch=lambda i: 6, zero=True):
+def _train(ref, mod, compiled, steps, *, batch=lambda i: 6, zero=True, micro=1):
+    """``steps`` optimizer steps of ``micro`` accumulated backwards each; then
+    ``zero_grad()`` (``set_to_none=True``) unless ``zero`` is false."""
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt_c = torch.optim.SGD(mod.parameters(), lr=0.1)
     for i in range(steps):
-        x = torch.randn(batch(i), 8)
-        ref(x).pow(2).mean().backward()
-        compiled(x).pow(2).mean().backward()
+        for _ in range(micro):
+            x = torch.randn(batch(i), 8)
+            ref(x).pow(2).mean().backward()
+            compiled(x).pow(2).mean().backward()
         for p, q in zip(ref.parameters(), mod.parameters()):
             torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"step {i}: {m}")
         opt_r.step()
@@ -216,20 +219,7 @@ def test_accumulating_stolen_gradients_stops_lending(monkeypatch):
     use_emulated_graphs(monkeypatch)
     ref, mod, compiled = _pair()
     _train(ref, mod, compiled, 3)
-    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
-    opt_c = torch.optim.SGD(mod.parameters(), lr=0.1)
-    for step in range(3):
-        for _ in range(3):
-            x = torch.randn(6, 8)
-            ref(x).pow(2).mean().backward()
-            compiled(x).pow(2).mean().backward()
-        for p, q in zip(ref.parameters(), mod.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"step {step}: {m}")
-        opt_r.step()
-        opt_c.step()
-        opt_r.zero_grad(set_to_none=True)
-        opt_c.zero_grad(set_to_none=True)
-    torch.testing.assert_close(dict(mod.state_dict()), dict(ref.state_dict()))
+    _train(ref, mod, compiled, 3, micro=3)
     bw = _stats(compiled)["graph 0 segment 0 backward"]
     # The two micro-steps that found the first one's lent gradients held run uncaptured; every
     # backward after that replays (2 in the warm-up steps, 1 + 3 + 3 here).

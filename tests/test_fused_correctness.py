@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import bucketwise
 from _dist import run_distributed
 from test_split_correctness import CASES, _run
 
@@ -244,3 +245,35 @@ def test_fused_recompile_on_one_rank_with_the_same_layout_runs(tmp_path):
     grads = run_distributed(_one_rank_recompiles, tmp_path, args=("shape",), timeout=120)
     for a, b in zip(*grads):  # reduced: every rank holds the same gradients
         torch.testing.assert_close(a, b)
+
+
+class _HalfDisabled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    @torch.compiler.disable
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._eager(torch.relu(self.a(x)))
+
+
+def test_fused_hooks_only_parameters_no_graph_reduces(single_rank_group):
+    # NOTE [fused strategy runtime] (2): a Python hook on every gradient would cost launch-bound
+    # models a call per parameter per step; only parameters outside every graph carry one.
+    torch.manual_seed(0)
+    net = _HalfDisabled()
+    ref = DDP(copy.deepcopy(net))
+    compiled = bucketwise.compile(DDP(net), backend="aot_eager", strategy="fused")
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        compiled(x).sum().backward()
+        ref(x).sum().backward()
+    runtime = compiled._bucketwise_runtime
+    hooked = set(runtime._hooks)
+    assert hooked == {id(net.b.weight), id(net.b.bias)}, (hooked, [id(p) for p in net.parameters()])
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
