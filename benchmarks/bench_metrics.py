@@ -285,3 +285,15 @@ def profile_trace(step: Callable[[], Any], n: int, device: torch.device, trace_p
         sync(device)
     prof.export_chrome_trace(trace_path)
     return load_trace(trace_path)
+
+
+def param_spread(params: Iterable[torch.Tensor]) -> float:
+    """Largest difference between this rank's parameters and rank 0's: 0.0 when data
+    parallelism kept every replica equal (a collective: every rank calls it)."""
+    with torch.no_grad():
+        flat = torch.cat([p.detach().float().reshape(-1) for p in params])
+        ref = flat.clone()
+        dist.broadcast(ref, 0)
+        spread = (flat - ref).abs().max()
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    return spread.item()

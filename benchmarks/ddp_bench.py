@@ -117,18 +117,6 @@ def _train_and_time(args: BenchArgs, step: Callable[[], torch.Tensor], device: t
             "losses": bm.read_scalars([first_loss, *warm, *timed.outputs])}
 
 
-def _param_spread(model: torch.nn.Module) -> float:
-    """Largest difference between this rank's parameters and rank 0's after training: 0.0 when
-    data parallelism kept every replica equal (a collective: every rank calls it)."""
-    with torch.no_grad():
-        flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
-        ref = flat.clone()
-        dist.broadcast(ref, 0)
-        spread = (flat - ref).abs().max()
-        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
-    return spread.item()
-
-
 def measure(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, device: torch.device, rank: int) -> dict:
     """This rank's measurements of one config (raises on failure)."""
     _fresh_state(device)
@@ -141,7 +129,7 @@ def measure(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, devic
     step = make_step(prepared, spec, opt, batch, device, annotate=False, **kw)
 
     out = _train_and_time(args, step, device)
-    out["param_spread"] = _param_spread(model) if recipe.ddp else None
+    out["param_spread"] = bm.param_spread(model.parameters()) if recipe.ddp else None
     out["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     out["dynamo"] = _dynamo_counts() if recipe.compiler != "none" else None
     out["bucketwise"] = dict(prepared.report.totals) if prepared.report is not None else None

@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bench_metrics import param_spread  # benchmarks/ is sys.path[0] when run as a script
+
 NO_REORDER = {"reorder_for_compute_comm_overlap": False}
 VARIANTS = {
     "bw-none": dict(strategy="none"),
@@ -71,19 +73,15 @@ def _worker(rank, world, store, args):
         diff = (grads[worst] - ref_grads[worst]).abs().max().item()
         rel = max(((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-30)).item()
                   for n in grads)
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        first = flat.clone()
-        dist.broadcast(first, 0)
-        spread = (flat - first).abs().max()
-        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+        spread = param_spread(model.parameters())
         gap = max(abs(a - b) for a, b in zip(losses, ref_losses))
         if rank == 0:
             print(json.dumps({"variant": name, "grad_absdiff_step1": diff, "worst_param": worst, "grad_reldiff_step1": rel,
                               "loss_gap_max": gap, "final_loss": losses[-1], "eager_final_loss": ref_losses[-1],
-                              "param_spread_across_ranks": spread.item(), "losses": [round(x, 5) for x in losses],
+                              "param_spread_across_ranks": spread, "losses": [round(x, 5) for x in losses],
                               "eager_losses": [round(x, 5) for x in ref_losses]}), flush=True)
         del model
-        torch._dynamo.reset()
+        torch.compiler.reset()
     import gc
 
     gc.collect()

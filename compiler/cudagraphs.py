@@ -193,7 +193,7 @@ class CudaGraphRunner:
                     del self.records[key]
                     return self._record(key, args)
                 why = "a parameter or saved input moved since the recording"
-            elif why.startswith("outputs") and self.lend:
+            elif why == _HELD and self.lend:
                 # Someone keeps a lent output across calls (accumulated gradients): stop lending.
                 self.lend = False
                 log.info("bucketwise: %s: outputs kept across calls; handing out the static outputs from now on",

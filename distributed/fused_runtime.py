@@ -141,7 +141,8 @@ class FusedRuntime:
 
     def _hook_uncovered(self) -> None:
         """Hook exactly the parameters this step's graphs do not reduce (see (2))."""
-        key = ("all", len(self._graph_params)) if len(self._ran) == len(self._graph_params) else None
+        # Unchanged since the last step when every graph ran and none was compiled since.
+        key = len(self._graph_params) if self._step_covered is self.covered else None
         if key is not None and key == self._hooked_for:
             return
         self._hooked_for = key

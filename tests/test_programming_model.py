@@ -518,14 +518,21 @@ def test_mutating_outer_list_with_python_values(transform, fullgraph):
 
         return fn
 
+    compiled, seen_compiled, seen_eager = _eager_then_compiled(make, fullgraph)
+    _assert_one_graph(compiled)
+    assert seen_compiled == seen_eager, (seen_compiled, seen_eager)
+
+
+def _eager_then_compiled(make, fullgraph: bool):
+    """Run ``make(seen)`` eagerly and compiled on one input, check the results agree, and return
+    (compiled, what the compiled run appended to its list, what the eager run appended)."""
     x = _randn(3, 4)
     seen_eager: list = []
     expected = make(seen_eager)(x)
-    seen_compiled: list = []
-    compiled = bucketwise.compile(make(seen_compiled), backend="aot_eager", fullgraph=fullgraph)
+    seen: list = []
+    compiled = bucketwise.compile(make(seen), backend="aot_eager", fullgraph=fullgraph)
     torch.testing.assert_close(compiled(x), expected)
-    _assert_one_graph(compiled)
-    assert seen_compiled == seen_eager, (seen_compiled, seen_eager)
+    return compiled, seen, seen_eager
 
 
 def _escaping(seen: list):
@@ -544,12 +551,7 @@ def test_mutating_outer_list_with_escaping_tensor(fullgraph):
     """Appending a per-sample *tensor* to a list created outside: Dynamo captures it (no graph
     break, fullgraph=True passes), AOTAutograd cannot compile it; with fallback="eager" the
     captured graph runs eagerly (one fallback in the report) and returns eager's result."""
-    x = _randn(3, 4)
-    seen_eager: list = []
-    expected = _escaping(seen_eager)(x)
-    seen: list = []
-    compiled = bucketwise.compile(_escaping(seen), backend="aot_eager", fullgraph=fullgraph)
-    torch.testing.assert_close(compiled(x), expected)
+    compiled, seen, seen_eager = _eager_then_compiled(_escaping, fullgraph)
     rep = bucketwise.report(compiled)
     assert rep.totals["graphs"] == 1 and rep.totals["graph_breaks"] == 0, rep.table()
     assert rep.totals["fallbacks"] == 1, rep.table()
