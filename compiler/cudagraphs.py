@@ -17,7 +17,7 @@ runner therefore
 - hands a backward's gradients out as fresh aliases of its static outputs (``detach()``), so
   autograd's AccumulateGrad *steals* each one into ``param.grad`` instead of cloning it (it
   clones a tensor somebody else references, and the runner keeps the static ones: one copy
-  kernel per parameter per step, measured on gpt-tiny). A stolen gradient that is kept
+  kernel per parameter per step). A stolen gradient that is kept
   (``no_sync()`` micro-steps after ``zero_grad(set_to_none=True)``) makes the next backward
   run uncaptured; the runner then stops lending and hands out the static tensors themselves,
   which AccumulateGrad copies, instead of running uncaptured again;
