@@ -54,6 +54,54 @@ def test_fused_inductor_matches_eager_ddp(tmp_path):
         _assert_fused(r["report"], min_buckets=2)
 
 
+def _inductor_wait_order(rank: int, world: int, hook: str, cache_dir: str) -> dict[str, Any]:
+    """Trains eager DDP and the fused Inductor compile side by side (optionally with torch's fp16
+    comm hook on both: its decompress reads the reduced bucket), and returns the order of collectives and waits in the emitted backward."""
+    import glob
+    import os
+    import re
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(4)], nn.Linear(32, 4))
+    ref = DDP(copy.deepcopy(net), bucket_cap_mb=0.004)
+    ddp = DDP(net, bucket_cap_mb=0.004)
+    rtol, atol = 1e-5, 1e-6
+    if hook == "fp16":  # (the bf16 hook needs CUDA)
+        ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        rtol, atol = 1e-3, 1e-4  # fp16 on the wire; Inductor fuses the casts with other math
+    compiled = bucketwise.compile(ddp, backend="inductor", strategy="fused")
+    for step in range(2):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * rank + step))
+        ref(x).pow(2).mean().backward()
+        compiled(x).pow(2).mean().backward()
+        for (name, p), q in zip(ref.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=rtol, atol=atol, msg=lambda m: f"step {step} {name}: {m}")
+            p.grad = q.grad = None
+    order = []
+    for path in glob.glob(os.path.join(cache_dir, f"rank{rank}", "**", "*.py"), recursive=True):
+        text = open(path).read()
+        if "all_reduce_" in text:
+            order.append(re.findall(r"_c10d_functional\.(all_reduce_|wait_tensor)\.default", text))
+    buckets = [len(g["buckets"]) for g in bucketwise.report(compiled).to_dict()["graphs"]]
+    return {"order": order, "buckets": buckets}
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("hook", ["none", "fp16"])
+def test_fused_inductor_waits_after_every_collective(tmp_path, hook):
+    # NOTE [late waits] (distributed/_collectives_compat.py): Inductor alone leaves each wait
+    # before the next collective (one bucket in flight); bucketwise sinks them to their readers.
+    for r in run_distributed(_inductor_wait_order, tmp_path, args=(hook, str(tmp_path / "inductor")), timeout=400):
+        assert len(r["buckets"]) == 1 and r["buckets"][0] >= 3, r["buckets"]  # one graph, several buckets
+        assert len(r["order"]) == 1, r["order"]  # one emitted backward with collectives
+        n = r["buckets"][0]
+        assert r["order"][0] == ["all_reduce_"] * n + ["wait_tensor"] * n, r["order"][0]
+
+
 def test_fused_no_sync_compiles_once_per_variant(tmp_path):
     results = _run(tmp_path, "no_sync", "fused")
     for r in results:
