@@ -50,6 +50,7 @@ class BenchArgs:
     device: str
     sizes: dict[str, int | None]
     profile_steps: int
+    host_profile: int
     probe_iters: int
     timeline_config: str | None
     seed: int
@@ -61,7 +62,7 @@ class BenchArgs:
         for name in ("nproc", "steps", "probe_iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("warmup", "profile_steps"):
+        for name in ("warmup", "profile_steps", "host_profile"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.net not in NETS:
@@ -107,6 +108,8 @@ def parser() -> argparse.ArgumentParser:
     for flag in bench_models.SIZE_FLAGS:
         p.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help="model size override")
     p.add_argument("--profile-steps", type=int, default=3, help="steps traced by torch.profiler (CUDA; 0: off)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                   help="after timing, cProfile this many steps on rank 0 into OUT/host_profile/<config>.txt (0: off)")
     p.add_argument("--probe-iters", type=int, default=5, help="allreduce bandwidth probe iterations")
     p.add_argument("--timeline-config", default=None, help="config of timeline.png (default: first bw config)")
     p.add_argument("--seed", type=int, default=0)
@@ -137,7 +140,7 @@ def parse(argv: list[str]) -> BenchArgs:
             nproc=nproc, model=ns.model, configs=tuple(configs), steps=ns.steps, warmup=ns.warmup,
             out=os.path.abspath(out), backend=ns.backend, bucket_cap_mb=ns.bucket_cap_mb, net=ns.net,
             device=device, sizes={f: getattr(ns, f) for f in bench_models.SIZE_FLAGS},
-            profile_steps=ns.profile_steps, probe_iters=ns.probe_iters, timeline_config=ns.timeline_config,
+            profile_steps=ns.profile_steps, host_profile=ns.host_profile, probe_iters=ns.probe_iters, timeline_config=ns.timeline_config,
             seed=ns.seed, keep_traces=ns.keep_traces, timeout_min=ns.timeout_min, compile_cache=ns.compile_cache,
         )
     except ValueError as exc:

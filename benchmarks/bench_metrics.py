@@ -287,6 +287,34 @@ def profile_trace(step: Callable[[], Any], n: int, device: torch.device, trace_p
     return load_trace(trace_path)
 
 
+def host_profile(step: Callable[[], Any], n: int, device: torch.device, path: str, *, enabled: bool) -> None:
+    """Run ``n`` steps, under ``cProfile`` when ``enabled`` (every rank must step: the steps hold
+    collectives), and write the functions with the most host time, own and cumulative, to
+    ``path``: where a host-bound step's CPU time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    sync(device)
+    prof = cProfile.Profile()
+    if enabled:
+        prof.enable()
+    for _ in range(n):
+        step()
+    if enabled:
+        prof.disable()
+    sync(device)
+    if not enabled:
+        return
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    buf.write(f"# cProfile of {n} training step(s), host time only (no sync inside)\n")
+    for order in ("tottime", "cumulative"):
+        stats.sort_stats(order).print_stats(40)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
+
+
 def param_spread(params: Iterable[torch.Tensor]) -> float:
     """Largest difference between this rank's parameters and rank 0's: 0.0 when data
     parallelism kept every replica equal (a collective: every rank calls it)."""

@@ -144,6 +144,10 @@ def measure(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, devic
             out["overlap"] = _profile(args, config, annotated, device, rank)
         except Exception as exc:  # noqa: BLE001 - timings stand without the trace
             out["notes"].append(f"profiler failed: {type(exc).__name__}: {exc}")
+    if args.host_profile > 0:
+        os.makedirs(os.path.join(args.out, "host_profile"), exist_ok=True)
+        path = os.path.join(args.out, "host_profile", safe_name(config) + ".txt")
+        bm.host_profile(step, args.host_profile, device, path, enabled=rank == 0)
     return out
 
 

@@ -76,7 +76,7 @@ def test_smoke_two_gloo_ranks(tmp_path):
     cmd = [
         sys.executable, str(BENCH_DIR / "ddp_bench.py"), "--nproc", "2", "--device", "cpu", "--model", "mlp",
         "--configs", ",".join(SMOKE_CONFIGS), "--backend", "aot_eager", "--steps", "2", "--warmup", "1",
-        "--out", str(out),
+        "--host-profile", "1", "--out", str(out),
     ]
     result = _run(cmd, timeout=240)
     assert result.returncode == 0, result.stdout[-4000:]
@@ -110,6 +110,9 @@ def test_smoke_two_gloo_ranks(tmp_path):
         assert sum(line.startswith(f"| {config} |") for line in md.splitlines()) == 1, config
     png = (out / "step_time.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # --host-profile: rank 0's cProfile of one more step per config, the DDP forward in it.
+    assert sorted(p.name for p in (out / "host_profile").iterdir()) == sorted(f"{c}.txt" for c in SMOKE_CONFIGS)
+    assert "distributed.py" in (out / "host_profile" / "eager.txt").read_text()
 
 
 def test_overlap_from_trace(bench):
@@ -153,6 +156,7 @@ def test_intervals(bench):
         (["--model", "mlp", "--heads", "4"], "--heads does not apply to model 'mlp'"),
         (["--configs", "eager", "--repeat", "torch"], "--repeat 'torch' is not among --configs"),
         (["--steps", "0"], "--steps must be at least 1"),
+        (["--host-profile", "-1"], "--host-profile must be >= 0"),
     ],
 )
 def test_bad_flags(bench, capsys, argv, message):
