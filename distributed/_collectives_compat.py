@@ -45,27 +45,32 @@ _RAISE_PASSES = ("reorder_communication_preserving_peak_memory", "raise_comms")
 # non-graphed: 4.5-9.3 ms gaps). Waiting later is safe: collectives keep their order (the same
 # on every rank), NCCL runs them one after another on its stream, and nothing reads a reduced
 # bucket before its own wait. The fake dependencies exist only to fix that order (their own doc
-# says so), so ``sink_waits_to_consumers`` replaces them by a plain chain from each collective
-# to the next, and then delays every wait, and whatever reads its result (a comm hook's
-# decompress), until nothing else is ready, unless a collective needs it. Cost: a compressed
-# bucket stays allocated until the end of the backward (half or less of the gradient bytes,
-# when activations are mostly freed).
+# says so), so ``sink_waits_to_consumers`` keeps only the order they give the collectives
+# themselves, schedules what each collective needs as early as it can, in that order (Inductor's
+# own order had swapped two: a bf16-compressed first bucket then waited for the whole backward),
+# and delays every wait, and whatever reads its result (a comm hook's decompress), until nothing
+# else is ready. Cost: a compressed bucket stays allocated until the end of the backward (half
+# or less of the gradient bytes, when activations are mostly freed).
 def sink_waits_to_consumers(snodes: list[Any]) -> list[Any]:
-    """Scheduler pass: a topological order of ``snodes`` that keeps the original order, except
-    that waits and the nodes reading their results come as late as their users allow."""
+    """Scheduler pass: a topological order of ``snodes`` where what each collective needs comes
+    first, collective by collective, then the rest in the original order, and waits and the
+    nodes reading their results as late as their users allow."""
     from torch._inductor.utils import contains_collective, contains_wait
 
     index = {n: i for i, n in enumerate(snodes)}
     preds = _real_predecessors(snodes)
     comms = [n for n in snodes if contains_collective(n)]
-    for earlier, later in zip(comms, comms[1:]):
+    for later, earlier in _comm_order(snodes, preds, contains_collective, contains_wait):
         preds[later].add(earlier)
-    late: set[Any] = set()
-    for n in snodes:  # topological: predecessors first
-        if contains_wait(n) or preds[n] & late:
-            late.add(n)
-    late -= _ancestors(comms, preds)  # never delay a collective
-    return _priority_topo_sort(snodes, preds, key=lambda n: (n in late, index[n]))
+    late = _descendants([n for n in snodes if contains_wait(n)], preds)
+    # Each node is due by the first collective that needs it (raise collectives, in their order).
+    due: dict[Any, int] = {}
+    for rank, comm in enumerate(_priority_topo_sort(comms, _restrict(preds, comms), key=index.__getitem__)):
+        for n in _ancestors([comm], preds, stop=due) | {comm}:
+            due.setdefault(n, rank)
+    late -= due.keys()  # never delay a collective
+    never = len(comms)
+    return _priority_topo_sort(snodes, preds, key=lambda n: (n in late, due.get(n, never), index[n]))
 
 
 def _real_predecessors(snodes: list[Any]) -> dict[Any, set[Any]]:
@@ -82,15 +87,61 @@ def _real_predecessors(snodes: list[Any]) -> dict[Any, set[Any]]:
     return preds
 
 
-def _ancestors(nodes: list[Any], preds: dict[Any, set[Any]]) -> set[Any]:
+def _comm_order(snodes: list[Any], preds: dict[Any, set[Any]], is_comm: Any, is_wait: Any) -> list[tuple[Any, Any]]:
+    """``(later, earlier)`` pairs of collectives in Inductor's global order: from its fake
+    dependencies (collective k+1 on collective k, or on the wait of k after Inductor renamed the
+    waited buffer), else the order of ``snodes``. The list order alone is not it: Inductor's
+    own comm passes may already have swapped collectives (seen: a late bucket's allreduce
+    before the first bucket's, which then waited for the whole backward)."""
+    producer = {name: n for n in snodes for name in n.get_buffer_names()}
+    pairs = []
+    for n in snodes:
+        if not is_comm(n):
+            continue
+        for d in n.unmet_dependencies:
+            p = producer.get(d.name) if getattr(d, "is_fake", False) else None
+            if p is None or p is n:
+                continue
+            if is_comm(p):
+                pairs.append((n, p))
+            elif is_wait(p):
+                pairs += [(n, q) for q in preds[p] if is_comm(q)]
+    if pairs:
+        return pairs
+    comms = [n for n in snodes if is_comm(n)]
+    return list(zip(comms[1:], comms))
+
+
+def _ancestors(nodes: list[Any], preds: dict[Any, set[Any]], stop: Any = ()) -> set[Any]:
+    """Every predecessor of ``nodes``, transitively, not walking through those in ``stop``."""
     seen: set[Any] = set()
     stack = list(nodes)
     while stack:
         for p in preds[stack.pop()]:
-            if p not in seen:
+            if p not in seen and p not in stop:
                 seen.add(p)
                 stack.append(p)
     return seen
+
+
+def _descendants(nodes: list[Any], preds: dict[Any, set[Any]]) -> set[Any]:
+    """``nodes`` and everything that depends on them, transitively."""
+    users: dict[Any, list[Any]] = {}
+    for n, ps in preds.items():
+        for p in ps:
+            users.setdefault(p, []).append(n)
+    seen, stack = set(nodes), list(nodes)
+    while stack:
+        for u in users.get(stack.pop(), ()):
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def _restrict(preds: dict[Any, set[Any]], nodes: list[Any]) -> dict[Any, set[Any]]:
+    keep = set(nodes)
+    return {n: preds[n] & keep for n in nodes}
 
 
 def _priority_topo_sort(snodes: list[Any], preds: dict[Any, set[Any]], key: Any) -> list[Any]:
