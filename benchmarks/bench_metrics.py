@@ -121,7 +121,7 @@ def gather(obj: Any) -> list[Any]:
 def allreduce_probe(numel: int, device: torch.device, iters: int) -> dict[str, Any]:
     """Time ``dist.all_reduce`` of a flat fp32 buffer of ``numel`` elements (the gradient bytes):
     the communication floor of one step. Slowest rank per iteration, median over iterations."""
-    buf = torch.ones(numel, dtype=torch.float32, device=device)
+    buf = torch.rand(numel, dtype=torch.float32, device=device)  # not constant data (METHOD.md)
     for _ in range(2):
         dist.all_reduce(buf)
     times = []

@@ -318,7 +318,7 @@ class CudaGraphRunner:
 def _signature(args: Sequence[Any]) -> tuple:
     """What a recording depends on besides addresses: shapes, strides, dtypes, scalar values."""
     return tuple(
-        (tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
+        (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
         for a in args
     )
 
