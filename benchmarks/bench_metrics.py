@@ -296,16 +296,16 @@ def host_profile(step: Callable[[], Any], n: int, device: torch.device, path: st
     import pstats
 
     sync(device)
-    prof = cProfile.Profile()
-    if enabled:
+    prof = cProfile.Profile() if enabled else None
+    if prof is not None:
         prof.enable()
     for _ in range(n):
         step()
-    if enabled:
-        prof.disable()
-    sync(device)
-    if not enabled:
+    if prof is None:
+        sync(device)
         return
+    prof.disable()
+    sync(device)
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
     buf.write(f"# cProfile of {n} training step(s), host time only (no sync inside)\n")

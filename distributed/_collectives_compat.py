@@ -58,9 +58,10 @@ def sink_waits_to_consumers(snodes: list[Any]) -> list[Any]:
     from torch._inductor.utils import contains_collective, contains_wait
 
     index = {n: i for i, n in enumerate(snodes)}
-    preds = _real_predecessors(snodes)
+    producer = {name: n for n in snodes for name in (*n.get_buffer_names(), *n.get_operation_names())}
+    preds = _real_predecessors(snodes, producer)
     comms = [n for n in snodes if contains_collective(n)]
-    for later, earlier in _comm_order(snodes, preds, contains_collective, contains_wait):
+    for later, earlier in _comm_order(snodes, producer, preds, contains_collective, contains_wait):
         preds[later].add(earlier)
     late = _descendants([n for n in snodes if contains_wait(n)], preds)
     # Each node is due by the first collective that needs it (raise collectives, in their order).
@@ -73,13 +74,9 @@ def sink_waits_to_consumers(snodes: list[Any]) -> list[Any]:
     return _priority_topo_sort(snodes, preds, key=lambda n: (n in late, due.get(n, never), index[n]))
 
 
-def _real_predecessors(snodes: list[Any]) -> dict[Any, set[Any]]:
-    """Each node's producers among ``snodes``, from its dependencies minus Inductor's fake
-    (order-only) ones."""
-    producer: dict[str, Any] = {}
-    for n in snodes:
-        for name in (*n.get_buffer_names(), *n.get_operation_names()):
-            producer[name] = n
+def _real_predecessors(snodes: list[Any], producer: dict[str, Any]) -> dict[Any, set[Any]]:
+    """Each node's producers among ``snodes`` (``producer``: buffer or operation name -> node),
+    from its dependencies minus Inductor's fake (order-only) ones."""
     preds: dict[Any, set[Any]] = {}
     for n in snodes:
         deps = (d for d in n.unmet_dependencies if not getattr(d, "is_fake", False))
@@ -87,13 +84,14 @@ def _real_predecessors(snodes: list[Any]) -> dict[Any, set[Any]]:
     return preds
 
 
-def _comm_order(snodes: list[Any], preds: dict[Any, set[Any]], is_comm: Any, is_wait: Any) -> list[tuple[Any, Any]]:
+def _comm_order(
+    snodes: list[Any], producer: dict[str, Any], preds: dict[Any, set[Any]], is_comm: Any, is_wait: Any
+) -> list[tuple[Any, Any]]:
     """``(later, earlier)`` pairs of collectives in Inductor's global order: from its fake
     dependencies (collective k+1 on collective k, or on the wait of k after Inductor renamed the
     waited buffer), else the order of ``snodes``. The list order alone is not it: Inductor's
     own comm passes may already have swapped collectives (seen: a late bucket's allreduce
     before the first bucket's, which then waited for the whole backward)."""
-    producer = {name: n for n in snodes for name in n.get_buffer_names()}
     pairs = []
     for n in snodes:
         if not is_comm(n):
