@@ -55,6 +55,8 @@ class Recipe:
     """bucketwise ``cudagraphs=`` argument."""
     comm_hook: str | None = None
     """``"bf16"``: register torch's ``bf16_compress_hook`` on the DDP module (opt-in compressed comm)."""
+    gather_embedding_rows: bool = True
+    """bucketwise ``gather_embedding_rows=`` argument (``False``: all-reduce embedding tables whole)."""
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -110,7 +112,8 @@ class Recipe:
         import bucketwise
 
         compiled = bucketwise.compile(
-            wrapped, backend=backend, strategy=self.strategy, mode=self.mode, cudagraphs=self.cudagraphs
+            wrapped, backend=backend, strategy=self.strategy, mode=self.mode, cudagraphs=self.cudagraphs,
+            gather_embedding_rows=self.gather_embedding_rows,
         )
         return Prepared(module=compiled, step_context=contextlib.nullcontext, report=bucketwise.report(compiled))
 
@@ -126,6 +129,8 @@ CONFIGS: dict[str, Recipe] = {
     "bw-none": Recipe(compiler="bucketwise", strategy="none"),
     "bw-fused": Recipe(compiler="bucketwise", strategy="fused"),
     "bw-fused-bf16": Recipe(compiler="bucketwise", strategy="fused", comm_hook="bf16"),
+    "bw-fused-dense": Recipe(compiler="bucketwise", strategy="fused", gather_embedding_rows=False),
+    "bw-fused-dense-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True, gather_embedding_rows=False),
     "eager-bf16": Recipe(comm_hook="bf16"),
     "torch-ro": Recipe(compiler="torch", mode=RO),
     "torch-nosplit-ro": Recipe(compiler="torch", optimize_ddp=False, mode=RO),

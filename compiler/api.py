@@ -28,6 +28,7 @@ def compile(
     cudagraphs: bool | str = False,
     bucket_cap_mb: float | None = None,
     first_bucket_cap_mb: float | None = None,
+    gather_embedding_rows: bool = True,
     fallback: str = "eager",
     freeze: bool | str = False,
 ) -> Any:
@@ -47,6 +48,9 @@ def compile(
         mode, options, fullgraph, dynamic: as for ``torch.compile``.
         cudagraphs: CUDA-graph wrapping of segments (``True``/``False``/``"auto"``).
         bucket_cap_mb, first_bucket_cap_mb: bucket caps in MiB (default: the DDP module's).
+        gather_embedding_rows: ``fused``: reduce an embedding table's gradient as the rows each
+            rank looked up, all-gathered, where that sends fewer bytes than all-reducing the
+            table (every rank must then look up as many ids per step); ``False``: all-reduce it.
         fallback: ``"eager"`` runs a segment whose compile fails uncompiled (reason in the
             report); ``"raise"`` re-raises.
         freeze: ``True``/``"raise"`` or ``"eager"``: after the first call no new compile
@@ -71,6 +75,7 @@ def compile(
         cudagraphs=cudagraphs,
         bucket_cap_mb=bucket_cap_mb,
         first_bucket_cap_mb=first_bucket_cap_mb,
+        gather_embedding_rows=gather_embedding_rows,
         fallback=fallback,
         freeze=freeze,
     )

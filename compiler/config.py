@@ -56,6 +56,13 @@ class CompileConfig:
     first_bucket_cap_mb: float | None = None
     """Cap of the first bucket (the last gradients of the backward); default: DDP's own."""
 
+    gather_embedding_rows: bool = True
+    """``fused``: reduce an embedding table's gradient by all-gathering the rows each rank looked
+    up (and their ids) instead of all-reducing the whole table, where that sends fewer bytes
+    (ranks x ids <= table rows; NOTE [embedding rows] in ``distributed/embedding_rows.py``).
+    Every rank must then look up the same number of ids per step; ``False`` all-reduces tables
+    like any gradient."""
+
     fallback: str = "eager"
     """What a segment whose compile fails does: ``"eager"`` runs it uncompiled and records the
     reason in the report; ``"raise"`` re-raises."""
@@ -94,6 +101,8 @@ class CompileConfig:
             self.cudagraphs, bool
         ):
             raise ValueError(f"cudagraphs must be True, False or 'auto', got {self.cudagraphs!r}")
+        if not isinstance(self.gather_embedding_rows, bool):
+            raise TypeError(f"gather_embedding_rows must be a bool, got {self.gather_embedding_rows!r}")
         if not isinstance(self.fullgraph, bool):
             raise TypeError(f"fullgraph must be a bool, got {type(self.fullgraph).__name__}")
         if self.dynamic not in (None, True, False):

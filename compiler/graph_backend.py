@@ -18,9 +18,10 @@ import torch.fx as fx
 from ..distributed import _collectives_compat as cc
 from ..distributed import _ddp_compat
 from ..distributed.ddp_optimizer import plan_for_graph, split_and_compile
+from ..distributed.embedding_rows import insert_embedding_rows, plan_embedding_rows, renormed_tables, rows_positions
 from ..distributed.fused import CommSpec, backward_positions, insert_bucket_syncs
 from ..distributed.plan import BucketCaps, plan_buckets
-from ..distributed.rank_check import check_same_on_all_ranks
+from ..distributed.rank_check import check_same_on_all_ranks, gather_on_all_ranks
 from ..distributed.ready_order import FirstIterationOrder
 from ..partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops, ready_order
 from ..partitioners.split import Segment
@@ -203,8 +204,49 @@ class GraphBackend:
         return _Result(result.compiled, result.segments, result.outcomes, stats, source)
 
     def _fused(self, gm, example_inputs, ddp, params, progress) -> _Result:
-        buckets = plan_buckets(ready_order(params), self._caps(ddp))
         spec = _comm_spec(ddp)
+        buckets, tables = self._fused_plan(gm, ddp, params, spec)
+        positions = backward_positions(gm, buckets) + rows_positions(gm, tables)
+        insert_embedding_rows(gm, tables, spec)
+        insert_bucket_syncs(gm, buckets, spec)
+        what = "whole graph + %d bucket allreduces" % len(buckets) + (" + %d row gathers" % len(tables) if tables else "")
+        with progress.step(what, self.config.backend_name):
+            compiled, outcome = compile_with_fallback(
+                gm,
+                example_inputs,
+                self._fused_compiler(),
+                backend_name=self.config.backend_name,
+                fallback=self.config.fallback,
+            )
+        synced = [p for b in buckets for p in b] + [t.param for t in tables]
+        key = self.fused_runtime.graphs_compiled((id(p.tensor) for p in synced), spec)
+        compiled = _MarksRun(compiled, self.fused_runtime, key)
+        used = [p for p in params if p.first_use >= 0]
+        segment = Segment(index=0, submodule="", params=used, op_count=_op_count(gm))
+        seg_of = {p.name: 0 for p in used}
+        stats = [
+            _bucket_stats(i, b, pos, spec.describe(), seg_of, "all_reduce", _wire_bytes(b, spec))
+            for i, (b, pos) in enumerate(zip(buckets, positions))
+        ] + [
+            _bucket_stats(len(buckets) + i, [t.param], pos, spec.describe(), seg_of, "all_gather rows",
+                          t.wire_bytes(spec.comm_dtype))
+            for i, (t, pos) in enumerate(zip(tables, positions[len(buckets):]))
+        ]
+        return _Result(compiled, [segment], [outcome], stats, "predicted")
+
+    def _fused_plan(self, gm, ddp, params, spec) -> tuple[list[list[GraphParam]], list[Any]]:
+        """Buckets to all-reduce and embedding tables to gather as rows, agreed on by all ranks."""
+        caps = self._caps(ddp)
+        renormed = renormed_tables(gm, params)
+        if renormed:
+            log.info("bucketwise fused: %s reduced after the backward: max_norm renormalises it in place",
+                     ", ".join(p.name for p in renormed))
+            params = [p for p in params if p not in renormed]
+        dense = plan_buckets(ready_order(params), caps)
+        # Tables reduced as gathered rows (NOTE [embedding rows]) leave the buckets.
+        tables = plan_embedding_rows(gm, params, spec.world_size) if self.config.gather_embedding_rows else []
+        gathered = {t.param.reducer_index for t in tables}
+        buckets = plan_buckets(ready_order([p for p in params if p.reducer_index not in gathered]), caps) if tables else dense
         # NOTE [fused layout check]: a fused graph's collectives line up with the other ranks'
         # only if they run graphs with the same bucket layout. A layout already checked across
         # ranks is safe wherever it shows up again (the same frame recompiled for a new shape on
@@ -213,34 +255,27 @@ class GraphBackend:
         # ranks that compile it together compare it; a rank that compiles it alone (a recompile
         # on one rank that changes which parameters the graph reads) times out and raises
         # RankMismatchError naming the failed guard, instead of hanging in a mismatched allreduce.
-        layout = tuple(_layout_signature(buckets, spec))
-        if layout not in self._checked_layouts:
-            check_same_on_all_ranks(
-                layout,
-                _ddp_compat.process_group(ddp),
-                what="fused bucket layout",
-                context=_compile_context(recompile_reason=dc.recompile_reason(), graphs=len(self.report.graphs)),
-            )
+        # Ranks that compile together but look up different numbers of ids (uneven batches)
+        # all fall back to all-reducing the tables.
+        layout = tuple(_layout_signature(buckets, spec) + [t.signature(spec) for t in tables])
+        if layout in self._checked_layouts:
+            return buckets, tables
+        dense_layout = tuple(_layout_signature(dense, spec))
+        context = _compile_context(recompile_reason=dc.recompile_reason(), graphs=len(self.report.graphs))
+        if tables:
+            context += (f"; this graph gathers embedding gradients as rows ({tables[0].signature(spec)}), which "
+                        "needs every rank to look up as many ids: pass gather_embedding_rows=False otherwise")
+        pg = _ddp_compat.process_group(ddp)
+        everyone = gather_on_all_ranks((layout, dense_layout), pg, what="fused bucket layout", context=context)
+        if all(theirs[0] == layout for theirs in everyone):
             self._checked_layouts.add(layout)
-        positions = backward_positions(gm, buckets)
-        insert_bucket_syncs(gm, buckets, spec)
-        with progress.step("whole graph + %d bucket allreduces" % len(buckets), self.config.backend_name):
-            compiled, outcome = compile_with_fallback(
-                gm,
-                example_inputs,
-                self._fused_compiler(),
-                backend_name=self.config.backend_name,
-                fallback=self.config.fallback,
-            )
-        key = self.fused_runtime.graphs_compiled((id(p.tensor) for b in buckets for p in b), spec)
-        compiled = _MarksRun(compiled, self.fused_runtime, key)
-        used = [p for p in params if p.first_use >= 0]
-        segment = Segment(index=0, submodule="", params=used, op_count=_op_count(gm))
-        stats = [
-            _bucket_stats(i, b, pos, spec.describe(), {p.name: 0 for p in used})
-            for i, (b, pos) in enumerate(zip(buckets, positions))
-        ]
-        return _Result(compiled, [segment], [outcome], stats, "predicted")
+            return buckets, tables
+        if any(theirs[0] != theirs[1] for theirs in everyone):
+            log.warning("bucketwise fused: ranks look up different numbers of ids in graph %d; its embedding "
+                        "tables are all-reduced whole", len(self.report.graphs))
+        check_same_on_all_ranks(dense_layout, pg, what="fused bucket layout", gathered=[t[1] for t in everyone])
+        self._checked_layouts.add(dense_layout)
+        return dense, []
 
     def _whole(self, gm, example_inputs, ddp, params, progress) -> _Result:
         with progress.step("whole graph", self.config.backend_name):
@@ -327,7 +362,7 @@ def _op_count(gm: fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op.startswith("call_"))
 
 
-def _bucket_stats(index, bucket, issued_at, comm_dtype, seg_of) -> BucketStats:
+def _bucket_stats(index, bucket, issued_at, comm_dtype, seg_of, collective=None, wire_bytes=None) -> BucketStats:
     segs = sorted({seg_of[p.name] for p in bucket if p.name in seg_of})
     return BucketStats(
         index=index,
@@ -336,7 +371,15 @@ def _bucket_stats(index, bucket, issued_at, comm_dtype, seg_of) -> BucketStats:
         segment=segs[0] if len(segs) == 1 else None,
         issued_at=issued_at,
         comm_dtype=comm_dtype,
+        collective=collective,
+        wire_bytes=wire_bytes,
     )
+
+
+def _wire_bytes(bucket: Sequence[GraphParam], spec: CommSpec) -> int:
+    if spec.comm_dtype is None:
+        return sum(p.nbytes for p in bucket)
+    return sum(p.tensor.numel() for p in bucket) * spec.comm_dtype.itemsize
 
 
 def _comm_spec(ddp: Any) -> CommSpec:

@@ -55,6 +55,11 @@ class BucketStats:
     """``fused``: where in the backward its allreduce is issued (fraction of backward nodes)."""
     comm_dtype: str | None = None
     """``fused``: dtype on the wire (``bfloat16`` with ``bf16_compress_hook``)."""
+    collective: str | None = None
+    """``fused``: ``all_reduce`` (the bucket), or ``all_gather rows`` (an embedding table
+    reduced as the rows each rank looked up, NOTE [embedding rows])."""
+    wire_bytes: int | None = None
+    """``fused``: bytes each rank puts into the collective (in the wire dtype)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -247,15 +252,17 @@ def format_table(data: dict[str, Any]) -> str:
     lines = [_align([header, *rows])]
     bucket_rows = [
         (str(g["graph_id"]), str(b["index"]), str(len(b["params"])), f"{b['bytes'] / 2**20:.2f}",
-         f"{b['issued_at']:.2f}", b["comm_dtype"] or "-")
+         f"{b['issued_at']:.2f}", b["comm_dtype"] or "-", b.get("collective") or "all_reduce",
+         "-" if b.get("wire_bytes") is None else f"{b['wire_bytes'] / 2**20:.2f}")
         for g in data["graphs"]
         for b in g.get("buckets", [])
         if b.get("issued_at") is not None
     ]
     if bucket_rows:
         lines.append("")
-        lines.append(_align([("graph", "bucket", "params", "MiB", "issued at", "comm dtype"), *bucket_rows]))
-        lines.append("issued at: fraction of the backward done when the bucket's allreduce starts")
+        lines.append(_align([("graph", "bucket", "params", "MiB", "issued at", "comm dtype", "collective", "wire MiB"), *bucket_rows], right=(0, 1, 2, 3, 4, 7)))
+        lines.append("issued at: fraction of the backward done when the bucket's collective starts; "
+                     "wire MiB: what each rank sends into it")
     cg_rows = [
         (c["name"], "yes" if c["captured"] else "no", str(c["replays"]), str(c["records"]),
          str(c["uncaptured_runs"]), f"{c['pool_bytes'] / 2**20:.1f}", (c["reason"] or "-")[:70])

@@ -26,6 +26,12 @@ def all_reduce_sum(flat: torch.Tensor, group: str) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
+def all_gather(t: torch.Tensor, group: str, world: int) -> torch.Tensor:
+    """Functional (traceable) all-gather along dim 0: ``world`` times ``t``'s rows, rank order."""
+    out = torch.ops._c10d_functional.all_gather_into_tensor(t.contiguous(), world, group)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
 def world_size(pg: Any) -> int:
     return dist.get_world_size(pg)
 

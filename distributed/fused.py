@@ -80,6 +80,12 @@ class BucketSync(torch.autograd.Function):
         return (None, *out)
 
 
+def bucket_sync(spec: CommSpec, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The graph's call target (FX writes ``BucketSync.apply`` into generated code as
+    ``torch.autograd.function.apply``, which an uncompiled fallback run cannot call)."""
+    return BucketSync.apply(spec, *params)
+
+
 def insert_bucket_syncs(
     gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]], spec: CommSpec
 ) -> fx.GraphModule:
@@ -97,7 +103,7 @@ def insert_bucket_syncs(
         # Before any torch.func transform the first use sits in (see partitioners/regions.py).
         first_user = nodes[outside_regions(min(p.first_use for p in params), regions)]
         with gm.graph.inserting_before(first_user):
-            sync = gm.graph.call_function(BucketSync.apply, (spec, *[p.node for p in params]))
+            sync = gm.graph.call_function(bucket_sync, (spec, *[p.node for p in params]))
             sync.meta[BUCKET_META_KEY] = index
             views = []
             for i, p in enumerate(params):

@@ -50,26 +50,38 @@ def prepare_rank_checks(pg: Any) -> None:
     _side_groups[pg] = side
 
 
-def check_same_on_all_ranks(signature: Sequence[str], pg: Any, *, what: str, context: str = "") -> None:
-    """All-gather ``signature`` (one line per item) over a gloo side group with a timeout and
-    raise :class:`RankMismatchError` on every rank if any rank differs, naming the first
-    differing item. A rank that never joins (it compiled a graph the others did not) makes the
-    waiting ranks raise after ``$BUCKETWISE_RANK_CHECK_TIMEOUT`` seconds."""
+def gather_on_all_ranks(obj: Any, pg: Any, *, what: str, context: str = "") -> list[Any]:
+    """Every rank's ``obj`` (picklable), rank order, over a gloo side group with a timeout. A rank
+    that never joins (it compiled a graph the others did not) makes the waiting ranks raise
+    :class:`RankMismatchError` after ``$BUCKETWISE_RANK_CHECK_TIMEOUT`` seconds."""
     if dist.get_world_size(pg) == 1:
-        return
+        return [obj]
     side = _side_groups.get(pg)
     if side is None:
         raise AssertionError("expected prepare_rank_checks() to run at compile() time")
     gathered: list[Any] = [None] * dist.get_world_size(pg)
     me = dist.get_rank(pg)
     try:
-        dist.all_gather_object(gathered, list(signature), group=side)
+        dist.all_gather_object(gathered, obj, group=side)
     except RuntimeError as exc:
         raise RankMismatchError(
             f"rank {me}: other ranks did not join the {what} check within {_timeout().total_seconds():.0f} s "
             f"({context + '; ' if context else ''}did this rank compile a graph the others did not, e.g. a "
             f"recompile on one rank only?): {exc}"
         ) from exc
+    return gathered
+
+
+def check_same_on_all_ranks(
+    signature: Sequence[str], pg: Any, *, what: str, context: str = "", gathered: list[Any] | None = None
+) -> None:
+    """Raise :class:`RankMismatchError` on every rank if any rank's ``signature`` (one line per
+    item) differs, naming the first differing item. The signatures are gathered with
+    :func:`gather_on_all_ranks` unless ``gathered`` already holds every rank's."""
+    if dist.get_world_size(pg) == 1:
+        return
+    if gathered is None:
+        gathered = gather_on_all_ranks(list(signature), pg, what=what, context=context)
     reference = gathered[0]
     for rank, theirs in enumerate(gathered):
         if theirs == reference:

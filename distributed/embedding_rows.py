@@ -1,0 +1,220 @@
+"""Embedding gradients reduced as the rows each rank looked up (fused strategy).
+
+NOTE [embedding rows]: an embedding table's gradient is zero outside the rows of the ids the
+rank looked up, and it is complete only at the very end of the backward (a token embedding is
+the first op of the forward), so its allreduce overlaps nothing: on ``gpt`` (50304 x 768, 154 MB
+in fp32) it is the exposed tail of every step. The table gradient is linear in the gradient
+reaching the lookup: with ``E(g, ids) = embedding_dense_backward(g, ids)``,
+
+    avg over ranks r of E(g_r, ids_r) == E(cat_r(g_r / world), cat_r(ids_r))
+
+so instead of all-reducing the table, the fused strategy all-gathers the gradient rows that reach
+the lookup (ids x dim) and the ids, and every rank builds the averaged table gradient from all
+ranks' rows. That sends ``world x ids x dim`` elements instead of about ``2 x rows x dim``; it is
+used when ``world x ids <= rows`` (``gpt`` on 2 ranks: 16384 of 50304 rows; on 8 ranks the table
+is all-reduced as before).
+
+Every rank must compute the same bits from the same gathered rows, or DDP's replicas drift apart.
+Inductor lowers ``embedding_dense_backward`` to an atomic scatter-add whose order varies from
+run to run, so the table gradient is built by ``bucketwise::embedding_rows_grad``, an op Inductor
+cannot see into that runs ATen's kernel (deterministic: sorted ids, or a per-feature pass).
+
+A parameter qualifies when every use of it in the graph is such a lookup (``F.embedding``)
+outside torch.func transforms, with a static number of ids and no ``max_norm``,
+``scale_grad_by_freq`` or ``sparse``; a tied LM head keeps the table's allreduce. All ranks
+must look up the same number of ids (the collectives gather equal shapes); the fused layout
+check compares the counts, and ``gather_embedding_rows=False`` turns this off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from . import _collectives_compat as cc
+from ..partitioners.param_usage import GraphParam
+from ..partitioners.regions import transform_regions
+from ..partitioners.split import LazyGraph
+
+log = logging.getLogger(__name__)
+
+ROWS_META_KEY = "bucketwise.embedding_rows"
+
+_EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
+
+
+@torch.library.custom_op("bucketwise::embedding_rows_grad", mutates_args=())
+def embedding_rows_grad(rows: torch.Tensor, ids: torch.Tensor, num_weights: int, padding_idx: int) -> torch.Tensor:
+    """The table gradient of gathered lookups, by ATen's deterministic kernel (an extern call
+    for Inductor, never its atomic scatter-add): see NOTE [embedding rows]."""
+    return torch.ops.aten.embedding_dense_backward(rows, ids, num_weights, padding_idx, False)
+
+
+@embedding_rows_grad.register_fake
+def _(rows: torch.Tensor, ids: torch.Tensor, num_weights: int, padding_idx: int) -> torch.Tensor:
+    return rows.new_empty((num_weights, rows.shape[-1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """One ``F.embedding`` call that reads a table."""
+
+    node: fx.Node
+    ids_node: fx.Node
+    ids: int
+    """Ids looked up per rank (a static count)."""
+    padding_idx: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsSync:
+    """A table whose gradient is reduced as gathered rows, and the lookups that read it."""
+
+    param: GraphParam
+    lookups: tuple[Lookup, ...]
+
+    @property
+    def ids(self) -> int:
+        return sum(lk.ids for lk in self.lookups)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, dim = self.param.tensor.shape
+        return int(rows), int(dim)
+
+    def wire_bytes(self, comm_dtype: torch.dtype | None) -> int:
+        """Bytes this rank contributes: its gradient rows (in the wire dtype) and its ids."""
+        size = (comm_dtype or self.param.dtype).itemsize
+        return self.ids * (self.shape[1] * size + torch.int64.itemsize)
+
+    def signature(self, spec: Any) -> str:
+        rows, dim = self.shape
+        return (f"embedding rows of {self.param.name} ({rows} x {dim}, {self.param.dtype}, "
+                f"{spec.describe()}): {len(self.lookups)} lookup(s), {self.ids} ids per rank")
+
+
+def _lookup(node: fx.Node, weight: fx.Node, rows: int) -> Lookup | str:
+    """The lookup ``node`` makes of ``weight``, or why it does not qualify."""
+    if node.op != "call_function" or node.target is not F.embedding:
+        return f"used by {node.format_node()[:80]}"
+    try:
+        bound = _EMBEDDING_SIGNATURE.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return "unrecognised F.embedding call"
+    bound.apply_defaults()
+    a = bound.arguments
+    if a["weight"] is not weight or a["input"] is weight:
+        return "not the lookup table of F.embedding"
+    if a["max_norm"] is not None or a["scale_grad_by_freq"] or a["sparse"]:
+        return "max_norm, scale_grad_by_freq or sparse"
+    ids = a["input"].meta.get("example_value") if isinstance(a["input"], fx.Node) else None
+    if not isinstance(ids, torch.Tensor) or not all(isinstance(s, int) for s in ids.shape):
+        return "ids without a static shape"
+    padding_idx = a["padding_idx"]
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += rows
+    return Lookup(node=node, ids_node=a["input"], ids=math.prod(ids.shape), padding_idx=padding_idx)
+
+
+def plan_embedding_rows(gm: fx.GraphModule, params: Sequence[GraphParam], world: int) -> list[RowsSync]:
+    """The parameters of ``gm`` whose gradient is cheaper to reduce as gathered rows."""
+    regions = transform_regions(gm)
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    out = []
+    for p in params:
+        if p.first_use < 0 or p.in_higher_order_op or p.tensor.dim() != 2:
+            continue
+        rows = p.tensor.shape[0]
+        lookups = [_lookup(user, p.node, rows) for user in sorted(p.node.users, key=position.__getitem__)]
+        why = next((lk for lk in lookups if isinstance(lk, str)), None)
+        if why is None and any(s <= position[lk.node] <= e for lk in lookups for s, e in regions):
+            why = "inside a torch.func transform"
+        if why is None and world * sum(lk.ids for lk in lookups) > rows:
+            why = f"{world} ranks x {sum(lk.ids for lk in lookups)} ids > {rows} rows: the allreduce sends less"
+        if why is None:
+            out.append(RowsSync(param=p, lookups=tuple(lookups)))
+        elif p.tensor.shape[0] > 1 and any(u.target is F.embedding for u in p.node.users):
+            log.debug("bucketwise fused: %s keeps its table allreduce: %s", p.name, why)
+    return out
+
+
+class EmbeddingRows(torch.autograd.Function):
+    """``F.embedding`` in the forward; gathers the rows and ids of every rank in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: Any, padding_idx: int | None, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.spec, ctx.padding_idx, ctx.rows = spec, padding_idx, weight.shape[0]
+        ctx.save_for_backward(ids)
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        spec = ctx.spec
+        (ids,) = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        wire = g.to(spec.comm_dtype) if spec.comm_dtype is not None else g
+        wire = wire / spec.world_size if spec.divide_first else wire * (1.0 / spec.world_size)
+        all_ids = cc.all_gather(ids.reshape(-1), spec.group, spec.world_size)
+        rows = cc.all_gather(wire, spec.group, spec.world_size).to(g.dtype)
+        padding = -1 if ctx.padding_idx is None else ctx.padding_idx
+        return None, None, None, torch.ops.bucketwise.embedding_rows_grad(rows, all_ids, ctx.rows, padding)
+
+
+def embedding_rows(spec: Any, padding_idx: int | None, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The graph's call target (see ``fused.bucket_sync``)."""
+    return EmbeddingRows.apply(spec, padding_idx, ids, weight)
+
+
+def renormed_tables(gm: fx.GraphModule, params: Sequence[GraphParam]) -> list[GraphParam]:
+    """Tables a lookup renormalises in place (``max_norm``): a bucket's view of them cannot be
+    modified in place, so their gradients are reduced after the backward (the runtime's
+    parameters no graph syncs, NOTE [fused strategy runtime])."""
+    out = []
+    for p in params:
+        for user in p.node.users:
+            if user.op == "call_function" and user.target is F.embedding:
+                try:
+                    bound = _EMBEDDING_SIGNATURE.bind(*user.args, **user.kwargs)
+                except TypeError:
+                    continue
+                if bound.arguments.get("weight") is p.node and bound.arguments.get("max_norm") is not None:
+                    out.append(p)
+                    break
+    return out
+
+
+def insert_embedding_rows(gm: fx.GraphModule, syncs: Sequence[RowsSync], spec: Any) -> fx.GraphModule:
+    """Graph pass: each lookup of a table in ``syncs`` becomes an :class:`EmbeddingRows` call.
+
+    Returns ``gm`` rewritten in place."""
+    if not syncs:
+        return gm
+    log.debug("graph before embedding rows:\n%s", LazyGraph(gm))
+    for index, sync in enumerate(syncs):
+        for lk in sync.lookups:
+            with gm.graph.inserting_before(lk.node):
+                new = gm.graph.call_function(embedding_rows, (spec, lk.padding_idx, lk.ids_node, sync.param.node))
+            new.meta.update(lk.node.meta)
+            new.meta[ROWS_META_KEY] = index
+            lk.node.replace_all_uses_with(new)
+            gm.graph.erase_node(lk.node)
+    gm.graph.lint()
+    gm.recompile()
+    log.debug("graph after embedding rows:\n%s", LazyGraph(gm))
+    return gm
+
+
+def rows_positions(gm: fx.GraphModule, syncs: Sequence[RowsSync]) -> list[float]:
+    """Where each table's gather is issued, as a fraction of the backward (see
+    ``fused.backward_positions``): after the gradient of its earliest lookup."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    index = {n: i for i, n in enumerate(nodes)}
+    n = max(1, len(nodes))
+    return [round(min(1.0, max(0.0, (n - min(index[lk.node] for lk in s.lookups)) / n)), 4) for s in syncs]
