@@ -77,6 +77,13 @@ def _gpt_case(rank: int, *, strategy: str, dynamic: bool = False, cudagraphs: bo
     rep = bucketwise.report(comp)
     if strategy == "fused":
         assert len(rep.graphs[0].buckets) > 1, rep.table()
+        # 2 x 256 ids < 1024 rows: the token table is gathered as rows (NOTE [embedding rows]),
+        # and the replicas must stay bit-identical (no atomic scatter-add order per rank).
+        assert [b.params for b in rep.graphs[0].buckets if b.collective == "all_gather rows"] == [["tok.weight"]], rep.table()
+        flat = torch.cat([p.detach().reshape(-1) for p in comp.parameters()])
+        theirs = flat.clone()
+        dist.broadcast(theirs, 0)
+        assert torch.equal(flat, theirs), f"replicas differ by {(flat - theirs).abs().max().item()}"
     if strategy == "split":
         assert rep.totals["segments"] > 1, rep.table()
         assert rep.alignment == 1.0, rep.alignment_detail()
