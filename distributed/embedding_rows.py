@@ -9,7 +9,7 @@ reaching the lookup: with ``E(g, ids) = embedding_dense_backward(g, ids)``,
     avg over ranks r of E(g_r, ids_r) == E(cat_r(g_r / world), cat_r(ids_r))
 
 so instead of all-reducing the table, the fused strategy all-gathers the gradient rows that reach
-the lookup (ids x dim) and the ids, and every rank builds the averaged table gradient from all
+the lookup (ids x dim) with the ids, and every rank builds the averaged table gradient from all
 ranks' rows. That sends ``world x ids x dim`` elements instead of about ``2 x rows x dim``; it is
 used when ``world x ids <= rows`` (``gpt`` on 2 ranks: 16384 of 50304 rows; on 8 ranks the table
 is all-reduced as before).
@@ -39,6 +39,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from . import _collectives_compat as cc
+from .fused import CommSpec
 from ..partitioners.param_usage import GraphParam
 from ..partitioners.regions import transform_regions
 from ..partitioners.split import LazyGraph
@@ -90,9 +91,11 @@ class RowsSync:
         return int(rows), int(dim)
 
     def wire_bytes(self, comm_dtype: torch.dtype | None) -> int:
-        """Bytes this rank contributes: its gradient rows (in the wire dtype) and its ids."""
-        size = (comm_dtype or self.param.dtype).itemsize
-        return self.ids * (self.shape[1] * size + torch.int64.itemsize)
+        """Bytes this rank contributes: its gradient rows and its ids as base-256 digits, in the
+        wire dtype (NOTE [ids in the rows])."""
+        rows, dim = self.shape
+        digits = max(1, math.ceil(math.log(max(rows, 2), _DIGIT)))
+        return self.ids * (dim + digits) * (comm_dtype or self.param.dtype).itemsize
 
     def signature(self, spec: Any) -> str:
         rows, dim = self.shape
@@ -159,17 +162,41 @@ class EmbeddingRows(torch.autograd.Function):
         spec = ctx.spec
         (ids,) = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
+        dim = g.shape[-1]
         wire = g.to(spec.comm_dtype) if spec.comm_dtype is not None else g
         wire = wire / spec.world_size if spec.divide_first else wire * (1.0 / spec.world_size)
-        all_ids = cc.all_gather(ids.reshape(-1), spec.group, spec.world_size)
-        rows = cc.all_gather(wire, spec.group, spec.world_size).to(g.dtype)
+        # NOTE [ids in the rows]: one collective carries rows and ids, so it depends on the
+        # gradient and stays in the backward (a separate ids gather depends on forward values
+        # only, and AOTAutograd's partitioner moved it into the forward graph, where a captured
+        # CUDA graph holding an NCCL kernel kept ncclCommDestroy from returning).
+        digits = _ids_to_digits(ids.reshape(-1), ctx.rows, wire.dtype)
+        # Autocast (the forward's, traced into the backward) rejects cat of fp16 under bf16 on CPU.
+        with torch.autocast(g.device.type, enabled=False):
+            packed = cc.all_gather(torch.cat([wire, digits], 1), spec.group, spec.world_size)
+        rows, all_ids = packed[:, :dim].to(g.dtype), _digits_to_ids(packed[:, dim:])
         padding = -1 if ctx.padding_idx is None else ctx.padding_idx
         return None, None, None, torch.ops.bucketwise.embedding_rows_grad(rows, all_ids, ctx.rows, padding)
 
 
-def embedding_rows(spec: Any, padding_idx: int | None, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+_DIGIT = 256
+"""Ids travel as base-256 digits: integers up to 256 are exact in every float dtype (bf16 too)."""
+
+
+def _ids_to_digits(ids: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """``ids`` as ``[n, k]`` base-256 digits in ``dtype``, least significant first."""
+    k = max(1, math.ceil(math.log(max(rows, 2), _DIGIT)))
+    return torch.stack([(ids // _DIGIT**i) % _DIGIT for i in range(k)], 1).to(dtype)
+
+
+def _digits_to_ids(digits: torch.Tensor) -> torch.Tensor:
+    d = digits.float().round().long()
+    return sum(d[:, i] * _DIGIT**i for i in range(d.shape[1]))
+
+
+def embedding_rows(group: str, world_size: int, comm_dtype: torch.dtype | None, divide_first: bool,
+                   padding_idx: int | None, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The graph's call target (see ``fused.bucket_sync``)."""
-    return EmbeddingRows.apply(spec, padding_idx, ids, weight)
+    return EmbeddingRows.apply(CommSpec(group, world_size, comm_dtype, divide_first), padding_idx, ids, weight)
 
 
 def renormed_tables(gm: fx.GraphModule, params: Sequence[GraphParam]) -> list[GraphParam]:
@@ -200,7 +227,7 @@ def insert_embedding_rows(gm: fx.GraphModule, syncs: Sequence[RowsSync], spec: A
     for index, sync in enumerate(syncs):
         for lk in sync.lookups:
             with gm.graph.inserting_before(lk.node):
-                new = gm.graph.call_function(embedding_rows, (spec, lk.padding_idx, lk.ids_node, sync.param.node))
+                new = gm.graph.call_function(embedding_rows, (*spec.as_args(), lk.padding_idx, lk.ids_node, sync.param.node))
             new.meta.update(lk.node.meta)
             new.meta[ROWS_META_KEY] = index
             lk.node.replace_all_uses_with(new)

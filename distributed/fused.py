@@ -49,6 +49,12 @@ class CommSpec:
     def describe(self) -> str:
         return str(self.comm_dtype).removeprefix("torch.") if self.comm_dtype else "same as grads"
 
+    def as_args(self) -> tuple[Any, ...]:
+        """The fields as graph arguments: FX writes a dataclass argument into generated code as
+        its repr, which an uncompiled fallback run cannot evaluate; strings, ints, bools and
+        dtypes it can. ``CommSpec(*spec.as_args()) == spec``."""
+        return (self.group, self.world_size, self.comm_dtype, self.divide_first)
+
 
 class BucketSync(torch.autograd.Function):
     """Identity in the forward; all-reduces the bucket's gradients in the backward."""
@@ -80,10 +86,12 @@ class BucketSync(torch.autograd.Function):
         return (None, *out)
 
 
-def bucket_sync(spec: CommSpec, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The graph's call target (FX writes ``BucketSync.apply`` into generated code as
-    ``torch.autograd.function.apply``, which an uncompiled fallback run cannot call)."""
-    return BucketSync.apply(spec, *params)
+def bucket_sync(group: str, world_size: int, comm_dtype: torch.dtype | None, divide_first: bool,
+                *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The graph's call target, with the CommSpec's fields as arguments (see ``as_args``): FX
+    writes ``BucketSync.apply`` into generated code as ``torch.autograd.function.apply``, which
+    an uncompiled fallback run cannot call either."""
+    return BucketSync.apply(CommSpec(group, world_size, comm_dtype, divide_first), *params)
 
 
 def insert_bucket_syncs(
@@ -103,7 +111,7 @@ def insert_bucket_syncs(
         # Before any torch.func transform the first use sits in (see partitioners/regions.py).
         first_user = nodes[outside_regions(min(p.first_use for p in params), regions)]
         with gm.graph.inserting_before(first_user):
-            sync = gm.graph.call_function(bucket_sync, (spec, *[p.node for p in params]))
+            sync = gm.graph.call_function(bucket_sync, (*spec.as_args(), *[p.node for p in params]))
             sync.meta[BUCKET_META_KEY] = index
             views = []
             for i, p in enumerate(params):
