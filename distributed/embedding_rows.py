@@ -103,16 +103,23 @@ class RowsSync:
                 f"{spec.describe()}): {len(self.lookups)} lookup(s), {self.ids} ids per rank")
 
 
-def _lookup(node: fx.Node, weight: fx.Node, rows: int) -> Lookup | str:
-    """The lookup ``node`` makes of ``weight``, or why it does not qualify."""
+def _embedding_args(node: fx.Node) -> dict[str, Any] | None:
+    """The arguments of an ``F.embedding`` call node by name (defaults filled in), else ``None``."""
     if node.op != "call_function" or node.target is not F.embedding:
-        return f"used by {node.format_node()[:80]}"
+        return None
     try:
         bound = _EMBEDDING_SIGNATURE.bind(*node.args, **node.kwargs)
     except TypeError:
-        return "unrecognised F.embedding call"
+        return None
     bound.apply_defaults()
-    a = bound.arguments
+    return dict(bound.arguments)
+
+
+def _lookup(node: fx.Node, weight: fx.Node, rows: int) -> Lookup | str:
+    """The lookup ``node`` makes of ``weight``, or why it does not qualify."""
+    a = _embedding_args(node)
+    if a is None:
+        return f"used by {node.format_node()[:80]}"
     if a["weight"] is not weight or a["input"] is weight:
         return "not the lookup table of F.embedding"
     if a["max_norm"] is not None or a["scale_grad_by_freq"] or a["sparse"]:
@@ -203,18 +210,11 @@ def renormed_tables(gm: fx.GraphModule, params: Sequence[GraphParam]) -> list[Gr
     """Tables a lookup renormalises in place (``max_norm``): a bucket's view of them cannot be
     modified in place, so their gradients are reduced after the backward (the runtime's
     parameters no graph syncs, NOTE [fused strategy runtime])."""
-    out = []
-    for p in params:
-        for user in p.node.users:
-            if user.op == "call_function" and user.target is F.embedding:
-                try:
-                    bound = _EMBEDDING_SIGNATURE.bind(*user.args, **user.kwargs)
-                except TypeError:
-                    continue
-                if bound.arguments.get("weight") is p.node and bound.arguments.get("max_norm") is not None:
-                    out.append(p)
-                    break
-    return out
+    def renormed(user: fx.Node, weight: fx.Node) -> bool:
+        a = _embedding_args(user)
+        return a is not None and a["weight"] is weight and a["max_norm"] is not None
+
+    return [p for p in params if any(renormed(user, p.node) for user in p.node.users)]
 
 
 def insert_embedding_rows(gm: fx.GraphModule, syncs: Sequence[RowsSync], spec: Any) -> fx.GraphModule:
