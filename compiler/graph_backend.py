@@ -18,7 +18,7 @@ import torch.fx as fx
 from ..distributed import _collectives_compat as cc
 from ..distributed import _ddp_compat
 from ..distributed.ddp_optimizer import plan_for_graph, split_and_compile
-from ..distributed.embedding_rows import insert_embedding_rows, plan_embedding_rows, renormed_tables, rows_positions
+from ..distributed.embedding_rows import insert_embedding_rows, plan_embedding_rows, renormed_tables
 from ..distributed.fused import CommSpec, backward_positions, insert_bucket_syncs
 from ..distributed.plan import BucketCaps, plan_buckets
 from ..distributed.rank_check import check_same_on_all_ranks, gather_on_all_ranks
@@ -206,7 +206,14 @@ class GraphBackend:
     def _fused(self, gm, example_inputs, ddp, params, progress) -> _Result:
         spec = _comm_spec(ddp)
         buckets, tables = self._fused_plan(gm, ddp, params, spec)
-        positions = backward_positions(gm, buckets) + rows_positions(gm, tables)
+        # What each collective reduces, for the report: buckets, then the gathered tables (a
+        # table's gather is issued after the gradient of its first use, its first lookup).
+        reduced = [(b, "all_reduce", _wire_bytes(b, spec)) for b in buckets] + [
+            ([t.param], "all_gather rows", t.wire_bytes(spec.comm_dtype)) for t in tables
+        ]
+        positions = backward_positions(gm, [group for group, _, _ in reduced])
+        # Rows first: each lookup is replaced in place (node positions unchanged), so the
+        # buckets' first-use positions still hold for insert_bucket_syncs.
         insert_embedding_rows(gm, tables, spec)
         insert_bucket_syncs(gm, buckets, spec)
         what = "whole graph + %d bucket allreduces" % len(buckets) + (" + %d row gathers" % len(tables) if tables else "")
@@ -218,19 +225,14 @@ class GraphBackend:
                 backend_name=self.config.backend_name,
                 fallback=self.config.fallback,
             )
-        synced = [p for b in buckets for p in b] + [t.param for t in tables]
-        key = self.fused_runtime.graphs_compiled((id(p.tensor) for p in synced), spec)
+        key = self.fused_runtime.graphs_compiled((id(p.tensor) for group, _, _ in reduced for p in group), spec)
         compiled = _MarksRun(compiled, self.fused_runtime, key)
         used = [p for p in params if p.first_use >= 0]
         segment = Segment(index=0, submodule="", params=used, op_count=_op_count(gm))
         seg_of = {p.name: 0 for p in used}
         stats = [
-            _bucket_stats(i, b, pos, spec.describe(), seg_of, "all_reduce", _wire_bytes(b, spec))
-            for i, (b, pos) in enumerate(zip(buckets, positions))
-        ] + [
-            _bucket_stats(len(buckets) + i, [t.param], pos, spec.describe(), seg_of, "all_gather rows",
-                          t.wire_bytes(spec.comm_dtype))
-            for i, (t, pos) in enumerate(zip(tables, positions[len(buckets):]))
+            _bucket_stats(i, group, pos, spec.describe(), seg_of, collective, wire)
+            for i, ((group, collective, wire), pos) in enumerate(zip(reduced, positions))
         ]
         return _Result(compiled, [segment], [outcome], stats, "predicted")
 

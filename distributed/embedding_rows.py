@@ -94,8 +94,7 @@ class RowsSync:
         """Bytes this rank contributes: its gradient rows and its ids as base-256 digits, in the
         wire dtype (NOTE [ids in the rows])."""
         rows, dim = self.shape
-        digits = max(1, math.ceil(math.log(max(rows, 2), _DIGIT)))
-        return self.ids * (dim + digits) * (comm_dtype or self.param.dtype).itemsize
+        return self.ids * (dim + _digit_count(rows)) * (comm_dtype or self.param.dtype).itemsize
 
     def signature(self, spec: Any) -> str:
         rows, dim = self.shape
@@ -144,13 +143,16 @@ def plan_embedding_rows(gm: fx.GraphModule, params: Sequence[GraphParam], world:
         rows = p.tensor.shape[0]
         lookups = [_lookup(user, p.node, rows) for user in sorted(p.node.users, key=position.__getitem__)]
         why = next((lk for lk in lookups if isinstance(lk, str)), None)
-        if why is None and any(s <= position[lk.node] <= e for lk in lookups for s, e in regions):
-            why = "inside a torch.func transform"
-        if why is None and world * sum(lk.ids for lk in lookups) > rows:
-            why = f"{world} ranks x {sum(lk.ids for lk in lookups)} ids > {rows} rows: the allreduce sends less"
         if why is None:
-            out.append(RowsSync(param=p, lookups=tuple(lookups)))
-        elif p.tensor.shape[0] > 1 and any(u.target is F.embedding for u in p.node.users):
+            sync = RowsSync(param=p, lookups=tuple(lookups))
+            if any(s <= position[lk.node] <= e for lk in lookups for s, e in regions):
+                why = "inside a torch.func transform"
+            elif world * sync.ids > rows:
+                why = f"{world} ranks x {sync.ids} ids > {rows} rows: the allreduce sends less"
+            else:
+                out.append(sync)
+                continue
+        if any(_embedding_args(u) is not None for u in p.node.users):
             log.debug("bucketwise fused: %s keeps its table allreduce: %s", p.name, why)
     return out
 
@@ -189,10 +191,14 @@ _DIGIT = 256
 """Ids travel as base-256 digits: integers up to 256 are exact in every float dtype (bf16 too)."""
 
 
+def _digit_count(rows: int) -> int:
+    """Base-256 digits that hold every id of a ``rows``-row table."""
+    return max(1, math.ceil(math.log(max(rows, 2), _DIGIT)))
+
+
 def _ids_to_digits(ids: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
     """``ids`` as ``[n, k]`` base-256 digits in ``dtype``, least significant first."""
-    k = max(1, math.ceil(math.log(max(rows, 2), _DIGIT)))
-    return torch.stack([(ids // _DIGIT**i) % _DIGIT for i in range(k)], 1).to(dtype)
+    return torch.stack([(ids // _DIGIT**i) % _DIGIT for i in range(_digit_count(rows))], 1).to(dtype)
 
 
 def _digits_to_ids(digits: torch.Tensor) -> torch.Tensor:
@@ -236,12 +242,3 @@ def insert_embedding_rows(gm: fx.GraphModule, syncs: Sequence[RowsSync], spec: A
     gm.recompile()
     log.debug("graph after embedding rows:\n%s", LazyGraph(gm))
     return gm
-
-
-def rows_positions(gm: fx.GraphModule, syncs: Sequence[RowsSync]) -> list[float]:
-    """Where each table's gather is issued, as a fraction of the backward (see
-    ``fused.backward_positions``): after the gradient of its earliest lookup."""
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    index = {n: i for i, n in enumerate(nodes)}
-    n = max(1, len(nodes))
-    return [round(min(1.0, max(0.0, (n - min(index[lk.node] for lk in s.lookups)) / n)), 4) for s in syncs]
