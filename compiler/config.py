@@ -112,9 +112,11 @@ class CompileConfig:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a positive number of MiB, got {value!r}")
-            if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be a positive, finite number of MiB, got {value!r}")
+                raise TypeError(f"{name} must be a number of MiB (0 or more), got {value!r}")
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(
+                    f"{name} must be a finite number of MiB, 0 or more (0: one parameter per bucket), got {value!r}"
+                )
 
     @property
     def freeze_mode(self) -> str | None:

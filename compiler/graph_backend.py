@@ -20,9 +20,10 @@ from ..distributed import _ddp_compat
 from ..distributed.ddp_optimizer import plan_for_graph, split_and_compile
 from ..distributed.embedding_rows import insert_embedding_rows, plan_embedding_rows, renormed_tables
 from ..distributed.fused import CommSpec, backward_positions, insert_bucket_syncs
+from ..distributed.fused_policy import why_not_fused
 from ..distributed.plan import BucketCaps, plan_buckets
 from ..distributed.rank_check import check_same_on_all_ranks, gather_on_all_ranks
-from ..distributed.ready_order import FirstIterationOrder
+from ..distributed.ready_order import FirstIterationOrder, ReadyLast
 from ..partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops, ready_order
 from ..partitioners.split import Segment
 from . import _dynamo_compat as dc
@@ -69,6 +70,7 @@ class GraphBackend:
         self.fused_runtime = fused_runtime
         self._ddp = weakref.ref(ddp) if ddp is not None else None
         self._checked_layouts: set[tuple[str, ...]] = set()
+        self._sparse_noted: set[str] = set()
         self.cudagraphs = self._cudagraph_group()
         self._label = "graph ?"
         self._segment_no = 0
@@ -114,7 +116,7 @@ class GraphBackend:
         progress = Progress(f"graph {graph_id}")
         ddp = self._resolve_ddp()
         strategy, why = self._strategy_for(ddp)
-        params = find_graph_params(gm, example_inputs, _ddp_compat.reducer_parameters(ddp)) if ddp is not None else []
+        params = self._graph_params(gm, example_inputs, ddp)
         op_count, hops = _op_count(gm), higher_order_ops(gm)
         break_reason = dc.graph_break_reason(gm)
         recompile_reason = dc.recompile_reason()
@@ -127,9 +129,31 @@ class GraphBackend:
             result.fn = doctor.Diagnosed(result.fn, diagnosed_gm, f"graph {graph_id} segment 0", self.config.backend_name)
 
         self._record(graph_id, cid, strategy, why, params, result, op_count, hops, break_reason, recompile_reason)
+        fn = result.fn
         if ddp is not None and params and strategy != "fused":
-            return FirstIterationOrder(result.fn, ddp, _forward_positions(gm, params))
-        return result.fn
+            fn = FirstIterationOrder(fn, ddp, _forward_positions(gm, params))
+        trigger = _ddp_compat.delayed_allreduce_trigger(ddp) if ddp is not None else None
+        if trigger is not None:
+            positions = [i for i, a in enumerate(example_inputs) if a is trigger]
+            fn = ReadyLast(fn, positions) if positions else fn
+        return fn
+
+    def _graph_params(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ddp: Any | None) -> list[GraphParam]:
+        """The reducer parameters this graph reads, but those DDP gives a sparse gradient
+        (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``): DDP reduces each of
+        those on its own as a sparse tensor, and so do they stay here, outside every bucket
+        (DDP's reducer under ``split``/``none``, the fused runtime under ``fused``)."""
+        if ddp is None:
+            return []
+        named = _ddp_compat.reducer_parameters(ddp)
+        params = find_graph_params(gm, example_inputs, named)
+        sparse = {id(p) for (_, p), flag in zip(named, _ddp_compat.sparse_gradient_flags(ddp)) if flag}
+        dense = [p for p in params if id(p.tensor) not in sparse]
+        for p in params:
+            if id(p.tensor) in sparse and p.name not in self._sparse_noted:
+                self._sparse_noted.add(p.name)
+                self.report.note(f"{p.name}: sparse gradient, reduced on its own as DDP reduces it (outside the buckets)")
+        return dense
 
     # -- strategy choice -------------------------------------------------------------------
 
@@ -152,9 +176,9 @@ class GraphBackend:
         if requested == "split":
             return "split", None
         # "fused" or "auto"
-        kind, hook = _ddp_compat.comm_hook_kind(ddp)
-        if kind == "unsupported":
-            return "split", f"comm hook {hook} cannot be reproduced in the graph; DDP's reducer runs it"
+        blocker = why_not_fused(ddp, requested)
+        if blocker is not None:
+            return "split", blocker
         if self.fused_runtime is None:
             return "split", "fused needs bucketwise to run the DDP forward: compile the DDP module itself"
         return "fused", None
@@ -275,7 +299,8 @@ class GraphBackend:
         if any(theirs[0] != theirs[1] for theirs in everyone):
             log.warning("bucketwise fused: ranks look up different numbers of ids in graph %d; its embedding "
                         "tables are all-reduced whole", len(self.report.graphs))
-        check_same_on_all_ranks(dense_layout, pg, what="fused bucket layout", gathered=[t[1] for t in everyone])
+        check_same_on_all_ranks(dense_layout, pg, what="fused bucket layout", gathered=[t[1] for t in everyone],
+                                fix=_LAYOUT_FIX)
         self._checked_layouts.add(dense_layout)
         return dense, []
 
@@ -340,6 +365,7 @@ class GraphBackend:
                 buckets=result.buckets,
                 unused_params=sorted(p.name for p in params if p.first_use < 0),
                 plan_source=result.plan_source,
+                variant=self.variant,
             )
         )
 
@@ -396,6 +422,13 @@ def _comm_spec(ddp: Any) -> CommSpec:
         comm_dtype=getattr(torch, dtype) if dtype else None,
         divide_first=kind != "reducer",
     )
+
+
+_LAYOUT_FIX = (
+    "strategy='fused' needs every rank's graph to read the same parameters; where ranks use different "
+    "parameters (find_unused_parameters=True, rank-dependent control flow) use strategy='split' or 'auto', "
+    "where DDP's reducer reduces"
+)
 
 
 def _compile_context(*, recompile_reason: str | None, graphs: int) -> str:

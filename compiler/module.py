@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from ..distributed import _ddp_compat
 from ..distributed.alignment import measure_alignment
+from ..distributed.fused_policy import why_not_fused
 from ..distributed.fused_runtime import FusedRuntime
 from ..distributed.rank_check import prepare_rank_checks
 from . import _dynamo_compat as dc
@@ -103,30 +104,71 @@ class CompiledModule(nn.Module):
             runtime = self._confirm_fused(ddp, runtime)
         if runtime is not None:
             sync = _ddp_compat.grad_sync_requested(ddp) and torch.is_grad_enabled()
-            runtime.before_forward(sync)
-            call = self._bucketwise_call if sync else self._bucketwise_call_nosync
-            # The no_sync() variant is bucketwise's own second cache entry: its first call is
-            # part of the warm-up even when it comes after freezing.
-            warm = sync or self._nosync_warm
-            with stance(self) if warm else contextlib.nullcontext():
-                out = _ddp_compat.run_forward_with_idle_reducer(ddp, args, kwargs, call)
-            if not sync:
-                self.__dict__["_nosync_warm"] = True
-            runtime.after_forward(out, sync)
+            if sync and _ddp_compat.join_enabled(ddp):
+                return self._forward_in_join(ddp, runtime, args, kwargs)
+            return self._forward_fused(ddp, runtime, sync, args, kwargs)
+        return self._forward_with_reducer(ddp, self._bucketwise_call, args, kwargs)
+
+    def _forward_fused(self, ddp: Any, runtime: FusedRuntime, sync: bool, args: tuple, kwargs: dict) -> Any:
+        runtime.before_forward(sync)
+        call = self._bucketwise_call if sync else self._bucketwise_call_nosync
+        # The no_sync() variant is bucketwise's own second cache entry: its first call is
+        # part of the warm-up even when it comes after freezing.
+        warm = sync or self._nosync_warm
+        with stance(self) if warm else contextlib.nullcontext():
+            out = _ddp_compat.run_forward_with_idle_reducer(ddp, args, kwargs, call)
+        if not sync:
+            self.__dict__["_nosync_warm"] = True
+        runtime.after_forward(out, sync)
+        return out
+
+    def _forward_in_join(self, ddp: Any, runtime: FusedRuntime, args: tuple, kwargs: dict) -> Any:
+        """A synced step inside ``ddp.join()`` (uneven inputs).
+
+        NOTE [fused under join]: a rank that has run out of inputs loops in ``Join.__exit__``
+        and, for every step the others still take, runs DDP's join hook, which shadows the
+        *reducer's* bucket allreduces with zeros. The fused graphs' collectives follow
+        bucketwise's own buckets, so nothing on a joined rank would match them. Each step
+        therefore first sends the join notification (which counts the ranks that have not
+        joined): while every rank is still in, no rank runs the join hook and the fused graphs
+        run as usual; once a rank has joined, the step runs the compiled graphs without
+        collectives (the ``no_sync()`` variant: no new compile after warm-up) with DDP's
+        reducer in charge, exactly what the join hook on the joined ranks mirrors. Only the
+        last steps of an uneven epoch lose the in-graph overlap.
+        """
+        world = _ddp_compat.world_size(ddp)
+        with _ddp_compat.join_notified(ddp) as not_joined:
+            if not_joined is not None and not_joined == world:
+                return self._forward_fused(ddp, runtime, True, args, kwargs)
+            if not self.__dict__.get("_join_noted"):
+                self.__dict__["_join_noted"] = True
+                why = "a rank has joined" if not_joined is not None else "another joinable leads the join context"
+                log.info("bucketwise fused: join(): %s; steps run with DDP's reducer from now on while that holds", why)
+                self._bucketwise_report.note(
+                    f"join(): steps where {why} ran the compiled graphs without collectives and DDP's reducer "
+                    "reduced the gradients, as DDP's join hook expects (NOTE [fused under join])"
+                )
+            runtime.reducer_step()
+            out = self._forward_with_reducer(ddp, self._bucketwise_call_nosync, args, kwargs, warm=self._nosync_warm)
+            self.__dict__["_nosync_warm"] = True
             return out
+
+    def _forward_with_reducer(self, ddp: Any, call: Callable[..., Any], args: tuple, kwargs: dict, *,
+                              warm: bool = True) -> Any:
+        """DDP's own forward around a compiled call: the reducer reduces in the backward."""
         args, kwargs = _ddp_compat.pre_forward(ddp, args, kwargs)
         if self._alignment_pending and _ddp_compat.has_rebuilt_buckets(ddp):
             self._refresh_alignment()
-        with stance(self):
-            out = self._bucketwise_call(*args, **kwargs)
+        with stance(self) if warm else contextlib.nullcontext():
+            out = call(*args, **kwargs)
         return _ddp_compat.post_forward(ddp, out)
 
     def _confirm_fused(self, ddp: Any, runtime: FusedRuntime) -> FusedRuntime | None:
         """At the first forward (comm hooks are registered after construction): keep DDP's
         reducer in charge when the fused strategy cannot reproduce what it would do."""
         self.__dict__["_fused_checked"] = True
-        kind, _ = _ddp_compat.comm_hook_kind(ddp)
-        if kind != "unsupported" and not _ddp_compat.uses_python_reducer(ddp):
+        requested = self._bucketwise_backend.config.strategy
+        if why_not_fused(ddp, requested) is None and not _ddp_compat.uses_python_reducer(ddp):
             return runtime
         runtime.remove_hooks()
         self.__dict__["_bucketwise_runtime"] = None

@@ -90,6 +90,10 @@ class GraphStats:
     plan_source: str | None = None
     """Where the bucket plan came from: ``"predicted"`` (DDP's routine over the predicted
     gradient-ready order) or ``"reducer"`` (the reducer's buckets, already final)."""
+    variant: str | None = None
+    """``"no_sync"``: compiled for ``no_sync()`` steps (and, under ``fused``, steps of a
+    ``join()`` where a rank has joined): no collectives in the graph; ``None``: the training
+    graph."""
 
     @property
     def compile_seconds(self) -> float:
@@ -231,6 +235,11 @@ def _umask() -> int:
     return mask
 
 
+def _graph_label(g: dict[str, Any]) -> str:
+    """A graph's id, with its variant when it is not the training graph (``1 (no_sync)``)."""
+    return f"{g['graph_id']} ({g['variant']})" if g.get("variant") else str(g["graph_id"])
+
+
 def format_table(data: dict[str, Any]) -> str:
     """Aligned text table of one rank's report dict (also used by ``bucketwise stats``)."""
     header = ("graph", "seg", "params", "MiB", "ops", "compile s", "backend", "fallback")
@@ -239,7 +248,7 @@ def format_table(data: dict[str, Any]) -> str:
         for s in g["segments"]:
             rows.append(
                 (
-                    str(g["graph_id"]),
+                    _graph_label(g),
                     str(s["index"]),
                     str(s["param_count"]),
                     f"{s['bytes'] / 2**20:.2f}",

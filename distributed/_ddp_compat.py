@@ -8,8 +8,9 @@ only the middle call for a compiled one.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -71,11 +72,16 @@ def process_group(ddp: DDP):
     return ddp.process_group
 
 
+def world_size(ddp: DDP) -> int:
+    return dist.get_world_size(ddp.process_group)
+
+
 # --- the reducer's parameters and buckets ------------------------------------------------
 
 
-def reducer_parameters(ddp: DDP) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters DDP's reducer owns, in reducer index order, with their names.
+def _reducer_entries(ddp: DDP) -> list[tuple[str, torch.nn.Parameter, torch.nn.Module]]:
+    """``(name, parameter, owning module)`` of every parameter DDP's reducer owns, in reducer
+    index order.
 
     Same rule as ``DDP._build_params_for_reducer``: per module, ``named_parameters(recurse=False)``
     that require grad and are not ignored, each tensor once (shared/tied ones keep their first
@@ -83,7 +89,7 @@ def reducer_parameters(ddp: DDP) -> list[tuple[str, torch.nn.Parameter]]:
     """
     ignore = ignored_names(ddp)
     seen: set[int] = set()
-    out: list[tuple[str, torch.nn.Parameter]] = []
+    out: list[tuple[str, torch.nn.Parameter, torch.nn.Module]] = []
     for mod_name, mod in ddp.module.named_modules():
         for p_name, p in mod.named_parameters(recurse=False):
             fqn = f"{mod_name}.{p_name}" if mod_name else p_name
@@ -93,8 +99,25 @@ def reducer_parameters(ddp: DDP) -> list[tuple[str, torch.nn.Parameter]]:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            out.append((fqn, p))
+            out.append((fqn, p, mod))
     return out
+
+
+def reducer_parameters(ddp: DDP) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters DDP's reducer owns, in reducer index order, with their names."""
+    return [(name, p) for name, p, _ in _reducer_entries(ddp)]
+
+
+def _produces_sparse_gradient(module: torch.nn.Module) -> bool:
+    """DDP's rule (``_build_params_for_reducer``): sparse ``Embedding``/``EmbeddingBag`` modules."""
+    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and bool(module.sparse)
+
+
+def sparse_gradient_flags(ddp: DDP) -> list[bool]:
+    """Per reducer parameter (reducer index order): does DDP expect a sparse gradient for it?
+    The reducer gives each such parameter a bucket of its own and all-reduces it as a sparse
+    tensor."""
+    return [_produces_sparse_gradient(mod) for _, _, mod in _reducer_entries(ddp)]
 
 
 def _parse_index_groups(text: str) -> list[list[int]]:
@@ -137,8 +160,7 @@ def initial_buckets(ddp: DDP) -> list[list[int]]:
         limits = [first, cap]
     else:
         limits = [cap]
-    sparse = [False] * len(params)
-    indices, _ = dist._compute_bucket_assignment_by_size(params, limits, sparse)
+    indices, _ = dist._compute_bucket_assignment_by_size(params, limits, sparse_gradient_flags(ddp))
     return [list(b) for b in reversed(indices)]
 
 
@@ -180,6 +202,22 @@ def fixed_buckets(ddp: DDP) -> list[list[int]] | None:
     if has_rebuilt_buckets(ddp):
         buckets, source = reducer_buckets(ddp)
         return buckets if source == "rebuilt" else None
+    return None
+
+
+def delayed_allreduce_trigger(ddp: DDP) -> torch.nn.Parameter | None:
+    """The parameter whose gradient hook launches DDP's delayed allreduce
+    (``delay_all_reduce_named_params`` with ``param_to_hook_all_reduce``), or None.
+
+    DDP keeps no reference to it: it is the parameter carrying ``_delayed_all_reduce_hook`` among
+    its tensor hooks.
+    """
+    if not getattr(ddp, "_delay_all_reduce_params", None):
+        return None
+    hook = ddp._delayed_all_reduce_hook
+    for p in ddp.module.parameters():
+        if any(h == hook for h in (getattr(p, "_backward_hooks", None) or {}).values()):
+            return p
     return None
 
 
@@ -228,3 +266,40 @@ def comm_hook_kind(ddp: DDP) -> tuple[str, str | None]:
     if kind is None:
         return "unsupported", getattr(hook, "__qualname__", repr(hook))
     return kind, None
+
+
+# --- join() for uneven inputs --------------------------------------------------------------
+
+
+def join_enabled(ddp: DDP) -> bool:
+    """True inside ``with ddp.join():`` (``Join`` sets the DDP module's ``_join_config``)."""
+    config = getattr(ddp, "_join_config", None)
+    return bool(config is not None and config.enable)
+
+
+@contextlib.contextmanager
+def join_notified(ddp: DDP) -> Iterator[int | None]:
+    """Inside an enabled ``ddp.join()``: send this forward's notification to the join context
+    now (the allreduce DDP's ``_pre_forward`` would send first thing) and yield how many ranks
+    have not joined yet; the ``_pre_forward`` run inside the block does not send it again.
+
+    Yields ``None`` when DDP is not the first joinable of the context (another joinable sends the
+    notification and the count is unknown). The collectives stay exactly DDP's, in DDP's order:
+    the notification (and the early-termination check) first, then ``_pre_forward``'s own.
+    """
+    from torch.distributed.algorithms.join import Join
+
+    config = ddp._join_config
+    work = Join.notify_join_context(ddp)
+    if work is None:
+        yield None
+        return
+    not_joined = int(work.get_future().wait()[0].item())
+    # What _pre_forward does with the handle: the reducer divides by the ranks that have not
+    # joined when divide_by_initial_world_size=False.
+    ddp.reducer._set_forward_pass_work_handle(work, ddp._divide_by_initial_world_size)
+    ddp._join_config = config._replace(is_first_joinable=False)
+    try:
+        yield not_joined
+    finally:
+        ddp._join_config = config

@@ -43,6 +43,12 @@ def _average_(tensors: list[torch.Tensor], pg: Any, comm_dtype: torch.dtype | No
     if not tensors:
         return
     world = dist.get_world_size(pg)
+    for t in tensors:
+        if t.is_sparse:
+            # As DDP's reducer reduces a sparse gradient: on its own, divided, then summed.
+            t.div_(world)
+            dist.all_reduce(t, group=pg)
+    tensors = [t for t in tensors if not t.is_sparse]
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
@@ -63,6 +69,7 @@ class FusedRuntime:
     def __init__(self, ddp: Any) -> None:
         self._ddp = weakref.ref(ddp)
         self.params = [p for _, p in _ddp_compat.reducer_parameters(ddp)]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         self.covered: set[int] = set()
         """ids of parameters that some compiled graph reduces in its backward."""
         self._graph_params: list[frozenset[int]] = []
@@ -107,6 +114,14 @@ class FusedRuntime:
             return
         if not sync:
             self.accumulated = True
+
+    def reducer_step(self) -> None:
+        """DDP's reducer reduces every gradient of this step (NOTE [fused under join] in
+        ``compiler/module.py``), what ``no_sync()`` steps accumulated included: nothing is left
+        for the runtime to do."""
+        self._in_synced_backward = False
+        self._ran = set()
+        self.accumulated = False
 
     def after_forward(self, output: Any, sync: bool) -> None:
         if not (sync and torch.is_grad_enabled()):
@@ -164,6 +179,9 @@ class FusedRuntime:
 
     def _flush_eager(self) -> None:
         params, self._eager_ready = self._eager_ready, []
+        # The same collectives in the same order on every rank, whatever order autograd made
+        # the gradients ready in.
+        params.sort(key=lambda p: self._index[id(p)])
         self._in_synced_backward = False
         self._average([p.grad for p in params if p.grad is not None])
 

@@ -27,8 +27,9 @@ class BucketCaps:
     """Explicit per-bucket caps (DDP's ``bucket_cap_mb_list``), used instead of the two above."""
 
     def __post_init__(self) -> None:
-        if self.first_bytes <= 0 or self.bytes <= 0 or any(c <= 0 for c in self.per_bucket):
-            raise ValueError(f"bucket caps must be positive, got {self}")
+        # 0 is a cap DDP accepts: every bucket closes after its first parameter.
+        if self.first_bytes < 0 or self.bytes < 0 or any(c < 0 for c in self.per_bucket):
+            raise AssertionError(f"expected bucket caps >= 0 bytes, got {self}")
 
     def limits(self) -> list[int]:
         if self.per_bucket:
@@ -57,7 +58,7 @@ class BucketCaps:
         else:
             # Keep DDP's small-first-bucket rule: 1 MiB first only when DDP uses it.
             first = min(ddp_first, cap) if ddp_first < ddp_cap else cap
-        return cls(first_bytes=max(first, 1), bytes=max(cap, 1))
+        return cls(first_bytes=first, bytes=cap)
 
     def matches_ddp(self, ddp: "DistributedDataParallel") -> bool:
         first, cap, per_bucket = _ddp_compat.bucket_caps(ddp)

@@ -73,10 +73,11 @@ def gather_on_all_ranks(obj: Any, pg: Any, *, what: str, context: str = "") -> l
 
 
 def check_same_on_all_ranks(
-    signature: Sequence[str], pg: Any, *, what: str, context: str = "", gathered: list[Any] | None = None
+    signature: Sequence[str], pg: Any, *, what: str, context: str = "", gathered: list[Any] | None = None,
+    fix: str = "",
 ) -> None:
     """Raise :class:`RankMismatchError` on every rank if any rank's ``signature`` (one line per
-    item) differs, naming the first differing item. The signatures are gathered with
+    item) differs, naming the first differing item and ``fix``. The signatures are gathered with
     :func:`gather_on_all_ranks` unless ``gathered`` already holds every rank's."""
     if dist.get_world_size(pg) == 1:
         return
@@ -90,4 +91,6 @@ def check_same_on_all_ranks(
             a = reference[i] if i < len(reference) else "<missing>"
             b = theirs[i] if i < len(theirs) else "<missing>"
             if a != b:
-                raise RankMismatchError(f"{what} differs between ranks: rank 0 has {a!r}, rank {rank} has {b!r}")
+                raise RankMismatchError(
+                    f"{what} differs between ranks: rank 0 has {a!r}, rank {rank} has {b!r}" + (f"; {fix}" if fix else "")
+                )

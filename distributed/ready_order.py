@@ -46,3 +46,29 @@ class FirstIterationOrder:
                     args_list[i] = args_list[i].view_as(args_list[i])
                 args = tuple(args_list)
         return self.compiled(*args)
+
+
+class ReadyLast:
+    """Wraps a compiled graph; routes the inputs at ``positions`` through no-op views on every
+    call with autograd on, so their gradients become ready after every other gradient of the
+    graph.
+
+    DDP's ``delay_all_reduce_named_params`` launches one allreduce of the delayed parameters'
+    gradients from a hook on the gradient of ``param_to_hook_all_reduce``, counting on eager
+    autograd to produce that gradient after theirs. A compiled graph hands all its gradients to
+    autograd at once, and AccumulateGrad nodes run as soon as they are ready, in no set order
+    among themselves; a view's backward node runs after them (NOTE [first-iteration gradient
+    order]), and only then the trigger's AccumulateGrad and its hook.
+    """
+
+    def __init__(self, compiled: Callable[..., Any], positions: Sequence[int]) -> None:
+        self.compiled = compiled
+        self.positions = list(positions)
+
+    def __call__(self, *args: Any) -> Any:
+        if torch.is_grad_enabled():
+            args_list = list(args)
+            for i in self.positions:
+                args_list[i] = args_list[i].view_as(args_list[i])
+            args = tuple(args_list)
+        return self.compiled(*args)

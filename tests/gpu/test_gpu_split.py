@@ -32,12 +32,8 @@ def _worker(rank: int, world: int, store: str, case: str, errors) -> None:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         _CASES[case](rank)
-        # NOTE [CUDA graphs and destroy_process_group]: a live CUDA graph holding NCCL kernels
-        # makes ncclCommDestroy hang (pytorch issue 115388); release compiled graphs first.
-        import gc
-
-        torch._dynamo.reset()
-        gc.collect()
+        # No release call first: bucketwise releases CUDA graphs holding NCCL kernels itself
+        # (NOTE [cuda graphs at teardown]).
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
         errors.put(f"rank {rank}: {traceback.format_exc()}")
@@ -99,7 +95,37 @@ def _gpt_case(rank: int, *, strategy: str, dynamic: bool = False, cudagraphs: bo
         print(rep.table())
 
 
+def _join_case(rank: int, *, strategy: str, cudagraphs: bool = False) -> None:
+    """Uneven inputs inside ``join()``: rank 0 has 5 batches, rank 1 has 3 (NOTE [fused under
+    join]); the compiled model ends where eager DDP ends, on both ranks, without a hang."""
+    import bucketwise
+    from bucketwise.launch.models import GPT, GPTConfig, synthetic_tokens
+
+    cfg = GPTConfig(vocab=1024, seq=64, layers=3, d_model=128, heads=4)
+    torch.manual_seed(0)
+    model = GPT(cfg).cuda()
+    eager = DDP(model, device_ids=[rank], bucket_cap_mb=0.5)
+    ddp = DDP(copy.deepcopy(model), device_ids=[rank], bucket_cap_mb=0.5)
+    comp = bucketwise.compile(ddp, backend="inductor", strategy=strategy, cudagraphs=cudagraphs)
+    for m, d in ((eager, eager), (comp, ddp)):
+        opt = torch.optim.SGD(d.parameters(), lr=0.1)
+        with d.join():
+            for step in range(5 - 2 * rank):
+                x, y = synthetic_tokens(cfg, 4, seed=100 * rank + step, device="cuda")
+                m(x, y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    for (name, a), b in zip(eager.module.named_parameters(), ddp.module.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    rep = bucketwise.report(comp)
+    assert {g.strategy for g in rep.graphs if g.variant is None} == {"fused"}, rep.table()
+    if rank == 0:
+        assert any("join()" in n for n in rep.notes), rep.notes
+
+
 _CASES = {
+    "join-fused": lambda r: _join_case(r, strategy="auto"),
+    "join-fused-cg": lambda r: _join_case(r, strategy="fused", cudagraphs=True),
     "gpt-split": lambda r: _gpt_case(r, strategy="split"),
     "gpt-none": lambda r: _gpt_case(r, strategy="none"),
     "gpt-split-dynamic": lambda r: _gpt_case(r, strategy="split", dynamic=True),
