@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 
+from ..distributed import teardown
 from . import _dynamo_compat as dc
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,10 @@ class CudaGraphs:
     def reserved_bytes(self) -> int:
         return torch.cuda.memory_reserved()
 
+    def synchronize(self) -> None:
+        """Wait for every replay in flight (before recordings are destroyed)."""
+        torch.cuda.synchronize()
+
 
 class CudaGraphGroup:
     """The runners of one compiled object: shared pool and stream, stats, stable addresses."""
@@ -124,13 +130,30 @@ class CudaGraphGroup:
         # data_ptr of every tensor at a fixed address a runner may use in place: static inputs
         # of forwards (parameters, buffers) and the static outputs of every recording.
         self.stable_ptrs: set[int] = set()
+        # Held weakly: a runner lives as long as the compiled graph that calls it (Dynamo's
+        # cache), so torch._dynamo.reset() still frees its recordings.
+        self._runners: "weakref.WeakSet[CudaGraphRunner]" = weakref.WeakSet()
+        teardown.on_teardown(self.release)
+
+    def release(self, reason: str) -> None:
+        """Destroy every recording now (NOTE [cuda graphs at teardown]); the runners run their
+        compiled graphs uncaptured from then on."""
+        live = [r for r in self._runners if r.records]
+        if not live:
+            return
+        self.graphs.synchronize()
+        for r in live:
+            r.release(reason)
+        log.info("bucketwise: released %d CUDA graph recording(s) at %s", len(live), reason)
 
     def runner(self, compiled: Callable[[list[Any]], Any], *, name: str, static_input_idxs: Sequence[int],
                mutated_inputs: dict[int, str], returned_outputs: int | None, blockers: Sequence[str]) -> "CudaGraphRunner":
         stats = CudaGraphStats(name=name, reason="; ".join(blockers) if blockers else None)
         self.on_stats(stats)
-        return CudaGraphRunner(compiled, self, stats, static_input_idxs=static_input_idxs, mutated_inputs=mutated_inputs,
-                               returned_outputs=returned_outputs, blocked=bool(blockers))
+        runner = CudaGraphRunner(compiled, self, stats, static_input_idxs=static_input_idxs,
+                                 mutated_inputs=mutated_inputs, returned_outputs=returned_outputs, blocked=bool(blockers))
+        self._runners.add(runner)
+        return runner
 
 
 @dataclasses.dataclass
@@ -253,6 +276,9 @@ class CudaGraphRunner:
         self.stats.captured = True
         self._moved_calls = 0
         return self._replay(rec, args)
+
+    def release(self, reason: str) -> None:
+        self._disable(f"released at {reason}: runs uncaptured")
 
     def _disable(self, reason: str) -> None:
         self.disabled = True

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..distributed import _ddp_compat
+from ..distributed import _ddp_compat, teardown
 from ..distributed.alignment import measure_alignment
 from ..distributed.fused_policy import why_not_fused
 from ..distributed.fused_runtime import FusedRuntime
@@ -83,6 +83,9 @@ class CompiledModule(nn.Module):
             nosync = GraphBackend(dataclasses.replace(config, strategy="none"), report, ddp, variant="no_sync")
             self.__dict__["_bucketwise_call_nosync"] = _torch_compile(forward, nosync, config)
             prepare_rank_checks(_ddp_compat.process_group(ddp))
+            if backend.cudagraphs is not None:
+                # The backward graphs will hold the bucket allreduces' NCCL kernels.
+                teardown.guard(_ddp_compat.process_group(ddp))
             report.set_alignment_source(
                 lambda: {"alignment": None, "status": "fused: DDP's reducer is idle, the compiled backward reduces"}
             )

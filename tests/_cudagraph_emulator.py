@@ -48,6 +48,9 @@ class EmulatedGraphs:
     def reserved_bytes(self) -> int:
         return 0
 
+    def synchronize(self) -> None:
+        pass
+
 
 def use_emulated_graphs(monkeypatch=None, **kwargs) -> list[EmulatedGraphs]:
     """Make every bucketwise compile in this process (its GraphBackend) wrap graphs with an

@@ -1,0 +1,21 @@
+"""Private torch.distributed (c10d) state bucketwise reads: the order in which
+``destroy_process_group()`` shuts process groups down.
+
+Checked on torch 2.11.0 (device machines) and 2.13.0 (CI): ``destroy_process_group()`` (for the
+default group) calls ``shutdown()`` on every group of ``_world.pg_names``, sorted by group name,
+last name first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def shuts_down_before(first: Any, then: Any) -> bool:
+    """Does ``destroy_process_group()`` shut ``first`` down before ``then``?"""
+    from torch.distributed import distributed_c10d as c10d
+
+    names = c10d._world.pg_names
+    if first not in names or then not in names:
+        return False
+    return names[first] > names[then]

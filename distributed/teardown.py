@@ -1,0 +1,109 @@
+"""Release what holds NCCL kernels before NCCL's communicators are torn down.
+
+NOTE [cuda graphs at teardown]: NCCL cannot destroy a communicator while a CUDA graph that
+captured its kernels is alive: its teardown waits for those graphs, so
+``dist.destroy_process_group()`` hangs (pytorch issue 115388). The fused strategy with
+``cudagraphs=True`` captures every bucket's allreduce in the backward graph, and the recordings
+live as long as the compiled module (Dynamo's cache holds them), so a plain training script that
+ends with ``destroy_process_group()`` would never exit. Nobody should have to free them first:
+
+- every rank of the DDP group also joins a small process group of bucketwise's own (a Python
+  backend with no communication) whose ``shutdown()`` releases every live recording.
+  ``destroy_process_group()`` shuts the groups down one by one, last group name first; the
+  release group is created (again, with a new name, if need be) so that it comes before the DDP
+  group (``_c10d_compat.shuts_down_before``);
+- an ``atexit`` handler releases them at interpreter exit, before torch's own teardown: a script
+  that never calls ``destroy_process_group()``, an exception that ends the script, Ctrl-C.
+
+A released recording is gone for good: its runner runs the compiled graph uncaptured from then on
+(numerics unchanged). A process killed by a signal (torchrun stopping a worker group) runs none
+of this and needs none of it: nothing is torn down.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from . import _c10d_compat
+
+log = logging.getLogger(__name__)
+
+_BACKEND = "bucketwise_release"
+_MAX_TRIES = 8
+"""Release groups created (each under a new name) until one shuts down before the DDP group."""
+
+# The release groups made for each DDP process group.
+_release_groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_atexit_registered = False
+
+
+class _Releaser:
+    """A weakly held ``release(reason)`` method of a CUDA-graph group."""
+
+    def __init__(self, release: Callable[[str], None]) -> None:
+        self.method = weakref.WeakMethod(release)
+
+    def __call__(self, reason: str) -> None:
+        release = self.method()
+        if release is not None:
+            release(reason)
+
+
+# Release callbacks of live CUDA-graph groups (a group that is garbage-collected drops out).
+_keep: list[_Releaser] = []
+
+
+def on_teardown(release: Callable[[str], None]) -> None:
+    """Call ``release(reason)`` (a bound method, held weakly) before the process groups are
+    torn down or the interpreter exits."""
+    global _atexit_registered
+    releaser = _Releaser(release)
+    _keep[:] = [r for r in _keep if r.method() is not None] + [releaser]
+    if not _atexit_registered:
+        atexit.register(release_all, "interpreter exit")
+        _atexit_registered = True
+
+
+def release_all(reason: str) -> None:
+    """Release every registered CUDA-graph group now (also the manual, early way)."""
+    for releaser in list(_keep):
+        releaser(reason)
+    _keep[:] = [r for r in _keep if r.method() is not None]
+
+
+class _ReleaseGroup(dist.ProcessGroup):
+    """No communication: ``destroy_process_group()`` calls its ``shutdown()``, which releases."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+
+    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+        return _BACKEND
+
+    def shutdown(self) -> None:
+        release_all("destroy_process_group()")
+
+
+def guard(pg: Any) -> None:
+    """Make ``destroy_process_group()`` release CUDA graphs before it tears ``pg`` down (a
+    collective over ``pg``'s ranks, once per group: call it on each of them)."""
+    if pg in _release_groups:
+        return
+    if not hasattr(dist.Backend, _BACKEND.upper()):
+        dist.Backend.register_backend(_BACKEND, lambda store, rank, size, timeout: _ReleaseGroup(rank, size),
+                                      devices=["cpu", "cuda"])
+    ranks = dist.get_process_group_ranks(pg)
+    made = []
+    for _ in range(_MAX_TRIES):
+        made.append(dist.new_group(ranks=ranks, backend=_BACKEND, use_local_synchronization=True))
+        if _c10d_compat.shuts_down_before(made[-1], pg):
+            break
+    else:
+        log.warning("bucketwise: could not place the CUDA-graph release before the DDP process group's teardown; "
+                    "release CUDA graphs (bucketwise.compiler.cudagraphs) before destroy_process_group()")
+    _release_groups[pg] = made
