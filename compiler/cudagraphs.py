@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -49,6 +50,9 @@ MAX_RECORDS = 8
 """Recordings per runner (input signatures, moved parameters) before it stays uncaptured."""
 
 _HELD = "outputs of the previous replay still in use (kept gradients or a second forward before the backward)"
+
+_RELEASE_WAIT_S = 5.0
+"""How long a release waits for in-flight replays to finish (NOTE [cuda graphs at teardown])."""
 
 _MOVED_BEFORE_RERECORD = 2
 """Consecutive calls with a moved static input before the runner records again."""
@@ -114,9 +118,18 @@ class CudaGraphs:
     def reserved_bytes(self) -> int:
         return torch.cuda.memory_reserved()
 
-    def synchronize(self) -> None:
-        """Wait for every replay in flight (before recordings are destroyed)."""
-        torch.cuda.synchronize()
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the work queued so far on the current stream (replays and
+        the NCCL kernels they hold) to finish; False if it has not (a collective waiting for a
+        rank that is gone never does: no unbounded ``synchronize()`` at exit)."""
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
 
 class CudaGraphGroup:
@@ -141,7 +154,12 @@ class CudaGraphGroup:
         live = [r for r in self._runners if r.records]
         if not live:
             return
-        self.graphs.synchronize()
+        if not self.graphs.wait_idle(_RELEASE_WAIT_S):
+            # An interrupted step: a replayed collective still waits for another rank. Leave the
+            # recordings to the process's end (NCCL aborts instead of waiting for them then).
+            log.warning("bucketwise: GPU work still running after %.0f s at %s (a collective waiting for a rank "
+                        "that stopped?); %d CUDA graph recording(s) left in place", _RELEASE_WAIT_S, reason, len(live))
+            return
         for r in live:
             r.release(reason)
         log.info("bucketwise: released %d CUDA graph recording(s) at %s", len(live), reason)

@@ -16,8 +16,11 @@ ends with ``destroy_process_group()`` would never exit. Nobody should have to fr
   that never calls ``destroy_process_group()``, an exception that ends the script, Ctrl-C.
 
 A released recording is gone for good: its runner runs the compiled graph uncaptured from then on
-(numerics unchanged). A process killed by a signal (torchrun stopping a worker group) runs none
-of this and needs none of it: nothing is torn down.
+(numerics unchanged). A release first waits a few seconds at most for replays in flight: after
+Ctrl-C a replayed allreduce may be waiting for a rank that has already stopped and will never
+finish; its recordings are then left to the end of the process, where NCCL aborts rather than
+waits (an unbounded ``torch.cuda.synchronize()`` there hung such a rank). A process killed by a
+signal (torchrun stopping a worker group) runs none of this and needs none of it.
 """
 
 from __future__ import annotations

@@ -48,8 +48,8 @@ class EmulatedGraphs:
     def reserved_bytes(self) -> int:
         return 0
 
-    def synchronize(self) -> None:
-        pass
+    def wait_idle(self, timeout_s: float) -> bool:
+        return True
 
 
 def use_emulated_graphs(monkeypatch=None, **kwargs) -> list[EmulatedGraphs]:
