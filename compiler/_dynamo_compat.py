@@ -100,6 +100,22 @@ def recompile_reason() -> str | None:
     return " ".join(str(reason).split()) if reason else None
 
 
+def cache_entries(code: Any) -> int:
+    """How many compiled entries Dynamo keeps for a code object (one per guard set)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    try:
+        return len(_debug_get_cache_entry_list(code))
+    except (AttributeError, RuntimeError, TypeError):
+        return 0
+
+
+def recompile_limit() -> int:
+    """Dynamo's per-code-object limit (``recompile_limit``; ``cache_size_limit`` before 2.6)."""
+    config = torch._dynamo.config
+    return int(getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8))
+
+
 def aot_autograd_count() -> int:
     return int(_dynamo_counters["aot_autograd"]["total"])
 

@@ -136,7 +136,7 @@ class GraphBackend:
         if trigger is not None:
             positions = [i for i, a in enumerate(example_inputs) if a is trigger]
             fn = ReadyLast(fn, positions) if positions else fn
-        return fn
+        return _Counted(fn, self.report)
 
     def _graph_params(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ddp: Any | None) -> list[GraphParam]:
         """The reducer parameters this graph reads, but those DDP gives a sparse gradient
@@ -250,7 +250,7 @@ class GraphBackend:
                 fallback=self.config.fallback,
             )
         key = self.fused_runtime.graphs_compiled((id(p.tensor) for group, _, _ in reduced for p in group), spec)
-        compiled = _MarksRun(compiled, self.fused_runtime, key)
+        compiled = _FusedRan(compiled, self.fused_runtime, key)
         used = [p for p in params if p.first_use >= 0]
         segment = Segment(index=0, submodule="", params=used, op_count=_op_count(gm))
         seg_of = {p.name: 0 for p in used}
@@ -370,7 +370,7 @@ class GraphBackend:
         )
 
 
-class _MarksRun:
+class _FusedRan:
     """A fused graph that tells the runtime it ran (see NOTE [fused strategy runtime])."""
 
     def __init__(self, fn: Callable[..., Any], runtime: Any, key: int) -> None:
@@ -378,6 +378,18 @@ class _MarksRun:
 
     def __call__(self, *args: Any) -> Any:
         self.runtime.graph_ran(self.key)
+        return self.fn(*args)
+
+
+class _Counted:
+    """Every graph handed back to Dynamo: counts its runs in the report, so a call of the
+    compiled object that ran none of them is known (NOTE [never silently eager])."""
+
+    def __init__(self, fn: Callable[..., Any], report: Report) -> None:
+        self.fn, self.report = fn, report
+
+    def __call__(self, *args: Any) -> Any:
+        self.report.graph_runs += 1
         return self.fn(*args)
 
 

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import types
 from typing import Any, Callable
 
 import torch
@@ -28,18 +29,25 @@ _ALIGNMENT_POLLS = 20
 
 
 def _inner_forward(module: nn.Module) -> Callable[..., Any]:
-    """The frame Dynamo compiles for a module.
+    """The frame Dynamo compiles for a module, with a code object of its own.
 
     NOTE [compiling torch.nn containers]: Dynamo skips frames whose code lives in ``torch.nn``
     (``nn.Sequential.forward``, ...), so ``torch.compile(DDP(nn.Sequential(...)))`` compiles
     nothing. This closure is bucketwise code, so Dynamo converts it and inlines the module's
     ``__call__``/``forward`` into one graph whatever class the module is.
+
+    NOTE [one cache per compiled object]: Dynamo keeps its compiled entries, and counts them
+    against ``recompile_limit`` (8), per code object. Every closure made here shares one code
+    object, so compiled objects would compete for those 8 entries: the 9th model compiled in a
+    process (a sweep, a notebook, a test suite) ran eagerly. Each compiled object gets a copy
+    of the code object instead, and with it a cache of its own.
     """
 
     def bucketwise_forward(*args: Any, **kwargs: Any) -> Any:
         return module(*args, **kwargs)
 
-    return bucketwise_forward
+    fn = bucketwise_forward
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _torch_compile(fn: Callable[..., Any], backend: GraphBackend, config: CompileConfig) -> Callable[..., Any]:
@@ -75,6 +83,7 @@ class CompiledModule(nn.Module):
         self.__dict__["_bucketwise_freeze"] = config.freeze_mode
         self.__dict__["_nosync_warm"] = False
         self.__dict__["_fused_checked"] = runtime is None
+        self.__dict__["_bucketwise_code"] = forward.__code__
         self.__dict__["_bucketwise_call"] = _torch_compile(forward, backend, config)
         self.__dict__["_alignment_pending"] = ddp is not None and runtime is None
         if runtime is not None:
@@ -93,7 +102,10 @@ class CompiledModule(nn.Module):
             report.set_alignment_source(lambda: measure_alignment(ddp, backend.param_segments))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        runs = self._bucketwise_report.graph_runs
         out = self._forward(*args, **kwargs)
+        if self._bucketwise_report.graph_runs == runs:
+            say_eager(self._bucketwise_report, self._bucketwise_code, self.__dict__.get("_bucketwise_frozen"))
         freeze_after_warmup(self, self._bucketwise_freeze)
         return out
 
@@ -225,8 +237,11 @@ def compile_function(fn: Callable[..., Any], config: CompileConfig) -> Callable[
 
     @functools.wraps(fn)
     def bucketwise_compiled(*args: Any, **kwargs: Any) -> Any:
+        runs = report.graph_runs
         with dc.torch_ddp_optimizer_disabled(), stance(bucketwise_compiled):
             out = compiled(*args, **kwargs)
+        if report.graph_runs == runs:
+            say_eager(report, getattr(fn, "__code__", None), bucketwise_compiled.__dict__.get("_bucketwise_frozen"))
         freeze_after_warmup(bucketwise_compiled, config.freeze_mode)
         return out
 
@@ -239,3 +254,24 @@ def _function_alignment(backend: GraphBackend) -> dict[str, Any]:
     if ddp is None:
         return {"alignment": None, "status": "no DDP module seen"}
     return measure_alignment(ddp, backend.param_segments)
+
+
+def say_eager(report: Report, code: Any, frozen: str | None) -> None:
+    """A call of a compiled object ran none of its compiled graphs: count it in the report and,
+    the first time for a reason, log a warning (NOTE [never silently eager])."""
+    # NOTE [never silently eager]: Dynamo runs a frame eagerly, without a word past one log line
+    # of its own, when its recompile limit is hit, when a frame is skipped, when an error is
+    # suppressed. Every graph bucketwise hands back counts its runs (graph_backend._Counted), so a
+    # call that ran none is known here; the report's totals, table and note, the per-rank stats
+    # (and so `bucketwise launch`/`stats`/`doctor`) and a warning say it, with the likely reason.
+    limit = dc.recompile_limit()
+    if frozen == "eager":
+        reason = "frozen with on_recompile='eager' and a guard failed (a new input shape?)"
+    elif code is not None and dc.cache_entries(code) >= limit:
+        reason = (f"Dynamo's recompile limit ({limit} compiled versions of this frame) is reached; a call that "
+                  "needs another runs eagerly (TORCH_LOGS=recompiles names the guard; mark the changing dimension "
+                  "dynamic, or raise torch._dynamo.config.recompile_limit)")
+    else:
+        reason = "Dynamo produced no graph for this call (the frame was skipped, or every op broke the graph)"
+    if report.ran_eagerly(reason):
+        log.warning("bucketwise: %s ran eagerly: %s", report.target, reason)

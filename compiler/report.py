@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
 import tempfile
+import weakref
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -122,6 +124,10 @@ class Report:
         self.cudagraphs: list[Any] = []
         """:class:`~bucketwise.compiler.cudagraphs.CudaGraphStats` of every wrapped graph (live)."""
         self.notes: list[str] = []
+        self.graph_runs = 0
+        """Calls of this object's compiled graphs (the wrapper every graph is returned in counts)."""
+        self.eager_calls: dict[str, int] = {}
+        """Calls of the compiled object in which no compiled graph ran, by reason."""
         self._alignment_fn: Callable[[], dict[str, Any]] | None = None
         self._slot: tuple[str, int] | None = None
 
@@ -133,6 +139,19 @@ class Report:
 
     def add_cudagraph(self, stats: Any) -> None:
         self.cudagraphs.append(stats)
+
+    def ran_eagerly(self, reason: str) -> bool:
+        """Count a call that ran no compiled graph; True the first time for this reason.
+
+        The rank file is rewritten at the 1st, 2nd, 4th, 8th, ... such call and at interpreter
+        exit, not at every call."""
+        count = self.eager_calls.get(reason, 0) + 1
+        self.eager_calls[reason] = count
+        if count & (count - 1) == 0:
+            self.write_rank_file()
+        else:
+            _write_at_exit(self)
+        return count == 1
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -162,6 +181,7 @@ class Report:
             "fallbacks": sum(1 for g in self.graphs for s in g.segments if s.fell_back),
             "compile_seconds": round(sum(g.compile_seconds for g in self.graphs), 6),
             "alignment": self.alignment,
+            "eager_calls": sum(self.eager_calls.values()),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -177,6 +197,8 @@ class Report:
             "alignment": self.alignment_detail(),
             "graphs": [g.to_dict() for g in self.graphs],
             "cudagraphs": [c.to_dict() for c in self.cudagraphs],
+            "eager_calls": dict(self.eager_calls),
+            "eager_regions": eager_regions(self.graphs),
             "notes": list(self.notes),
         }
 
@@ -212,6 +234,21 @@ class Report:
         folder = out_dir if self._slot[1] == 0 else os.path.join(out_dir, f"obj{self._slot[1]}")
         os.makedirs(folder, exist_ok=True)
         self.to_json(os.path.join(folder, f"rank{rank}.json"))
+
+
+_unwritten: "weakref.WeakSet[Report]" = weakref.WeakSet()
+
+
+def _write_at_exit(report: Report) -> None:
+    if not _unwritten:
+        atexit.register(_write_unwritten)
+    _unwritten.add(report)
+
+
+def _write_unwritten() -> None:
+    for report in list(_unwritten):
+        report.write_rank_file()
+    _unwritten.clear()
 
 
 def _atomic_write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
@@ -295,8 +332,24 @@ def format_table(data: dict[str, Any]) -> str:
             lines.append(f"graph {g['graph_id']}: ended by graph break: {_short_reason(r)}")
         if g.get("recompile_reason"):
             lines.append(f"graph {g['graph_id']}: recompile, guard failed: {g['recompile_reason'][:200]}")
+    lines.extend(f"ran eagerly: {n} call(s): {why}" for why, n in data.get("eager_calls", {}).items())
+    lines.extend(f"runs eagerly between graphs: {r}" for r in data.get("eager_regions", []))
     lines.extend(f"note: {n}" for n in data.get("notes", []))
     return "\n".join(lines)
+
+
+def eager_regions(graphs: list[GraphStats]) -> list[str]:
+    """Code Dynamo leaves to run eagerly between graphs on purpose: ``torch.compiler.disable``d
+    functions and skipped frames, from the graph breaks that name them (once each)."""
+    out: list[str] = []
+    for g in graphs:
+        for r in g.graph_break_reasons:
+            head = r.lower()
+            if "disable" in head or "skip" in head:
+                short = _short_reason(r)
+                if short not in out:
+                    out.append(short)
+    return out
 
 
 def _short_reason(reason: str, limit: int = 160) -> str:

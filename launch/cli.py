@@ -136,7 +136,9 @@ def _cmd_launch(args: argparse.Namespace, raw: list[str], doctor_dir: str | None
     code = launcher.run_torchrun(logs + options + script, stats_dir, extra)
     launcher.summarize(stats_dir)
     if doctor_dir is not None:
-        print("\n".join(doctor.summarize(os.path.join(stats_dir, "doctor"))))
+        eager = stats.eager_summary(stats_dir)
+        print("\n".join(doctor.summarize(os.path.join(stats_dir, "doctor")) + eager
+                        + ([] if eager else ["bucketwise doctor: every compiled object ran its compiled graphs"])))
     if code != 0:
         found = failures.find_failures(os.path.join(stats_dir, "logs")) if logs else []
         print("\n".join(failures.describe(found, code)), file=sys.stderr)

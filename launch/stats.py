@@ -214,6 +214,7 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "alignment": {str(r["rank"]): r["totals"].get("alignment") for r in reports},
         "graph_notes": graph_notes,
         "notes": notes,
+        "eager_calls": {str(r["rank"]): r.get("eager_calls", {}) for r in reports},
     }
 
 
@@ -235,9 +236,39 @@ def format_merged(merged: dict[str, Any]) -> str:
     lines = [_align_merged(rows)]
     lines.append(totals_line(merged))
     lines.extend(merged["graph_notes"])
+    lines.extend(eager_lines(merged))
     lines.extend(f"note: {n}" for n in merged["notes"])
     lines.extend(plan_check_lines(merged))
     return "\n".join(lines)
+
+
+def eager_lines(merged: dict[str, Any]) -> list[str]:
+    """Calls that ran no compiled graph (NOTE [never silently eager]), one line per reason with
+    the ranks and counts."""
+    by_reason: dict[str, list[tuple[str, int]]] = {}
+    for rank, calls in merged.get("eager_calls", {}).items():
+        for reason, n in calls.items():
+            by_reason.setdefault(reason, []).append((rank, n))
+    lines = []
+    for reason, seen in by_reason.items():
+        ranks = ",".join(r for r, _ in seen)
+        lines.append(f"{merged.get('target')} RAN EAGERLY on rank {ranks} ({_span(n for _, n in seen)} call(s)): {reason}")
+    return lines
+
+
+def eager_summary(stats_dir: str) -> list[str]:
+    """:func:`eager_lines` of every compiled object that wrote into a run folder (the first one's
+    ``rank<R>.json`` and the others' ``obj<k>/``)."""
+    folders = [stats_dir] + sorted(
+        os.path.join(stats_dir, d) for d in (os.listdir(stats_dir) if os.path.isdir(stats_dir) else [])
+        if d.startswith("obj") and os.path.isdir(os.path.join(stats_dir, d))
+    )
+    lines = []
+    for folder in folders:
+        reports = load_reports(folder, lambda msg: None) if rank_files(folder) else []
+        if reports:
+            lines += eager_lines(merge(reports))
+    return lines
 
 
 def _align_merged(rows: list[tuple[str, ...]]) -> str:
