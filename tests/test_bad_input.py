@@ -2,7 +2,7 @@
 nothing; soft options that cannot apply (cudagraphs on CPU) only warn. Also: DDP's own errors
 for a bad DDP (raised before bucketwise sees the model), and ranks that disagree (process
 groups of different sizes, different strategies or bucket caps per rank) on 2 gloo processes.
-Each row of the README's "Bad input" table has a test here."""
+Each row of the error table in docs/troubleshooting.md has a test here."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: the session we started
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: the process group we started
         out, _ = proc.communicate()
         pytest.fail(f"benchmark timed out after {timeout} s:\n{out[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)

@@ -60,7 +60,7 @@ def run_dir(tmp_path, monkeypatch):
 
 
 def _run_cli(args: list[str], cwd, timeout: float = JOB_TIMEOUT) -> subprocess.CompletedProcess:
-    """``python -m bucketwise.launch.cli ARGS`` in its own session, killed whole on timeout."""
+    """``python -m bucketwise.launch.cli ARGS`` in its own process group, killed whole on timeout."""
     env = dict(os.environ, BUCKETWISE_PROGRESS="1")
     env.pop("BUCKETWISE_STATS_DIR", None)
     proc = subprocess.Popen([sys.executable, "-m", "bucketwise.launch.cli", *args], cwd=cwd, env=env,

@@ -42,7 +42,7 @@ def _run_together(cmds: list[list[str]], timeout: float) -> list[tuple[int, str]
         except subprocess.TimeoutExpired:
             for p in procs:
                 if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)  # torchrun and its ranks: sessions we started
+                    os.killpg(p.pid, signal.SIGKILL)  # torchrun and its ranks: the process groups we started
             out, _ = proc.communicate()
             pytest.fail(f"benchmark timed out after {timeout} s:\n{out[-4000:]}")
         results.append((proc.returncode, out))

@@ -1,0 +1,240 @@
+"""The performance tables of the docs, generated from ``benchmarks/results/``.
+
+    python3 benchmarks/perf_tables.py            # rewrite the generated sections
+    python3 benchmarks/perf_tables.py --check    # exit 1 if they are not what this would write
+
+Every ``results.jsonl`` under ``benchmarks/results/<folder>/`` (at any depth) is one run of
+``ddp_bench.py``. A folder holds one run, or several of one experiment in sub-folders (the same
+command on several machines, a sweep's bucket caps). For each folder this writes one table: a
+row per config, a column per run, each cell the median step of the slowest rank in ms and its
+ratio to the run's floor (``local``; ``local-ro`` for the CUDA-graph configs when the run has
+it, marked ``ro``), as ``ddp_bench.py`` recorded them. The folder's link text is the first
+heading of its ``README.md``.
+
+- ``docs/performance.md``, between ``<!-- perf-tables:begin -->`` and ``<!-- perf-tables:end -->``:
+  every folder, grouped by hardware (ranks x GPU) and date, newest first.
+- ``README.md``, between ``<!-- perf-current:begin -->`` and ``<!-- perf-current:end -->``: the
+  newest folder of the main model on the main hardware (``MAIN``) that ran ``torch`` and ``local``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from sweep_table import load_run  # noqa: E402
+
+MAIN = {"model": "gpt", "world_size": 2, "net": "default"}
+"""The README's current table: runs of this model, ranks and net, with DDP's default bucket cap."""
+MAIN_CONFIGS = ("local", "torch")
+"""Configs the README's folder must have run (the floor and torch's own DDP compile)."""
+SAME = ("world_size", "device_name", "torch", "net")
+"""Meta fields every run of one folder must share (with the model)."""
+
+PERF_DOC = "docs/performance.md"
+README = "README.md"
+ALL_MARKERS = ("<!-- perf-tables:begin -->", "<!-- perf-tables:end -->")
+CURRENT_MARKERS = ("<!-- perf-current:begin -->", "<!-- perf-current:end -->")
+PROBE_ROW = "all-gradient allreduce"
+"""The last row: ``ddp_bench.py``'s probe, one allreduce of all gradient bytes (the communication floor)."""
+NETS = {"default": "NCCL default transport", "socket": "NCCL over loopback TCP sockets"}
+
+
+@dataclasses.dataclass
+class Run:
+    label: str
+    """Path of the run inside its folder (``run-1``, ``cap-5``), ``""`` for a folder's only run."""
+    meta: dict[str, Any]
+    rows: list[dict[str, Any]]
+
+
+@dataclasses.dataclass
+class Folder:
+    name: str
+    title: str
+    runs: list[Run]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.runs[0].meta
+
+    @property
+    def newest(self) -> str:
+        return max(r.meta["date"] for r in self.runs)
+
+    @property
+    def hardware(self) -> str:
+        return f"{self.meta['world_size']} x {self.meta['device_name']}"
+
+
+def collect(results: Path) -> list[Folder]:
+    """Every folder of ``results`` that holds at least one ``results.jsonl``."""
+    folders = []
+    for folder in sorted(p for p in results.iterdir() if p.is_dir()):
+        runs = []
+        for path in sorted(folder.rglob("results.jsonl")):
+            meta, rows = load_run(str(path.parent))
+            label = "" if path.parent == folder else path.parent.relative_to(folder).as_posix()
+            runs.append(Run(label, meta, rows))
+        if not runs:
+            continue
+        runs.sort(key=lambda r: (r.meta["date"], r.label))
+        differ = [k for k in (*SAME, "model") if any(_field(r.meta, k) != _field(runs[0].meta, k) for r in runs)]
+        if differ:
+            raise SystemExit(f"perf_tables.py: error: the runs of {folder} differ in {', '.join(differ)}; "
+                             "put runs of other hardware, software, model or net in a folder of their own")
+        folders.append(Folder(folder.name, _title(folder), runs))
+    return folders
+
+
+def _field(meta: dict[str, Any], key: str) -> Any:
+    return meta["model"]["model"] if key == "model" else meta.get(key)
+
+
+def _title(folder: Path) -> str:
+    readme = folder / "README.md"
+    if readme.exists():
+        for line in readme.read_text().splitlines():
+            if line.startswith("# "):
+                return line[2:].strip()
+    return folder.name
+
+
+def _cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return "-"
+    if row.get("status") != "ok":
+        return str(row.get("status", "-"))
+    ratio = row.get("floor_ratio")
+    if ratio is None:
+        return f"{row['median_ms']:.2f}"
+    mark = " ro" if row.get("floor_config") == "local-ro" else ""
+    return f"{row['median_ms']:.2f} ({ratio:.2f}x{mark})"
+
+
+def _configs(runs: Sequence[Run]) -> list[str]:
+    """Every config of the runs, in the order they first ran; a repeat (``bw-fused#2``) right
+    after its config."""
+    seen: list[str] = []
+    for run in runs:
+        seen += [r["config"] for r in run.rows if r["config"] not in seen]
+    bases = [c for c in seen if "#" not in c]
+    base_of = lambda c: c.split("#")[0]  # noqa: E731
+    return sorted(seen, key=lambda c: (bases.index(base_of(c)) if base_of(c) in bases else len(bases), c))
+
+
+def _run_header(run: Run, single: bool) -> str:
+    cap = run.meta.get("bucket_cap_mb")
+    head = "step ms (x floor)" if single else f"`{run.label}`"
+    return head + (f", cap {cap:g} MiB" if cap is not None else "")
+
+
+def folder_table(folder: Folder, link: str) -> list[str]:
+    """The caption and table of one folder; ``link`` points at the folder from the page."""
+    m = folder.meta
+    model = m["model"]
+    steps = sorted({r.meta["steps"] for r in folder.runs})
+    caption = (
+        f"[{folder.title}]({link}): {folder.hardware}, torch {m['torch']}, model `{model['model']}` "
+        f"({model['params']:,} parameters), {NETS.get(m['net'], m['net'])}, {folder.newest[:10]}; "
+        f"{'/'.join(map(str, steps))} timed steps"
+    )
+    single = len(folder.runs) == 1
+    lines = [caption, "", "| config | " + " | ".join(_run_header(r, single) for r in folder.runs) + " |",
+             "| --- |" + " ---: |" * len(folder.runs)]
+    for config in _configs(folder.runs):
+        cells = [_cell(next((r for r in run.rows if r["config"] == config), None)) for run in folder.runs]
+        lines.append(f"| `{config}` | " + " | ".join(cells) + " |")
+    probes = [(r.meta.get("allreduce_probe") or {}).get("median_ms") for r in folder.runs]
+    if any(p is not None for p in probes):
+        lines.append(f"| {PROBE_ROW} | " + " | ".join("-" if p is None else f"{p:.2f}" for p in probes) + " |")
+    return lines
+
+
+def all_tables(folders: Sequence[Folder], link_root: str) -> str:
+    """Every folder, grouped by hardware (fewest ranks first), then date (newest first)."""
+    lines: list[str] = []
+    by_hw: dict[str, list[Folder]] = {}
+    for f in sorted(folders, key=lambda f: (f.meta["world_size"], f.meta["device_name"])):
+        by_hw.setdefault(f.hardware, []).append(f)
+    for hardware, group in by_hw.items():
+        lines += [f"### {hardware}", ""]
+        dates = sorted({f.newest[:10] for f in group}, reverse=True)
+        for date in dates:
+            lines += [f"#### {hardware}, {date}", ""]
+            for f in sorted((f for f in group if f.newest[:10] == date), key=lambda f: (f.newest, f.name), reverse=True):
+                lines += folder_table(f, f"{link_root}{f.name}/") + [""]
+    return "\n".join(lines).rstrip("\n")
+
+
+def current_folder(folders: Sequence[Folder]) -> Folder | None:
+    """The newest folder of ``MAIN`` with the default bucket cap that ran ``MAIN_CONFIGS``."""
+    def main(f: Folder) -> bool:
+        return (
+            all(_field(f.meta, k) == v for k, v in MAIN.items())
+            and all(r.meta.get("bucket_cap_mb") is None for r in f.runs)
+            and set(MAIN_CONFIGS) <= set(_configs(f.runs))
+        )
+
+    candidates = [f for f in folders if main(f)]
+    return max(candidates, key=lambda f: f.newest) if candidates else None
+
+
+def current_table(folders: Sequence[Folder], link_root: str) -> str:
+    folder = current_folder(folders)
+    if folder is None:
+        return f"(no results of {MAIN} under benchmarks/results/)"
+    return "\n".join(folder_table(folder, f"{link_root}{folder.name}/"))
+
+
+def replace_between(text: str, markers: tuple[str, str], body: str, where: str) -> str:
+    begin, end = markers
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise SystemExit(f"perf_tables.py: error: {where} needs one {begin} line, then one {end} line")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
+def generated(root: Path) -> dict[Path, str]:
+    """The new text of each generated file."""
+    folders = collect(root / "benchmarks" / "results")
+    out = {}
+    for name, markers, body in (
+        (PERF_DOC, ALL_MARKERS, all_tables(folders, "../benchmarks/results/")),
+        (README, CURRENT_MARKERS, current_table(folders, "benchmarks/results/")),
+    ):
+        path = root / name
+        out[path] = replace_between(path.read_text(), markers, body, name)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0].replace("``", ""))
+    p.add_argument("--check", action="store_true", help="exit 1 if a generated section is not current; write nothing")
+    p.add_argument("--root", default=str(Path(__file__).resolve().parent.parent),
+                   help="repository root (default: the one holding this script)")
+    args = p.parse_args(argv)
+    stale = []
+    for path, text in generated(Path(args.root)).items():
+        if path.read_text() == text:
+            continue
+        stale.append(path)
+        if not args.check:
+            path.write_text(text)
+            print(f"wrote {path}")
+    if args.check and stale:
+        print("perf_tables.py: not current: " + ", ".join(map(str, stale))
+              + "; run python3 benchmarks/perf_tables.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
