@@ -1,4 +1,4 @@
-"""Benchmark models on synthetic data: ``gpt``, ``gpt-tiny``, ``convnet``, ``mlp``.
+"""Benchmark models on synthetic data: ``gpt``, ``gpt-medium``, ``gpt-tiny``, ``convnet``, ``mlp``.
 
 Each model is a :class:`ModelSpec`: default sizes, which size flags apply, how to build the
 module, a fixed synthetic batch per rank and the loss of one forward. The size flags are shared
@@ -28,11 +28,14 @@ SIZE_MEANING = {
     "mlp": {"layers": "linear layers (depth)", "d_model": "hidden width", "batch": "samples per rank",
             "vocab": "output classes"},
 }
-SIZE_MEANING["gpt-tiny"] = SIZE_MEANING["gpt"]
+SIZE_MEANING["gpt-tiny"] = SIZE_MEANING["gpt-medium"] = SIZE_MEANING["gpt"]
 
 DEFAULT_SIZES = {
     # GPT-2 small (124M shape, untied head): GPTConfig.gpt2_small().
     "gpt": {"layers": 12, "d_model": 768, "heads": 12, "seq": 1024, "batch": 8, "vocab": 50304},
+    # GPT-2 medium's shape (24 layers, d 1024, 16 heads; about 406M parameters with the untied
+    # head), batch 4 x 1024: twice gpt's gradient bytes per step.
+    "gpt-medium": {"layers": 24, "d_model": 1024, "heads": 16, "seq": 1024, "batch": 4, "vocab": 50304},
     # A small GPT with the real GPT-2 vocabulary: head/embedding dominate the gradient bytes.
     "gpt-tiny": {"layers": 6, "d_model": 256, "heads": 4, "seq": 128, "batch": 4, "vocab": 50304},
     # ResNet-18-like for 32x32 images (CIFAR shape): 3 stages of 2 basic blocks, BatchNorm.
@@ -167,7 +170,7 @@ def check_overrides(model: str, overrides: dict[str, int | None]) -> None:
 def make_spec(model: str, overrides: dict[str, int | None]) -> ModelSpec:
     check_overrides(model, overrides)
     sizes = {**DEFAULT_SIZES[model], **{k: v for k, v in overrides.items() if v is not None}}
-    if model in ("gpt", "gpt-tiny"):
+    if model in ("gpt", "gpt-medium", "gpt-tiny"):
         if sizes["d_model"] % sizes["heads"]:
             raise ValueError(f"--d-model ({sizes['d_model']}) must be a multiple of --heads ({sizes['heads']})")
         return _gpt_spec(model, sizes)
