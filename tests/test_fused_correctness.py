@@ -255,7 +255,8 @@ def _rank_dependent(rank: int, world: int) -> str:
 
     torch.manual_seed(0)
     compiled = bucketwise.compile(
-        DDP(RankDependent(rank), bucket_cap_mb=0.001, find_unused_parameters=True), backend="aot_eager"
+        DDP(RankDependent(rank), bucket_cap_mb=0.001, find_unused_parameters=True), backend="aot_eager",
+        strategy="fused",  # auto runs split here (find_unused_parameters), which handles it: tests/test_feature_matrix.py
     )
     try:
         compiled(torch.randn(4, 16)).sum().backward()
@@ -275,6 +276,7 @@ def test_fused_rank_mismatch_raises_on_every_rank(tmp_path):
         assert "fused bucket layout differs between ranks" in msg, msg
         assert "rank 0 has" in msg and "rank 1 has" in msg, msg
         assert "a.weight" in msg or "a.bias" in msg, msg  # the differing bucket is named
+        assert "strategy='split'" in msg, msg  # and the strategy that supports it
 
 
 class Switchable(nn.Module):
