@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from . import job_stats
+
 STATS_DIR_ENV = "BUCKETWISE_STATS_DIR"
 SCHEMA_VERSION = 1
 
@@ -216,7 +218,8 @@ class Report:
         )
 
     def write_rank_file(self) -> None:
-        """``$BUCKETWISE_STATS_DIR/rank<R>.json``, written whole then renamed (never torn).
+        """``$BUCKETWISE_STATS_DIR/rank<R>.json``, written whole then renamed (never torn), and
+        sent to rank 0 through the job's store (NOTE [job-wide stats]).
 
         The first compiled object of a process that writes into a stats folder owns
         ``rank<R>.json``; further ones (a second model, an eval copy) write
@@ -233,7 +236,10 @@ class Report:
             self._slot = (key, index)
         folder = out_dir if self._slot[1] == 0 else os.path.join(out_dir, f"obj{self._slot[1]}")
         os.makedirs(folder, exist_ok=True)
-        self.to_json(os.path.join(folder, f"rank{rank}.json"))
+        path = os.path.join(folder, f"rank{rank}.json")
+        data = self.to_dict()
+        _atomic_write_json(path, data)
+        job_stats.publish(out_dir, os.path.relpath(path, out_dir), data)
 
 
 _unwritten: "weakref.WeakSet[Report]" = weakref.WeakSet()
