@@ -41,8 +41,9 @@ class BucketTime:
     """What the report plans each rank to send (after compression; rows and ids of a gathered
     embedding table)."""
     measured_bytes: int | None
-    """What the trace shows each rank sending per call, where it says."""
+    """What the trace shows this rank sending per step, where it says."""
     calls: float
+    """Collectives per step (a table looked up twice is gathered twice)."""
     comm_ms: float
     overlapped_ms: float
     exposed_ms: float
@@ -169,7 +170,7 @@ def _row(b: ta.PlannedBucket | None, comm: list[ta.Collective], compute: list[ta
         collective=b.kind if b is not None else ("/".join(kinds) or "-"),
         params=None if b is None else b.params, grad_bytes=None if b is None else b.grad_bytes,
         wire_bytes=None if b is None else b.wire_bytes,
-        measured_bytes=sum(sizes) // len(sizes) if sizes else None,
+        measured_bytes=sum(sizes) // steps if sizes else None,
         calls=round(len(comm) / steps, 3), comm_ms=total / 1e3 / steps, overlapped_ms=over / 1e3 / steps,
         exposed_ms=(total - over) / 1e3 / steps,
     )

@@ -21,7 +21,9 @@ gradient bytes under ``split``, where DDP's reducer sends its buckets unchanged)
 collective is matched by its kind (all-reduce or all-gather) and bytes (elements x dtype size)
 to the buckets with that signature; buckets sharing one (equal-sized buckets) take the
 collectives in turn, in the order they are issued in a backward (later graphs first, then
-bucket index), which is exact while every step runs each of them once. A collective matching no
+bucket index), which is exact while every step runs each of them once. A table looked up several
+times is gathered once per lookup (its wire bytes are their sum): all-gathers of no bucket's size
+go to the one gathered table that matched nothing else, if there is one. A collective matching no
 bucket (the fused runtime's eager reductions, a user's own all_reduce of the loss, a ``split``
 bucket under a compressing comm hook) is counted as "other".
 """
@@ -349,6 +351,13 @@ def attribute(comm: Sequence[Collective], buckets: Sequence[PlannedBucket]) -> t
         seen[key] = n + 1
         group = groups[key]
         matched[group[n % len(group)]].append(c)
+    # A table read by several lookups is gathered once per lookup, each a part of its wire
+    # bytes: all-gathers of no bucket's size go to the one gathered table left without any.
+    gathers = [i for i, b in enumerate(buckets) if b.kind == "all_gather" and not matched[i]]
+    if len(gathers) == 1:
+        parts = {id(c): c for c in other if c.kind == "all_gather" and c.nbytes is not None}
+        matched[gathers[0]] = list(parts.values())
+        other = [c for c in other if id(c) not in parts]
     return matched, other
 
 

@@ -8,10 +8,12 @@ Each rank's :class:`bucketwise.Report` writes ``$BUCKETWISE_STATS_DIR/rank<R>.js
 "compile_seconds": {"min", "median", "max", "per_rank"}, "backends", "fallback_ranks",
 "fallback_reasons"}], "plan_differences": [{"rank", "reference_rank", "graph_id", "part",
 "index", "difference"}], "totals": {"<rank>": {...}},
-"alignment": {"<rank>": float | None}, "graph_notes": [...], "notes": [...]}``
+"alignment": {"<rank>": float | None}, "graph_notes": [...], "notes": [...], "eager_calls": {...},
+"buckets": [{"graph_id", "index", "params", "bytes", "collective", "comm_dtype", "wire_bytes",
+"issued_at"}]}``
 
-Per-segment sizes (params, bytes, ops) are the reference rank's (the lowest rank present);
-ranks whose bucket plan differs from it are listed in ``plan_differences``.
+Per-segment sizes (params, bytes, ops) and the buckets are the reference rank's (the lowest rank
+present); ranks whose bucket plan differs from it are listed in ``plan_differences``.
 """
 
 from __future__ import annotations
@@ -219,7 +221,19 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "graph_notes": graph_notes,
         "notes": notes,
         "eager_calls": {str(r["rank"]): r.get("eager_calls", {}) for r in reports},
+        "buckets": _bucket_rows(ref),
     }
+
+
+def _bucket_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The training graphs' planned buckets of one rank, with what each sends on the wire."""
+    return [
+        {"graph_id": g["graph_id"], "index": b["index"], "params": len(b["params"]), "bytes": b["bytes"],
+         "collective": b.get("collective"), "comm_dtype": b.get("comm_dtype"), "wire_bytes": b.get("wire_bytes"),
+         "issued_at": b.get("issued_at")}
+        for g in report["graphs"] if not g.get("variant")
+        for b in g.get("buckets") or [] if isinstance(b, dict) and "index" in b and "bytes" in b
+    ]
 
 
 # -- text ----------------------------------------------------------------------------------
@@ -238,12 +252,31 @@ def format_merged(merged: dict[str, Any]) -> str:
             "/".join(s["backends"]), _fallback_cell(s, n_ranks),
         ))
     lines = [_align_merged(rows)]
+    lines.extend(wire_lines(merged))
     lines.append(totals_line(merged))
     lines.extend(merged["graph_notes"])
     lines.extend(eager_lines(merged))
     lines.extend(f"note: {n}" for n in merged["notes"])
     lines.extend(plan_check_lines(merged))
     return "\n".join(lines)
+
+
+def wire_lines(merged: dict[str, Any]) -> list[str]:
+    """The buckets whose collective is in the compiled graphs (``fused``): what each sends on
+    the wire per step and rank, against its gradient bytes (compression, embedding rows)."""
+    buckets = [b for b in merged.get("buckets", []) if b.get("wire_bytes") is not None]
+    if not buckets:
+        return []
+    rows = [("graph", "bucket", "params", "grad MiB", "collective", "comm dtype", "wire MiB")]
+    rows += [(str(b["graph_id"]), str(b["index"]), str(b["params"]), f"{b['bytes'] / 2**20:.2f}",
+              b["collective"] or "all_reduce", b["comm_dtype"] or "-", f"{b['wire_bytes'] / 2**20:.2f}") for b in buckets]
+    grad, wire = sum(b["bytes"] for b in buckets), sum(b["wire_bytes"] for b in buckets)
+    saved = f", {1 - wire / grad:.0%} less" if grad and wire < grad else ""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    table = ["  ".join(c.ljust(w) if i in (4, 5) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+             for r in rows]
+    return ["", *table, f"on the wire per step and rank: {wire / 2**20:.2f} MiB for {grad / 2**20:.2f} MiB of "
+            f"gradients{saved}", ""]
 
 
 def eager_lines(merged: dict[str, Any]) -> list[str]:
