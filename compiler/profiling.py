@@ -32,11 +32,10 @@ import weakref
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from . import job_stats
 from . import trace_analysis as ta
-from .report import STATS_DIR_ENV, Report, _atomic_write_json, report
+from .report import STATS_DIR_ENV, Report, _atomic_write_json, rank_and_world, report
 from .runtime_view import STEP_MARK, RuntimeView, analyze, plot_timeline
 
 log = logging.getLogger(__name__)
@@ -116,7 +115,7 @@ class Profile:
     def _stop(self, notes: tuple[str, ...] = ()) -> RuntimeView:
         """Stop profiling; write the trace, the view (``runtime-rank<R>.json``) and the plot."""
         elapsed = self._halt()
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = rank_and_world()[0]
         os.makedirs(self.out_dir, exist_ok=True)
         trace = os.path.join(self.out_dir, f"runtime-rank{rank}.trace.json")
         self._prof.export_chrome_trace(trace)

@@ -81,7 +81,7 @@ def _agent(stats_dir, port: int, cwd) -> subprocess.Popen:
     env = dict(os.environ, BUCKETWISE_PROGRESS="0", OMP_NUM_THREADS="1")
     env.pop("BUCKETWISE_STATS_DIR", None)
     cmd = [sys.executable, "-m", "bucketwise.launch.cli", "launch", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--profile-steps", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--profile-steps", "3",
            "--stats-dir", str(stats_dir), "train.py"]
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -125,10 +125,11 @@ def test_two_agents_print_one_job_wide_table(tmp_path):
     assert "no report from rank" not in out0 + results[node0][2]
     assert "bucket plans: identical on all 2 ranks" in out0, out0
     assert f"gathered through the job's store: rank(s) 1 from {socket.gethostname()}:{away}" in out0, out0
-    # ... and both ranks' runtime views, two profiled steps each, every bucket a row.
-    assert "runtime per bucket" in out0, out0
+    # ... and both ranks' runtime views: 3 warm-up steps, then the last 3 steps, whose profile
+    # ends at exit, after destroy_process_group(); every bucket a row.
+    assert "median over 2 rank(s)" in out0, out0
     for rank in (0, 1):
-        assert f"rank {rank}: 2 profiled step(s)" in out0, out0
+        assert f"rank {rank}: 3 profiled step(s)" in out0, out0
     buckets = json.loads((home / "rank0.json").read_text())["graphs"][0]["buckets"]
     assert len(buckets) >= 2
     rows = [line.split() for line in out0.split("runtime per bucket")[1].splitlines()[2:2 + len(buckets)]]
