@@ -67,6 +67,8 @@ class Profile:
         self.view: RuntimeView | None = None
         self._prof: Any = None
         self._t0 = 0.0
+        self._marks: list[float] = []
+        """``perf_counter()`` at the first and the latest step start."""
 
     def __enter__(self) -> Profile:
         self._start()
@@ -101,27 +103,40 @@ class Profile:
 
     def _mark_step(self) -> None:
         self.steps += 1
+        self._marks[1:] = [time.perf_counter()]
+        if len(self._marks) == 1:
+            self._marks.append(self._marks[0])
         with torch.profiler.record_function(STEP_MARK):
             pass
 
     def _halt(self) -> float:
         global _running
         _sync()
-        elapsed = time.perf_counter() - self._t0
+        end = time.perf_counter()
         self._prof.stop()
         _running = None
-        return elapsed
+        return end
 
-    def _stop(self, notes: tuple[str, ...] = ()) -> RuntimeView:
+    def _step_ms(self, end: float, last_step_open: bool) -> float:
+        """Wall time per step: from the first step's start to ``end``; when the last step's end
+        is not known (a profile closed at exit), between the first and the last step's start."""
+        if not self._marks:
+            return (end - self._t0) * 1e3
+        first, last = self._marks
+        if last_step_open and self.steps > 1:
+            return (last - first) * 1e3 / (self.steps - 1)
+        return (end - first) * 1e3 / self.steps
+
+    def _stop(self, notes: tuple[str, ...] = (), *, last_step_open: bool = False) -> RuntimeView:
         """Stop profiling; write the trace, the view (``runtime-rank<R>.json``) and the plot."""
-        elapsed = self._halt()
+        end = self._halt()
         rank = rank_and_world()[0]
         os.makedirs(self.out_dir, exist_ok=True)
         trace = os.path.join(self.out_dir, f"runtime-rank{rank}.trace.json")
         self._prof.export_chrome_trace(trace)
         steps = max(1, self.steps)
-        view = analyze(ta.load_trace(trace), self._report.to_dict(), steps=steps, step_ms=elapsed * 1e3 / steps,
-                       host=socket.gethostname())
+        view = analyze(ta.load_trace(trace), self._report.to_dict(), steps=steps,
+                       step_ms=self._step_ms(end, last_step_open), host=socket.gethostname())
         view.trace_path = trace
         view.notes.extend(notes)
         if self.steps == 0:
@@ -222,12 +237,13 @@ class _AutoProfile:
         self.first_step = self.calls
         atexit.register(stop_at_exit)
 
-    def finish(self) -> None:
+    def finish(self, *, at_exit: bool = False) -> None:
         session, self.session, self.done = self.session, None, True
         if session is None:
             return
         short = session.steps < self.steps
-        view = session._stop((f"the job ended after {session.steps} of the {self.steps} steps asked for",) if short else ())
+        notes = (f"the job ended after {session.steps} of the {self.steps} steps asked for",) if short else ()
+        view = session._stop(notes, last_step_open=at_exit)
         last = self.first_step + session.steps - 1
         if view.rank == 0:
             where = "printed at the end of the job" if os.environ.get(STATS_DIR_ENV) else f"in {session.out_dir}"
@@ -287,6 +303,6 @@ def stop_at_exit() -> None:
     """Close a profile ``$BUCKETWISE_PROFILE_STEPS`` started that the job did not run to its end."""
     if _auto is not None and _auto.session is not None:
         try:
-            _auto.finish()
+            _auto.finish(at_exit=True)
         except Exception as exc:  # noqa: BLE001 - at exit: say it, do not mask the job's own outcome
             log.warning("bucketwise: the runtime profile could not be written at exit: %s: %s", type(exc).__name__, exc)

@@ -309,3 +309,75 @@ def test_cpu_trace_host_compute_excludes_waits():
     (b,) = view.buckets
     assert (b.measured_bytes, b.comm_ms, b.overlapped_ms, b.exposed_ms) == (128, 0.2, 0.1, 0.1)
     assert view.timeline["nccl"] == [[0.2, 0.4, "b0"]] and view.timeline["compute"] == [[0.0, 0.3]]
+
+
+# -- what the launchers print, from the files ------------------------------------------------
+
+
+def _rank_file(folder, rank: int, world: int) -> None:
+    from bucketwise.compiler.report import GraphStats, Report, SegmentStats
+
+    rep = Report(target="DDP(MLP)", strategy="split", backend="aot_eager")
+    rep.graphs.append(GraphStats(graph_id=0, compile_id="0/0", strategy="split", strategy_reason=None,
+                                 graph_break_reasons=[], recompile=False, op_count=3, higher_order_ops=[],
+                                 segments=[SegmentStats(index=0, params=["w"], bytes=4, op_count=3,
+                                                        compile_seconds=1.0, backend="aot_eager")]))
+    data = rep.to_dict()
+    data.update(rank=rank, world_size=world)
+    folder.mkdir(exist_ok=True)
+    (folder / f"rank{rank}.json").write_text(json.dumps(data))
+
+
+def test_what_each_launcher_prints_from_the_gathered_files(tmp_path, capsys, monkeypatch):
+    from bucketwise.launch import cli, launcher
+
+    monkeypatch.delenv("BUCKETWISE_STATS_DIR", raising=False)
+    home, away = tmp_path / "home", tmp_path / "away"
+    for r in range(3):
+        _rank_file(home, r, 4)  # rank 1 and 2 came through the store, rank 3 never did
+    _rank_file(away, 1, 4)
+    folders = {"0": str(home), "1": str(away), "2": str(away)}
+    (home / "job.json").write_text(json.dumps({
+        "schema": 1, "world_size": 4, "gathered_by": {"rank": 0, "host": "h0", "stats_dir": str(home)},
+        "ranks": {r: {"host": "h0" if d == str(home) else "h1", "stats_dir": d, "final": r != "2"}
+                  for r, d in folders.items()},
+        "not_final": [2], "missing": [3], "waited_s": 60.0}))
+    (away / "job.json").write_text(json.dumps({
+        "schema": 1, "world_size": 4, "gathered_by": {"rank": 0, "host": "h0", "stats_dir": str(home)}}))
+
+    assert launcher.summarize(str(home))
+    out = capsys.readouterr().out
+    assert "ranks 3 of 4" in out and "no report from rank(s) 3" in out, out
+    assert f"gathered through the job's store: rank(s) 1-2 from h1:{away}" in out, out
+    assert "rank(s) 2 sent no final report within 60 s of rank 0's end" in out, out
+    assert "nothing from rank(s) 3 reached the job's store" in out, out
+
+    assert launcher.summarize(str(away))
+    out = capsys.readouterr().out
+    assert "compile s min" not in out and f"rank(s) 1 of 4 wrote their files into {away}" in out, out
+    assert f"printed by `bucketwise launch` on h0, the node that ran rank 0, from {home}" in out, out
+
+    # Copies of every node's folder merge by hand when rank 0 gathered nothing.
+    assert cli.main(["stats", str(away), str(home)]) == 0
+    out = capsys.readouterr()
+    assert "ranks 3 of 4" in out.out and "two files for rank 1; keeping the first" in out.err, out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["launch", "--profile-steps", "0", "t.py"], "--profile-steps: expected a positive integer, got '0'"),
+    (["launch", "--profile-steps", "2", "--profile-warmup", "soon", "t.py"],
+     "--profile-warmup: expected 'auto' or an integer >= 0, got 'soon'"),
+])
+def test_profile_flags_are_checked(argv, message, capsys):
+    from bucketwise.launch import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_profile_environment_is_checked(monkeypatch):
+    monkeypatch.setenv("BUCKETWISE_PROFILE_STEPS", "five")
+    compiled = bucketwise.compile(nn.Linear(4, 4), backend="aot_eager")
+    with pytest.raises(ValueError, match=r"\$BUCKETWISE_PROFILE_STEPS='five': expected an integer >= 1"):
+        compiled(torch.randn(2, 4))
