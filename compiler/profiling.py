@@ -103,9 +103,8 @@ class Profile:
 
     def _mark_step(self) -> None:
         self.steps += 1
-        self._marks[1:] = [time.perf_counter()]
-        if len(self._marks) == 1:
-            self._marks.append(self._marks[0])
+        now = time.perf_counter()
+        self._marks = [self._marks[0] if self._marks else now, now]
         with torch.profiler.record_function(STEP_MARK):
             pass
 
