@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from bucketwise.compiler import trace_analysis
 from bucketwise.compiler.trace_analysis import (  # noqa: F401 - the harness's names for them
-    intersection_length, is_nccl, kernels, length, load_trace, merge, overlap_from_events,
+    intersection_length, load_trace, merge, overlap_from_events,
 )
 
 STEP_RANGE = "bench_step"
