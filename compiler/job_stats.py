@@ -28,8 +28,10 @@ its own folder, where node 0's launcher prints the job-wide table from:
   folder, so its node's launcher says where the job-wide table is instead of printing a partial
   one.
 
-A node that dies loses nothing already published: its ranks' last reports reach rank 0's folder.
-If node 0 itself dies (or rank 0 is killed), no job-wide table is written; each node's folder
+A node that dies loses nothing already published: its ranks' last reports reach rank 0's folder,
+as long as rank 0 still ends by itself (an error from the collective the dead peer left, say). If
+node 0 itself dies, or rank 0 is killed (a watchdog's abort), no job-wide table is written; each
+node's folder
 still holds its own ranks' files (``bucketwise stats DIR1 DIR2`` merges copies of them).
 Nothing is published without an initialised process group of more than one rank.
 """
@@ -142,16 +144,19 @@ def finish() -> None:
     from . import profiling
     from . import report as _report
 
-    profiling.stop_at_exit()
-    _report._write_unwritten()  # eager-call counts not yet written: they publish too
-    pub.finished = True
-    pub.send(final=True)
-    if pub.broken:
-        return
-    if pub.rank == 0:
-        _gather(pub, wait_s=0.0 if _exiting_on_exception() else _gather_timeout())
-    else:
-        _point_at_rank0(pub)
+    try:
+        profiling.stop_at_exit()
+        _report._write_unwritten()  # eager-call counts not yet written: they publish too
+        pub.finished = True
+        pub.send(final=True)
+        if pub.broken:
+            return
+        if pub.rank == 0:
+            _gather(pub, wait_s=0.0 if _exiting_on_exception() else _gather_timeout())
+        else:
+            _point_at_rank0(pub)
+    except Exception as exc:  # noqa: BLE001 - at exit: say it, never mask the job's own end
+        log.warning("bucketwise: the job-wide stats were not completed: %s: %s", type(exc).__name__, exc)
 
 
 def _gather_timeout() -> float:
@@ -215,10 +220,8 @@ def _write_if_absent(stats_dir: str, rel: str, data: Any) -> None:
         log.warning("bucketwise: ignoring a gathered file outside the stats folder: %s", rel)
         return
     path = os.path.join(stats_dir, rel)
-    if os.path.exists(path):
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    _write_json(path, data)
+    if not os.path.exists(path):
+        _write_json(path, data)
 
 
 def _point_at_rank0(pub: _Publisher) -> None:
@@ -244,6 +247,7 @@ def _write_json(path: str, data: Any) -> None:
     from .report import _atomic_write_json
 
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         _atomic_write_json(path, data)
     except OSError as exc:
         log.warning("bucketwise: could not write %s: %s", path, exc)
