@@ -5,12 +5,16 @@ Public API (kept small on purpose):
 - :func:`bucketwise.compile` -- compile a DDP module, a plain module or a function.
 - :func:`bucketwise.report` -- per-graph / per-bucket compile statistics of a compiled object.
 - :func:`bucketwise.freeze` -- no new compile from now on (a recompile raises or runs eagerly).
+- :func:`bucketwise.profile` -- per-bucket communication time (overlapped, exposed) and bytes on
+  the wire of some training steps, with a Chrome trace and a timeline plot (:class:`RuntimeView`).
 - the ``bucketwise`` command (``launch``, ``doctor``, ``stats``, ``demo``, ``--version``).
 """
 
 from .compiler.api import compile
 from .compiler.freeze import freeze
+from .compiler.profiling import profile
 from .compiler.report import Report, report
+from .compiler.runtime_view import RuntimeView
 
-__all__ = ["compile", "report", "freeze", "Report"]
+__all__ = ["compile", "report", "freeze", "profile", "Report", "RuntimeView"]
 __version__ = "0.1.0"

@@ -1,16 +1,15 @@
 """Measurements: step timing, the allreduce bandwidth probe, cross-rank reduction, and the
 communication/compute overlap read from a ``torch.profiler`` chrome trace.
 
-Trace parsing works on the exported chrome-trace JSON (stable across torch versions): kernel
-events have ``"cat": "kernel"``, ``ts``/``dur`` in microseconds and ``args.correlation``; the CPU
-launch call (``cuda_runtime``/``cuda_driver``) carries the same correlation id, which places each
-kernel in the CPU-side ``record_function`` range (``bench_step``/``bench_backward``) that launched it.
+The trace analysis is the package's (``bucketwise.compiler.trace_analysis``, which
+``bucketwise.profile`` and ``bucketwise launch --profile-steps`` use too); the harness places
+each kernel in the CPU-side ``record_function`` range (``bench_step``/``bench_backward``) that
+launched it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 import time
@@ -19,11 +18,13 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from bucketwise.compiler import trace_analysis
+from bucketwise.compiler.trace_analysis import (  # noqa: F401 - the harness's names for them
+    intersection_length, load_trace, merge, overlap_from_events,
+)
+
 STEP_RANGE = "bench_step"
 BACKWARD_RANGE = "bench_backward"
-LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
-
-Interval = tuple[float, float]
 
 
 # -- timing -------------------------------------------------------------------------------
@@ -143,134 +144,13 @@ def allreduce_probe(numel: int, device: torch.device, iters: int) -> dict[str, A
             "algbw_gbps": nbytes / (ms / 1e3) / 1e9, "busbw_gbps": busbw}
 
 
-# -- intervals ----------------------------------------------------------------------------
-
-
-def merge(intervals: Iterable[Interval]) -> list[Interval]:
-    """Union of intervals as a sorted list of disjoint intervals."""
-    out: list[list[float]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
-
-
-def length(intervals: Sequence[Interval]) -> float:
-    return sum(e - s for s, e in intervals)
-
-
-def intersection_length(a: Sequence[Interval], b: Sequence[Interval]) -> float:
-    """Length of the intersection of two merged (sorted, disjoint) interval lists."""
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
 # -- chrome trace -------------------------------------------------------------------------
 
 
-def is_nccl(name: str) -> bool:
-    return "nccl" in name.lower()
-
-
-def load_trace(path: str) -> list[dict[str, Any]]:
-    with open(path) as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
-
-
-def kernels(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [e for e in events if e.get("cat") == "kernel" and e.get("ph", "X") == "X" and "dur" in e]
-
-
-def overlap_from_events(events: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
-    """NCCL kernel time, the part of it that overlapped non-NCCL kernels, and the exposed part
-    per step, over all kernels of a trace of ``steps`` training steps (times in ms)."""
-    nccl, compute = [], []
-    for k in kernels(events):
-        interval = (float(k["ts"]), float(k["ts"]) + float(k["dur"]))
-        (nccl if is_nccl(k.get("name", "")) else compute).append(interval)
-    nccl_m, compute_m = merge(nccl), merge(compute)
-    total = length(nccl_m) / 1e3
-    overlapped = intersection_length(nccl_m, compute_m) / 1e3
-    return {
-        "profiled_steps": steps,
-        "nccl_kernels": len(nccl),
-        "compute_kernels": len(compute),
-        "nccl_ms": total,
-        "overlapped_ms": overlapped,
-        "compute_ms": length(compute_m) / 1e3,
-        "nccl_ms_per_step": total / steps,
-        "overlapped_ms_per_step": overlapped / steps,
-        "exposed_ms_per_step": (total - overlapped) / steps,
-    }
-
-
-def _ranges(events: Sequence[dict[str, Any]], name: str) -> list[Interval]:
-    out = [
-        (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-        for e in events
-        if e.get("cat") == "user_annotation" and e.get("name") == name and "dur" in e
-    ]
-    return sorted(out)
-
-
-def _launch_times(events: Sequence[dict[str, Any]]) -> dict[Any, float]:
-    out = {}
-    for e in events:
-        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
-            out[e["args"]["correlation"]] = float(e["ts"])
-    return out
-
-
-def _launch_of(kernel: dict[str, Any], launch: dict[Any, float]) -> float:
-    return launch.get(kernel.get("args", {}).get("correlation"), math.nan)
-
-
 def backward_timeline(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The kernels of the last profiled backward pass (kernels launched inside the last
-    ``bench_backward`` CPU range), as merged compute intervals and one interval per NCCL kernel,
-    in ms from the first of them. Falls back to all kernels if the ranges cannot be matched."""
-    ks = kernels(events)
-    window = "backward of the last profiled step"
-    ranges = _ranges(events, BACKWARD_RANGE)
-    launch = _launch_times(events)
-    picked = []
-    if ranges and launch:
-        lo, hi = ranges[-1]
-        picked = [k for k in ks if lo <= _launch_of(k, launch) <= hi]
-    if picked:
-        # Kernels whose launch call is not in the trace (e.g. an API category kineto did not
-        # record) but which ran on the GPU within the window of the picked ones.
-        start = min(float(k["ts"]) for k in picked)
-        end = max(float(k["ts"]) + float(k["dur"]) for k in picked)
-        picked += [k for k in ks if math.isnan(_launch_of(k, launch)) and start <= float(k["ts"]) <= end]
-    else:
-        picked, window = ks, "all profiled kernels (backward range not found in the trace)"
-    if not picked:
-        return {"window": "no kernels in the trace", "compute": [], "nccl": []}
-    t0 = min(float(k["ts"]) for k in picked)
-    compute = merge((float(k["ts"]) - t0, float(k["ts"]) + float(k["dur"]) - t0) for k in picked if not is_nccl(k["name"]))
-    nccl = sorted(
-        [round((float(k["ts"]) - t0) / 1e3, 4), round((float(k["ts"]) + float(k["dur"]) - t0) / 1e3, 4), k["name"][:80]]
-        for k in picked
-        if is_nccl(k["name"])
-    )
-    return {
-        "window": window,
-        "kernels": len(picked),
-        "compute": [[round(s / 1e3, 4), round(e / 1e3, 4)] for s, e in compute],
-        "nccl": nccl,
-    }
+    """The kernels of the last profiled backward pass (launched inside the last
+    ``bench_backward`` range), as the timeline plot draws them."""
+    return trace_analysis.backward_timeline(events, BACKWARD_RANGE)
 
 
 def profile_trace(step: Callable[[], Any], n: int, device: torch.device, trace_path: str) -> list[dict[str, Any]]:

@@ -12,16 +12,13 @@ import os
 import sys
 from typing import Any, Sequence
 
+from bucketwise.compiler.runtime_view import plot_timeline, pyplot
+
 
 def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("note: matplotlib is not installed; skipping plots (pip install matplotlib)", flush=True)
-        return None
     return plt
 
 
@@ -55,29 +52,6 @@ def plot_step_times(rows: Sequence[dict[str, Any]], path: str, title: str) -> bo
     ax.set_title(title, fontsize=10)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def plot_timeline(data: dict[str, Any], path: str, title: str) -> bool:
-    """Compute kernels (merged) and each NCCL kernel of one backward pass on a time axis."""
-    plt = _pyplot()
-    if plt is None:
-        return False
-    fig, ax = plt.subplots(figsize=(12, 2.8))
-    compute = [(s, e - s) for s, e in data["compute"]]
-    ax.broken_barh(compute, (10, 8), facecolors="tab:gray")
-    palette = ("tab:red", "tab:purple")
-    for i, (s, e, _name) in enumerate(data["nccl"]):
-        ax.broken_barh([(s, e - s)], (0, 8), facecolors=palette[i % 2])
-        if len(data["nccl"]) <= 40:
-            ax.annotate(str(i), (s + (e - s) / 2, 4), ha="center", va="center", fontsize=6, color="white")
-    ax.set_yticks([4, 14], ["NCCL", "compute"])
-    ax.set_xlabel(f"ms ({data['window']})")
-    ax.set_title(title, fontsize=10)
-    ax.set_ylim(-2, 20)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

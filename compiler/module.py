@@ -18,6 +18,7 @@ from ..distributed.fused_policy import why_not_fused
 from ..distributed.fused_runtime import FusedRuntime
 from ..distributed.rank_check import prepare_rank_checks
 from . import _dynamo_compat as dc
+from . import profiling
 from .config import CompileConfig
 from .freeze import freeze_after_warmup, stance
 from .graph_backend import GraphBackend
@@ -102,6 +103,9 @@ class CompiledModule(nn.Module):
             report.set_alignment_source(lambda: measure_alignment(ddp, backend.param_segments))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        ddp = self._bucketwise_ddp
+        training = torch.is_grad_enabled() and (ddp is None or _ddp_compat.grad_sync_requested(ddp))
+        profiling.on_call(self, self._bucketwise_report, training=training)
         runs = self._bucketwise_report.graph_runs
         out = self._forward(*args, **kwargs)
         if self._bucketwise_report.graph_runs == runs:
@@ -237,6 +241,7 @@ def compile_function(fn: Callable[..., Any], config: CompileConfig) -> Callable[
 
     @functools.wraps(fn)
     def bucketwise_compiled(*args: Any, **kwargs: Any) -> Any:
+        profiling.on_call(bucketwise_compiled, report, training=torch.is_grad_enabled())
         runs = report.graph_runs
         with dc.torch_ddp_optimizer_disabled(), stance(bucketwise_compiled):
             out = compiled(*args, **kwargs)

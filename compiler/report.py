@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from . import job_stats
+
 STATS_DIR_ENV = "BUCKETWISE_STATS_DIR"
 SCHEMA_VERSION = 1
 
@@ -185,7 +187,7 @@ class Report:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        rank, world = rank_and_world()
         return {
             "schema": SCHEMA_VERSION,
             "target": self.target,
@@ -216,7 +218,8 @@ class Report:
         )
 
     def write_rank_file(self) -> None:
-        """``$BUCKETWISE_STATS_DIR/rank<R>.json``, written whole then renamed (never torn).
+        """``$BUCKETWISE_STATS_DIR/rank<R>.json``, written whole then renamed (never torn), and
+        sent to rank 0 through the job's store (NOTE [job-wide stats]).
 
         The first compiled object of a process that writes into a stats folder owns
         ``rank<R>.json``; further ones (a second model, an eval copy) write
@@ -225,7 +228,7 @@ class Report:
         out_dir = os.environ.get(STATS_DIR_ENV)
         if not out_dir:
             return
-        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        rank = rank_and_world()[0]
         key = os.path.abspath(out_dir)
         if self._slot is None or self._slot[0] != key:
             index = _stats_slots.get(key, 0)
@@ -233,7 +236,18 @@ class Report:
             self._slot = (key, index)
         folder = out_dir if self._slot[1] == 0 else os.path.join(out_dir, f"obj{self._slot[1]}")
         os.makedirs(folder, exist_ok=True)
-        self.to_json(os.path.join(folder, f"rank{rank}.json"))
+        path = os.path.join(folder, f"rank{rank}.json")
+        data = self.to_dict()
+        _atomic_write_json(path, data)
+        job_stats.publish(out_dir, os.path.relpath(path, out_dir), data)
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and world size; torchrun's ``RANK``/``WORLD_SIZE`` without a process
+    group (after ``destroy_process_group()``: the writes at exit)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 _unwritten: "weakref.WeakSet[Report]" = weakref.WeakSet()

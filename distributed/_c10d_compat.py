@@ -1,9 +1,10 @@
 """Private torch.distributed (c10d) state bucketwise reads: the order in which
-``destroy_process_group()`` shuts process groups down.
+``destroy_process_group()`` shuts process groups down, and the default group's store.
 
 Checked on torch 2.11.0 (device machines) and 2.13.0 (CI): ``destroy_process_group()`` (for the
 default group) calls ``shutdown()`` on every group of ``_world.pg_names``, sorted by group name,
-last name first.
+last name first; ``_get_default_store()`` returns the store ``init_process_group`` wrapped in
+``PrefixStore("default_pg", ...)``.
 """
 
 from __future__ import annotations
@@ -19,3 +20,13 @@ def shuts_down_before(first: Any, then: Any) -> bool:
     if first not in names or then not in names:
         return False
     return names[first] > names[then]
+
+
+def default_store() -> Any | None:
+    """The default process group's store, or ``None`` without one."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        return c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None

@@ -28,6 +28,8 @@ read the per-bucket compile statistics of bucketwise.compile.
 _EPILOG = """\
 examples:
   bucketwise launch --standalone --nproc-per-node 2 train.py --lr 3e-4
+  bucketwise launch --standalone --nproc-per-node 2 --profile-steps 5 train.py
+  bucketwise launch --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 train.py
   bucketwise stats bucketwise-runs/20250101-120000
   bucketwise stats bucketwise-runs/20250101-120000/rank0.json --json
   bucketwise demo --backend aot_eager --steps 4
@@ -38,7 +40,9 @@ Run SCRIPT on every rank through torch.distributed.run (torchrun), with every op
 passed to torchrun unchanged (spell options in full: no abbreviations). Each rank's
 bucketwise.compile results write rank<R>.json into --stats-dir; when the job ends, the
 per-bucket table merged across ranks is printed and ranks whose bucket plans differ from
-rank 0's are named. The exit code is the job's.
+rank 0's are named. With several nodes (one launch per node), rank 0 gathers every rank's
+files through the job's own store: the launch on rank 0's node prints the table of the whole
+job, the others say where it is. The exit code is the job's.
 """
 
 
@@ -67,7 +71,8 @@ def _add_launch(sub) -> None:
         "launch", parents=[launcher.launch_parser()], add_help=False, allow_abbrev=False,
         help="run a script on every rank through torchrun, then print the merged per-bucket table",
         description=_LAUNCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="bucketwise launch [-h] [torchrun options] [--stats-dir DIR] SCRIPT [ARGS ...]",
+        usage="bucketwise launch [-h] [torchrun options] [--stats-dir DIR] [--profile-steps N [--profile-warmup W]] "
+              "SCRIPT [ARGS ...]",
     )
     p.set_defaults(func=_cmd_launch, parser=p)
 
@@ -94,7 +99,9 @@ def _add_stats(sub) -> None:
                     "(graph, segment) params, MiB, ops, min/median/max compile seconds over ranks, "
                     "backend, fallbacks; and which ranks' bucket plans differ from rank 0's.",
     )
-    p.add_argument("path", metavar="PATH", help="a run folder holding rank<R>.json files, or one rank file")
+    p.add_argument("path", metavar="PATH", nargs="+",
+                   help="a run folder holding rank<R>.json files, or one rank file; several are merged (each node's "
+                        "folder of a job whose rank 0 gathered nothing, say)")
     p.add_argument("--json", action="store_true", help="print the merged statistics as JSON instead")
     p.set_defaults(func=_cmd_stats, parser=p)
 
@@ -109,16 +116,9 @@ def _add_demo(sub) -> None:
                     "per-bucket report and alignment.",
     )
     add_demo_arguments(p)
-    p.add_argument("--nproc", type=_positive_int, default=2, help="number of ranks (default: 2)")
+    p.add_argument("--nproc", type=launcher.positive_int, default=2, help="number of ranks (default: 2)")
     p.add_argument("--stats-dir", metavar="DIR", help=launcher.STATS_DIR_HELP)
     p.set_defaults(func=_cmd_demo, parser=p)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 # -- commands ------------------------------------------------------------------------------
@@ -132,9 +132,12 @@ def _cmd_launch(args: argparse.Namespace, raw: list[str], doctor_dir: str | None
     options, script = launcher.split_at_script(args.parser, raw)
     stats_dir = _prepare_stats_dir(args)
     print(f"bucketwise: stats folder {stats_dir}", file=sys.stderr, flush=True)
-    options = launcher.strip_option(options, "--stats-dir")
+    for option in launcher.BUCKETWISE_OPTIONS:
+        options = launcher.strip_option(options, option)
     logs = failures.log_options(options, stats_dir)
-    extra = {doctor.DOCTOR_ENV: os.path.join(stats_dir, "doctor")} if doctor_dir is not None else None
+    extra = launcher.profile_env(args)
+    if doctor_dir is not None:
+        extra[doctor.DOCTOR_ENV] = os.path.join(stats_dir, "doctor")
     code = launcher.run_torchrun(logs + options + script, stats_dir, extra)
     launcher.summarize(stats_dir)
     if doctor_dir is not None:
@@ -154,15 +157,18 @@ def _cmd_stats(args: argparse.Namespace, raw: list[str]) -> int:
     except stats.StatsError as e:
         args.parser.error(f"PATH {e}")
     if not reports:
-        print(f"bucketwise stats: no readable rank files in {args.path}", file=sys.stderr)
+        print(f"bucketwise stats: no readable rank files in {' '.join(args.path)}", file=sys.stderr)
         return 1
     merged = stats.merge(reports)
     if args.json:
         print(json.dumps(merged, indent=1))
-    elif len(reports) == 1:
-        print(_single_rank_table(reports[0], merged))
-    else:
-        print(stats.format_merged(merged))
+        return 0
+    print(_single_rank_table(reports[0], merged) if len(reports) == 1 else stats.format_merged(merged))
+    lines = stats.job_lines(stats.read_job_file(args.path[0])) if len(args.path) == 1 else []
+    for path in args.path:
+        lines += stats.runtime_lines(path, warn)
+    if lines:
+        print("\n".join(lines))
     return 0
 
 

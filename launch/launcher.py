@@ -14,12 +14,19 @@ import subprocess
 import sys
 from typing import Sequence, TextIO
 
+from ..compiler.profiling import AUTO_WARMUP_MAX, AUTO_WARMUP_MIN, PROFILE_STEPS_ENV, PROFILE_WARMUP_ENV
 from ..compiler.report import STATS_DIR_ENV
 from . import stats
 
 DEFAULT_RUNS_DIR = "bucketwise-runs"
 STATS_DIR_HELP = (f"folder for the ranks' rank<R>.json files (default: ./{DEFAULT_RUNS_DIR}/<YYYYmmdd-HHMMSS>); "
                   "must not already hold rank files")
+PROFILE_STEPS_HELP = ("profile N training steps of every rank after a warm-up: per-bucket communication time "
+                      "(overlapped with compute, exposed) and bytes on the wire are printed at the end; each rank's "
+                      "Chrome trace and timeline plot go into the stats folder")
+PROFILE_WARMUP_HELP = (f"training steps before the profile starts (default: auto: {AUTO_WARMUP_MIN} steps, then until a "
+                       f"step compiles nothing new, {AUTO_WARMUP_MAX} at most)")
+BUCKETWISE_OPTIONS = ("--stats-dir", "--profile-steps", "--profile-warmup")
 
 
 def default_stats_dir(now: datetime.datetime | None = None) -> str:
@@ -53,8 +60,10 @@ def launch_parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
-    parser.add_argument_group("bucketwise options").add_argument(
-        "--stats-dir", metavar="DIR", help=STATS_DIR_HELP)
+    group = parser.add_argument_group("bucketwise options")
+    group.add_argument("--stats-dir", metavar="DIR", help=STATS_DIR_HELP)
+    group.add_argument("--profile-steps", metavar="N", type=positive_int, help=PROFILE_STEPS_HELP)
+    group.add_argument("--profile-warmup", metavar="W", type=_warmup, default="auto", help=PROFILE_WARMUP_HELP)
     for action in parser._actions:  # argparse has no public accessor
         if action.dest == "training_script":
             action.required, action.metavar = False, "SCRIPT"
@@ -62,6 +71,29 @@ def launch_parser() -> argparse.ArgumentParser:
         elif action.dest == "training_script_args":
             action.required, action.metavar, action.help = False, "ARGS", "arguments for SCRIPT"
     return parser
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _warmup(text: str) -> str:
+    if text != "auto" and not (text.isdigit() and int(text) >= 0):
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 0, got {text!r}")
+    return text
+
+
+def profile_env(args: argparse.Namespace) -> dict[str, str]:
+    """What the ranks need to profile themselves (NOTE [profiling from the environment])."""
+    if args.profile_steps is None:
+        return {}
+    return {PROFILE_STEPS_ENV: str(args.profile_steps), PROFILE_WARMUP_ENV: args.profile_warmup}
 
 
 def split_at_script(parser: argparse.ArgumentParser, args: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -117,8 +149,13 @@ def run_torchrun(torchrun_args: Sequence[str], stats_dir: str, extra_env: dict[s
 
 def summarize(stats_dir: str, *, table: bool = True, out: TextIO | None = None) -> bool:
     """Print the merged per-bucket table (or, with ``table=False``, only the plan check) of a
-    finished run. False when no rank wrote a report."""
+    finished run: every rank's, where rank 0 gathered them into this folder (NOTE [job-wide
+    stats]); where another node's folder has them, say which. False when no rank wrote a report."""
     out = out or sys.stdout
+    job = stats.read_job_file(stats_dir)
+    if stats.is_elsewhere(stats_dir, job):
+        print("\n" + "\n".join(stats.pointer_lines(stats_dir, job)), file=out, flush=True)
+        return True
     warn = lambda msg: print(f"bucketwise: warning: {msg}", file=sys.stderr)  # noqa: E731
     reports = stats.load_reports(stats_dir, warn)
     if not reports:
@@ -132,8 +169,11 @@ def summarize(stats_dir: str, *, table: bool = True, out: TextIO | None = None) 
     print(f"\nbucketwise: per-bucket compile stats, {len(reports)} rank(s), from {stats_dir}", file=out)
     if table:
         print(stats.format_merged(merged), file=out)
+        print("\n".join(stats.runtime_lines(stats_dir, warn)), file=out)
     else:
         print("\n".join([stats.totals_line(merged), *stats.plan_check_lines(merged)]), file=out)
+    for line in stats.job_lines(job):
+        print(line, file=out)
     others = sorted(d for d in os.listdir(stats_dir) if d.startswith("obj") and os.path.isdir(os.path.join(stats_dir, d)))
     if others:
         hint = ", ".join(f"bucketwise stats {os.path.join(stats_dir, d)}" for d in others)

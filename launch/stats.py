@@ -8,10 +8,12 @@ Each rank's :class:`bucketwise.Report` writes ``$BUCKETWISE_STATS_DIR/rank<R>.js
 "compile_seconds": {"min", "median", "max", "per_rank"}, "backends", "fallback_ranks",
 "fallback_reasons"}], "plan_differences": [{"rank", "reference_rank", "graph_id", "part",
 "index", "difference"}], "totals": {"<rank>": {...}},
-"alignment": {"<rank>": float | None}, "graph_notes": [...], "notes": [...]}``
+"alignment": {"<rank>": float | None}, "graph_notes": [...], "notes": [...], "eager_calls": {...},
+"buckets": [{"graph_id", "index", "params", "bytes", "collective", "comm_dtype", "wire_bytes",
+"issued_at"}]}``
 
-Per-segment sizes (params, bytes, ops) are the reference rank's (the lowest rank present);
-ranks whose bucket plan differs from it are listed in ``plan_differences``.
+Per-segment sizes (params, bytes, ops) and the buckets are the reference rank's (the lowest rank
+present); ranks whose bucket plan differs from it are listed in ``plan_differences``.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ import json
 import os
 import re
 import statistics
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
+
+from ..compiler.job_stats import JOB_FILE
 
 MERGED_SCHEMA = 1
 _RANK_FILE = re.compile(r"^rank(\d+)\.json$")
+_RUNTIME_FILE = re.compile(r"^runtime-rank(\d+)\.json$")
 _REQUIRED = ("rank", "world_size", "totals", "graphs")
 _TOTALS_KEYS = ("graphs", "graph_breaks", "recompiles", "segments", "fallbacks", "compile_seconds")
 _SEGMENT_KEYS = ("index", "params", "bytes", "op_count", "compile_seconds", "backend", "fell_back")
@@ -73,10 +78,11 @@ def load_rank_file(path: str) -> dict[str, Any]:
     return data
 
 
-def load_reports(path: str, warn: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Every readable rank report under ``path``; unreadable files are skipped via ``warn``."""
+def load_reports(path: str | Sequence[str], warn: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Every readable rank report under ``path`` (or several paths); unreadable files are
+    skipped via ``warn``."""
     reports = []
-    for f in rank_files(path):
+    for f in [f for p in ([path] if isinstance(path, str) else path) for f in rank_files(p)]:
         try:
             reports.append(load_rank_file(f))
         except ValueError as e:
@@ -215,7 +221,19 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "graph_notes": graph_notes,
         "notes": notes,
         "eager_calls": {str(r["rank"]): r.get("eager_calls", {}) for r in reports},
+        "buckets": _bucket_rows(ref),
     }
+
+
+def _bucket_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The training graphs' planned buckets of one rank, with what each sends on the wire."""
+    return [
+        {"graph_id": g["graph_id"], "index": b["index"], "params": len(b["params"]), "bytes": b["bytes"],
+         "collective": b.get("collective"), "comm_dtype": b.get("comm_dtype"), "wire_bytes": b.get("wire_bytes"),
+         "issued_at": b.get("issued_at")}
+        for g in report["graphs"] if not g.get("variant")
+        for b in g.get("buckets") or [] if isinstance(b, dict) and "index" in b and "bytes" in b
+    ]
 
 
 # -- text ----------------------------------------------------------------------------------
@@ -234,12 +252,31 @@ def format_merged(merged: dict[str, Any]) -> str:
             "/".join(s["backends"]), _fallback_cell(s, n_ranks),
         ))
     lines = [_align_merged(rows)]
+    lines.extend(wire_lines(merged))
     lines.append(totals_line(merged))
     lines.extend(merged["graph_notes"])
     lines.extend(eager_lines(merged))
     lines.extend(f"note: {n}" for n in merged["notes"])
     lines.extend(plan_check_lines(merged))
     return "\n".join(lines)
+
+
+def wire_lines(merged: dict[str, Any]) -> list[str]:
+    """The buckets whose collective is in the compiled graphs (``fused``): what each sends on
+    the wire per step and rank, against its gradient bytes (compression, embedding rows)."""
+    buckets = [b for b in merged.get("buckets", []) if b.get("wire_bytes") is not None]
+    if not buckets:
+        return []
+    rows = [("graph", "bucket", "params", "grad MiB", "collective", "comm dtype", "wire MiB")]
+    rows += [(str(b["graph_id"]), str(b["index"]), str(b["params"]), f"{b['bytes'] / 2**20:.2f}",
+              b["collective"] or "all_reduce", b["comm_dtype"] or "-", f"{b['wire_bytes'] / 2**20:.2f}") for b in buckets]
+    grad, wire = sum(b["bytes"] for b in buckets), sum(b["wire_bytes"] for b in buckets)
+    saved = f", {1 - wire / grad:.0%} less" if grad and wire < grad else ""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    table = ["  ".join(c.ljust(w) if i in (4, 5) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+             for r in rows]
+    return ["", *table, f"on the wire per step and rank: {wire / 2**20:.2f} MiB for {grad / 2**20:.2f} MiB of "
+            f"gradients{saved}", ""]
 
 
 def eager_lines(merged: dict[str, Any]) -> list[str]:
@@ -313,6 +350,99 @@ def totals_line(merged: dict[str, Any]) -> str:
 def _span(values: Iterable[int]) -> str:
     vals = sorted(set(values))
     return str(vals[0]) if len(vals) == 1 else f"{vals[0]}..{vals[-1]}"
+
+
+# -- runtime views (bucketwise launch --profile-steps) ----------------------------------------
+
+
+def runtime_views(path: str, warn: Callable[[str], None]) -> list[Any]:
+    """The ``runtime-rank<R>.json`` views of a run folder, by rank (unreadable ones skipped via
+    ``warn``)."""
+    from ..compiler.runtime_view import RuntimeView
+
+    if not os.path.isdir(path):
+        return []
+    found = [f for f in glob.glob(os.path.join(glob.escape(path), "runtime-rank*.json"))
+             if _RUNTIME_FILE.match(os.path.basename(f))]
+    views = []
+    for f in sorted(found, key=lambda f: int(_RUNTIME_FILE.match(os.path.basename(f)).group(1))):
+        try:
+            with open(f) as fh:
+                views.append(RuntimeView.from_dict(json.load(fh)))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            warn(f"skipping {f}: not a runtime view ({type(e).__name__}: {e})")
+    return views
+
+
+def runtime_lines(path: str, warn: Callable[[str], None]) -> list[str]:
+    """The per-bucket runtime table of every rank's view in a run folder; none without views."""
+    from ..compiler.runtime_view import merged_table
+
+    views = runtime_views(path, warn)
+    return ["", merged_table(views)] if views else []
+
+
+# -- the job-wide gather (NOTE [job-wide stats] in compiler/job_stats.py) -------------------
+
+
+def read_job_file(stats_dir: str) -> dict[str, Any] | None:
+    """``job.json`` of a run folder: rank 0's record of the gather, or, in another node's
+    folder, where rank 0's folder is. ``None`` when absent or unreadable."""
+    try:
+        with open(os.path.join(stats_dir, JOB_FILE)) as f:
+            job = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return job if isinstance(job, dict) and isinstance(job.get("gathered_by"), dict) else None
+
+
+def is_elsewhere(stats_dir: str, job: dict[str, Any] | None) -> bool:
+    """This folder is not the one the job-wide table was gathered into."""
+    return job is not None and "ranks" not in job and not os.path.exists(os.path.join(stats_dir, "rank0.json"))
+
+
+def pointer_lines(stats_dir: str, job: dict[str, Any]) -> list[str]:
+    """What a node other than rank 0's prints: its own ranks and where the whole table is."""
+    at = job["gathered_by"]
+    here = [int(_RANK_FILE.match(os.path.basename(f)).group(1)) for f in rank_files(stats_dir)]
+    return [
+        f"bucketwise: rank(s) {rank_ranges(here) or 'none'} of {job.get('world_size', '?')} wrote their files into {stats_dir}",
+        f"bucketwise: the job-wide table is printed by `bucketwise launch` on {at.get('host')}, the node that "
+        f"ran rank 0, from {at.get('stats_dir')} (`bucketwise stats {at.get('stats_dir')}` prints it again)",
+    ]
+
+
+def job_lines(job: dict[str, Any] | None) -> list[str]:
+    """Which ranks' files came through the job's store, from which folders; which did not
+    finish."""
+    if job is None or "ranks" not in job:
+        return []
+    by_folder: dict[tuple[str, str], list[int]] = {}
+    for rank, info in job["ranks"].items():
+        by_folder.setdefault((info.get("host"), info.get("stats_dir")), []).append(int(rank))
+    own = (job["gathered_by"].get("host"), job["gathered_by"].get("stats_dir"))
+    parts = [f"rank(s) {rank_ranges(r)} from {h}:{d}" for (h, d), r in sorted(by_folder.items(), key=lambda x: min(x[1]))
+             if (h, d) != own]
+    lines = [f"gathered through the job's store: {'; '.join(parts)}"] if parts else []
+    if job.get("not_final"):
+        when = (f"within {job['waited_s']:g} s of rank 0's end (killed, or still running)" if job.get("waited_s")
+                else "before rank 0 ended with an error")
+        lines.append(f"warning: rank(s) {rank_ranges(job['not_final'])} sent no final report {when}: "
+                     "the last one they sent (after a compile) is shown")
+    if job.get("missing"):
+        lines.append(f"warning: nothing from rank(s) {rank_ranges(job['missing'])} reached the job's store")
+    return lines
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if out and out[-1][1] == r - 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
 def plan_check_lines(merged: dict[str, Any]) -> list[str]:

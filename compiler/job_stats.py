@@ -1,0 +1,253 @@
+"""Every rank's rank files, gathered into rank 0's stats folder through the job's own store.
+
+NOTE [job-wide stats]: ``bucketwise launch`` runs once per node, and each node's ranks write
+``rank<R>.json`` into that node's ``--stats-dir``: with one launcher per node, no folder holds
+the whole job, and a shared folder cannot be assumed. So the ranks also send what they write
+through the store of the default process group (the TCP store torchrun's agents share, or
+whatever store ``init_process_group`` was given), and rank 0 writes the other ranks' files into
+its own folder, where node 0's launcher prints the job-wide table from:
+
+- every write of a rank file (after each compile, at the eager-call counts' writes) is also
+  published under ``bucketwise/stats/<restart>/rank<R>``, with every file the rank has written
+  (``rank<R>.json``, ``obj<k>/rank<R>.json``, ``runtime-rank<R>.json``). Local files are
+  written as before;
+- at interpreter exit, after the last rank-file writes (eager-call counts, a runtime profile
+  still open), each rank publishes once more and marks its entry final. This covers a script
+  that ends with ``destroy_process_group()``, one that raises and one that does neither: the
+  store is this module's own client of the default store's TCP server, opened at the first
+  publish, so it outlives ``destroy_process_group()``; torchrun's agents keep that server up
+  until every node's workers have exited;
+- rank 0, at its exit, waits for every other rank's final entry (``$BUCKETWISE_STATS_GATHER_TIMEOUT``
+  seconds at most, 60 by default; not at all when rank 0 itself is ending with an unhandled
+  exception: the other ranks are then usually blocked in a collective that only its exit ends),
+  writes each other rank's files into its folder where no file of that name exists (a folder
+  shared by every node keeps the ranks' own files) and records in ``job.json`` which ranks sent a
+  final entry, which only an earlier one (a rank that was killed, or still running when the wait
+  ended: its last published report is shown), and which none;
+- every other rank whose folder is not rank 0's writes ``job.json`` naming rank 0's host and
+  folder, so its node's launcher says where the job-wide table is instead of printing a partial
+  one.
+
+A node that dies loses nothing already published: its ranks' last reports reach rank 0's folder,
+as long as rank 0 still ends by itself (an error from the collective the dead peer left, say). If
+node 0 itself dies, or rank 0 is killed (a watchdog's abort), no job-wide table is written; each
+node's folder
+still holds its own ranks' files (``bucketwise stats DIR1 DIR2`` merges copies of them).
+Nothing is published without an initialised process group of more than one rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from ..distributed import _c10d_compat
+
+log = logging.getLogger(__name__)
+
+JOB_FILE = "job.json"
+GATHER_TIMEOUT_ENV = "BUCKETWISE_STATS_GATHER_TIMEOUT"
+DEFAULT_GATHER_TIMEOUT_S = 60.0
+_STORE_TIMEOUT = datetime.timedelta(seconds=30)
+_POLL_S = 0.1
+
+
+class _Publisher:
+    """This process's entry in the job's store (one per process: the first stats folder)."""
+
+    def __init__(self, stats_dir: str, store: Any, rank: int, world: int) -> None:
+        self.stats_dir = stats_dir
+        self.store = store
+        self.rank = rank
+        self.world = world
+        self.host = socket.gethostname()
+        self.files: dict[str, dict[str, Any]] = {}
+        self.broken = False
+        self.finished = False
+
+    def entry(self, final: bool) -> dict[str, Any]:
+        return {"rank": self.rank, "host": self.host, "stats_dir": self.stats_dir, "final": final,
+                "files": self.files}
+
+    def send(self, final: bool) -> None:
+        if self.broken:
+            return
+        try:
+            self.store.set(f"rank{self.rank}", json.dumps(self.entry(final)))
+            if final:
+                self.store.set(f"rank{self.rank}/final", "1")
+        except Exception as exc:  # noqa: BLE001 - the job goes on; only the job-wide table suffers
+            self.broken = True
+            log.warning("bucketwise: could not publish rank %d's report to the job's store (%s: %s); "
+                        "the job-wide table will lack it", self.rank, type(exc).__name__, exc)
+
+
+_publisher: _Publisher | None = None
+
+
+def publish(stats_dir: str, relpath: str, data: dict[str, Any]) -> None:
+    """Send ``data`` (the file written at ``stats_dir/relpath``) to the job's store."""
+    global _publisher
+    stats_dir = os.path.abspath(stats_dir)
+    if _publisher is None:
+        _publisher = _open(stats_dir)
+        if _publisher is None:
+            return
+        import atexit
+
+        atexit.register(finish)
+    if _publisher.stats_dir != stats_dir or _publisher.finished:
+        return
+    _publisher.files[relpath.replace(os.sep, "/")] = data
+    _publisher.send(final=False)
+
+
+def _open(stats_dir: str) -> _Publisher | None:
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    store = _c10d_compat.default_store()
+    if store is None:
+        return None
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"bucketwise/stats/{restart}/"
+    return _Publisher(stats_dir, dist.PrefixStore(prefix, _own_client(store)), dist.get_rank(), dist.get_world_size())
+
+
+def _own_client(store: Any) -> Any:
+    """A client of the store's TCP server of our own (it outlives ``destroy_process_group()``
+    and has a short timeout); the store itself when it is not a TCP store."""
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    if not isinstance(inner, dist.TCPStore):
+        return store
+    try:
+        return dist.TCPStore(inner.host, inner.port, is_master=False, timeout=_STORE_TIMEOUT, wait_for_workers=False)
+    except Exception as exc:  # noqa: BLE001
+        log.debug("bucketwise: no client of the job's TCP store of our own (%s); using the default store", exc)
+        return store
+
+
+def finish() -> None:
+    """At interpreter exit: the last writes, the final entry, and rank 0's gather."""
+    pub = _publisher
+    if pub is None or pub.finished:
+        return
+    from . import profiling
+    from . import report as _report
+
+    try:
+        profiling.stop_at_exit()
+        _report._write_unwritten()  # eager-call counts not yet written: they publish too
+        pub.finished = True
+        pub.send(final=True)
+        if pub.broken:
+            return
+        if pub.rank == 0:
+            _gather(pub, wait_s=0.0 if _exiting_on_exception() else _gather_timeout())
+        else:
+            _point_at_rank0(pub)
+    except Exception as exc:  # noqa: BLE001 - at exit: say it, never mask the job's own end
+        log.warning("bucketwise: the job-wide stats were not completed: %s: %s", type(exc).__name__, exc)
+
+
+def _gather_timeout() -> float:
+    text = os.environ.get(GATHER_TIMEOUT_ENV)
+    if not text:
+        return DEFAULT_GATHER_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        log.warning("bucketwise: $%s=%r is not a number of seconds >= 0; using %s", GATHER_TIMEOUT_ENV, text,
+                    DEFAULT_GATHER_TIMEOUT_S)
+        return DEFAULT_GATHER_TIMEOUT_S
+    return value
+
+
+def _exiting_on_exception() -> bool:
+    # Python sets these when an unhandled exception ended the script, before atexit runs.
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+
+
+def _gather(pub: _Publisher, wait_s: float) -> None:
+    others = [r for r in range(pub.world) if r != pub.rank]
+    deadline = time.monotonic() + wait_s
+    final: set[int] = set()
+    try:
+        while True:
+            final.update(r for r in others if r not in final and pub.store.check([f"rank{r}/final"]))
+            if len(final) == len(others) or time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL_S)
+        entries = {r: json.loads(pub.store.get(f"rank{r}")) for r in others if pub.store.check([f"rank{r}"])}
+    except Exception as exc:  # noqa: BLE001
+        log.warning("bucketwise: could not read the other ranks' reports from the job's store (%s: %s)",
+                    type(exc).__name__, exc)
+        return
+    for entry in entries.values():
+        for rel, data in entry.get("files", {}).items():
+            _write_if_absent(pub.stats_dir, rel, data)
+    ranks = {str(pub.rank): _summary(pub.entry(final=True))}
+    ranks.update({str(r): _summary(e) for r, e in sorted(entries.items())})
+    _write_json(os.path.join(pub.stats_dir, JOB_FILE), {
+        "schema": 1,
+        "world_size": pub.world,
+        "gathered_by": {"rank": pub.rank, "host": pub.host, "stats_dir": pub.stats_dir},
+        "ranks": ranks,
+        "not_final": sorted(r for r in entries if r not in final),
+        "missing": [r for r in others if r not in entries],
+        "waited_s": wait_s,
+    })
+
+
+def _summary(entry: dict[str, Any]) -> dict[str, Any]:
+    return {"host": entry.get("host"), "stats_dir": entry.get("stats_dir"), "final": bool(entry.get("final"))}
+
+
+def _write_if_absent(stats_dir: str, rel: str, data: Any) -> None:
+    rel = os.path.normpath(rel)
+    if os.path.isabs(rel) or rel.startswith(".."):
+        log.warning("bucketwise: ignoring a gathered file outside the stats folder: %s", rel)
+        return
+    path = os.path.join(stats_dir, rel)
+    if not os.path.exists(path):
+        _write_json(path, data)
+
+
+def _point_at_rank0(pub: _Publisher) -> None:
+    """Leave ``job.json`` naming rank 0's folder, unless this folder is rank 0's."""
+    try:
+        if not pub.store.check(["rank0"]):
+            return
+        rank0 = json.loads(pub.store.get("rank0"))
+    except Exception as exc:  # noqa: BLE001
+        log.debug("bucketwise: rank 0's entry is not readable (%s)", exc)
+        return
+    same = rank0.get("host") == pub.host and rank0.get("stats_dir") == pub.stats_dir
+    if same or os.path.exists(os.path.join(pub.stats_dir, "rank0.json")):
+        return
+    _write_json(os.path.join(pub.stats_dir, JOB_FILE), {
+        "schema": 1,
+        "world_size": pub.world,
+        "gathered_by": {"rank": 0, "host": rank0.get("host"), "stats_dir": rank0.get("stats_dir")},
+    })
+
+
+def _write_json(path: str, data: Any) -> None:
+    from .report import _atomic_write_json
+
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _atomic_write_json(path, data)
+    except OSError as exc:
+        log.warning("bucketwise: could not write %s: %s", path, exc)

@@ -1,0 +1,307 @@
+"""Profiling a user's own training steps: ``bucketwise.profile`` and ``bucketwise launch
+--profile-steps``.
+
+Both run ``torch.profiler`` (CPU, and CUDA where available, recording shapes: gloo's ranges carry
+their sizes only then) over some training steps of one compiled object, write the Chrome trace,
+analyse it per bucket (``runtime_view.analyze``) and draw the last step's timeline. A training
+step is a call of the compiled object with gradients enabled that synchronises gradients (not
+under ``no_sync()``); each one opens and closes a ``bucketwise.step`` range in the trace.
+
+NOTE [profiling from the environment]: ``bucketwise launch --profile-steps N`` sets
+``$BUCKETWISE_PROFILE_STEPS`` (and ``$BUCKETWISE_PROFILE_WARMUP``) for every rank. The first
+compiled object that takes a training step in a rank claims the profile: it starts at the start
+of a training step after the warm-up and stops at the start of the N-th step after that (or at
+interpreter exit, if fewer steps come), so the trace holds N whole steps (forward, backward,
+optimizer) and nothing of the compiles. The automatic warm-up (no ``--profile-warmup``) skips
+3 steps (DDP's reducer rebuilds its buckets after the first; CUDA graphs record in the first
+ones) and then every step that compiled a new graph, up to 20 steps: the profile starts at the
+first step after the 3rd whose previous step compiled nothing. The view goes to
+``runtime-rank<R>.json`` in the stats folder, with the trace and the PNG timeline, and through the
+job's store to rank 0 (NOTE [job-wide stats]), so the launcher prints it for every rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from . import job_stats
+from . import trace_analysis as ta
+from .report import STATS_DIR_ENV, Report, _atomic_write_json, rank_and_world, report
+from .runtime_view import STEP_MARK, RuntimeView, analyze, plot_timeline
+
+log = logging.getLogger(__name__)
+
+PROFILE_STEPS_ENV = "BUCKETWISE_PROFILE_STEPS"
+PROFILE_WARMUP_ENV = "BUCKETWISE_PROFILE_WARMUP"
+DEFAULT_OUT_DIR = "bucketwise-profile"
+AUTO_WARMUP_MIN = 3
+AUTO_WARMUP_MAX = 20
+
+
+class Profile:
+    """Context manager of :func:`bucketwise.profile`; ``view`` holds the result after the block."""
+
+    def __init__(self, compiled: Any, *, out_dir: str | os.PathLike | None = None, plot: bool = True) -> None:
+        try:
+            self._report = report(compiled)
+        except TypeError:
+            raise TypeError(f"profile(compiled): expects an object returned by bucketwise.compile, "
+                            f"got {type(compiled).__name__}") from None
+        if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
+            raise TypeError(f"out_dir: expected a folder path (str or os.PathLike), got {type(out_dir).__name__}")
+        if not isinstance(plot, bool):
+            raise TypeError(f"plot: expected True or False, got {plot!r}")
+        self.compiled = compiled
+        self.out_dir = os.path.abspath(out_dir if out_dir is not None else os.environ.get(STATS_DIR_ENV) or DEFAULT_OUT_DIR)
+        self.plot = plot
+        self.steps = 0
+        self.view: RuntimeView | None = None
+        self._prof: Any = None
+        self._t0 = 0.0
+        self._marks: list[float] = []
+        """``perf_counter()`` at the first and the latest step start."""
+
+    def __enter__(self) -> Profile:
+        self._start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self._stop()
+        else:
+            self._halt()
+
+    def table(self) -> str:
+        if self.view is None:
+            raise RuntimeError("profile: no view yet; the `with` block has not ended")
+        return self.view.table()
+
+    # -- the profiler ------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        global _running
+        if _running is not None:
+            raise RuntimeError("profile: another bucketwise profile is running in this process (torch.profiler "
+                               f"runs one at a time); end it first{_ENV_HINT if _running is _auto_session() else ''}")
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._prof = profile(activities=activities, record_shapes=True)
+        _sync()
+        self._prof.start()
+        self._t0 = time.perf_counter()
+        _running = self
+
+    def _mark_step(self) -> None:
+        self.steps += 1
+        now = time.perf_counter()
+        self._marks = [self._marks[0] if self._marks else now, now]
+        with torch.profiler.record_function(STEP_MARK):
+            pass
+
+    def _halt(self) -> float:
+        global _running
+        _sync()
+        end = time.perf_counter()
+        self._prof.stop()
+        _running = None
+        return end
+
+    def _step_ms(self, end: float, last_step_open: bool) -> float:
+        """Wall time per step: from the first step's start to ``end``; when the last step's end
+        is not known (a profile closed at exit), between the first and the last step's start."""
+        if not self._marks:
+            return (end - self._t0) * 1e3
+        first, last = self._marks
+        if last_step_open and self.steps > 1:
+            return (last - first) * 1e3 / (self.steps - 1)
+        return (end - first) * 1e3 / self.steps
+
+    def _stop(self, notes: tuple[str, ...] = (), *, last_step_open: bool = False) -> RuntimeView:
+        """Stop profiling; write the trace, the view (``runtime-rank<R>.json``) and the plot."""
+        end = self._halt()
+        rank = rank_and_world()[0]
+        os.makedirs(self.out_dir, exist_ok=True)
+        trace = os.path.join(self.out_dir, f"runtime-rank{rank}.trace.json")
+        self._prof.export_chrome_trace(trace)
+        steps = max(1, self.steps)
+        view = analyze(ta.load_trace(trace), self._report.to_dict(), steps=steps,
+                       step_ms=self._step_ms(end, last_step_open), host=socket.gethostname())
+        view.trace_path = trace
+        view.notes.extend(notes)
+        if self.steps == 0:
+            view.notes.append("no training step of the compiled object ran while profiling: figures are for the "
+                              "whole profiled time")
+        if self.plot:
+            png = os.path.join(self.out_dir, f"runtime-rank{rank}.png")
+            if plot_timeline(view.timeline, png, f"{view.target}, rank {rank}: {view.timeline['window']}"):
+                view.plot_path = png
+            else:
+                view.notes.append("no timeline plot: matplotlib is not installed (pip install matplotlib)")
+        data = view.to_dict()
+        name = f"runtime-rank{rank}.json"
+        _atomic_write_json(os.path.join(self.out_dir, name), data)
+        stats_dir = os.environ.get(STATS_DIR_ENV)
+        if stats_dir and os.path.abspath(stats_dir) == self.out_dir:
+            job_stats.publish(stats_dir, name, data)
+        self.view = view
+        return view
+
+
+_ENV_HINT = (f" (${PROFILE_STEPS_ENV} is set: `bucketwise launch --profile-steps` profiles this job already; "
+             "drop one of the two)")
+
+_running: Profile | None = None
+"""The profile now running in this process (torch.profiler is process-wide)."""
+
+
+def profile(compiled: Any, *, out_dir: str | os.PathLike | None = None, plot: bool = True) -> Profile:
+    """Profile the training steps run inside a ``with`` block, per gradient bucket.
+
+    ``compiled`` is an object returned by :func:`bucketwise.compile`; every call of it with
+    gradients enabled that synchronises gradients counts as a step. When the block ends, the
+    returned object's ``view`` (a :class:`RuntimeView`) holds per bucket: communication time
+    per step, the part of it overlapped with compute, the exposed rest, and the bytes each rank
+    sent; ``view.table()`` prints them. Written into ``out_dir`` (default: ``$BUCKETWISE_STATS_DIR``,
+    else ``./bucketwise-profile``): the Chrome trace ``runtime-rank<R>.trace.json``, the view
+    ``runtime-rank<R>.json`` and, with matplotlib installed and ``plot=True``, the last step's
+    timeline ``runtime-rank<R>.png``. On CUDA the collectives are NCCL kernels; on CPU (gloo),
+    gloo's ranges on its host threads. Every rank profiles its own steps: enter the block on
+    every rank (the steps hold collectives).
+    """
+    return Profile(compiled, out_dir=out_dir, plot=plot)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+# -- from the environment (NOTE [profiling from the environment]) ----------------------------
+
+
+class _AutoProfile:
+    """The profile ``$BUCKETWISE_PROFILE_STEPS`` asks for, of the first compiled object that
+    takes a training step."""
+
+    def __init__(self, steps: int, warmup: int | None) -> None:
+        self.steps = steps
+        self.warmup = warmup
+        self.owner: Any = None
+        self.calls = 0
+        self.graphs_before: int | None = None
+        self.session: Profile | None = None
+        self.first_step = 0
+        self.done = False
+
+    def on_step(self, compiled: Any, rep: Report) -> None:
+        if self.done:
+            return
+        if self.owner is None:
+            self.owner = weakref.ref(compiled)
+        elif self.owner() is not compiled:
+            return
+        self.calls += 1
+        if self.session is None and self._warm(rep):
+            self._start(compiled)
+        elif self.session is not None and self.session.steps >= self.steps:
+            self.finish()
+        self.graphs_before = len(rep.graphs)
+
+    def _warm(self, rep: Report) -> bool:
+        done = self.calls - 1
+        if self.warmup is not None:
+            return done >= self.warmup
+        compiled_nothing = self.graphs_before is not None and len(rep.graphs) == self.graphs_before
+        return done >= AUTO_WARMUP_MAX or (done >= AUTO_WARMUP_MIN and compiled_nothing)
+
+    def _start(self, compiled: Any) -> None:
+        out_dir = os.environ.get(STATS_DIR_ENV) or DEFAULT_OUT_DIR
+        try:
+            self.session = Profile(compiled, out_dir=out_dir)
+            self.session._start()
+        except RuntimeError as exc:
+            log.warning("bucketwise: $%s: not profiling: %s", PROFILE_STEPS_ENV, exc)
+            self.session, self.done = None, True
+            return
+        self.first_step = self.calls
+        atexit.register(stop_at_exit)
+
+    def finish(self, *, at_exit: bool = False) -> None:
+        session, self.session, self.done = self.session, None, True
+        if session is None:
+            return
+        short = session.steps < self.steps
+        notes = (f"the job ended after {session.steps} of the {self.steps} steps asked for",) if short else ()
+        view = session._stop(notes, last_step_open=at_exit)
+        last = self.first_step + session.steps - 1
+        if view.rank == 0:
+            where = "printed at the end of the job" if os.environ.get(STATS_DIR_ENV) else f"in {session.out_dir}"
+            print(f"bucketwise: profiled steps {self.first_step}-{last} of {view.target} "
+                  f"(per-bucket table {where})", file=sys.stderr, flush=True)
+            if not os.environ.get(STATS_DIR_ENV):
+                print(view.table(), flush=True)
+
+
+_auto: _AutoProfile | None = None
+"""This process's profile from the environment, once a training step has read it."""
+
+
+def _auto_profile() -> _AutoProfile | None:
+    global _auto
+    if _auto is None:
+        steps = os.environ.get(PROFILE_STEPS_ENV)
+        if steps:
+            _auto = _AutoProfile(_env_int(PROFILE_STEPS_ENV, steps, minimum=1), _warmup_from_env())
+    return _auto
+
+
+def _auto_session() -> Profile | None:
+    return _auto.session if _auto is not None else None
+
+
+def _warmup_from_env() -> int | None:
+    text = os.environ.get(PROFILE_WARMUP_ENV, "auto")
+    return None if text == "auto" else _env_int(PROFILE_WARMUP_ENV, text, minimum=0)
+
+
+def _env_int(name: str, text: str, *, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"${name}={text!r}: expected an integer >= {minimum}"
+                         + (" or 'auto'" if name == PROFILE_WARMUP_ENV else "") + "; set it right or unset it")
+    return value
+
+
+def on_call(compiled: Any, rep: Report, *, training: bool) -> None:
+    """A compiled object is called: a training step when ``training`` (grad enabled, gradients
+    synchronised). Starts, marks and stops profiles."""
+    if not training:
+        return
+    auto = _auto_profile()
+    if auto is not None:
+        auto.on_step(compiled, rep)
+    running = _running
+    if running is not None and running.compiled is compiled:
+        running._mark_step()
+
+
+def stop_at_exit() -> None:
+    """Close a profile ``$BUCKETWISE_PROFILE_STEPS`` started that the job did not run to its end."""
+    if _auto is not None and _auto.session is not None:
+        try:
+            _auto.finish(at_exit=True)
+        except Exception as exc:  # noqa: BLE001 - at exit: say it, do not mask the job's own outcome
+            log.warning("bucketwise: the runtime profile could not be written at exit: %s: %s", type(exc).__name__, exc)

@@ -1,0 +1,266 @@
+"""What each gradient bucket costs at run time: communication time, the part of it overlapped
+with compute, the exposed rest, and the bytes on the wire, read from a profiler trace.
+
+:func:`analyze` turns a trace of some training steps and a report into a :class:`RuntimeView`;
+``bucketwise.profile`` and ``bucketwise launch --profile-steps`` (``compiler/profiling.py``) make
+the trace. The matching of collectives to buckets is NOTE [collectives to buckets] in
+``trace_analysis.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any, Sequence
+
+from . import trace_analysis as ta
+
+STEP_MARK = "bucketwise.step"
+"""A ``record_function`` range opened and closed at the start of every profiled step."""
+
+_SOURCES = {
+    "cuda": "NCCL kernels against the other kernels on the GPU",
+    "cpu": "gloo's ranges on its threads against the training thread outside c10d calls and waits "
+           "(CPU: no NCCL kernels; per-bucket NCCL kernel timing needs CUDA)",
+    "none": "no collective in the trace",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketTime:
+    """One bucket's communication per profiled step (``graph_id`` ``None``: the collectives
+    that matched no bucket)."""
+
+    graph_id: int | None
+    index: int | None
+    collective: str
+    params: int | None
+    grad_bytes: int | None
+    """Gradient bytes of the bucket (what DDP's reducer would all-reduce)."""
+    wire_bytes: int | None
+    """What the report plans each rank to send (after compression; rows and ids of a gathered
+    embedding table)."""
+    measured_bytes: int | None
+    """What the trace shows this rank sending per step, where it says."""
+    calls: float
+    """Collectives per step (a table looked up twice is gathered twice)."""
+    comm_ms: float
+    overlapped_ms: float
+    exposed_ms: float
+
+    @property
+    def label(self) -> str:
+        return "other" if self.graph_id is None else f"g{self.graph_id}b{self.index}"
+
+
+@dataclasses.dataclass
+class RuntimeView:
+    """Per-bucket communication of some profiled training steps of one rank."""
+
+    target: str
+    rank: int
+    world_size: int
+    host: str
+    steps: int
+    source: str
+    """``"cuda"``, ``"cpu"`` (gloo on host threads) or ``"none"`` (no collective found)."""
+    step_ms: float
+    comm_ms: float
+    overlapped_ms: float
+    exposed_ms: float
+    wire_bytes: int
+    """Bytes this rank sent per step, from the trace."""
+    buckets: list[BucketTime]
+    other: BucketTime | None
+    timeline: dict[str, Any]
+    """The last profiled step, as :func:`plot_timeline` draws it."""
+    trace_path: str | None = None
+    plot_path: str | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RuntimeView:
+        d = dict(data)
+        d["buckets"] = [BucketTime(**b) for b in d["buckets"]]
+        d["other"] = BucketTime(**d["other"]) if d.get("other") else None
+        return cls(**d)
+
+    def table(self) -> str:
+        """Aligned text: one row per bucket, then the step's totals and where the figures come from."""
+        rows = [("graph", "bucket", "collective", "params", "grad MiB", "wire MiB", "calls/step", "comm ms",
+                 "overlapped", "exposed")]
+        for b in [*self.buckets, *([self.other] if self.other else [])]:
+            wire = b.measured_bytes if b.measured_bytes is not None else b.wire_bytes
+            rows.append(("other" if b.graph_id is None else str(b.graph_id), "" if b.index is None else str(b.index),
+                         b.collective, _cell(b.params), _mib(b.grad_bytes), _mib(wire), f"{b.calls:g}",
+                         f"{b.comm_ms:.3f}", f"{b.overlapped_ms:.3f}", f"{b.exposed_ms:.3f}"))
+        lines = [_align(rows, left=(2,))] if len(rows) > 1 else []
+        lines.append(totals_line(self))
+        lines.append(f"source: {_SOURCES.get(self.source, self.source)}")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def totals_line(view: RuntimeView) -> str:
+    return (f"rank {view.rank}: {view.steps} profiled step(s), {view.step_ms:.2f} ms per step; communication "
+            f"{view.comm_ms:.3f} ms per step, {view.overlapped_ms:.3f} overlapped with compute, "
+            f"{view.exposed_ms:.3f} exposed; {view.wire_bytes / 2**20:.2f} MiB sent per step")
+
+
+def _cell(v: Any) -> str:
+    return "-" if v is None else str(v)
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def _align(rows: list[tuple[str, ...]], left: Sequence[int] = ()) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+                     for r in rows)
+
+
+# -- analysis -------------------------------------------------------------------------------
+
+
+def analyze(events: Sequence[dict[str, Any]], report: dict[str, Any], *, steps: int, step_ms: float,
+            host: str = "") -> RuntimeView:
+    """The :class:`RuntimeView` of a trace of ``steps`` training steps of the compiled object
+    whose report dict (``Report.to_dict()``) is ``report``."""
+    if steps < 1:
+        raise ValueError(f"steps: expected at least 1 profiled step, got {steps}")
+    comm, compute, source = ta.collectives(events)
+    planned = ta.planned_buckets(report)
+    matched, other = ta.attribute(comm, planned)
+    buckets = sorted((_row(b, matched[i], compute, steps) for i, b in enumerate(planned)),
+                     key=lambda r: (r.graph_id, r.index))
+    total_us, over_us = ta.comm_figures(comm, compute)
+    notes = []
+    idle = [b.label for b in buckets if b.calls == 0]
+    if idle and comm:
+        notes.append(f"no collective matched bucket(s) {', '.join(idle)} in the profiled steps (no_sync() steps, a "
+                     "graph that did not run, or buckets DDP's reducer does not have: see alignment)")
+    unsized = sum(1 for c in comm if c.nbytes is None)
+    if unsized:
+        notes.append(f"{unsized} collective(s) without a size in the trace are counted as other")
+    one_graph = len({b.graph_id for b in planned}) == 1
+    labels = {id(c): f"b{b.index}" if one_graph else f"g{b.graph_id}b{b.index}" for i, b in enumerate(planned)
+              for c in matched[i]}
+    return RuntimeView(
+        target=str(report.get("target")), rank=int(report.get("rank", 0)), world_size=int(report.get("world_size", 1)),
+        host=host, steps=steps, source=source, step_ms=step_ms,
+        comm_ms=total_us / 1e3 / steps, overlapped_ms=over_us / 1e3 / steps,
+        exposed_ms=(total_us - over_us) / 1e3 / steps,
+        wire_bytes=sum(c.nbytes or 0 for c in comm) // steps,
+        buckets=buckets, other=_row(None, other, compute, steps) if other else None,
+        timeline=_last_step(events, comm, compute, source, labels), notes=notes,
+    )
+
+
+def _row(b: ta.PlannedBucket | None, comm: list[ta.Collective], compute: list[ta.Interval], steps: int) -> BucketTime:
+    total, over = ta.comm_figures(comm, compute)
+    sizes = [c.nbytes for c in comm if c.nbytes is not None]
+    kinds = sorted({c.kind for c in comm})
+    return BucketTime(
+        graph_id=None if b is None else b.graph_id, index=None if b is None else b.index,
+        collective=b.kind if b is not None else ("/".join(kinds) or "-"),
+        params=None if b is None else b.params, grad_bytes=None if b is None else b.grad_bytes,
+        wire_bytes=None if b is None else b.wire_bytes,
+        measured_bytes=sum(sizes) // steps if sizes else None,
+        calls=round(len(comm) / steps, 3), comm_ms=total / 1e3 / steps, overlapped_ms=over / 1e3 / steps,
+        exposed_ms=(total - over) / 1e3 / steps,
+    )
+
+
+def _last_step(events: Sequence[dict[str, Any]], comm: list[ta.Collective], compute: list[ta.Interval], source: str,
+               labels: dict[int, str]) -> dict[str, Any]:
+    lo = ta.last_step_start(events, STEP_MARK, source)
+    window = "the last profiled step"
+    if lo is None:
+        lo, window = float("-inf"), "all profiled steps (no step mark in the trace)"
+    clipped = [(max(s, lo), e) for s, e in compute if e > lo]
+    spans = [(c.start, c.end, labels.get(id(c), "other")) for c in comm if c.start >= lo]
+    return {"window": window, "comm_label": "NCCL" if source == "cuda" else "collective", **ta.timeline(clipped, spans)}
+
+
+# -- across ranks -----------------------------------------------------------------------------
+
+
+def merged_table(views: Sequence[RuntimeView]) -> str:
+    """Every rank's view in one table: per bucket the median over ranks, and the largest exposed
+    time with its rank; then one line per rank and where its trace and plot are."""
+    by_key: dict[tuple[Any, Any], list[tuple[int, BucketTime]]] = {}
+    for v in views:
+        for b in [*v.buckets, *([v.other] if v.other else [])]:
+            by_key.setdefault((b.graph_id, b.index), []).append((v.rank, b))
+    rows = [("graph", "bucket", "collective", "grad MiB", "wire MiB", "comm ms", "overlapped", "exposed",
+             "exposed max")]
+    keys = sorted(by_key, key=lambda k: (k[0] is None, k[0] or 0, k[1] or 0))
+    for key in keys:
+        seen = by_key[key]
+        first = seen[0][1]
+        worst_rank, worst = max(seen, key=lambda rb: rb[1].exposed_ms)
+        wire = first.measured_bytes if first.measured_bytes is not None else first.wire_bytes
+        rows.append(("other" if key[0] is None else str(key[0]), "" if key[1] is None else str(key[1]), first.collective,
+                     _mib(first.grad_bytes), _mib(wire),
+                     *(f"{statistics.median(getattr(b, f) for _, b in seen):.3f}"
+                       for f in ("comm_ms", "overlapped_ms", "exposed_ms")),
+                     f"{worst.exposed_ms:.3f} (rank {worst_rank})"))
+    ranks = sorted(views, key=lambda v: v.rank)
+    head = (f"bucketwise: runtime per bucket, ms per step, median over {len(ranks)} rank(s); "
+            f"source: {_SOURCES.get(ranks[0].source, ranks[0].source)}")
+    lines = [head, _align(rows, left=(2,))]
+    lines += [totals_line(v) for v in ranks]
+    for v in ranks:
+        files = ", ".join(p for p in (v.trace_path, v.plot_path) if p)
+        if files:
+            lines.append(f"rank {v.rank} trace{' and timeline' if v.plot_path else ''} ({v.host}): {files}")
+    notes: list[str] = []
+    for v in ranks:
+        notes += [n for n in v.notes if n not in notes]
+    lines += [f"note: {n}" for n in notes]
+    return "\n".join(lines)
+
+
+# -- plot -----------------------------------------------------------------------------------
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or ``None`` when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot_timeline(data: dict[str, Any], path: str, title: str) -> bool:
+    """Compute (merged) and each collective of one step on a time axis, as a PNG; False
+    without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(12, 2.8))
+    compute = [(s, e - s) for s, e in data["compute"]]
+    ax.broken_barh(compute, (10, 8), facecolors="tab:gray")
+    palette = ("tab:red", "tab:purple")
+    for i, (s, e, label) in enumerate(data["nccl"]):
+        ax.broken_barh([(s, e - s)], (0, 8), facecolors=palette[i % 2])
+        if len(data["nccl"]) <= 40:
+            text = label if data.get("comm_label") and len(label) <= 8 else str(i)
+            ax.annotate(text, (s + (e - s) / 2, 4), ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks([4, 14], [data.get("comm_label", "NCCL"), "compute"])
+    ax.set_xlabel(f"ms ({data['window']})")
+    ax.set_title(title, fontsize=10)
+    ax.set_ylim(-2, 20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
