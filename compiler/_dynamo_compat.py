@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Any, Callable, Iterator
 
 import torch
 import torch._dynamo
 import torch._guards
+import torch._inductor.config
 from torch._dynamo.utils import counters as _dynamo_counters
 
 
@@ -33,6 +35,19 @@ def make_backend(
     if backend == "inductor":
         return torch._TorchCompileInductorWrapper(mode, options, dynamic)
     return torch._TorchCompileWrapper(backend, mode, options, dynamic)
+
+
+def cacheable_calls_options(targets: dict[str, str], options: dict | None) -> dict[str, Any]:
+    """Inductor ``options`` that declare the ``module.function`` call targets in ``targets`` safe
+    for AOTAutograd's cache, each with a key that becomes part of the cache keys (Inductor's
+    ``unsafe_marked_cacheable_functions``: AOTAutograd bypasses its cache for a graph calling a
+    function it does not know, e.g. one that applies an ``autograd.Function``). Merged with
+    what ``options`` already declares; applied per compile, never globally. Checked on torch
+    2.13; older than 2.9, so present on 2.11 (where it is missing, nothing is declared)."""
+    key = "unsafe_marked_cacheable_functions"
+    if key not in torch._inductor.config.get_config_copy():
+        return dict(options or {})
+    return {**(options or {}), key: {**(options or {}).get(key, {}), **targets}}
 
 
 def is_dynamo_control_flow(exc: BaseException) -> bool:

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from ..distributed import _collectives_compat as cc
 from ..distributed import _ddp_compat
+from ..distributed.cache_keys import traced_call_targets
 from ..distributed.ddp_optimizer import plan_for_graph, split_and_compile
 from ..distributed.embedding_rows import insert_embedding_rows, plan_embedding_rows, renormed_tables
 from ..distributed.fused import CommSpec, backward_positions, insert_bucket_syncs
@@ -296,7 +297,7 @@ class GraphBackend:
         if self._fused_backend is None:
             if self.config.backend == "inductor":
                 options = {**cc.comm_overlap_options(), **(self.config.options or {})}
-                self._fused_backend = self._make_backend(options)
+                self._fused_backend = self._make_backend(dc.cacheable_calls_options(traced_call_targets(), options))
             else:
                 self._fused_backend = self.segment_backend
         return self._fused_backend
