@@ -91,6 +91,7 @@ class CompiledModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self._forward(*args, **kwargs)
         freeze_after_warmup(self, self._bucketwise_freeze)
+        self._bucketwise_report.after_call()
         return out
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -183,6 +184,7 @@ def compile_function(fn: Callable[..., Any], config: CompileConfig) -> Callable[
         with dc.torch_ddp_optimizer_disabled(), stance(bucketwise_compiled):
             out = compiled(*args, **kwargs)
         freeze_after_warmup(bucketwise_compiled, config.freeze_mode)
+        report.after_call()
         return out
 
     bucketwise_compiled._bucketwise_report = report  # type: ignore[attr-defined]

@@ -10,6 +10,9 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from .compile_times import (BREAKDOWN_FOOTER, BREAKDOWN_HEADER, POLLS_AFTER_COMPILE, CompileTimes,
+                            CompileTimesTracker, breakdown_row, sum_compile_times)
+
 STATS_DIR_ENV = "BUCKETWISE_STATS_DIR"
 SCHEMA_VERSION = 1
 
@@ -90,6 +93,8 @@ class GraphStats:
     plan_source: str | None = None
     """Where the bucket plan came from: ``"predicted"`` (DDP's routine over the predicted
     gradient-ready order) or ``"reducer"`` (the reducer's buckets, already final)."""
+    compile_times: CompileTimes | None = None
+    """Where this graph's compile seconds went (NOTE [compile-time breakdown])."""
 
     @property
     def compile_seconds(self) -> float:
@@ -100,6 +105,7 @@ class GraphStats:
         d["segments"] = [s.to_dict() for s in self.segments]
         d["buckets"] = [b.to_dict() for b in self.buckets]
         d["compile_seconds"] = self.compile_seconds
+        d["compile_times"] = self.compile_times.to_dict() if self.compile_times is not None else None
         return d
 
 
@@ -120,12 +126,24 @@ class Report:
         self.notes: list[str] = []
         self._alignment_fn: Callable[[], dict[str, Any]] | None = None
         self._slot: tuple[str, int] | None = None
+        self.compile_times = CompileTimesTracker()
+        self._polls_left = 0
 
     # -- recording -------------------------------------------------------------------------
 
     def add_graph(self, graph: GraphStats) -> None:
         self.graphs.append(graph)
+        self._polls_left = POLLS_AFTER_COMPILE
         self.write_rank_file()
+
+    def after_call(self) -> None:
+        """After each call of the compiled object: on the first calls after a compile, add
+        torch's records of it to the report and rewrite the stats file if they changed it
+        (NOTE [compile-time breakdown]); nothing afterwards."""
+        if self._polls_left:
+            self._polls_left -= 1
+            if self.compile_times.refresh():
+                self.write_rank_file()
 
     def add_cudagraph(self, stats: Any) -> None:
         self.cudagraphs.append(stats)
@@ -150,6 +168,7 @@ class Report:
 
     @property
     def totals(self) -> dict[str, Any]:
+        self.compile_times.refresh()
         return {
             "graphs": len(self.graphs),
             "graph_breaks": sum(len(g.graph_break_reasons) for g in self.graphs),
@@ -157,6 +176,7 @@ class Report:
             "segments": sum(len(g.segments) for g in self.graphs),
             "fallbacks": sum(1 for g in self.graphs for s in g.segments if s.fell_back),
             "compile_seconds": round(sum(g.compile_seconds for g in self.graphs), 6),
+            "compile_times": sum_compile_times(g.compile_times for g in self.graphs),
             "alignment": self.alignment,
         }
 
@@ -287,6 +307,11 @@ def format_table(data: dict[str, Any]) -> str:
         if g.get("recompile_reason"):
             lines.append(f"graph {g['graph_id']}: recompile, guard failed: {g['recompile_reason'][:200]}")
     lines.extend(f"note: {n}" for n in data.get("notes", []))
+    times_rows = [breakdown_row(str(g["graph_id"]), g["compile_times"]) for g in data["graphs"] if g.get("compile_times")]
+    if times_rows:
+        lines.append("")
+        lines.append(_align([BREAKDOWN_HEADER, *times_rows], right=range(1, 8)))
+        lines.append(BREAKDOWN_FOOTER)
     return "\n".join(lines)
 
 
