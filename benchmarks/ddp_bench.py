@@ -171,7 +171,7 @@ def measure_restart(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpe
     for _ in range(args.warmup):
         step()
     bm.sync(device)
-    times = prepared.report.totals["compile_times"] if prepared.report is not None else None
+    times = prepared.report.totals.get("compile_times") if prepared.report is not None else None
     return {"first_step_s": first_s, "compile_caches": br.cache_counts(), "compile_times": times}
 
 
