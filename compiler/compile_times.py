@@ -17,7 +17,8 @@ cache outcomes from torch's counters read before and after. Steps 1 and 3 happen
 backend call; torch keeps a record of each (``CompilationMetrics``: one for the frame, one per
 lazily compiled backward, all under the graph's compile id), and :class:`CompileTimesTracker`
 adds them to the graph they belong to when the report is read, when the next graph is
-compiled, and on the first calls after a compile (so the per-rank stats file gets them too).
+compiled (torch keeps only its 64 latest records), and on the first calls after a compile (so
+the per-rank stats file gets them too).
 Until then ``dynamo_s`` is ``None`` and ``backward_compiles`` 0. A backward's FX-graph-cache
 lookup that neither hit nor missed was bypassed (torch records no bypass count there).
 """
@@ -40,9 +41,6 @@ class CacheCounts:
     hit: int = 0
     miss: int = 0
     bypass: int = 0
-
-    def text(self) -> str:
-        return f"{self.hit}/{self.miss}/{self.bypass}"
 
 
 @dataclasses.dataclass

@@ -16,6 +16,12 @@ bucketwise's code changed:
   object whose pickled form (what the FX graph cache hashes) carries the same kind of key.
 
 A key is the hash of the source files of the modules whose code ends up in the compiled graph.
+
+Two compiles still pay AOTAutograd again on a restart (the FX graph cache still serves Inductor's
+part): the segments of ``split``, compiled with ``fakify_first_call`` so that each segment sees
+the strides the previous one really produces, which AOTAutograd's cache refuses (torch's own
+DDPOptimizer does the same, with the same cost); and ``cudagraphs=True``, whose inner compile
+wraps every compiled graph in a CUDA-graph runner, which a cache hit would skip.
 """
 
 from __future__ import annotations
