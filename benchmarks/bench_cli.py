@@ -31,7 +31,10 @@ SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFN
 # --compile-cache off: no FX-graph / AOTAutograd cache hits between configs (comparable compile
 # times whatever the config order); Triton's kernel binary cache still applies.
 NO_CACHE_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+# --compile-cache on: both caches on, in a fresh dir per job and config (bench_restart.py).
+CACHE_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 COMPILE_CACHES = ("off", "on")
+PHASES = ("cold", "warm")
 # Recorded in the meta line (``None`` when unset), never set by the harness.
 RECORD_ENV = ("NCCL_MAX_NCHANNELS", "NCCL_MIN_NCHANNELS", "NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_VISIBLE_DEVICES")
 
@@ -57,6 +60,13 @@ class BenchArgs:
     keep_traces: bool
     timeout_min: float
     compile_cache: str = "off"
+    restart: bool = False
+    """Run the job again over the same compile caches (``warm_first_step_s``)."""
+    phase: str = "cold"
+    """``warm``: this job is the restart (set by the launcher)."""
+    cache_dir: str | None = None
+    """The jobs' compile-cache root (``--compile-cache on``); default: a fresh one per job."""
+    keep_cache: bool = False
 
     def __post_init__(self) -> None:
         for name in ("nproc", "steps", "probe_iters"):
@@ -71,6 +81,10 @@ class BenchArgs:
             raise ValueError(f"unknown --device {self.device!r}; use one of {', '.join(DEVICES)}")
         if self.compile_cache not in COMPILE_CACHES:
             raise ValueError(f"unknown --compile-cache {self.compile_cache!r}; use one of {', '.join(COMPILE_CACHES)}")
+        if self.restart and self.compile_cache == "off":
+            raise ValueError("--restart measures a restart over warm compile caches: drop --compile-cache off")
+        if self.phase not in PHASES:
+            raise ValueError(f"unknown --phase {self.phase!r}; use one of {', '.join(PHASES)}")
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
         if self.timeout_min <= 0:
@@ -114,8 +128,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline-config", default=None, help="config of timeline.png (default: first bw config)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-traces", action="store_true", help="keep the raw profiler traces under OUT/traces")
-    p.add_argument("--compile-cache", default="off",
-                   help="off (default): no Inductor FX-graph/AOTAutograd cache hits across configs; on: torch's default")
+    p.add_argument("--compile-cache", default=None,
+                   help="off (default): no Inductor FX-graph/AOTAutograd cache; on (default with --restart): both "
+                        "caches, in a fresh dir per job and config (first steps are cold)")
+    p.add_argument("--restart", action="store_true",
+                   help="then run the job again over the same compile caches: warm_first_step_s per config")
+    p.add_argument("--cache-dir", default=None, help="compile-cache root (--compile-cache on; default: a fresh temporary dir)")
+    p.add_argument("--keep-cache", action="store_true", help="keep the compile-cache root after the job")
+    p.add_argument("--phase", default="cold", help=argparse.SUPPRESS)
     p.add_argument("--timeout-min", type=float, default=15.0, help="process-group timeout in minutes")
     return p
 
@@ -141,7 +161,9 @@ def parse(argv: list[str]) -> BenchArgs:
             out=os.path.abspath(out), backend=ns.backend, bucket_cap_mb=ns.bucket_cap_mb, net=ns.net,
             device=device, sizes={f: getattr(ns, f) for f in bench_models.SIZE_FLAGS},
             profile_steps=ns.profile_steps, host_profile=ns.host_profile, probe_iters=ns.probe_iters, timeline_config=ns.timeline_config,
-            seed=ns.seed, keep_traces=ns.keep_traces, timeout_min=ns.timeout_min, compile_cache=ns.compile_cache,
+            seed=ns.seed, keep_traces=ns.keep_traces, timeout_min=ns.timeout_min,
+            compile_cache=ns.compile_cache or ("on" if ns.restart else "off"), restart=ns.restart, phase=ns.phase,
+            cache_dir=os.path.abspath(ns.cache_dir) if ns.cache_dir else None, keep_cache=ns.keep_cache,
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -174,8 +196,7 @@ def job_env(args: BenchArgs) -> dict[str, str]:
     env = dict(ALWAYS_ENV)
     if args.net == "socket":
         env.update(SOCKET_ENV)
-    if args.compile_cache == "off":
-        env.update(NO_CACHE_ENV)
+    env.update(NO_CACHE_ENV if args.compile_cache == "off" else CACHE_ENV)
     return env
 
 
@@ -209,10 +230,22 @@ def relaunch(args: BenchArgs, argv: list[str]) -> None:
     env = dict(os.environ)
     env.update(job_env(args))
     env[COMMAND_ENV] = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
-    env[ARGV_ENV] = json.dumps([*argv, "--out", args.out, "--device", args.device, "--nproc", str(args.nproc)])
+    extra = ["--out", args.out, "--device", args.device, "--nproc", str(args.nproc)]
+    cache_root = None
+    if args.compile_cache == "on":
+        from bench_restart import new_cache_root
+
+        cache_root = args.cache_dir or new_cache_root()
+        extra += ["--cache-dir", cache_root]
+    env[ARGV_ENV] = json.dumps([*argv, *extra])
     script = str(Path(__file__).resolve().parent / "ddp_bench.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc), script]
     print(f"launching {args.nproc} ranks: {shlex.join(cmd[1:])}", flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
+    if cache_root is not None:
+        # Compile caches: wait for the job (and its restart), then remove the cache root we made.
+        from bench_restart import run_jobs
+
+        sys.exit(run_jobs(cmd, env, cache_root, restart=args.restart, keep=args.keep_cache or args.cache_dir is not None))
     os.execve(sys.executable, cmd, env)

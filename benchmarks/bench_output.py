@@ -12,7 +12,8 @@ from bench_cli import RECORD_ENV
 from bench_configs import floor_config
 
 MD_COLUMNS = (
-    "config", "median ms", "min ms", "max ms", "p90 ms", "CPU issue ms", "x floor", "first step s", "compile s",
+    "config", "median ms", "min ms", "max ms", "p90 ms", "CPU issue ms", "x floor", "first step s",
+    "warm first step s", "compile s",
     "peak MiB", "{unit}/s", "NCCL ms/step", "overlapped ms/step", "exposed ms/step", "final loss", "notes",
 )
 
@@ -39,6 +40,15 @@ def write_jsonl(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]])
         for obj in (meta, *rows):
             f.write(json.dumps(_clean(obj), allow_nan=False) + "\n")
     os.replace(tmp, path)
+
+
+def read_jsonl(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The meta object and the result records of a ``results.jsonl``."""
+    with open(path) as f:
+        objs = [json.loads(line) for line in f if line.strip()]
+    if not objs or objs[0].get("type") != "meta":
+        raise ValueError(f"{path}: expected a meta line first")
+    return objs[0], objs[1:]
 
 
 def add_floor_ratios(rows: list[dict[str, Any]]) -> None:
@@ -76,7 +86,7 @@ def _md_row(r: dict[str, Any]) -> list[str]:
         name, _fmt(r["median_ms"]), _fmt(r["min_ms"]), _fmt(r["max_ms"]), _fmt(r.get("spread", {}).get("p90_ms")),
         _fmt(max(d["median"] for d in issue) if issue else None),
         "-" if ratio is None else f"{ratio:.2f}",
-        _fmt(r["first_step_s"]), _fmt(r.get("compile_s")), _fmt(r.get("peak_mib"), 0),
+        _fmt(r["first_step_s"]), _fmt(r.get("warm_first_step_s")), _fmt(r.get("compile_s")), _fmt(r.get("peak_mib"), 0),
         _fmt(r.get("throughput_per_s"), 0), _fmt(r.get("nccl_ms_per_step")),
         _fmt(r.get("overlapped_ms_per_step")), _fmt(r.get("exposed_ms_per_step")),
         _fmt(r.get("losses", {}).get("final_loss"), 4),
@@ -104,6 +114,11 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
         f"- {meta['steps']} timed steps after the first step and {meta['warmup']} warm-up step(s) "
         f"({1 + meta['warmup'] + meta['steps']} training steps per config); step times of the slowest rank",
     ]
+    cache = meta.get("compile_cache")
+    if cache:
+        lines.append("- compile caches (FX graph, AOTAutograd): " + (
+            "off" if cache == "off" else "on, a fresh dir per job and config"
+            + (", then the job again over them (warm first step)" if meta.get("restart") else "")))
     env = {k: v for k, v in (meta.get("env") or {}).items() if k in RECORD_ENV and v is not None}
     if env:
         lines.append("- environment: " + " ".join(f"`{k}={v}`" for k, v in env.items()))
@@ -127,6 +142,8 @@ def write_markdown(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any
         "",
         "p90: 90th percentile of the slowest rank's timed steps. CPU issue: median host time of the "
         "`step()` call (no sync; largest over ranks): near the step time when the CPU is the bottleneck. "
+        "first step: the first training step of a fresh process, compiling with empty compile caches; "
+        "warm first step: the same in a second process over the caches the first one filled (`--restart`). "
         "x floor: median step / median step of `local` (compiled, no DDP: no gradient traffic; "
         "`local-ro` for CUDA-graph configs, `-ro` and `-cg`, when run). final loss: the loss of the "
         "last timed step, mean over ranks. NCCL/overlapped/exposed: from a profiler trace, "
@@ -135,5 +152,23 @@ def write_markdown(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any
         "least NCCL time, the one the others waited for; every rank's under `per_rank` in results.jsonl).",
         "",
     ]
+    if meta.get("compile_cache") == "on":
+        lines += _cache_lines(rows)
     with open(path, "w") as f:
         f.write("\n".join(lines))
+
+
+def _cache_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Compile-cache lookups of rank 0 per config, first and restarted job (when recorded)."""
+    rows = [r for r in rows if r.get("compile_caches")]
+    if not rows:
+        return []
+
+    def c(caches: dict[str, Any] | None, name: str) -> str:
+        return "-" if not caches else "{hit}/{miss}/{bypass}".format(**caches[name])
+
+    lines = ["| config | FX graph cache h/m/b | warm | AOTAutograd cache h/m/b | warm |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['config']} | {c(r['compile_caches'], 'fx_graph')} | {c(r.get('warm_compile_caches'), 'fx_graph')} | "
+              f"{c(r['compile_caches'], 'aot_autograd')} | {c(r.get('warm_compile_caches'), 'aot_autograd')} |" for r in rows]
+    return ["", *lines, "", "h/m/b: compile-cache hits/misses/bypasses of rank 0 in the first step and warm-up steps; "
+            "warm: the same in the restarted job.", ""]

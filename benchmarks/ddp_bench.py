@@ -18,10 +18,12 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import traceback
 from contextlib import nullcontext
 from pathlib import Path
@@ -36,7 +38,8 @@ from torch.profiler import record_function
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_metrics as bm  # noqa: E402
-from bench_cli import ALWAYS_ENV, COMMAND_ENV, NO_CACHE_ENV, RECORD_ENV, SOCKET_ENV, BenchArgs, job_env, parse, rank_argv, relaunch  # noqa: E402
+import bench_restart as br  # noqa: E402
+from bench_cli import ALWAYS_ENV, ARGV_ENV, COMMAND_ENV, NO_CACHE_ENV, RECORD_ENV, SOCKET_ENV, BenchArgs, job_env, parse, rank_argv, relaunch  # noqa: E402
 from bench_configs import Prepared, Recipe, recipe_for  # noqa: E402
 from bench_models import ModelSpec, make_spec  # noqa: E402
 from bench_output import add_floor_ratios, safe_name, write_jsonl, write_markdown  # noqa: E402
@@ -117,18 +120,26 @@ def _train_and_time(args: BenchArgs, step: Callable[[], torch.Tensor], device: t
             "losses": bm.read_scalars([first_loss, *warm, *timed.outputs])}
 
 
-def measure(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, device: torch.device, rank: int) -> dict:
-    """This rank's measurements of one config (raises on failure)."""
+def _setup(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, device: torch.device, rank: int):
+    """A fresh model, compiled by ``recipe`` over ``config``'s compile caches, its optimizer and batch."""
     _fresh_state(device)
+    br.use_config_cache(args.cache_dir, config, cold=args.phase == "cold")
     torch.manual_seed(args.seed)
     model = spec.build().to(device)
     prepared = recipe.prepare(model, device=device, backend=args.backend, bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True if device.type == "cuda" else None)
     batch = spec.make_batch(args.seed + 1 + rank, device)
+    return model, prepared, opt, batch
+
+
+def measure(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, device: torch.device, rank: int) -> dict:
+    """This rank's measurements of one config (raises on failure)."""
+    model, prepared, opt, batch = _setup(args, config, recipe, spec, device, rank)
     kw = dict(mark_cudagraph_step=recipe.mode == "reduce-overhead")
     step = make_step(prepared, spec, opt, batch, device, annotate=False, **kw)
 
     out = _train_and_time(args, step, device)
+    out["compile_caches"] = br.cache_counts()
     out["param_spread"] = bm.param_spread(model.parameters()) if recipe.ddp else None
     out["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     out["dynamo"] = _dynamo_counts() if recipe.compiler != "none" else None
@@ -149,6 +160,19 @@ def measure(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, devic
         path = os.path.join(args.out, "host_profile", safe_name(config) + ".txt")
         bm.host_profile(step, args.host_profile, device, path, enabled=rank == 0)
     return out
+
+
+def measure_restart(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, device: torch.device, rank: int) -> dict:
+    """The restarted job (``--phase warm``): one config's first step and warm-up steps over the
+    compile caches the first job filled (raises on failure)."""
+    _, prepared, opt, batch = _setup(args, config, recipe, spec, device, rank)
+    step = make_step(prepared, spec, opt, batch, device, annotate=False, mark_cudagraph_step=recipe.mode == "reduce-overhead")
+    first_s, _ = bm.time_first_step(step, device)
+    for _ in range(args.warmup):
+        step()
+    bm.sync(device)
+    times = prepared.report.totals.get("compile_times") if prepared.report is not None else None
+    return {"first_step_s": first_s, "compile_caches": br.cache_counts(), "compile_times": times}
 
 
 def _notes(recipe: Recipe, first: dict) -> list[str]:
@@ -195,6 +219,7 @@ def _per_rank(ranks: list[dict], slow: int) -> dict[str, Any]:
         **{k: [d["overlap"][k] if d["overlap"] else None for d in ranks]
            for k in ("nccl_ms_per_step", "exposed_ms_per_step")},
         "cpu_issue_ms": [{k: round(v, 3) for k, v in d["cpu_issue_ms"].items()} for d in ranks],
+        "compile_caches": [d["compile_caches"] for d in ranks],
         "per_step_ms": [[round(t, 3) for t in d["per_step_ms"]] for d in ranks],
     }
 
@@ -213,6 +238,8 @@ def merge_ranks(config: str, recipe: Recipe, ranks: list[dict], spec: ModelSpec)
     world = len(ranks)
     row.update(status="ok", timed_steps=s["timed_steps"], **{k: s[k] for k in ("median_ms", "min_ms", "max_ms", "mean_ms")})
     row["first_step_s"] = max(d["first_step_s"] for d in ranks)
+    row["warm_first_step_s"] = None  # the restarted job's (--restart)
+    row["compile_caches"] = ranks[0]["compile_caches"]
     row["compile_s"] = max(d["compile_s"] for d in ranks) if s["compile_s"] is not None else None
     row["peak_mib"] = max(d["peak_mib"] for d in ranks) if s["peak_mib"] is not None else None
     row["throughput_per_s"] = spec.items_per_batch * world / (s["median_ms"] / 1e3)
@@ -283,7 +310,7 @@ def build_meta(args: BenchArgs, spec: ModelSpec, device: torch.device, probe: di
         "triton": triton_version, "python": platform.python_version(), "host": socket.gethostname(),
         "bucketwise": bucketwise.__version__, "git": _git_revision(), "net": args.net,
         "env": {k: os.environ.get(k) for k in (*ALWAYS_ENV, *SOCKET_ENV, *NO_CACHE_ENV, *RECORD_ENV)},
-        "compile_cache": args.compile_cache,
+        "compile_cache": args.compile_cache, "restart": False,
         "compile_backend": args.backend, "bucket_cap_mb": args.bucket_cap_mb,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "steps": args.steps, "warmup": args.warmup, "profile_steps": args.profile_steps if cuda else 0,
@@ -332,6 +359,32 @@ def run_all(args: BenchArgs, device: torch.device) -> None:
         print(f"wrote {os.path.join(args.out, 'results.md')}", flush=True)
 
 
+def run_restart(args: BenchArgs, device: torch.device) -> None:
+    """``--phase warm``: every config's first step again, over the first job's compile caches;
+    rank 0 adds the figures to the first job's records (``bench_restart.merge_warm``)."""
+    rank = dist.get_rank()
+    spec = make_spec(args.model, args.sizes)
+    warm: dict[str, dict] = {}
+    for i, config in enumerate(args.configs, 1):
+        recipe = recipe_for(config)
+        if recipe.needs_cuda and device.type != "cuda":
+            continue
+        try:
+            local = measure_restart(args, config, recipe, spec, device, rank)
+        except Exception:  # noqa: BLE001 - one config failing must not stop the others
+            local = {"error": traceback.format_exc()}
+            print(f"[rank {rank}] restart of {config} failed:\n{local['error']}", file=sys.stderr, flush=True)
+        _fresh_state(device)
+        warm[config] = br.merge_warm_ranks(bm.gather(local))
+        if rank == 0:
+            w = warm[config]
+            print(f"[{i}/{len(args.configs)}] {config} restarted: " + (f"error: {w['error']}" if "error" in w else
+                  f"first step {w['first_step_s']:.1f} s, caches {w['compile_caches']}"), flush=True)
+    if rank == 0:
+        br.merge_warm(args.out, warm)
+        print(f"wrote {os.path.join(args.out, 'results.md')} (with the restart)", flush=True)
+
+
 def _prime_compiler(backend: str, device: torch.device) -> None:
     """Pay the process's one-time compiler start-up (imports, compile workers, first Triton
     build) before the first config, so its first-step time is comparable with the others'."""
@@ -342,10 +395,12 @@ def _prime_compiler(backend: str, device: torch.device) -> None:
 
 
 def worker(args: BenchArgs) -> int:
+    if args.restart and args.phase == "cold" and ARGV_ENV not in os.environ:
+        raise SystemExit("ddp_bench.py: error: --restart runs the job twice: start ddp_bench.py itself, not under torchrun")
     os.environ.update(job_env(args))  # NCCL reads these at communicator creation
-    if args.compile_cache == "off":
-        torch._inductor.config.fx_graph_cache = False
-        torch._functorch.config.enable_autograd_cache = False
+    # The environment says the same (job_env), but torch read it when this process imported it.
+    torch._inductor.config.fx_graph_cache = args.compile_cache == "on"
+    torch._functorch.config.enable_autograd_cache = args.compile_cache == "on"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":
         device = torch.device("cuda", local_rank)
@@ -358,11 +413,19 @@ def worker(args: BenchArgs) -> int:
         timeout=datetime.timedelta(minutes=args.timeout_min),
         device_id=device if device.type == "cuda" else None,
     )
+    own_cache = args.compile_cache == "on" and args.cache_dir is None
+    if own_cache:  # started under torchrun directly: one fresh root per job, removed at the end
+        args = dataclasses.replace(args, cache_dir=os.path.join(tempfile.gettempdir(), "bucketwise-bench-cache-"
+                                                                 + os.environ.get("TORCHELASTIC_RUN_ID", "none")))
     try:
+        br.use_config_cache(args.cache_dir, "_prime", cold=args.phase == "cold")
         _prime_compiler(args.backend, device)
-        run_all(args, device)
+        (run_restart if args.phase == "warm" else run_all)(args, device)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+        if own_cache and int(os.environ.get("RANK", "0")) == 0:
+            shutil.rmtree(args.cache_dir, ignore_errors=True)
     return 0
 
 

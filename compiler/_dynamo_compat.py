@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Any, Callable, Iterator
 
 import torch
 import torch._dynamo
 import torch._guards
+import torch._inductor.config
 from torch._dynamo.utils import counters as _dynamo_counters
 
 
@@ -33,6 +35,19 @@ def make_backend(
     if backend == "inductor":
         return torch._TorchCompileInductorWrapper(mode, options, dynamic)
     return torch._TorchCompileWrapper(backend, mode, options, dynamic)
+
+
+def cacheable_calls_options(targets: dict[str, str], options: dict | None) -> dict[str, Any]:
+    """Inductor ``options`` that declare the ``module.function`` call targets in ``targets`` safe
+    for AOTAutograd's cache, each with a key that becomes part of the cache keys (Inductor's
+    ``unsafe_marked_cacheable_functions``: AOTAutograd bypasses its cache for a graph calling a
+    function it does not know, e.g. one that applies an ``autograd.Function``). Merged with
+    what ``options`` already declares; applied per compile, never globally. Checked on torch
+    2.13; older than 2.9, so present on 2.11 (where it is missing, nothing is declared)."""
+    key = "unsafe_marked_cacheable_functions"
+    if key not in torch._inductor.config.get_config_copy():
+        return dict(options or {})
+    return {**(options or {}), key: {**(options or {}).get(key, {}), **targets}}
 
 
 def is_dynamo_control_flow(exc: BaseException) -> bool:
@@ -128,6 +143,88 @@ def compile_phase_seconds() -> dict[str, float]:
     """
     metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
     return {k: float(sum(v)) for k, v in metrics.items()}
+
+
+# Torch's counters of the compile caches (``torch._dynamo.utils.counters``), by our name.
+_COUNTER_NAMES = {
+    "fx_hit": ("inductor", "fxgraph_cache_hit"),
+    "fx_miss": ("inductor", "fxgraph_cache_miss"),
+    "fx_bypass": ("inductor", "fxgraph_cache_bypass"),
+    "aot_hit": ("aot_autograd", "autograd_cache_hit"),
+    "aot_miss": ("aot_autograd", "autograd_cache_miss"),
+    "aot_bypass": ("aot_autograd", "autograd_cache_bypass"),
+    "aot_graphs": ("aot_autograd", "total"),
+}
+COMPILE_COUNTERS = tuple(_COUNTER_NAMES)
+
+
+def compile_counters() -> dict[str, int]:
+    """Cumulative FX-graph-cache and AOTAutograd-cache lookups (hit, miss, bypass) and AOTAutograd
+    compiles (``aot_graphs``) of this process; take a difference of two snapshots. Checked on
+    torch 2.11 and 2.13 (the counter names are those of both)."""
+    return {name: int(_dynamo_counters[group][key]) for name, (group, key) in _COUNTER_NAMES.items()}
+
+
+def inductor_seconds(phases: dict[str, float]) -> float:
+    """Of a :func:`compile_phase_seconds` difference: the seconds in Inductor's inner compile
+    (``compile_fx_inner``, timed by torch; cache lookups included)."""
+    return float(phases.get("compile_fx_inner", 0.0))
+
+
+def current_compile_id_text() -> str | None:
+    """Dynamo's id of the compile in progress as torch writes it in its records (``"0/1"``)."""
+    cid = torch._guards.CompileContext.current_compile_id()
+    return None if cid is None else str(cid)
+
+
+def wall_us() -> int:
+    """Wall-clock microseconds, the clock of torch's compile records."""
+    return time.time_ns() // 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileRecord:
+    """What torch recorded about one frame compile (``forward``) or one lazily compiled backward."""
+
+    compile_id: str
+    forward: bool
+    start_us: int
+    end_us: int | None
+    frame_s: float | None
+    """Frame: the whole compile (Dynamo, backend call, guards)."""
+    backend_s: float | None
+    """Frame: the backend call."""
+    backward_s: float | None
+    """Lazy backward: the whole backward compile."""
+    inductor_s: float | None
+    """Inductor's compiles within it."""
+    fx_hit: int
+    fx_miss: int
+
+
+def compile_records() -> list[CompileRecord]:
+    """Torch's records of the latest compiles of this process, oldest first
+    (``torch._dynamo.utils.get_compilation_metrics()``: its 64 latest ``CompilationMetrics``,
+    one per frame compile, with ``is_forward=True``, and one per lazily compiled backward, with
+    ``is_forward=False``). Checked on torch 2.13; the fields are those of 2.11 too, and a record
+    missing one reads as ``None``/0."""
+    get = getattr(torch._dynamo.utils, "get_compilation_metrics", None)
+    out = []
+    for m in get() if get is not None else []:
+        cid, start = getattr(m, "compile_id", None), getattr(m, "start_time_us", None)
+        if cid is None or start is None:
+            continue
+        backward_us, inductor_us = getattr(m, "backward_cumulative_compile_time_us", None), getattr(m, "inductor_cumulative_compile_time_us", None)
+        out.append(CompileRecord(
+            compile_id=str(cid), forward=getattr(m, "is_forward", None) is not False, start_us=int(start),
+            end_us=getattr(m, "end_time_us", None), frame_s=getattr(m, "entire_frame_compile_time_s", None),
+            backend_s=getattr(m, "backend_compile_time_s", None),
+            backward_s=None if backward_us is None else backward_us / 1e6,
+            inductor_s=None if inductor_us is None else inductor_us / 1e6,
+            fx_hit=sum(int(getattr(m, f"inductor_fx_{where}_cache_hit_count", 0) or 0) for where in ("local", "remote")),
+            fx_miss=sum(int(getattr(m, f"inductor_fx_{where}_cache_miss_count", 0) or 0) for where in ("local", "remote")),
+        ))
+    return out
 
 
 # --- fake tensors and tracing context ---------------------------------------------------

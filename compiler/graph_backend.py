@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import time
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -17,6 +18,7 @@ import torch.fx as fx
 
 from ..distributed import _collectives_compat as cc
 from ..distributed import _ddp_compat
+from ..distributed.cache_keys import traced_call_targets
 from ..distributed.ddp_optimizer import plan_for_graph, split_and_compile
 from ..distributed.embedding_rows import insert_embedding_rows, plan_embedding_rows, renormed_tables
 from ..distributed.fused import CommSpec, backward_positions, insert_bucket_syncs
@@ -28,6 +30,7 @@ from ..partitioners.param_usage import GraphParam, find_graph_params, higher_ord
 from ..partitioners.split import Segment
 from . import _dynamo_compat as dc
 from . import cudagraph_policy, doctor
+from .compile_times import backend_call_times
 from .config import CompileConfig
 from .cudagraphs import CudaGraphGroup, inner_compile_factory
 from .progress import Progress
@@ -74,6 +77,7 @@ class GraphBackend:
         self.cudagraphs = self._cudagraph_group()
         self._label = "graph ?"
         self._segment_no = 0
+        self._rank_check_s = 0.0
         self.segment_backend = self._make_backend(config.options)
         self._fused_backend: Callable[..., Any] | None = None
         # Frame -> param name -> segment index (latest compile of each frame): alignment.
@@ -110,6 +114,10 @@ class GraphBackend:
 
     # torch.compile calls backend(gm, example_inputs)
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        start, call_us = time.perf_counter(), dc.wall_us()
+        # Earlier graphs' records first: later compiles push them out of torch's short list.
+        self.report.compile_times.refresh()
+        self._rank_check_s = 0.0
         graph_id = len(self.report.graphs)
         self._label, self._segment_no = f"graph {graph_id}", 0
         cid = dc.current_compile_id()
@@ -128,7 +136,9 @@ class GraphBackend:
             # split graphs are diagnosed per segment (compile_segments)
             result.fn = doctor.Diagnosed(result.fn, diagnosed_gm, f"graph {graph_id} segment 0", self.config.backend_name)
 
-        self._record(graph_id, cid, strategy, why, params, result, op_count, hops, break_reason, recompile_reason)
+        times = backend_call_times(time.perf_counter() - start, result.outcomes, self._rank_check_s)
+        self.report.compile_times.track(times, dc.current_compile_id_text(), call_us)
+        self._record(graph_id, cid, strategy, why, params, result, op_count, hops, break_reason, recompile_reason, times)
         fn = result.fn
         if ddp is not None and params and strategy != "fused":
             fn = FirstIterationOrder(fn, ddp, _forward_positions(gm, params))
@@ -292,7 +302,9 @@ class GraphBackend:
             context += (f"; this graph gathers embedding gradients as rows ({tables[0].signature(spec)}), which "
                         "needs every rank to look up as many ids: pass gather_embedding_rows=False otherwise")
         pg = _ddp_compat.process_group(ddp)
+        check_start = time.perf_counter()
         everyone = gather_on_all_ranks((layout, dense_layout), pg, what="fused bucket layout", context=context)
+        self._rank_check_s += time.perf_counter() - check_start
         if all(theirs[0] == layout for theirs in everyone):
             self._checked_layouts.add(layout)
             return buckets, tables
@@ -321,7 +333,7 @@ class GraphBackend:
         if self._fused_backend is None:
             if self.config.backend == "inductor":
                 options = {**cc.comm_overlap_options(), **(self.config.options or {})}
-                self._fused_backend = self._make_backend(options)
+                self._fused_backend = self._make_backend(dc.cacheable_calls_options(traced_call_targets(), options))
             else:
                 self._fused_backend = self.segment_backend
         return self._fused_backend
@@ -329,7 +341,7 @@ class GraphBackend:
     # -- stats -----------------------------------------------------------------------------
 
     def _record(
-        self, graph_id, cid, strategy, why, params, result: _Result, op_count, hops, break_reason, recompile_reason
+        self, graph_id, cid, strategy, why, params, result: _Result, op_count, hops, break_reason, recompile_reason, times
     ) -> None:
         frame = _frame_key(cid, graph_id)
         # A recompile: this backend compiles a frame it compiled before (a guard failed). The
@@ -366,6 +378,7 @@ class GraphBackend:
                 unused_params=sorted(p.name for p in params if p.first_use < 0),
                 plan_source=result.plan_source,
                 variant=self.variant,
+                compile_times=times,
             )
         )
 

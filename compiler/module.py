@@ -111,6 +111,7 @@ class CompiledModule(nn.Module):
         if self._bucketwise_report.graph_runs == runs:
             say_eager(self._bucketwise_report, self._bucketwise_code, self.__dict__.get("_bucketwise_frozen"))
         freeze_after_warmup(self, self._bucketwise_freeze)
+        self._bucketwise_report.after_call()
         return out
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -248,6 +249,7 @@ def compile_function(fn: Callable[..., Any], config: CompileConfig) -> Callable[
         if report.graph_runs == runs:
             say_eager(report, getattr(fn, "__code__", None), bucketwise_compiled.__dict__.get("_bucketwise_frozen"))
         freeze_after_warmup(bucketwise_compiled, config.freeze_mode)
+        report.after_call()
         return out
 
     bucketwise_compiled._bucketwise_report = report  # type: ignore[attr-defined]

@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from . import job_stats
+from .compile_times import (BREAKDOWN_FOOTER, BREAKDOWN_HEADER, POLLS_AFTER_COMPILE, CompileTimes,
+                            CompileTimesTracker, breakdown_row, sum_compile_times)
 
 STATS_DIR_ENV = "BUCKETWISE_STATS_DIR"
 SCHEMA_VERSION = 1
@@ -98,6 +100,8 @@ class GraphStats:
     """``"no_sync"``: compiled for ``no_sync()`` steps (and, under ``fused``, steps of a
     ``join()`` where a rank has joined): no collectives in the graph; ``None``: the training
     graph."""
+    compile_times: CompileTimes | None = None
+    """Where this graph's compile seconds went (NOTE [compile-time breakdown])."""
 
     @property
     def compile_seconds(self) -> float:
@@ -108,6 +112,7 @@ class GraphStats:
         d["segments"] = [s.to_dict() for s in self.segments]
         d["buckets"] = [b.to_dict() for b in self.buckets]
         d["compile_seconds"] = self.compile_seconds
+        d["compile_times"] = self.compile_times.to_dict() if self.compile_times is not None else None
         return d
 
 
@@ -132,12 +137,24 @@ class Report:
         """Calls of the compiled object in which no compiled graph ran, by reason."""
         self._alignment_fn: Callable[[], dict[str, Any]] | None = None
         self._slot: tuple[str, int] | None = None
+        self.compile_times = CompileTimesTracker()
+        self._polls_left = 0
 
     # -- recording -------------------------------------------------------------------------
 
     def add_graph(self, graph: GraphStats) -> None:
         self.graphs.append(graph)
+        self._polls_left = POLLS_AFTER_COMPILE
         self.write_rank_file()
+
+    def after_call(self) -> None:
+        """After each call of the compiled object: on the first calls after a compile, add
+        torch's records of it to the report and rewrite the stats file if they changed it
+        (NOTE [compile-time breakdown]); nothing afterwards."""
+        if self._polls_left:
+            self._polls_left -= 1
+            if self.compile_times.refresh():
+                self.write_rank_file()
 
     def add_cudagraph(self, stats: Any) -> None:
         self.cudagraphs.append(stats)
@@ -175,6 +192,7 @@ class Report:
 
     @property
     def totals(self) -> dict[str, Any]:
+        self.compile_times.refresh()
         return {
             "graphs": len(self.graphs),
             "graph_breaks": sum(len(g.graph_break_reasons) for g in self.graphs),
@@ -182,6 +200,7 @@ class Report:
             "segments": sum(len(g.segments) for g in self.graphs),
             "fallbacks": sum(1 for g in self.graphs for s in g.segments if s.fell_back),
             "compile_seconds": round(sum(g.compile_seconds for g in self.graphs), 6),
+            "compile_times": sum_compile_times(g.compile_times for g in self.graphs),
             "alignment": self.alignment,
             "eager_calls": sum(self.eager_calls.values()),
         }
@@ -349,6 +368,11 @@ def format_table(data: dict[str, Any]) -> str:
     lines.extend(f"ran eagerly: {n} call(s): {why}" for why, n in data.get("eager_calls", {}).items())
     lines.extend(f"runs eagerly between graphs: {r}" for r in data.get("eager_regions", []))
     lines.extend(f"note: {n}" for n in data.get("notes", []))
+    times_rows = [breakdown_row(str(g["graph_id"]), g["compile_times"]) for g in data["graphs"] if g.get("compile_times")]
+    if times_rows:
+        lines.append("")
+        lines.append(_align([BREAKDOWN_HEADER, *times_rows], right=range(1, 8)))
+        lines.append(BREAKDOWN_FOOTER)
     return "\n".join(lines)
 
 

@@ -25,6 +25,8 @@ class CompileOutcome:
     backend: str
     seconds: float = 0.0
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Compile-cache lookups and AOTAutograd compiles during it (``dc.compile_counters`` difference)."""
     fell_back: bool = False
     reason: str | None = None
 
@@ -66,7 +68,7 @@ def compile_with_fallback(
     """Compile ``gm`` with ``backend_fn``; on failure run it eagerly (``fallback="eager"``,
     reason kept) or re-raise (``fallback="raise"``)."""
     outcome = CompileOutcome(backend=backend_name)
-    phases0 = dc.compile_phase_seconds()
+    phases0, counts0 = dc.compile_phase_seconds(), dc.compile_counters()
     depth = dc.functorch_depth()
     start = time.perf_counter()
     try:
@@ -88,6 +90,7 @@ def compile_with_fallback(
     outcome.seconds = time.perf_counter() - start
     phases1 = dc.compile_phase_seconds()
     outcome.phases = {k: round(v - phases0.get(k, 0.0), 6) for k, v in phases1.items() if v - phases0.get(k, 0.0) > 0}
+    outcome.counts = {k: v - counts0[k] for k, v in dc.compile_counters().items() if v > counts0[k]}
     return compiled, outcome
 
 

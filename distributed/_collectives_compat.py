@@ -6,10 +6,13 @@ Checked on torch 2.11.0 (device machines) and 2.13.0 (CI).
 from __future__ import annotations
 
 import heapq
+import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .cache_keys import source_key
 
 
 def group_name(pg: Any) -> str:
@@ -178,5 +181,30 @@ def comm_overlap_options() -> dict[str, Any]:
     except ImportError:  # pragma: no cover - very old torch
         return {}
     passes: list[Any] = [name for name in _RAISE_PASSES if hasattr(comms, name)][:1]
-    passes.append(sink_waits_to_consumers)
+    passes.append(SinkWaitsPass(source_key(sys.modules[__name__])))
     return {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": passes}
+
+
+class SinkWaitsPass:
+    """:func:`sink_waits_to_consumers` as Inductor's FX graph cache can key it: the cache hashes
+    the pickled config, and a plain function pickles as its name only (a changed pass would load
+    graphs scheduled by the old one). This object pickles with ``key``, a hash of this file
+    (NOTE [compile cache keys] in ``cache_keys.py``)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def uuid(self) -> str:
+        return self.key
+
+    def __call__(self, snodes: list[Any]) -> list[Any]:
+        return sink_waits_to_consumers(snodes)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SinkWaitsPass) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return f"SinkWaitsPass({self.key!r})"

@@ -7,10 +7,13 @@ Each rank's :class:`bucketwise.Report` writes ``$BUCKETWISE_STATS_DIR/rank<R>.js
 "segments": [{"graph_id", "index", "params", "bytes", "op_count", "ranks",
 "compile_seconds": {"min", "median", "max", "per_rank"}, "backends", "fallback_ranks",
 "fallback_reasons"}], "plan_differences": [{"rank", "reference_rank", "graph_id", "part",
-"index", "difference"}], "totals": {"<rank>": {...}},
-"alignment": {"<rank>": float | None}, "graph_notes": [...], "notes": [...], "eager_calls": {...},
-"buckets": [{"graph_id", "index", "params", "bytes", "collective", "comm_dtype", "wire_bytes",
-"issued_at"}]}``
+"index", "difference"}], "compile_times": [{"graph_id", "ranks", "slowest", "per_rank"}],
+"totals": {"<rank>": {...}}, "alignment": {"<rank>": float | None}, "graph_notes": [...],
+"notes": [...], "eager_calls": {...}, "buckets": [{"graph_id", "index", "params", "bytes",
+"collective", "comm_dtype", "wire_bytes", "issued_at"}]}``
+
+``compile_times``: each graph's compile-time breakdown (NOTE [compile-time breakdown]) per rank,
+and ``slowest``: each phase's largest seconds over ranks, cache lookups summed over ranks.
 
 Per-segment sizes (params, bytes, ops) and the buckets are the reference rank's (the lowest rank
 present); ranks whose bucket plan differs from it are listed in ``plan_differences``.
@@ -25,6 +28,7 @@ import re
 import statistics
 from typing import Any, Callable, Iterable, Sequence
 
+from ..compiler.compile_times import BREAKDOWN_FOOTER, BREAKDOWN_HEADER, breakdown_row
 from ..compiler.job_stats import JOB_FILE
 
 MERGED_SCHEMA = 1
@@ -189,6 +193,29 @@ def _segment_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _compile_time_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    per_graph: dict[int, dict[str, dict[str, Any]]] = {}
+    for rep in reports:
+        for g in rep["graphs"]:
+            if isinstance(g.get("compile_times"), dict):
+                per_graph.setdefault(g["graph_id"], {})[str(rep["rank"])] = g["compile_times"]
+    return [{"graph_id": gid, "ranks": [int(r) for r in ranks], "slowest": _slowest(list(ranks.values())), "per_rank": ranks}
+            for gid, ranks in sorted(per_graph.items())]
+
+
+def _slowest(times: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in times[0].items():
+        values = [t.get(key) for t in times]
+        if isinstance(value, dict):
+            out[key] = {k: sum(v.get(k, 0) for v in values if isinstance(v, dict)) for k in value}
+        elif all(isinstance(v, (int, float)) for v in values if v is not None) and any(v is not None for v in values):
+            out[key] = max(v for v in values if v is not None)
+        else:
+            out[key] = value
+    return out
+
+
 def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One dict for the whole run (see the module docstring)."""
     if not reports:
@@ -216,6 +243,7 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "backend": ref.get("backend"),
         "segments": _segment_rows(reports),
         "plan_differences": plan_differences(reports),
+        "compile_times": _compile_time_rows(reports),
         "totals": {str(r["rank"]): r["totals"] for r in reports},
         "alignment": {str(r["rank"]): r["totals"].get("alignment") for r in reports},
         "graph_notes": graph_notes,
@@ -258,6 +286,13 @@ def format_merged(merged: dict[str, Any]) -> str:
     lines.extend(eager_lines(merged))
     lines.extend(f"note: {n}" for n in merged["notes"])
     lines.extend(plan_check_lines(merged))
+    times = [breakdown_row(str(t["graph_id"]), t["slowest"]) for t in merged.get("compile_times", [])]
+    if times:
+        widths = [max(len(r[i]) for r in (BREAKDOWN_HEADER, *times)) for i in range(len(BREAKDOWN_HEADER))]
+        lines.append("")
+        lines += ["  ".join(c.rjust(w) if 0 < i < 8 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+                  for r in (BREAKDOWN_HEADER, *times)]
+        lines.append(BREAKDOWN_FOOTER + "; seconds: the slowest rank's, cache lookups: all ranks'")
     return "\n".join(lines)
 
 

@@ -87,10 +87,13 @@ def test_smoke_two_gloo_ranks(tmp_path):
     assert "ddp_bench.py" in meta["command"] and meta["model"]["model"] == "mlp"
     assert [r["config"] for r in rows] == list(SMOKE_CONFIGS)
     assert meta["env"]["CUDA_VISIBLE_DEVICES"] is None and "NCCL_MAX_NCHANNELS" in meta["env"]
+    assert meta["compile_cache"] == "off" and meta["restart"] is False
     for row in rows:
         assert "error" not in row, row.get("traceback", row)
         assert row["type"] == "result" and row["status"] == "ok"
         assert row["timed_steps"] == 2
+        assert row["warm_first_step_s"] is None, "no --restart"
+        assert row["compile_caches"]["fx_graph"] == {"hit": 0, "miss": 0, "bypass": 0}, "aot_eager, caches off"
         _check_numbers(row)
         _check_steps(row, steps=2, total=4)
     assert next(r for r in rows if r["config"] == "local")["floor_ratio"] == 1.0
@@ -113,6 +116,53 @@ def test_smoke_two_gloo_ranks(tmp_path):
     # --host-profile: rank 0's cProfile of one more step per config, the DDP forward in it.
     assert sorted(p.name for p in (out / "host_profile").iterdir()) == sorted(f"{c}.txt" for c in SMOKE_CONFIGS)
     assert "distributed.py" in (out / "host_profile" / "eager.txt").read_text()
+
+
+@pytest.mark.inductor
+def test_restart_loads_from_the_compile_caches(tmp_path):
+    """--restart: the job, then the same job over its compile caches. The first job's first steps
+    are cold (each config its own empty cache dir: only misses), the restarted job's load every
+    graph from the AOTAutograd cache, the fused one included (NOTE [compile cache keys]); the
+    cache root is removed afterwards."""
+    out = tmp_path / "bench"
+    configs = ("torch-nosplit", "bw-fused")
+    cmd = [
+        sys.executable, str(BENCH_DIR / "ddp_bench.py"), "--nproc", "2", "--device", "cpu", "--model", "gpt-tiny",
+        "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
+        "--configs", ",".join(configs), "--steps", "2", "--warmup", "1", "--restart", "--out", str(out),
+    ]
+    result = _run(cmd, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:]
+    meta, *rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    assert meta["compile_cache"] == "on" and meta["restart"] is True
+    assert [r["config"] for r in rows] == list(configs)
+    for row in rows:
+        assert row["status"] == "ok" and "warm_error" not in row, row
+        assert row["first_step_s"] > 0 and row["warm_first_step_s"] > 0
+        assert len(row["per_rank"]["warm_first_step_s"]) == 2
+        cold, warm = row["compile_caches"], row["warm_compile_caches"]
+        assert cold["fx_graph"]["hit"] == 0 and cold["fx_graph"]["miss"] >= 2, (row["config"], cold)
+        assert cold["aot_autograd"] == {"hit": 0, "miss": 1, "bypass": 0}, (row["config"], cold)
+        assert warm["aot_autograd"] == {"hit": 1, "miss": 0, "bypass": 0}, (row["config"], warm)
+        assert warm["fx_graph"]["miss"] == 0 and warm["fx_graph"]["hit"] >= 2, (row["config"], warm)
+    fused = rows[-1]
+    assert fused["bucketwise"]["compile_times"]["backend_s"] > 0
+    assert fused["warm_compile_times"]["aot_autograd_cache"]["hit"] == 1
+    assert fused["warm_compile_times"]["backend_s"] == 0 and fused["warm_compile_times"]["backward_compiles"] == 0
+    md = (out / "results.md").read_text()
+    assert "warm first step s" in md and "| bw-fused | 0/2/0 | 2/0/0 | 0/1/0 | 1/0/0 |" in md, md
+    root = next(line.split(" in ", 1)[1].strip() for line in result.stdout.splitlines() if line.startswith("restart: "))
+    assert not os.path.exists(root), "the compile caches of the job are removed"
+
+
+def test_restart_flag_checks(bench):
+    bench_cli, _ = bench
+    with pytest.raises(SystemExit):
+        bench_cli.parse(["--restart", "--compile-cache", "off", "--device", "cpu"])
+    args = bench_cli.parse(["--restart", "--device", "cpu", "--configs", "local"])
+    assert args.compile_cache == "on" and args.phase == "cold"
+    assert bench_cli.parse(["--device", "cpu", "--configs", "local"]).compile_cache == "off"
+    assert bench_cli.job_env(args)["TORCHINDUCTOR_AUTOGRAD_CACHE"] == "1"
 
 
 def test_overlap_from_trace(bench):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -354,3 +355,65 @@ def test_progress_lines(monkeypatch, capsys, setting):
         assert line in err and err.rstrip().endswith(" s"), err
     else:
         assert "[bucketwise]" not in err, err
+
+
+# --- compile-time breakdown (NOTE [compile-time breakdown]) -------------------------------------
+
+
+def test_compile_times_in_the_rank_file(single_rank_group, tmp_path, monkeypatch):
+    """Dynamo's part and the lazily compiled backwards reach the stats file on the calls after a
+    compile; the split graph's four segments each compile a backward."""
+    stats = tmp_path / "stats"
+    monkeypatch.setenv("BUCKETWISE_STATS_DIR", str(stats))
+    compiled, ref = _pair(MLP())
+    _train(compiled, ref, 1)
+    first = json.loads((stats / "rank0.json").read_text())["graphs"][0]["compile_times"]
+    # Rewritten after the first forward (Dynamo's record of the frame), before the backward ran.
+    assert first["dynamo_s"] > 0 and first["backward_compiles"] == 0
+    _train(compiled, ref, 2)
+    t = json.loads((stats / "rank0.json").read_text())["graphs"][0]["compile_times"]
+    assert t["dynamo_s"] > 0 and t["backward_compiles"] == 4
+    assert t["aot_autograd_s"] > 0 and t["bucketwise_s"] > 0 and t["rank_check_s"] == 0
+    assert t["fx_graph_cache"] == {"hit": 0, "miss": 0, "bypass": 0}, "aot_eager: no Inductor"
+    assert t["total_s"] == pytest.approx(t["dynamo_s"] + t["bucketwise_s"] + t["aot_autograd_s"] + t["backend_s"], abs=1e-5)
+    assert bucketwise.report(compiled).totals["compile_times"]["backward_compiles"] == 4
+    from bucketwise.launch import stats as launch_stats
+
+    merged = launch_stats.merge([json.loads((stats / "rank0.json").read_text())])
+    assert merged["compile_times"][0]["slowest"]["backward_compiles"] == 4
+    assert "FX cache h/m/b" in launch_stats.format_merged(merged) and "FX cache h/m/b" in bucketwise.report(compiled).table()
+
+
+@pytest.mark.inductor
+def test_compile_times_show_the_caches_of_a_restart(single_rank_group, tmp_path, monkeypatch):
+    """A restart within one process: compile, ``torch._dynamo.reset()``, compile again over the
+    same cache dir. The first compile misses the FX graph cache (forward, backward) and the
+    AOTAutograd cache; the second loads the fused graph from the AOTAutograd cache (bucket_sync
+    and the comm scheduler pass carry stable keys, NOTE [compile cache keys]) and compiles no
+    backward. The phases add up to no more than the wall time of the step."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model, x = MLP(2), torch.randn(8, 64)
+    runs = []
+    with torch._inductor.config.patch(fx_graph_cache=True), torch._functorch.config.patch(enable_autograd_cache=True):
+        for _ in range(2):
+            torch._dynamo.reset()
+            compiled = bucketwise.compile(DDP(copy.deepcopy(model), bucket_cap_mb=CAP_MB), strategy="fused")
+            start = time.perf_counter()
+            compiled(x).square().mean().backward()
+            wall = time.perf_counter() - start
+            compiled(x)  # the call after a compile reads torch's records of it
+            runs.append((wall, bucketwise.report(compiled).to_dict()["graphs"][0]["compile_times"]))
+    (cold_wall, cold), (warm_wall, warm) = runs
+    assert cold["fx_graph_cache"] == {"hit": 0, "miss": 2, "bypass": 0}
+    assert cold["aot_autograd_cache"] == {"hit": 0, "miss": 1, "bypass": 0}
+    assert cold["backward_compiles"] == 1
+    assert warm["aot_autograd_cache"] == {"hit": 1, "miss": 0, "bypass": 0}
+    assert warm["fx_graph_cache"] == {"hit": 2, "miss": 0, "bypass": 0}
+    assert warm["backward_compiles"] == 0
+    for wall, t in runs:
+        parts = [t["dynamo_s"], t["bucketwise_s"], t["aot_autograd_s"], t["backend_s"]]
+        assert all(p is not None and p >= 0 for p in parts), t
+        assert t["dynamo_s"] > 0 and t["aot_autograd_s"] > 0
+        assert sum(parts) == pytest.approx(t["total_s"], abs=1e-5)
+        assert t["total_s"] <= wall, (t, wall)
+    assert cold["backend_s"] > 0 and warm["backend_s"] == 0, "a cache hit runs no Inductor compile"

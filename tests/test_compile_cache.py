@@ -1,0 +1,53 @@
+"""Stable compile-cache keys for what bucketwise puts into compiled graphs (NOTE [compile cache
+keys]); the restart itself (a second compile over the same cache) is tested in test_report.py."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+import torch.fx as fx
+
+from bucketwise.compiler import _dynamo_compat as dc
+from bucketwise.distributed import _collectives_compat as cc
+from bucketwise.distributed.cache_keys import source_key, traced_call_targets
+from bucketwise.distributed.fused import CommSpec, insert_bucket_syncs
+from bucketwise.partitioners.param_usage import find_graph_params
+
+
+def test_scheduler_pass_pickles_with_the_hash_of_its_source():
+    passes = cc.comm_overlap_options()["reorder_for_compute_comm_overlap_passes"]
+    sink = passes[-1]
+    assert sink.uuid() == source_key(cc) and sink.uuid().startswith("bucketwise-")
+    assert pickle.dumps(sink) == pickle.dumps(cc.comm_overlap_options()["reorder_for_compute_comm_overlap_passes"][-1])
+    assert pickle.dumps(sink) != pickle.dumps(cc.SinkWaitsPass("bucketwise-other"))
+    assert sink.key.encode() in pickle.dumps(sink)
+
+
+class _TwoMatmuls(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.ones(4, 4))
+        self.b = torch.nn.Parameter(torch.ones(4, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.a @ self.b
+
+
+def test_traced_call_targets_name_what_the_fused_pass_inserts():
+    model = _TwoMatmuls()
+    gm = fx.symbolic_trace(model)
+    params = find_graph_params(gm, [], list(model.named_parameters()))
+    insert_bucket_syncs(gm, [[p] for p in params], CommSpec(group="0", world_size=1))
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function" and n.target.__module__.startswith("bucketwise")}
+    names = traced_call_targets()
+    assert targets and all(f"{t.__module__}.{t.__name__}" in names for t in targets)
+    assert len(set(names.values())) == 1
+
+
+def test_cacheable_calls_options_keep_the_users_options():
+    user = {"max_autotune": False, "unsafe_marked_cacheable_functions": {"mine.fn": "1"}}
+    merged = dc.cacheable_calls_options({"bucketwise.x.f": "k"}, user)
+    assert merged["max_autotune"] is False
+    assert merged["unsafe_marked_cacheable_functions"] == {"mine.fn": "1", "bucketwise.x.f": "k"}
+    assert user["unsafe_marked_cacheable_functions"] == {"mine.fn": "1"}, "the user's dict is not modified"
