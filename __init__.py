@@ -5,12 +5,15 @@ Public API (kept small on purpose):
 - :func:`bucketwise.compile` -- compile a DDP module, a plain module or a function.
 - :func:`bucketwise.report` -- per-graph / per-bucket compile statistics of a compiled object.
 - :func:`bucketwise.freeze` -- no new compile from now on (a recompile raises or runs eagerly).
+- :func:`bucketwise.traceable_comm_hook` -- mark a DDP comm hook written with functional
+  collectives, so ``strategy="fused"`` traces it into the compiled backward.
 - the ``bucketwise`` command (``launch``, ``stats``, ``demo``).
 """
 
 from .compiler.api import compile
 from .compiler.freeze import freeze
 from .compiler.report import Report, report
+from .distributed.comm_hooks import traceable_comm_hook
 
-__all__ = ["compile", "report", "freeze", "Report"]
+__all__ = ["compile", "report", "freeze", "traceable_comm_hook", "Report"]
 __version__ = "0.1.0"

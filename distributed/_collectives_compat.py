@@ -36,6 +36,14 @@ def world_size(pg: Any) -> int:
     return dist.get_world_size(pg)
 
 
+def wait(t: Any) -> Any:
+    """A functional collective's result as a plain tensor: run eagerly, ``funcol`` returns an
+    ``AsyncCollectiveTensor`` to wait for; traced, already a plain (waited) tensor."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
 # Inductor passes that issue collectives early, by preference; the first name this torch
 # version has is used. Waits are then sunk by ``sink_waits_to_consumers`` (NOTE [late waits]).
 _RAISE_PASSES = ("reorder_communication_preserving_peak_memory", "raise_comms")

@@ -8,7 +8,8 @@ Each rank's :class:`bucketwise.Report` writes ``$BUCKETWISE_STATS_DIR/rank<R>.js
 "compile_seconds": {"min", "median", "max", "per_rank"}, "backends", "fallback_ranks",
 "fallback_reasons"}], "plan_differences": [{"rank", "reference_rank", "graph_id", "part",
 "index", "difference"}], "totals": {"<rank>": {...}},
-"alignment": {"<rank>": float | None}, "graph_notes": [...], "notes": [...]}``
+"alignment": {"<rank>": float | None}, "graph_notes": [...], "notes": [...],
+"fused_buckets": [{"graph_id", "comm_hook", "buckets": [...]}]}``
 
 Per-segment sizes (params, bytes, ops) are the reference rank's (the lowest rank present);
 ranks whose bucket plan differs from it are listed in ``plan_differences``.
@@ -22,6 +23,8 @@ import os
 import re
 import statistics
 from typing import Any, Callable, Iterable
+
+from ..compiler.report import bucket_table
 
 MERGED_SCHEMA = 1
 _RANK_FILE = re.compile(r"^rank(\d+)\.json$")
@@ -214,7 +217,20 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "alignment": {str(r["rank"]): r["totals"].get("alignment") for r in reports},
         "graph_notes": graph_notes,
         "notes": notes,
+        "fused_buckets": fused_buckets(ref),
     }
+
+
+def fused_buckets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The reference rank's fused buckets per graph: ``[{"graph_id", "comm_hook", "buckets"}]``
+    (each bucket as ``Report.to_dict()`` has it: collective, ``wire_bytes``, ...). Every rank
+    runs the same collectives (the fused layout check), so one rank's view is the run's."""
+    out = []
+    for g in report["graphs"]:
+        buckets = [b for b in g.get("buckets") or [] if isinstance(b, dict) and b.get("issued_at") is not None]
+        if buckets:
+            out.append({"graph_id": g["graph_id"], "comm_hook": g.get("comm_hook"), "buckets": buckets})
+    return out
 
 
 # -- text ----------------------------------------------------------------------------------
@@ -233,6 +249,9 @@ def format_merged(merged: dict[str, Any]) -> str:
             "/".join(s["backends"]), _fallback_cell(s, n_ranks),
         ))
     lines = [_align_merged(rows)]
+    if merged.get("fused_buckets"):
+        lines.extend(bucket_table(merged["fused_buckets"]))
+        lines.append(f"(buckets as rank {merged['ranks'][0]} reports them)")
     lines.append(totals_line(merged))
     lines.extend(merged["graph_notes"])
     lines.extend(f"note: {n}" for n in merged["notes"])
