@@ -334,19 +334,22 @@ def bucket_table(graphs: list[dict[str, Any]]) -> list[str]:
 
 
 def wire_lines(graphs: list[dict[str, Any]]) -> list[str]:
-    """Per graph with a comm hook: what its buckets send per step, against the gradient bytes."""
+    """Per fused graph that sends other than its gradient bytes (a comm hook, a compressed wire
+    dtype, embedding rows): what its buckets send per step, against the gradient bytes."""
     lines = []
     for g in graphs:
-        hook, buckets = g.get("comm_hook"), g.get("buckets") or []
-        if not hook or not buckets:
-            continue
+        hook = g.get("comm_hook")
+        buckets = [b for b in g.get("buckets") or [] if b.get("issued_at") is not None]
         grads = sum(b["bytes"] for b in buckets)
         known = [b["wire_bytes"] for b in buckets if b.get("wire_bytes") is not None]
-        line = f"graph {g['graph_id']}: {hook}"
-        if len(known) == len(buckets) and grads:
+        complete = len(known) == len(buckets) and grads > 0
+        if not buckets or not (hook or complete and sum(known) != grads):
+            continue
+        line = f"graph {g['graph_id']}: " + (hook or "fused")
+        if complete:
             wire = sum(known)
             line += f": {wire / 2**20:.3f} MiB on the wire per step for {grads / 2**20:.3f} MiB of gradients ({wire / grads:.1%})"
-        if hook.startswith("powerSGD_hook"):
+        if hook and hook.startswith("powerSGD_hook"):
             line += "; before start_powerSGD_iter each bucket is all-reduced whole"
         lines.append(line)
     return lines

@@ -283,7 +283,17 @@ class TracedHookProgram(HookProgram):
         return self.name + (" (accumulated gradients)" if variant[1] else "")
 
     def wire(self, bucket):
-        return f"traced hook {self.name}", None, None
+        """The bytes the hook hands to functional collectives, from one run of it on fake tensors
+        (a host-side effect of the hook happens once more here)."""
+        numel = sum(p.tensor.numel() for p in bucket)
+        first = bucket[0].tensor
+
+        def run(fake_mode: Any) -> None:
+            flat = torch.empty(numel, dtype=first.dtype, device=first.device)
+            like = [torch.empty(p.tensor.shape, dtype=first.dtype, device=first.device) for p in bucket]
+            cc.wait(self.call.hook.fn(self.call.state, GraphBucket(flat, like, self.key(bucket), False)))
+
+        return f"traced hook {self.name}", cc.collective_input_bytes(run), None
 
     def describe(self) -> str:
         return f"traceable comm hook {self.name}"

@@ -252,6 +252,9 @@ def _check_report(name: str, result: dict[str, Any]) -> None:
     if config.hook == "traced":
         assert g["comm_hook"] == "traceable comm hook _fp16_allreduce", g["comm_hook"]
         assert [v["name"] for v in g["variants"]] == ["_fp16_allreduce" + carry], g["variants"]
+        for b, members in zip(g["buckets"], reducer):  # fp16 on the wire, measured from the hook
+            assert b["collective"] == "traced hook _fp16_allreduce", b
+            assert b["wire_bytes"] == 2 * sum(math.prod(shape) for _, shape in members) == b["bytes"] // 2, b
         return
     assert g["comm_hook"].startswith("powerSGD_hook"), g["comm_hook"]
     names = ["plain all-reduce (before start_powerSGD_iter)", "powerSGD" + carry]
