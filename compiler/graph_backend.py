@@ -21,7 +21,7 @@ from ..distributed import _ddp_compat
 from ..distributed.ddp_optimizer import plan_for_graph, split_and_compile
 from ..distributed.embedding_rows import insert_embedding_rows, plan_embedding_rows, renormed_tables
 from ..distributed.comm_hooks import HookedGraph, HookProgram, TracedHookProgram
-from ..distributed.fused import CommSpec, backward_positions, fresh_copy, insert_bucket_syncs
+from ..distributed.fused import CommSpec, backward_positions, insert_bucket_syncs
 from ..distributed.powersgd_run import PowerSGDRun
 from ..distributed.plan import BucketCaps, plan_buckets
 from ..distributed.rank_check import check_same_on_all_ranks, gather_on_all_ranks
@@ -32,6 +32,7 @@ from . import _dynamo_compat as dc
 from . import cudagraph_policy, doctor
 from .config import CompileConfig
 from .cudagraphs import CudaGraphGroup, inner_compile_factory
+from .hook_variants import VariantCompiler
 from .progress import Progress
 from .report import BucketStats, GraphStats, Report, SegmentStats, VariantStats
 from .segments import CompileOutcome, compile_with_fallback
@@ -274,43 +275,25 @@ class GraphBackend:
         synced = [b for b in synced if b]
         reduced = [(b, *program.wire(b)) for b in synced]
         positions = backward_positions(gm, synced)
-        variants: list[VariantStats] = []
-        graph = HookedGraph(program, synced, self._variant_compiler(gm, example_inputs, program, synced, variants))
+        compiler = VariantCompiler(gm, example_inputs, program, synced, self._compile_variant, self.report, self._label)
+        graph = HookedGraph(program, synced, compiler)
+        # Equal results with eager DDP need the reducer's buckets (NOTE [powersgd in the graph]).
+        if not _ddp_compat.will_rebuild(ddp):
+            self.report.note(f"{program.name}: DDP keeps its construction-time buckets (find_unused_parameters=True), "
+                             "the fused graphs reduce the planned ones: the hook sees other buckets than in eager DDP")
+        elif program.bucket_count() > len(synced):
+            self.report.note(f"{program.name}: several graphs reduce buckets, each its own: the hook sees other "
+                             "buckets (and indices) than DDP's reducer would give it in eager DDP")
         with progress.step(f"whole graph + {len(synced)} buckets ({program.describe()})", self.config.backend_name):
             graph.ensure(program.variant(graph))
-        first = variants[0]
-        outcome = CompileOutcome(backend=first.backend, seconds=first.compile_seconds, phases=first.phases,
-                                 fell_back=first.fell_back, reason=first.reason)
-        return self._fused_result(gm, params, spec, reduced, positions, graph, outcome, comm_hook=program.describe(),
-                                  variants=variants)
+        return self._fused_result(gm, params, spec, reduced, positions, graph, compiler.first_outcome(),
+                                  comm_hook=program.describe(), variants=compiler.variants)
 
-    def _variant_compiler(self, gm, example_inputs, program: HookProgram, buckets, variants: list[VariantStats]):
-        """``compile_variant(variant, input_specs)`` for a HookedGraph: a copy of ``gm`` with the
-        variant's extra inputs and syncs, compiled apart from Dynamo's tracing context; each
-        compile is recorded in ``variants`` (the graph's report entry, live)."""
-        fake_inputs = dc.graph_example_inputs(gm, example_inputs)
-        fake_mode = dc.detect_fake_mode(fake_inputs)
-        label = self._label
-
-        def compile_variant(variant: Any, input_specs: list[Any]) -> Callable[..., Any]:
-            extra = [dc.fake_empty(fake_mode, *spec) for spec in input_specs]
-            copy_gm, copy_buckets, nodes = fresh_copy(gm, buckets, extra, "comm_hook_input")
-            program.insert(copy_gm, copy_buckets, variant, nodes)
-            name = program.variant_name(variant)
-            with self._labelled(f"{label} ({name})"), dc.fresh_tracing(fake_mode):
-                compiled, outcome = compile_with_fallback(
-                    copy_gm, [*fake_inputs, *extra], self._fused_compiler(),
-                    backend_name=self.config.backend_name, fallback=self.config.fallback,
-                )
-            variants.append(VariantStats(name=name, compile_seconds=round(outcome.seconds, 6), phases=outcome.phases,
-                                         backend=outcome.backend if not outcome.fell_back else "eager",
-                                         fell_back=outcome.fell_back, reason=outcome.reason))
-            if len(variants) > 1:
-                log.info("bucketwise: %s: compiled the %s variant (%.2f s)", label, name, outcome.seconds)
-                self.report.write_rank_file()
-            return compiled
-
-        return compile_variant
+    def _compile_variant(self, gm: fx.GraphModule, example_inputs: list[Any], label: str) -> tuple[Callable[..., Any], CompileOutcome]:
+        """A comm hook's variant of a graph (``label`` names its CUDA-graph runners)."""
+        with self._labelled(label):
+            return compile_with_fallback(gm, example_inputs, self._fused_compiler(),
+                                         backend_name=self.config.backend_name, fallback=self.config.fallback)
 
     @contextlib.contextmanager
     def _labelled(self, label: str):

@@ -55,6 +55,10 @@ class HookProgram:
         with the same buckets gets the same numbers."""
         return self._keys.setdefault(tuple(p.reducer_index for p in bucket), len(self._keys))
 
+    def bucket_count(self) -> int:
+        """Buckets numbered so far, over every graph."""
+        return len(self._keys)
+
     def plain_spec(self) -> CommSpec:
         raise NotImplementedError
 
@@ -72,16 +76,17 @@ class HookProgram:
 
     def insert(self, gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]], variant: Hashable,
                extra: Sequence[fx.Node]) -> None:
-        """Graph pass: the variant's syncs (``extra``: the placeholders of its extra inputs)."""
-        insert_bucket_syncs(gm, buckets, self.plain_spec())
+        """Graph pass: the variant's syncs (``extra``: the placeholders of its extra inputs, in
+        the order of ``input_specs``)."""
+        raise NotImplementedError
 
     def variant_name(self, variant: Hashable) -> str:
-        return "plain all-reduce" if variant == PLAIN else self.name
+        raise NotImplementedError
 
     def wire(self, bucket: Sequence[GraphParam]) -> tuple[str, int | None, dict[str, int] | None]:
         """For the report: the bucket's collective(s), the bytes each rank sends per step once the
-        hook runs (``None``: unknown), and those bytes per collective."""
-        return "all_reduce", sum(p.nbytes for p in bucket), None
+        hook runs (``None``: unknown), and those bytes per collective (``None``: one)."""
+        raise NotImplementedError
 
     def describe(self) -> str:
         return self.name
