@@ -6,6 +6,7 @@ the way torch's hook keeps them."""
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -42,6 +43,8 @@ class PowerSGDRun(HookProgram):
         self._seeds: list[int] = []
         self._compressed = False
         self._plans: dict[tuple[Any, ...], BucketPlan] = {}
+        self._kept: dict[int, weakref.ref] = {}
+        """State tensors handed to ``keep_in_place`` already (by id)."""
 
     def plain_spec(self) -> CommSpec:
         return self._spec
@@ -116,6 +119,7 @@ class PowerSGDRun(HookProgram):
         return out + [p, q]
 
     def _held(self, store: dict, key: int, numel: int, like: torch.Tensor, zero: bool = False) -> torch.Tensor:
+        """The state tensor ``store[key]``, created if missing (torch's are, on first use)."""
         t = store.get(key)
         if t is None:
             t = store[key] = self._new(numel, like, zero)
@@ -124,12 +128,18 @@ class PowerSGDRun(HookProgram):
                 f"PowerSGDState holds a tensor of shape {tuple(t.shape)} ({t.dtype}, {t.device}) for bucket {key}, "
                 f"which needs ({numel},) ({like.dtype}, {like.device}): the state comes from other buckets; "
                 "start from a fresh PowerSGDState or keep the bucket caps it was made with")
+        elif (ref := self._kept.get(id(t))) is None or ref() is not t:  # put there from outside (a loaded state)
+            self._keep(t)
         return t
 
     def _new(self, numel: int, like: torch.Tensor, zero: bool = False) -> torch.Tensor:
         t = (torch.zeros if zero else torch.empty)(numel, dtype=like.dtype, device=like.device)
-        self._keep_in_place(t)
+        self._keep(t)
         return t
+
+    def _keep(self, t: torch.Tensor) -> None:
+        self._keep_in_place(t)
+        self._kept[id(t)] = weakref.ref(t)
 
     def _random_q(self, q: torch.Tensor, plan: BucketPlan) -> None:
         """torch: ``torch.manual_seed(state.rng.randint(1e9))`` in ``fork_rng(devices=[])``, then
