@@ -56,12 +56,13 @@ class PowerSGDRun(HookProgram):
                               batch_same_shape=bool(s.batch_tensors_with_same_shape),
                               epsilon=s.orthogonalization_epsilon)
 
-    def plan(self, bucket: Sequence[GraphParam], cfg: PowerSGDConfig) -> BucketPlan:
-        shapes = tuple(tuple(p.tensor.shape) for p in bucket)
-        key = (shapes, cfg.rank, cfg.min_compression_rate, cfg.batch_same_shape)
-        plan = self._plans.get(key)
+    def plan(self, key: int, bucket: Sequence[GraphParam], cfg: PowerSGDConfig) -> BucketPlan:
+        """The plan of bucket ``key`` (``self.key(bucket)``) under ``cfg``, made once."""
+        cached = (key, cfg.rank, cfg.min_compression_rate, cfg.batch_same_shape)
+        plan = self._plans.get(cached)
         if plan is None:
-            plan = self._plans[key] = plan_bucket(shapes, cfg.rank, cfg.min_compression_rate, cfg.batch_same_shape)
+            shapes = [tuple(p.tensor.shape) for p in bucket]
+            plan = self._plans[cached] = plan_bucket(shapes, cfg.rank, cfg.min_compression_rate, cfg.batch_same_shape)
         return plan
 
     # -- per call --------------------------------------------------------------------------
@@ -76,8 +77,8 @@ class PowerSGDRun(HookProgram):
             return []
         _, cfg, carry = variant
         specs = []
-        for bucket in graph.buckets:
-            plan = self.plan(bucket, cfg)
+        for key, bucket in zip(graph.keys, graph.buckets):
+            plan = self.plan(key, bucket, cfg)
             sizes = {"error": plan.numel, "p": plan.p_numel, "q": plan.q_numel, "carry": plan.numel}
             specs += [bucket_input_spec(bucket, sizes[name]) for name in state_layout(cfg, carry)]
         return specs
@@ -89,7 +90,7 @@ class PowerSGDRun(HookProgram):
         self._compressed = True
         out: list[torch.Tensor] = []
         for key, bucket in zip(graph.keys, graph.buckets):
-            plan = self.plan(bucket, cfg)
+            plan = self.plan(key, bucket, cfg)
             tensors = self._bucket_state(key, plan, cfg, bucket)
             if carry:
                 tensors.append(take_grads(bucket))
@@ -192,7 +193,7 @@ class PowerSGDRun(HookProgram):
         return "powerSGD" + (" (accumulated gradients)" if variant[2] else "")
 
     def wire(self, bucket: Sequence[GraphParam]) -> tuple[str, int | None, dict[str, int] | None]:
-        plan = self.plan(bucket, self.config())
+        plan = self.plan(self.key(bucket), bucket, self.config())
         size = bucket[0].tensor.element_size()
         parts = {k: v * size for k, v in plan.wire_elements().items()}
         return "all_reduce " + " + ".join(parts), sum(parts.values()), parts
