@@ -148,10 +148,8 @@ class BucketPlan:
     numel_before: int
     numel_after: int
     """torch's compression statistics for one step of this bucket."""
-
-    @property
-    def numel(self) -> int:
-        return sum(math.prod(s) for s in self.shapes)
+    numel: int
+    """Elements of the bucket."""
 
     @property
     def uncompressed_numel(self) -> int:
@@ -196,7 +194,7 @@ def plan_bucket(shapes: Sequence[Sequence[int]], rank: int, min_compression_rate
             products.append(MatrixProduct(chunk, n, m, r, p_off, q_off))
             p_off += len(chunk) * n * r
             q_off += len(chunk) * m * r
-    return BucketPlan(shapes, tuple(uncompressed), tuple(products), p_off, q_off, before, after)
+    return BucketPlan(shapes, tuple(uncompressed), tuple(products), p_off, q_off, before, after, before)
 
 
 # --- the tensor work (traced into the backward) --------------------------------------------

@@ -123,14 +123,16 @@ class PowerSGDRun(HookProgram):
         """The state tensor ``store[key]``, created if missing (torch's are, on first use)."""
         t = store.get(key)
         if t is None:
-            t = store[key] = self._new(numel, like, zero)
-        elif t.shape != (numel,) or t.dtype != like.dtype or t.device != like.device:
+            return store.setdefault(key, self._new(numel, like, zero))
+        if (ref := self._kept.get(id(t))) is not None and ref() is t:
+            return t
+        # Put there from outside (a loaded state): checked once, then kept in place like ours.
+        if t.shape != (numel,) or t.dtype != like.dtype or t.device != like.device:
             raise ValueError(
                 f"PowerSGDState holds a tensor of shape {tuple(t.shape)} ({t.dtype}, {t.device}) for bucket {key}, "
                 f"which needs ({numel},) ({like.dtype}, {like.device}): the state comes from other buckets; "
                 "start from a fresh PowerSGDState or keep the bucket caps it was made with")
-        elif (ref := self._kept.get(id(t))) is None or ref() is not t:  # put there from outside (a loaded state)
-            self._keep(t)
+        self._keep(t)
         return t
 
     def _new(self, numel: int, like: torch.Tensor, zero: bool = False) -> torch.Tensor:
