@@ -152,6 +152,10 @@ def allow_real_inputs(fake_mode) -> Iterator[None]:
         fake_mode.allow_non_fake_inputs = old
 
 
+# --- a comm hook's graph variants (compiler/hook_variants.py) ---------------------------
+# Checked on torch 2.13.0 (CI); tests/gpu/test_gpu_powersgd.py runs them on 2.11.0.
+
+
 def graph_example_inputs(gm: Any, example_inputs: Any) -> list[Any]:
     """Dynamo's own fake values of a graph's inputs (``example_value`` of each placeholder:
     symbolic sizes where Dynamo made them dynamic), else the example input given. A copy of the

@@ -36,6 +36,10 @@ def world_size(pg: Any) -> int:
     return dist.get_world_size(pg)
 
 
+# Checked on torch 2.13.0 (CI) only so far: the functional collectives' fake kernels and
+# ``AsyncCollectiveTensor`` (used by traceable comm hooks).
+
+
 def collective_input_bytes(fn: Any) -> int | None:
     """Bytes this rank hands to functional collectives when ``fn(fake_mode)`` runs on fake
     tensors it makes in ``fake_mode`` (nothing is sent); ``None`` if ``fn`` fails so."""

@@ -214,6 +214,10 @@ def run_forward_with_idle_reducer(ddp: DDP, args: tuple, kwargs: dict, call: Any
     return out
 
 
+# --- comm hooks (distributed/comm_hooks.py, powersgd.py) -----------------------------------
+# Checked on torch 2.13.0 (CI); tests/gpu/test_gpu_powersgd.py runs them on 2.11.0.
+
+
 def comm_hook(ddp: DDP) -> tuple[Any, Any] | None:
     """The Python comm hook registered last and its state, ``(hook, state)``, or ``None``."""
     hooks = getattr(ddp, "_comm_hooks", None) or []
@@ -253,7 +257,8 @@ def comm_hook_kind(ddp: DDP) -> tuple[str, str | None]:
 
 def batched_powersgd_works() -> bool:
     """Whether torch's ``batched_powerSGD_hook`` can run past ``start_powerSGD_iter``: it hands
-    ``_orthogonalize`` a 2-D matrix, which torch 2.11 and 2.13 reject (3-D batches only)."""
+    ``_orthogonalize`` a 2-D matrix, which takes only 3-D batches since torch 1.12 (pytorch
+    pull request 75157; seen failing on 2.13.0)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
     try:
