@@ -7,6 +7,8 @@ Public API (kept small on purpose):
 - :func:`bucketwise.freeze` -- no new compile from now on (a recompile raises or runs eagerly).
 - :func:`bucketwise.profile` -- per-bucket communication time (overlapped, exposed) and bytes on
   the wire of some training steps, with a Chrome trace and a timeline plot (:class:`RuntimeView`).
+- :func:`bucketwise.traceable_comm_hook` -- mark a DDP comm hook written with functional
+  collectives, so ``strategy="fused"`` traces it into the compiled backward.
 - the ``bucketwise`` command (``launch``, ``doctor``, ``stats``, ``demo``, ``--version``).
 """
 
@@ -15,6 +17,7 @@ from .compiler.freeze import freeze
 from .compiler.profiling import profile
 from .compiler.report import Report, report
 from .compiler.runtime_view import RuntimeView
+from .distributed.comm_hooks import traceable_comm_hook
 
-__all__ = ["compile", "report", "freeze", "profile", "Report", "RuntimeView"]
+__all__ = ["compile", "report", "freeze", "profile", "traceable_comm_hook", "Report", "RuntimeView"]
 __version__ = "0.1.0"

@@ -27,6 +27,9 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 COMPILERS = ("none", "torch", "bucketwise")
+COMM_HOOKS = (None, "bf16", "powersgd")
+POWERSGD_STATE = {"matrix_approximation_rank": 4, "start_powerSGD_iter": 2}
+"""``PowerSGDState`` arguments of the ``powersgd`` configs."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,7 +57,9 @@ class Recipe:
     cudagraphs: bool | str = False
     """bucketwise ``cudagraphs=`` argument."""
     comm_hook: str | None = None
-    """``"bf16"``: register torch's ``bf16_compress_hook`` on the DDP module (opt-in compressed comm)."""
+    """``"bf16"``: register torch's ``bf16_compress_hook`` on the DDP module (opt-in compressed comm);
+    ``"powersgd"``: torch's ``powerSGD_hook`` with ``POWERSGD_STATE`` (compressing from the
+    second step after the first, within the warm-up)."""
     gather_embedding_rows: bool = True
     """bucketwise ``gather_embedding_rows=`` argument (``False``: all-reduce embedding tables whole)."""
 
@@ -65,8 +70,8 @@ class Recipe:
             raise ValueError("strategy is required for (and only for) compiler='bucketwise'")
         if self.compiler == "bucketwise" and not self.ddp:
             raise ValueError("bucketwise recipes compile a DDP module (ddp=True)")
-        if self.comm_hook not in (None, "bf16"):
-            raise ValueError(f"comm_hook must be None or 'bf16', got {self.comm_hook!r}")
+        if self.comm_hook not in COMM_HOOKS:
+            raise ValueError(f"comm_hook must be one of {COMM_HOOKS}, got {self.comm_hook!r}")
         if self.compiler == "none" and (self.mode or self.optimize_ddp is not None):
             raise ValueError("mode/optimize_ddp need a compiler")
 
@@ -97,6 +102,10 @@ class Recipe:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        if self.comm_hook == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+            ddp.register_comm_hook(ps.PowerSGDState(None, **POWERSGD_STATE), ps.powerSGD_hook)
         return ddp
 
     def prepare(self, model: nn.Module, *, device: torch.device, backend: str, bucket_cap_mb: float | None) -> Prepared:
@@ -132,6 +141,11 @@ CONFIGS: dict[str, Recipe] = {
     "bw-fused-dense": Recipe(compiler="bucketwise", strategy="fused", gather_embedding_rows=False),
     "bw-fused-dense-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True, gather_embedding_rows=False),
     "eager-bf16": Recipe(comm_hook="bf16"),
+    "eager-powersgd": Recipe(comm_hook="powersgd"),
+    "torch-powersgd": Recipe(compiler="torch", comm_hook="powersgd"),
+    "bw-split-powersgd": Recipe(compiler="bucketwise", strategy="split", comm_hook="powersgd"),
+    "bw-fused-powersgd": Recipe(compiler="bucketwise", strategy="fused", comm_hook="powersgd"),
+    "bw-fused-powersgd-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True, comm_hook="powersgd"),
     "torch-ro": Recipe(compiler="torch", mode=RO),
     "torch-nosplit-ro": Recipe(compiler="torch", optimize_ddp=False, mode=RO),
     "local-ro": Recipe(compiler="torch", ddp=False, mode=RO),

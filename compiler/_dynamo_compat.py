@@ -265,6 +265,39 @@ def allow_real_inputs(fake_mode) -> Iterator[None]:
         fake_mode.allow_non_fake_inputs = old
 
 
+# --- a comm hook's graph variants (compiler/hook_variants.py) ---------------------------
+# Checked on torch 2.13.0 (CI); tests/gpu/test_gpu_powersgd.py runs them on 2.11.0.
+
+
+def graph_example_inputs(gm: Any, example_inputs: Any) -> list[Any]:
+    """Dynamo's own fake values of a graph's inputs (``example_value`` of each placeholder:
+    symbolic sizes where Dynamo made them dynamic), else the example input given. A copy of the
+    graph compiled later, outside Dynamo, gets these: real tensors would be fakified with every
+    size dynamic."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [n.meta.get("example_value", given) for n, given in zip(placeholders, example_inputs)]
+
+
+@contextlib.contextmanager
+def fresh_tracing(fake_mode) -> Iterator[None]:
+    """A tracing context of its own for one more AOTAutograd compile of a Dynamo graph (a comm
+    hook's variant): it keeps that compile's forward metadata apart from Dynamo's."""
+    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+        yield
+
+
+def fake_empty(fake_mode, shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A fake tensor with static sizes in ``fake_mode``."""
+    with fake_mode:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
+def mark_static_address(t: torch.Tensor) -> None:
+    """Mark a tensor that keeps its address across calls (a comm hook's state), so CUDA-graph
+    runners read it in place (``has_static_address``)."""
+    torch._dynamo.mark_static_address(t, guard=False)
+
+
 def saved_tensor_hooks_disabled():
     return torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing()
 

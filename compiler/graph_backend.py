@@ -7,6 +7,7 @@ allreduces and compile whole; ``none``: compile whole), record the stats.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -21,8 +22,10 @@ from ..distributed import _ddp_compat
 from ..distributed.cache_keys import traced_call_targets
 from ..distributed.ddp_optimizer import plan_for_graph, split_and_compile
 from ..distributed.embedding_rows import insert_embedding_rows, plan_embedding_rows, renormed_tables
+from ..distributed.comm_hooks import HookedGraph, HookProgram, TracedHookProgram
 from ..distributed.fused import CommSpec, backward_positions, insert_bucket_syncs
 from ..distributed.fused_policy import why_not_fused
+from ..distributed.powersgd_run import PowerSGDRun
 from ..distributed.plan import BucketCaps, plan_buckets
 from ..distributed.rank_check import check_same_on_all_ranks, gather_on_all_ranks
 from ..distributed.ready_order import FirstIterationOrder, ReadyLast
@@ -33,8 +36,9 @@ from . import cudagraph_policy, doctor
 from .compile_times import backend_call_times
 from .config import CompileConfig
 from .cudagraphs import CudaGraphGroup, inner_compile_factory
+from .hook_variants import VariantCompiler
 from .progress import Progress
-from .report import BucketStats, GraphStats, Report, SegmentStats
+from .report import BucketStats, GraphStats, Report, SegmentStats, VariantStats
 from .segments import CompileOutcome, compile_with_fallback
 
 log = logging.getLogger(__name__)
@@ -47,6 +51,8 @@ class _Result:
     outcomes: list[CompileOutcome]
     buckets: list[BucketStats]
     plan_source: str | None = None
+    comm_hook: str | None = None
+    variants: list[VariantStats] = dataclasses.field(default_factory=list)
 
 
 class GraphBackend:
@@ -239,13 +245,16 @@ class GraphBackend:
 
     def _fused(self, gm, example_inputs, ddp, params, progress) -> _Result:
         spec = _comm_spec(ddp)
+        program = self._hook_program(ddp, spec)
+        if program is not None:
+            return self._fused_hook(gm, example_inputs, ddp, params, progress, program)
         buckets, tables = self._fused_plan(gm, ddp, params, spec)
         # What each collective reduces, for the report: buckets, then the gathered tables (a
         # table's gather is issued after the gradient of its first use, its first lookup).
-        reduced = [(b, "all_reduce", _wire_bytes(b, spec)) for b in buckets] + [
-            ([t.param], "all_gather rows", t.wire_bytes(spec.comm_dtype)) for t in tables
+        reduced = [(b, "all_reduce", _wire_bytes(b, spec), None) for b in buckets] + [
+            ([t.param], "all_gather rows", t.wire_bytes(spec.comm_dtype), None) for t in tables
         ]
-        positions = backward_positions(gm, [group for group, _, _ in reduced])
+        positions = backward_positions(gm, [group for group, *_ in reduced])
         # Rows first: each lookup is replaced in place (node positions unchanged), so the
         # buckets' first-use positions still hold for insert_bucket_syncs.
         insert_embedding_rows(gm, tables, spec)
@@ -259,19 +268,80 @@ class GraphBackend:
                 backend_name=self.config.backend_name,
                 fallback=self.config.fallback,
             )
-        key = self.fused_runtime.graphs_compiled((id(p.tensor) for group, _, _ in reduced for p in group), spec)
+        return self._fused_result(gm, params, spec, reduced, positions, compiled, outcome)
+
+    def _fused_result(self, gm, params, spec, reduced, positions, compiled, outcome, **extra) -> _Result:
+        key = self.fused_runtime.graphs_compiled((id(p.tensor) for group, *_ in reduced for p in group), spec)
         compiled = _FusedRan(compiled, self.fused_runtime, key)
         used = [p for p in params if p.first_use >= 0]
         segment = Segment(index=0, submodule="", params=used, op_count=_op_count(gm))
         seg_of = {p.name: 0 for p in used}
         stats = [
-            _bucket_stats(i, group, pos, spec.describe(), seg_of, collective, wire)
-            for i, ((group, collective, wire), pos) in enumerate(zip(reduced, positions))
+            _bucket_stats(i, group, pos, spec.describe(), seg_of, collective, wire, parts)
+            for i, ((group, collective, wire, parts), pos) in enumerate(zip(reduced, positions))
         ]
-        return _Result(compiled, [segment], [outcome], stats, "predicted")
+        return _Result(compiled, [segment], [outcome], stats, "predicted", **extra)
 
-    def _fused_plan(self, gm, ddp, params, spec) -> tuple[list[list[GraphParam]], list[Any]]:
-        """Buckets to all-reduce and embedding tables to gather as rows, agreed on by all ranks."""
+    # -- comm hooks in the graph (distributed/comm_hooks.py) --------------------------------
+
+    def _hook_program(self, ddp: Any, spec: CommSpec) -> HookProgram | None:
+        """The program of the DDP module's comm hook, shared by its graphs; ``None`` for torch's
+        allreduce/fp16/bf16 hooks and no hook (plain ``BucketSync``)."""
+        runtime = self.fused_runtime
+        kind, _ = _ddp_compat.comm_hook_kind(ddp)
+        if kind not in ("powersgd", "traceable"):
+            return None
+        if runtime.hook is None:
+            hook, state = _ddp_compat.comm_hook(ddp)
+            if kind == "powersgd":
+                runtime.hook = PowerSGDRun(state, _group_spec(state.process_group), dc.mark_static_address)
+            else:
+                runtime.hook = TracedHookProgram(hook, state, spec)
+        return runtime.hook
+
+    def _fused_hook(self, gm, example_inputs, ddp, params, progress, program: HookProgram) -> _Result:
+        """A graph whose buckets a comm hook reduces: compiled per variant (HookedGraph), from
+        copies of ``gm``, which stays as Dynamo gave it. No embedding rows: the hook gets tables
+        like any gradient, as in eager DDP."""
+        spec = program.plain_spec()
+        buckets, _ = self._fused_plan(gm, ddp, params, spec, rows=False)
+        synced = [[p for p in b if p.first_use >= 0] for b in buckets]
+        synced = [b for b in synced if b]
+        reduced = [(b, *program.wire(b)) for b in synced]
+        positions = backward_positions(gm, synced)
+        compiler = VariantCompiler(gm, example_inputs, program, synced, self._compile_variant, self.report, self._label)
+        graph = HookedGraph(program, synced, compiler)
+        # Equal results with eager DDP need the reducer's buckets (NOTE [powersgd in the graph]).
+        if not _ddp_compat.will_rebuild(ddp):
+            self.report.note(f"{program.name}: DDP keeps its construction-time buckets (find_unused_parameters=True), "
+                             "the fused graphs reduce the planned ones: the hook sees other buckets than in eager DDP")
+        elif program.bucket_count() > len(synced):
+            self.report.note(f"{program.name}: several graphs reduce buckets, each its own: the hook sees other "
+                             "buckets (and indices) than DDP's reducer would give it in eager DDP")
+        with progress.step(f"whole graph + {len(synced)} buckets ({program.describe()})", self.config.backend_name):
+            graph.ensure(program.variant(graph))
+        return self._fused_result(gm, params, spec, reduced, positions, graph, compiler.first_outcome(),
+                                  comm_hook=program.describe(), variants=compiler.variants)
+
+    def _compile_variant(self, gm: fx.GraphModule, example_inputs: list[Any], label: str) -> tuple[Callable[..., Any], CompileOutcome]:
+        """A comm hook's variant of a graph (``label`` names its CUDA-graph runners)."""
+        with self._labelled(label):
+            return compile_with_fallback(gm, example_inputs, self._fused_compiler(),
+                                         backend_name=self.config.backend_name, fallback=self.config.fallback)
+
+    @contextlib.contextmanager
+    def _labelled(self, label: str):
+        """CUDA-graph runners compiled meanwhile are named after ``label``."""
+        saved = self._label, self._segment_no
+        self._label, self._segment_no = label, 0
+        try:
+            yield
+        finally:
+            self._label, self._segment_no = saved
+
+    def _fused_plan(self, gm, ddp, params, spec, rows: bool = True) -> tuple[list[list[GraphParam]], list[Any]]:
+        """Buckets to all-reduce and embedding tables to gather as rows (``rows``), agreed on by
+        all ranks."""
         caps = self._caps(ddp)
         renormed = renormed_tables(gm, params)
         if renormed:
@@ -280,7 +350,7 @@ class GraphBackend:
             params = [p for p in params if p not in renormed]
         dense = plan_buckets(ready_order(params), caps)
         # Tables reduced as gathered rows (NOTE [embedding rows]) leave the buckets.
-        tables = plan_embedding_rows(gm, params, spec.world_size) if self.config.gather_embedding_rows else []
+        tables = plan_embedding_rows(gm, params, spec.world_size) if rows and self.config.gather_embedding_rows else []
         gathered = {t.param.reducer_index for t in tables}
         buckets = plan_buckets(ready_order([p for p in params if p.reducer_index not in gathered]), caps) if tables else dense
         # NOTE [fused layout check]: a fused graph's collectives line up with the other ranks'
@@ -379,6 +449,8 @@ class GraphBackend:
                 plan_source=result.plan_source,
                 variant=self.variant,
                 compile_times=times,
+                comm_hook=result.comm_hook,
+                variants=result.variants,
             )
         )
 
@@ -415,7 +487,7 @@ def _op_count(gm: fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op.startswith("call_"))
 
 
-def _bucket_stats(index, bucket, issued_at, comm_dtype, seg_of, collective=None, wire_bytes=None) -> BucketStats:
+def _bucket_stats(index, bucket, issued_at, comm_dtype, seg_of, collective=None, wire_bytes=None, wire_parts=None) -> BucketStats:
     segs = sorted({seg_of[p.name] for p in bucket if p.name in seg_of})
     return BucketStats(
         index=index,
@@ -426,6 +498,7 @@ def _bucket_stats(index, bucket, issued_at, comm_dtype, seg_of, collective=None,
         comm_dtype=comm_dtype,
         collective=collective,
         wire_bytes=wire_bytes,
+        wire_parts=wire_parts,
     )
 
 
@@ -436,17 +509,20 @@ def _wire_bytes(bucket: Sequence[GraphParam], spec: CommSpec) -> int:
 
 
 def _comm_spec(ddp: Any) -> CommSpec:
-    pg = _ddp_compat.process_group(ddp)
     kind, _ = _ddp_compat.comm_hook_kind(ddp)
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(kind)
     import torch
 
-    return CommSpec(
-        group=cc.group_name(pg),
-        world_size=cc.world_size(pg),
-        comm_dtype=getattr(torch, dtype) if dtype else None,
-        divide_first=kind != "reducer",
-    )
+    spec = _group_spec(_ddp_compat.process_group(ddp))
+    return dataclasses.replace(spec, comm_dtype=getattr(torch, dtype) if dtype else None, divide_first=kind != "reducer")
+
+
+def _group_spec(pg: Any) -> CommSpec:
+    """torch's ``allreduce_hook`` on ``pg`` (the default group when ``None``): divide, then sum."""
+    import torch.distributed as dist
+
+    pg = pg if pg is not None else dist.group.WORLD
+    return CommSpec(group=cc.group_name(pg), world_size=cc.world_size(pg), divide_first=True)
 
 
 _LAYOUT_FIX = (

@@ -62,10 +62,32 @@ class BucketStats:
     comm_dtype: str | None = None
     """``fused``: dtype on the wire (``bfloat16`` with ``bf16_compress_hook``)."""
     collective: str | None = None
-    """``fused``: ``all_reduce`` (the bucket), or ``all_gather rows`` (an embedding table
-    reduced as the rows each rank looked up, NOTE [embedding rows])."""
+    """``fused``: ``all_reduce`` (the bucket), ``all_gather rows`` (an embedding table
+    reduced as the rows each rank looked up, NOTE [embedding rows]), the all-reduces of a
+    ``powerSGD_hook`` bucket (``all_reduce uncompressed + P + Q``), or ``traced hook <name>``."""
     wire_bytes: int | None = None
-    """``fused``: bytes each rank puts into the collective (in the wire dtype)."""
+    """``fused``: bytes each rank puts into the collective(s) per step (in the wire dtype; with
+    PowerSGD once it compresses, before ``start_powerSGD_iter`` it sends ``bytes``); ``None``
+    where unknown (a traced user hook)."""
+    wire_parts: dict[str, int] | None = None
+    """``fused`` with PowerSGD: ``wire_bytes`` per all-reduce (``uncompressed``, ``P``, ``Q``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class VariantStats:
+    """One compile of a graph whose buckets a comm hook reduces (NOTE [powersgd in the graph]):
+    the first is the graph's segment; later ones happen when the hook first needs them
+    (PowerSGD at ``start_powerSGD_iter``, gradients accumulated before a synced step)."""
+
+    name: str
+    compile_seconds: float
+    backend: str
+    fell_back: bool = False
+    reason: str | None = None
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -102,15 +124,25 @@ class GraphStats:
     graph."""
     compile_times: CompileTimes | None = None
     """Where this graph's compile seconds went (NOTE [compile-time breakdown])."""
+    comm_hook: str | None = None
+    """``fused``: the DDP comm hook the graph reproduces beyond torch's allreduce/fp16/bf16 ones
+    (``powerSGD_hook (...)``, ``traceable comm hook <name>``)."""
+    variants: list[VariantStats] = dataclasses.field(default_factory=list)
+    """With ``comm_hook``: every compile of the graph, in order (the first is segment 0's)."""
+
+    @property
+    def later_variants(self) -> list[VariantStats]:
+        return self.variants[1:]
 
     @property
     def compile_seconds(self) -> float:
-        return sum(s.compile_seconds for s in self.segments)
+        return sum(s.compile_seconds for s in self.segments) + sum(v.compile_seconds for v in self.later_variants)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["segments"] = [s.to_dict() for s in self.segments]
         d["buckets"] = [b.to_dict() for b in self.buckets]
+        d["variants"] = [v.to_dict() for v in self.variants]
         d["compile_seconds"] = self.compile_seconds
         d["compile_times"] = self.compile_times.to_dict() if self.compile_times is not None else None
         return d
@@ -198,7 +230,7 @@ class Report:
             "graph_breaks": sum(len(g.graph_break_reasons) for g in self.graphs),
             "recompiles": sum(1 for g in self.graphs if g.recompile),
             "segments": sum(len(g.segments) for g in self.graphs),
-            "fallbacks": sum(1 for g in self.graphs for s in g.segments if s.fell_back),
+            "fallbacks": sum(1 for g in self.graphs for s in [*g.segments, *g.later_variants] if s.fell_back),
             "compile_seconds": round(sum(g.compile_seconds for g in self.graphs), 6),
             "compile_times": sum_compile_times(g.compile_times for g in self.graphs),
             "alignment": self.alignment,
@@ -329,19 +361,7 @@ def format_table(data: dict[str, Any]) -> str:
                 )
             )
     lines = [_align([header, *rows])]
-    bucket_rows = [
-        (str(g["graph_id"]), str(b["index"]), str(len(b["params"])), f"{b['bytes'] / 2**20:.2f}",
-         f"{b['issued_at']:.2f}", b["comm_dtype"] or "-", b.get("collective") or "all_reduce",
-         "-" if b.get("wire_bytes") is None else f"{b['wire_bytes'] / 2**20:.2f}")
-        for g in data["graphs"]
-        for b in g.get("buckets", [])
-        if b.get("issued_at") is not None
-    ]
-    if bucket_rows:
-        lines.append("")
-        lines.append(_align([("graph", "bucket", "params", "MiB", "issued at", "comm dtype", "collective", "wire MiB"), *bucket_rows], right=(0, 1, 2, 3, 4, 7)))
-        lines.append("issued at: fraction of the backward done when the bucket's collective starts; "
-                     "wire MiB: what each rank sends into it")
+    lines.extend(bucket_table(data["graphs"]))
     cg_rows = [
         (c["name"], "yes" if c["captured"] else "no", str(c["replays"]), str(c["records"]),
          str(c["uncaptured_runs"]), f"{c['pool_bytes'] / 2**20:.1f}", (c["reason"] or "-")[:70])
@@ -365,6 +385,9 @@ def format_table(data: dict[str, Any]) -> str:
             lines.append(f"graph {g['graph_id']}: ended by graph break: {_short_reason(r)}")
         if g.get("recompile_reason"):
             lines.append(f"graph {g['graph_id']}: recompile, guard failed: {g['recompile_reason'][:200]}")
+        for v in g.get("variants", [])[1:]:
+            fell = f", fell back to eager: {(v['reason'] or '')[:80]}" if v["fell_back"] else ""
+            lines.append(f"graph {g['graph_id']}: compiled again for {v['name']}, {v['compile_seconds']:.2f} s{fell}")
     lines.extend(f"ran eagerly: {n} call(s): {why}" for why, n in data.get("eager_calls", {}).items())
     lines.extend(f"runs eagerly between graphs: {r}" for r in data.get("eager_regions", []))
     lines.extend(f"note: {n}" for n in data.get("notes", []))
@@ -388,6 +411,46 @@ def eager_regions(graphs: list[GraphStats]) -> list[str]:
                 if short not in out:
                     out.append(short)
     return out
+def bucket_table(graphs: list[dict[str, Any]]) -> list[str]:
+    """The fused buckets of ``graphs`` (report dicts): where each collective is issued, what it
+    is and the bytes each rank sends into it; with comm hooks, the total against the gradient
+    bytes (also used by ``bucketwise stats``). Empty without fused buckets."""
+    rows = [
+        (str(g["graph_id"]), str(b["index"]), str(len(b["params"])), f"{b['bytes'] / 2**20:.2f}",
+         f"{b['issued_at']:.2f}", b.get("comm_dtype") or "-", b.get("collective") or "all_reduce",
+         "-" if b.get("wire_bytes") is None else f"{b['wire_bytes'] / 2**20:.2f}")
+        for g in graphs
+        for b in g.get("buckets", [])
+        if b.get("issued_at") is not None
+    ]
+    if not rows:
+        return []
+    header = ("graph", "bucket", "params", "MiB", "issued at", "comm dtype", "collective", "wire MiB")
+    return ["", _align([header, *rows], right=(0, 1, 2, 3, 4, 7)),
+            "issued at: fraction of the backward done when the bucket's collective starts; "
+            "wire MiB: what each rank sends into it", *wire_lines(graphs)]
+
+
+def wire_lines(graphs: list[dict[str, Any]]) -> list[str]:
+    """Per fused graph that sends other than its gradient bytes (a comm hook, a compressed wire
+    dtype, embedding rows): what its buckets send per step, against the gradient bytes."""
+    lines = []
+    for g in graphs:
+        hook = g.get("comm_hook")
+        buckets = [b for b in g.get("buckets") or [] if b.get("issued_at") is not None]
+        grads = sum(b["bytes"] for b in buckets)
+        known = [b["wire_bytes"] for b in buckets if b.get("wire_bytes") is not None]
+        complete = len(known) == len(buckets) and grads > 0
+        if not buckets or not (hook or complete and sum(known) != grads):
+            continue
+        line = f"graph {g['graph_id']}: " + (hook or "fused")
+        if complete:
+            wire = sum(known)
+            line += f": {wire / 2**20:.3f} MiB on the wire per step for {grads / 2**20:.3f} MiB of gradients ({wire / grads:.1%})"
+        if hook and hook.startswith("powerSGD_hook"):
+            line += "; before start_powerSGD_iter each bucket is all-reduced whole"
+        lines.append(line)
+    return lines
 
 
 def _short_reason(reason: str, limit: int = 160) -> str:

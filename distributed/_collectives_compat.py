@@ -39,6 +39,44 @@ def world_size(pg: Any) -> int:
     return dist.get_world_size(pg)
 
 
+# Checked on torch 2.13.0 (CI) only so far: the functional collectives' fake kernels and
+# ``AsyncCollectiveTensor`` (used by traceable comm hooks).
+
+
+def collective_input_bytes(fn: Any) -> int | None:
+    """Bytes this rank hands to functional collectives when ``fn(fake_mode)`` runs on fake
+    tensors it makes in ``fake_mode`` (nothing is sent); ``None`` if ``fn`` fails so."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    wait_op = torch.ops._c10d_functional.wait_tensor.default
+
+    class Count(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "namespace", None) == "_c10d_functional" and func is not wait_op and args:
+                first = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+                self.total += sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
+            return func(*args, **(kwargs or {}))
+
+    fake_mode = FakeTensorMode()
+    try:
+        with fake_mode, Count() as count:
+            fn(fake_mode)
+    except Exception:  # noqa: BLE001 - a hook that cannot run on fake tensors: bytes unknown
+        return None
+    return count.total
+
+
+def wait(t: Any) -> Any:
+    """A functional collective's result as a plain tensor: run eagerly, ``funcol`` returns an
+    ``AsyncCollectiveTensor`` to wait for; traced, already a plain (waited) tensor."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
 # Inductor passes that issue collectives early, by preference; the first name this torch
 # version has is used. Waits are then sunk by ``sink_waits_to_consumers`` (NOTE [late waits]).
 _RAISE_PASSES = ("reorder_communication_preserving_peak_memory", "raise_comms")

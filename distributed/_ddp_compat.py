@@ -252,21 +252,67 @@ def run_forward_with_idle_reducer(ddp: DDP, args: tuple, kwargs: dict, call: Any
     return out
 
 
-def comm_hook_kind(ddp: DDP) -> tuple[str, str | None]:
-    """What DDP would do per bucket: ``("reducer", None)`` without a hook, ``("allreduce"|
-    "bf16"|"fp16", None)`` for torch's default hooks, or ``("unsupported", name)``."""
+# --- comm hooks (distributed/comm_hooks.py, powersgd.py) -----------------------------------
+# Checked on torch 2.13.0 (CI); tests/gpu/test_gpu_powersgd.py runs them on 2.11.0.
+
+
+def comm_hook(ddp: DDP) -> tuple[Any, Any] | None:
+    """The Python comm hook registered last and its state, ``(hook, state)``, or ``None``."""
     hooks = getattr(ddp, "_comm_hooks", None) or []
-    if not hooks:
+    return hooks[-1] if hooks else None
+
+
+def comm_hook_kind(ddp: DDP) -> tuple[str, str | None]:
+    """What DDP would do per bucket: ``("reducer", None)`` without a hook; ``("allreduce"|"bf16"|
+    "fp16", None)`` for torch's default hooks; ``("powersgd", None)`` for ``powerSGD_hook``;
+    ``("traceable", name)`` for a ``bucketwise.traceable_comm_hook``; else
+    ``("unsupported", why)``, ``why`` naming the hook."""
+    registered = comm_hook(ddp)
+    if registered is None:
         return "reducer", None
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
-    hook, _state = hooks[-1]
-    known = {dh.allreduce_hook: "allreduce", dh.bf16_compress_hook: "bf16", dh.fp16_compress_hook: "fp16"}
+    from .comm_hooks import TraceableCommHook
+
+    hook, _state = registered
+    known = {dh.allreduce_hook: "allreduce", dh.bf16_compress_hook: "bf16", dh.fp16_compress_hook: "fp16",
+             ps.powerSGD_hook: "powersgd"}
     kind = known.get(hook)
-    if kind is None:
-        return "unsupported", getattr(hook, "__qualname__", repr(hook))
-    return kind, None
+    if kind is not None:
+        return kind, None
+    if isinstance(hook, TraceableCommHook):
+        return "traceable", hook.__qualname__
+    if hook is ps.batched_powerSGD_hook:
+        why = ("batched_powerSGD_hook is not reproduced in the graph" if batched_powersgd_works() else
+               f"torch {torch.__version__}'s batched_powerSGD_hook fails at its first compressed step (its "
+               "_orthogonalize takes only 3-D batches, the hook passes a 2-D matrix)")
+        return "unsupported", why
+    name = getattr(hook, "__qualname__", repr(hook))
+    return "unsupported", (f"comm hook {name} cannot be traced into the graph (wrap a hook written with functional "
+                           "collectives in bucketwise.traceable_comm_hook)")
 
+
+def batched_powersgd_works() -> bool:
+    """Whether torch's ``batched_powerSGD_hook`` can run past ``start_powerSGD_iter``: it hands
+    ``_orthogonalize`` a 2-D matrix, which takes only 3-D batches since torch 1.12 (pytorch
+    pull request 75157; seen failing on 2.13.0)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+    try:
+        ps._orthogonalize(torch.ones(2, 1))
+    except Exception:  # noqa: BLE001 - any failure means the hook fails the same way
+        return False
+    return True
+
+
+def powersgd_gram_schmidt_(matrices: torch.Tensor, epsilon: float) -> None:
+    """torch's ``powerSGD_hook._orthogonalize_gram_schmidt``: Gram-Schmidt on the columns of each
+    matrix of a contiguous ``batch x rows x cols`` tensor, in place (plain in-place aten ops,
+    traceable)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+    ps._orthogonalize_gram_schmidt(matrices, epsilon=epsilon)
 
 # --- join() for uneven inputs --------------------------------------------------------------
 

@@ -15,10 +15,11 @@ the collective early and its wait late, see ``comm_overlap_options``). DDP's red
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -68,22 +69,33 @@ class BucketSync(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         spec: CommSpec = ctx.spec
-        full = [
-            g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-            for g, (shape, dtype, device) in zip(grads, ctx.shapes)
-        ]
+        full = filled_grads(grads, ctx.shapes)
         flat = torch.cat([g.reshape(-1) for g in full])
         wire = flat.to(spec.comm_dtype) if spec.comm_dtype is not None else flat
         wire = wire / spec.world_size if spec.divide_first else wire * (1.0 / spec.world_size)
         reduced = cc.all_reduce_sum(wire, spec.group)
         if spec.comm_dtype is not None:
             reduced = reduced.to(flat.dtype)
-        out: list[torch.Tensor] = []
-        offset = 0
-        for g in full:
-            out.append(reduced[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        return (None, *out)
+        return (None, *split_like(reduced, full))
+
+
+def filled_grads(grads: Sequence[torch.Tensor | None], shapes: Sequence[tuple[Any, Any, Any]]) -> list[torch.Tensor]:
+    """A bucket's gradients, zeros where autograd passed none (``shapes``: ``(shape, dtype,
+    device)`` of each parameter, as the forward saw them)."""
+    return [
+        g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+        for g, (shape, dtype, device) in zip(grads, shapes)
+    ]
+
+
+def split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of a flat bucket buffer shaped like each of ``like``, in order."""
+    out: list[torch.Tensor] = []
+    offset = 0
+    for g in like:
+        out.append(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return out
 
 
 def bucket_sync(group: str, world_size: int, comm_dtype: torch.dtype | None, divide_first: bool,
@@ -95,10 +107,17 @@ def bucket_sync(group: str, world_size: int, comm_dtype: torch.dtype | None, div
 
 
 def insert_bucket_syncs(
-    gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]], spec: CommSpec
+    gm: fx.GraphModule,
+    buckets: Sequence[Sequence[GraphParam]],
+    spec: CommSpec,
+    *,
+    target: Callable[..., Any] = bucket_sync,
+    bucket_args: Callable[[int], tuple[Any, ...]] | None = None,
 ) -> fx.GraphModule:
     """Graph pass: one ``BucketSync`` per bucket, placed before the bucket's earliest use.
 
+    ``target``/``bucket_args``: another sync (a comm hook's, ``distributed/comm_hooks.py``)
+    called as ``target(*bucket_args(index), *params)`` instead of ``bucket_sync(*spec, *params)``.
     Returns ``gm`` rewritten in place; every use of a bucket parameter reads the synced view.
     """
     log.debug("graph before bucket syncs:\n%s", LazyGraph(gm))
@@ -110,8 +129,9 @@ def insert_bucket_syncs(
             continue
         # Before any torch.func transform the first use sits in (see partitioners/regions.py).
         first_user = nodes[outside_regions(min(p.first_use for p in params), regions)]
+        leading = spec.as_args() if bucket_args is None else bucket_args(index)
         with gm.graph.inserting_before(first_user):
-            sync = gm.graph.call_function(bucket_sync, (*spec.as_args(), *[p.node for p in params]))
+            sync = gm.graph.call_function(target, (*leading, *[p.node for p in params]))
             sync.meta[BUCKET_META_KEY] = index
             views = []
             for i, p in enumerate(params):
@@ -143,3 +163,27 @@ def backward_positions(gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam
         first = (min(used) - offset) if used else 0
         out.append(round(min(1.0, max(0.0, (n - first) / n)), 4))
     return out
+
+
+def fresh_copy(
+    gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]], inputs: Sequence[Any], name: str
+) -> tuple[fx.GraphModule, list[list[GraphParam]], list[fx.Node]]:
+    """A copy of ``gm`` as a plain GraphModule (no Dynamo metadata: AOTAutograd then takes its
+    inputs as they come) with extra inputs after its own (``inputs``: their example values),
+    and ``buckets`` pointing at the copy's nodes and positions. Returns the copy, the buckets
+    and the extra placeholders."""
+    graph = copy.deepcopy(gm.graph)
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    nodes = list(graph.nodes)
+    last = list(graph.find_nodes(op="placeholder"))[-1]
+    extra = []
+    for i, value in enumerate(inputs):
+        with graph.inserting_after(last):
+            last = graph.placeholder(f"{name}_{i}")
+        last.meta["example_value"] = value
+        extra.append(last)
+    # Every parameter's first use follows the placeholders: it moves by as many nodes as added.
+    moved = [[dataclasses.replace(p, node=nodes[position[p.node]], first_use=p.first_use + len(extra) if p.first_use >= 0 else -1)
+              for p in b] for b in buckets]
+    graph.lint()
+    return fx.GraphModule(gm, graph), moved, extra

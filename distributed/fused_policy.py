@@ -13,9 +13,9 @@ def why_not_fused(ddp: Any, requested: str) -> str | None:
 
     Read at the first forward, once comm hooks are registered (they come after construction).
     """
-    kind, hook = _ddp_compat.comm_hook_kind(ddp)
+    kind, why = _ddp_compat.comm_hook_kind(ddp)
     if kind == "unsupported":
-        return f"comm hook {hook} cannot be reproduced in the graph; DDP's reducer runs it"
+        return f"{why}; DDP's reducer runs it, overlapping each bucket's hook with the backward"
     if requested == "auto" and _ddp_compat.find_unused_parameters(ddp):
         # NOTE [fused and unused parameters]: fused graphs reduce the buckets of the parameters
         # they read, agreed on by all ranks at compile time. find_unused_parameters=True says

@@ -6,7 +6,9 @@ kinds of gradient still need DDP's treatment, each reduced exactly once:
 1. gradients accumulated under ``no_sync()``: the compiled graphs reduce only the gradient of
    the step they run in, so on the first synced step after accumulation the accumulated part of
    every parameter a graph syncs is averaged before its backward (avg(acc) + avg(new) ==
-   avg(acc + new), which is what eager DDP reduces);
+   avg(acc + new), which is what eager DDP reduces). A comm hook that is not linear (PowerSGD,
+   a traceable user hook) takes the accumulated gradients into its graph instead, before this
+   runs (NOTE [powersgd in the graph]);
 2. parameters no compiled graph syncs (used only in eager code between graph breaks, or in a
    ``torch.compiler.disable``d submodule): a post-accumulate-grad hook collects them and one
    callback at the end of the backward averages them. Only those parameters carry the hook
@@ -81,6 +83,9 @@ class FusedRuntime:
         self.accumulated = False
         self.spec: Any = None
         """The CommSpec the graphs use; eager reductions follow it too."""
+        self.hook: Any = None
+        """The comm hook's program (``comm_hooks.HookProgram``: PowerSGD, a traceable user hook),
+        shared by the graphs; told when each synced forward is over."""
         self._check_autograd_graph = True
         self._in_synced_backward = False
         self._eager_ready: list[torch.Tensor] = []
@@ -138,6 +143,8 @@ class FusedRuntime:
         if self._check_autograd_graph or self.mixed:
             self._hook_eager_uses(output)
             self._check_autograd_graph = False
+        if self.hook is not None:
+            self.hook.after_synced_forward()
 
     def _covered_by_graphs_that_ran(self) -> frozenset[int] | set[int]:
         if len(self._ran) == len(self._graph_params):

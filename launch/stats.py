@@ -9,13 +9,12 @@ Each rank's :class:`bucketwise.Report` writes ``$BUCKETWISE_STATS_DIR/rank<R>.js
 "fallback_reasons"}], "plan_differences": [{"rank", "reference_rank", "graph_id", "part",
 "index", "difference"}], "compile_times": [{"graph_id", "ranks", "slowest", "per_rank"}],
 "totals": {"<rank>": {...}}, "alignment": {"<rank>": float | None}, "graph_notes": [...],
-"notes": [...], "eager_calls": {...}, "buckets": [{"graph_id", "index", "params", "bytes",
-"collective", "comm_dtype", "wire_bytes", "issued_at"}]}``
+"notes": [...], "eager_calls": {...}, "fused_buckets": [{"graph_id", "comm_hook", "buckets": [...]}]}``
 
 ``compile_times``: each graph's compile-time breakdown (NOTE [compile-time breakdown]) per rank,
 and ``slowest``: each phase's largest seconds over ranks, cache lookups summed over ranks.
 
-Per-segment sizes (params, bytes, ops) and the buckets are the reference rank's (the lowest rank
+Per-segment sizes (params, bytes, ops) and the fused buckets are the reference rank's (the lowest rank
 present); ranks whose bucket plan differs from it are listed in ``plan_differences``.
 """
 
@@ -30,6 +29,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..compiler.compile_times import BREAKDOWN_FOOTER, BREAKDOWN_HEADER, breakdown_row
 from ..compiler.job_stats import JOB_FILE
+from ..compiler.report import bucket_table
 
 MERGED_SCHEMA = 1
 _RANK_FILE = re.compile(r"^rank(\d+)\.json$")
@@ -249,19 +249,20 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "graph_notes": graph_notes,
         "notes": notes,
         "eager_calls": {str(r["rank"]): r.get("eager_calls", {}) for r in reports},
-        "buckets": _bucket_rows(ref),
+        "fused_buckets": fused_buckets(ref),
     }
 
 
-def _bucket_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The training graphs' planned buckets of one rank, with what each sends on the wire."""
-    return [
-        {"graph_id": g["graph_id"], "index": b["index"], "params": len(b["params"]), "bytes": b["bytes"],
-         "collective": b.get("collective"), "comm_dtype": b.get("comm_dtype"), "wire_bytes": b.get("wire_bytes"),
-         "issued_at": b.get("issued_at")}
-        for g in report["graphs"] if not g.get("variant")
-        for b in g.get("buckets") or [] if isinstance(b, dict) and "index" in b and "bytes" in b
-    ]
+def fused_buckets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The reference rank's fused buckets per graph: ``[{"graph_id", "comm_hook", "buckets"}]``
+    (each bucket as ``Report.to_dict()`` has it: collective, ``wire_bytes``, ...). Every rank
+    runs the same collectives (the fused layout check), so one rank's view is the run's."""
+    out = []
+    for g in report["graphs"]:
+        buckets = [b for b in g.get("buckets") or [] if isinstance(b, dict) and b.get("issued_at") is not None]
+        if buckets:
+            out.append({"graph_id": g["graph_id"], "comm_hook": g.get("comm_hook"), "buckets": buckets})
+    return out
 
 
 # -- text ----------------------------------------------------------------------------------
@@ -280,7 +281,9 @@ def format_merged(merged: dict[str, Any]) -> str:
             "/".join(s["backends"]), _fallback_cell(s, n_ranks),
         ))
     lines = [_align_merged(rows)]
-    lines.extend(wire_lines(merged))
+    if merged.get("fused_buckets"):
+        lines.extend(bucket_table(merged["fused_buckets"]))
+        lines.append(f"(buckets as rank {merged['ranks'][0]} reports them)")
     lines.append(totals_line(merged))
     lines.extend(merged["graph_notes"])
     lines.extend(eager_lines(merged))
@@ -294,24 +297,6 @@ def format_merged(merged: dict[str, Any]) -> str:
                   for r in (BREAKDOWN_HEADER, *times)]
         lines.append(BREAKDOWN_FOOTER + "; seconds: the slowest rank's, cache lookups: all ranks'")
     return "\n".join(lines)
-
-
-def wire_lines(merged: dict[str, Any]) -> list[str]:
-    """The buckets whose collective is in the compiled graphs (``fused``): what each sends on
-    the wire per step and rank, against its gradient bytes (compression, embedding rows)."""
-    buckets = [b for b in merged.get("buckets", []) if b.get("wire_bytes") is not None]
-    if not buckets:
-        return []
-    rows = [("graph", "bucket", "params", "grad MiB", "collective", "comm dtype", "wire MiB")]
-    rows += [(str(b["graph_id"]), str(b["index"]), str(b["params"]), f"{b['bytes'] / 2**20:.2f}",
-              b["collective"] or "all_reduce", b["comm_dtype"] or "-", f"{b['wire_bytes'] / 2**20:.2f}") for b in buckets]
-    grad, wire = sum(b["bytes"] for b in buckets), sum(b["wire_bytes"] for b in buckets)
-    saved = f", {1 - wire / grad:.0%} less" if grad and wire < grad else ""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    table = ["  ".join(c.ljust(w) if i in (4, 5) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-             for r in rows]
-    return ["", *table, f"on the wire per step and rank: {wire / 2**20:.2f} MiB for {grad / 2**20:.2f} MiB of "
-            f"gradients{saved}", ""]
 
 
 def eager_lines(merged: dict[str, Any]) -> list[str]:

@@ -118,6 +118,33 @@ def test_stats_compares_planned_buckets(run_dir, capsys):
     assert "segment" not in out.split("DIFFER", 1)[1]
 
 
+def test_stats_shows_fused_buckets_and_wire_bytes(run_dir, capsys):
+    from bucketwise.compiler.report import BucketStats
+
+    for rank in (0, 1):
+        path = run_dir / f"rank{rank}.json"
+        data = json.loads(path.read_text())
+        parts = {"uncompressed": 512, "P": 2 * 2**20, "Q": 2**20}
+        data["graphs"][0].update(strategy="fused", comm_hook="powerSGD_hook (matrix_approximation_rank 1, start_powerSGD_iter 2)", buckets=[
+            BucketStats(index=0, params=PLAN[0], bytes=8 * 2**20, segment=0, issued_at=0.25, comm_dtype="same as grads",
+                        collective="all_reduce uncompressed + P + Q", wire_bytes=sum(parts.values()), wire_parts=parts).to_dict(),
+            BucketStats(index=1, params=PLAN[1], bytes=4 * 2**20, segment=0, issued_at=1.0, comm_dtype="same as grads",
+                        collective="all_reduce P + Q", wire_bytes=2**20, wire_parts={"P": 2**19, "Q": 2**19}).to_dict(),
+        ])
+        path.write_text(json.dumps(data))
+    (run_dir / "rank2.json").unlink()
+    assert cli.main(["stats", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if "all_reduce" in line]
+    # graph, bucket, params, MiB, issued at, comm dtype (3 words), collective, wire MiB
+    assert rows[0][:5] == ["0", "0", "2", "8.00", "0.25"] and rows[0][-1] == "3.00", rows
+    assert rows[1][:5] == ["0", "1", "2", "4.00", "1.00"] and rows[1][-1] == "1.00", rows
+    assert "graph 0: powerSGD_hook (matrix_approximation_rank 1, start_powerSGD_iter 2): 4.000 MiB on the wire per step for 12.000 MiB of gradients (33.3%)" in out
+    assert cli.main(["stats", str(run_dir), "--json"]) == 0
+    merged = json.loads(capsys.readouterr().out)
+    assert [b["wire_parts"] for b in merged["fused_buckets"][0]["buckets"]][1] == {"P": 2**19, "Q": 2**19}
+
+
 def test_stats_identical_plans_and_missing_rank(run_dir, capsys):
     (run_dir / "rank2.json").unlink()
     assert cli.main(["stats", str(run_dir)]) == 0

@@ -278,11 +278,12 @@ FEATURES: dict[str, Feature] = {
     "hook_fp16": Feature("comm hook `fp16_compress_hook`", hook=_hook("fp16")),
     # Default caps (one bucket here): torch's PowerSGD hooks wait on a collective inside a
     # future callback, which deadlocks gloo's worker threads with several buckets in flight.
-    "hook_powersgd": Feature("comm hook `powerSGD_hook`", hook=_hook("powersgd"), steps=lambda rank: 5,
-                             ddp_kwargs=lambda m: {}, runs=_SPLIT_FOR_HOOK,
-                             note="fused/auto: runs `split`, DDP's reducer runs the hook"),
-    "hook_user": Feature("a user's own comm hook", hook=_hook("user"), runs=_SPLIT_FOR_HOOK,
-                         note="fused/auto: runs `split`, DDP's reducer runs the hook"),
+    "hook_powersgd": Feature("comm hook `powerSGD_hook` (start at step 2)", hook=_hook("powersgd"), steps=lambda rank: 5,
+                             ddp_kwargs=lambda m: {},
+                             note="fused: PowerSGD traced per bucket into the backward (tests/test_powersgd.py)"),
+    "hook_user": Feature("a user's own comm hook (futures, `dist.all_reduce`)", hook=_hook("user"), runs=_SPLIT_FOR_HOOK,
+                         note="fused/auto: runs `split`, DDP's reducer runs the hook; "
+                              "`bucketwise.traceable_comm_hook` keeps a functional-collective hook fused"),
 }
 
 

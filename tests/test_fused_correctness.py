@@ -232,6 +232,7 @@ def test_fused_falls_back_to_split_for_unknown_comm_hook(tmp_path):
     for rep in run_distributed(_train_fused, tmp_path, args=("custom_hook", 1)):
         assert {g["strategy"] for g in rep["graphs"]} == {"split"}, rep["graphs"]
         assert all("_custom_hook" in g["strategy_reason"] for g in rep["graphs"]), rep["graphs"]
+        assert all("traceable_comm_hook" in g["strategy_reason"] for g in rep["graphs"]), rep["graphs"]
 
 
 # --- rank safety --------------------------------------------------------------------------
