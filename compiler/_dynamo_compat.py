@@ -35,6 +35,32 @@ def make_backend(
     return torch._TorchCompileWrapper(backend, mode, options, dynamic)
 
 
+def inductor_option_names() -> list[str]:
+    """Every key ``torch.compile(options=...)`` accepts for Inductor."""
+    import torch._inductor
+
+    return list(torch._inductor.list_options())
+
+
+def requested_dynamic() -> bool | None:
+    """Inside a backend call: the ``dynamic=`` of the ``torch.compile`` that is compiling, read
+    from the Dynamo config it patches around its calls (``True``: nothing assumed static;
+    ``False``: no automatic dynamic shapes; ``None``: torch's default)."""
+    config = torch._dynamo.config
+    if not getattr(config, "assume_static_by_default", True):
+        return True
+    if not getattr(config, "automatic_dynamic_shapes", True):
+        return False
+    return None
+
+
+def uncompiled(module: Any) -> Any:
+    """The module ``torch.compile`` wrapped, for an ``OptimizedModule``; else ``module``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return module._orig_mod if isinstance(module, OptimizedModule) else module
+
+
 def is_dynamo_control_flow(exc: BaseException) -> bool:
     """Exceptions Dynamo raises through a backend to restart or skip the frame (e.g.
     ``TensorifyScalarRestartAnalysis`` under dynamic shapes): never a compile failure, always

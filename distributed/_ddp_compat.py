@@ -34,6 +34,28 @@ def post_forward(ddp: DDP, output: Any) -> Any:
     return ddp._post_forward(output)
 
 
+def route_forward(ddp: DDP, compiled: Any) -> None:
+    """``ddp(...)`` runs ``compiled.forward`` from now on (NOTE [registered backend takes over
+    the DDP forward]): an instance attribute ``forward`` of this one module, which
+    ``nn.Module.__call__`` calls instead of ``DistributedDataParallel.forward``; hooks, state
+    and parameters stay the module's. Dynamo is kept out of the routed forward itself (DDP's
+    pre/post-forward run eagerly, as in DDP's own forward); ``compiled`` compiles its inner
+    module with a callback of its own. ``unroute_forward`` undoes it."""
+    ddp.__dict__["forward"] = torch.compiler.disable(compiled.forward)
+    ddp.__dict__["_bucketwise_compiled"] = compiled
+
+
+def routed_to(ddp: Any) -> Any | None:
+    """What ``route_forward`` routed ``ddp``'s forward to, or None."""
+    return getattr(ddp, "__dict__", {}).get("_bucketwise_compiled")
+
+
+def unroute_forward(ddp: DDP) -> None:
+    """``ddp(...)`` runs DDP's own forward again."""
+    ddp.__dict__.pop("forward", None)
+    ddp.__dict__.pop("_bucketwise_compiled", None)
+
+
 def uses_python_reducer(ddp: DDP) -> bool:
     return bool(getattr(ddp, "_use_python_reducer", False))
 
