@@ -54,6 +54,36 @@ def requested_dynamic() -> bool | None:
     return None
 
 
+def compiling_code() -> Any | None:
+    """Inside a backend call: the code object of the frame Dynamo is compiling, or ``None``."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return getattr(InstructionTranslator.current_tx(), "f_code", None)
+    except (ImportError, AttributeError):
+        return None
+
+
+def forget_compiled(code: Any) -> None:
+    """Drop every compiled entry Dynamo keeps for ``code``: its next call compiles afresh."""
+    from torch._dynamo.eval_frame import reset_code
+
+    reset_code(code)
+
+
+def compiling_frame_locals() -> dict[str, Any] | None:
+    """Inside a backend call: the local variables of the frame Dynamo is compiling (its ``self``
+    among them for a method), or ``None`` where this torch does not say."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except (ImportError, AttributeError):
+        return None
+    f_locals = getattr(tx, "f_locals", None)
+    return dict(f_locals) if isinstance(f_locals, dict) else None
+
+
 def uncompiled(module: Any) -> Any:
     """The module ``torch.compile`` wrapped, for an ``OptimizedModule``; else ``module``."""
     from torch._dynamo.eval_frame import OptimizedModule

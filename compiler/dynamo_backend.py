@@ -92,8 +92,28 @@ def bucketwise_backend(
             stacklevel=2,
         )
         return dc.make_backend(config.backend, config.mode, config.options, config.dynamic)(gm, example_inputs)
-    attach(ddp, config)
+    if not _frame_of(ddp):
+        # NOTE [registered backend takes over the DDP forward]: only the module DDP wraps is
+        # taken over; a module deeper inside (compiled on its own) keeps torch's DDPOptimizer.
+        warnings.warn(
+            f"bucketwise: a module inside {type(dc.uncompiled(ddp.module)).__name__} (which DDP wraps) was compiled; "
+            "bucketwise's strategies apply to the DDP module or the module DDP wraps, so this graph is compiled by "
+            "torch's DDPOptimizer with the inner backend. Compile the module DDP wraps instead",
+            stacklevel=2,
+        )
+        return dc.make_backend(config.backend, config.mode, config.options, config.dynamic)(gm, example_inputs)
+    attach(ddp, config).__dict__["_bucketwise_first_call"].compiled(dc.compiling_code())
     return gm.forward
+
+
+def _frame_of(ddp: Any) -> bool:
+    """Is Dynamo compiling a frame of the module DDP wraps (its forward, or a resumption of it),
+    rather than of a module inside it? True where torch does not say."""
+    f_locals = dc.compiling_frame_locals()
+    if f_locals is None:
+        return True
+    inner = dc.uncompiled(ddp.module)
+    return any(value is inner for value in f_locals.values())
 
 
 def attach(ddp: Any, config: CompileConfig) -> Any:
@@ -112,6 +132,7 @@ def attach(ddp: Any, config: CompileConfig) -> Any:
         "had split its graph before bucketwise saw it); bucketwise runs this DDP module's forward from the second "
         "call on (NOTE [registered backend takes over the DDP forward])"
     )
+    compiled.__dict__["_bucketwise_first_call"] = _FirstCall(ddp)
     _ddp_compat.route_forward(ddp, compiled)
     if dc.uncompiled(ddp.module) is not ddp.module:
         # DDP(torch.compile(m, backend="bucketwise")): report() also accepts what torch.compile returned.
@@ -119,3 +140,26 @@ def attach(ddp: Any, config: CompileConfig) -> Any:
     log.info("bucketwise: %s compiled by torch.compile(backend='bucketwise') (strategy %s, inner backend %s)",
              compiled._bucketwise_report.target, config.strategy, config.backend_name)
     return compiled
+
+
+class _FirstCall:
+    """The frames compiled in the call that attached bucketwise to a DDP module: their Dynamo
+    cache entries (torch's DDPOptimizer's pieces, run uncompiled) are dropped once that call has
+    returned. Dynamo shares a code object's entries among instances of a class, and a
+    ``torch.compile`` of another instance with the same options would reuse them: that module's
+    DDP forward would then never reach the backend and stay uncompiled."""
+
+    def __init__(self, ddp: Any) -> None:
+        self.codes: list[Any] = []
+        self.done = False
+        self.handle = ddp.register_forward_hook(self, always_call=True)
+
+    def compiled(self, code: Any) -> None:
+        if code is not None and not self.done and code not in self.codes:
+            self.codes.append(code)
+
+    def __call__(self, module: Any, args: Any, output: Any) -> None:
+        self.done = True
+        self.handle.remove()
+        for code in self.codes:
+            dc.forget_compiled(code)
