@@ -28,13 +28,19 @@ module during them). ``bucketwise.report`` accepts the framework's object
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import warnings
 from typing import Any, Callable, Sequence
 
+import torch
+
 from ..distributed import _ddp_compat
 from . import _dynamo_compat as dc
 from .config import CompileConfig
+from .graph_backend import GraphBackend
+from .report import Report
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +89,9 @@ def bucketwise_backend(
     """The ``"bucketwise"`` torch.compile backend (NOTE [registered backend takes over the DDP
     forward]). Outside any DDP forward the graph is compiled with the inner backend."""
     config = config_from_options(mode, options, dc.requested_dynamic())
+    inside = _INSIDE.get()
+    if inside is not None:
+        return inside.backend(gm, example_inputs)
     ddp = dc.active_ddp_module()
     if ddp is None:
         warnings.warn(
@@ -92,18 +101,25 @@ def bucketwise_backend(
             stacklevel=2,
         )
         return dc.make_backend(config.backend, config.mode, config.options, config.dynamic)(gm, example_inputs)
-    if not _frame_of(ddp):
-        # NOTE [registered backend takes over the DDP forward]: only the module DDP wraps is
-        # taken over; a module deeper inside (compiled on its own) keeps torch's DDPOptimizer.
-        warnings.warn(
-            f"bucketwise: a module inside {type(dc.uncompiled(ddp.module)).__name__} (which DDP wraps) was compiled; "
-            "bucketwise's strategies apply to the DDP module or the module DDP wraps, so this graph is compiled by "
-            "torch's DDPOptimizer with the inner backend. Compile the module DDP wraps instead",
-            stacklevel=2,
-        )
-        return dc.make_backend(config.backend, config.mode, config.options, config.dynamic)(gm, example_inputs)
-    attach(ddp, config).__dict__["_bucketwise_first_call"].compiled(dc.compiling_code())
+    if _frame_of(ddp):
+        owner = attach(ddp, config)
+    else:
+        owner = attach_inside(ddp, config)
+        module = _frame_module()
+        if module is not None:
+            # report() accepts the module compiled inside DDP (or what torch.compile returned for it).
+            _ddp_compat.set_owner(module, owner)
+    owner.first_call.compiled(dc.compiling_code())
     return gm.forward
+
+
+def _frame_module() -> Any | None:
+    """The module whose method Dynamo is compiling (its first argument), or None."""
+    code, f_locals = dc.compiling_code(), dc.compiling_frame_locals()
+    if code is None or f_locals is None or not code.co_argcount:
+        return None
+    first = f_locals.get(code.co_varnames[0])
+    return first if isinstance(first, torch.nn.Module) else None
 
 
 def _frame_of(ddp: Any) -> bool:
@@ -120,19 +136,16 @@ def attach(ddp: Any, config: CompileConfig) -> Any:
     """The ``CompiledModule`` that runs ``ddp``'s forward from now on (built at the first call)."""
     from .api import compile_with_config
 
-    compiled = _ddp_compat.routed_to(ddp)
-    if compiled is not None:
-        if compiled._bucketwise_backend.config != config:
-            log.warning("bucketwise: %s is already compiled with other options; keeping the first ones",
-                        compiled._bucketwise_report.target)
-        return compiled
+    owner = _existing(ddp, config)
+    if owner is not None:
+        return owner
     compiled = compile_with_config(ddp, config)
     compiled._bucketwise_report.note(
         "compiled through torch.compile(backend='bucketwise'): the first call ran uncompiled (torch's DDPOptimizer "
         "had split its graph before bucketwise saw it); bucketwise runs this DDP module's forward from the second "
         "call on (NOTE [registered backend takes over the DDP forward])"
     )
-    compiled.__dict__["_bucketwise_first_call"] = _FirstCall(ddp)
+    compiled.__dict__["first_call"] = _FirstCall(ddp)
     _ddp_compat.route_forward(ddp, compiled)
     if dc.uncompiled(ddp.module) is not ddp.module:
         # DDP(torch.compile(m, backend="bucketwise")): report() also accepts what torch.compile returned.
@@ -142,24 +155,96 @@ def attach(ddp: Any, config: CompileConfig) -> Any:
     return compiled
 
 
+def attach_inside(ddp: Any, config: CompileConfig) -> "InsideDDP":
+    """The :class:`InsideDDP` compiling the graphs of modules inside ``ddp``'s wrapped module."""
+    owner = _existing(ddp, config)
+    if owner is not None:
+        return owner
+    owner = InsideDDP(ddp, config)
+    _ddp_compat.set_owner(ddp, owner)
+    return owner
+
+
+def _existing(ddp: Any, config: CompileConfig) -> Any | None:
+    owner = _ddp_compat.owner_of(ddp)
+    if owner is not None and owner._bucketwise_backend.config != config:
+        log.warning("bucketwise: %s is already compiled with other options; keeping the first ones",
+                    owner._bucketwise_report.target)
+    return owner
+
+
+# The InsideDDP whose DDP module's forward is running (its graphs go to that object's backend).
+_INSIDE: contextvars.ContextVar["InsideDDP | None"] = contextvars.ContextVar("bucketwise_inside_ddp", default=None)
+
+
+class InsideDDP:
+    """bucketwise for modules compiled inside a DDP module's wrapped module (a LightningModule's
+    network, a block of a model): DDP's own forward and reducer stay in charge, strategy
+    ``split`` (``fused`` needs bucketwise to run the DDP forward: compile the module DDP wraps).
+
+    NOTE [compiled inside DDP]: such a graph reaches the backend with DDP's forward running, and
+    so, with torch's default ``optimize_ddp=True``, split by torch's DDPOptimizer. From its
+    second forward on, this DDP module's forward runs with ``optimize_ddp=False`` (a forward
+    pre-hook enters the scope, a forward hook that runs even on an exception leaves it; nothing
+    outside that forward sees the change) and every graph compiled in it goes, whole, to one
+    :class:`GraphBackend` that finds the DDP module as the active one, cuts the graph at that
+    module's buckets and leaves the reduction to its reducer. The first forward runs uncompiled,
+    and its cache entries are dropped once it returns (``_FirstCall``).
+    """
+
+    def __init__(self, ddp: Any, config: CompileConfig) -> None:
+        from .module import function_alignment
+
+        name = type(dc.uncompiled(ddp.module)).__name__
+        self._bucketwise_report = Report(target=f"modules inside DDP({name})", strategy=config.strategy,
+                                         backend=config.backend_name)
+        self._bucketwise_backend = backend = GraphBackend(config, self._bucketwise_report, None)
+        self._bucketwise_report.set_alignment_source(lambda: function_alignment(backend))
+        self._bucketwise_report.note(
+            "compiled inside the forward of a DDP module through torch.compile(backend='bucketwise'): DDP's "
+            "reducer reduces (split); the first call ran uncompiled (NOTE [compiled inside DDP])"
+        )
+        self.first_call = _FirstCall(ddp)
+        self._scopes: list[contextlib.ExitStack] = []
+        ddp.register_forward_pre_hook(self._enter)
+        ddp.register_forward_hook(self._leave, always_call=True)
+
+    def backend(self, gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return self._bucketwise_backend(gm, example_inputs)
+
+    def _enter(self, module: Any, args: Any) -> None:
+        scope = contextlib.ExitStack()
+        scope.enter_context(dc.torch_ddp_optimizer_disabled())
+        token = _INSIDE.set(self)
+        scope.callback(_INSIDE.reset, token)
+        self._scopes.append(scope)
+
+    def _leave(self, module: Any, args: Any, output: Any) -> None:
+        if self._scopes:  # none when the hook was added during this forward
+            self._scopes.pop().close()
+
+
 class _FirstCall:
     """The frames compiled in the call that attached bucketwise to a DDP module: their Dynamo
     cache entries (torch's DDPOptimizer's pieces, run uncompiled) are dropped once that call has
-    returned. Dynamo shares a code object's entries among instances of a class, and a
-    ``torch.compile`` of another instance with the same options would reuse them: that module's
-    DDP forward would then never reach the backend and stay uncompiled."""
+    returned (at its end, or at the start of the next forward when the module had no hooks when
+    the call began and so runs none at its end). Kept, they would run again: in the next
+    forward of a module compiled inside DDP, and for any other instance of the class compiled
+    with the same options (Dynamo shares a code object's entries among instances), whose DDP
+    forward would then never reach the backend."""
 
     def __init__(self, ddp: Any) -> None:
         self.codes: list[Any] = []
         self.done = False
-        self.handle = ddp.register_forward_hook(self, always_call=True)
+        self.handles = [ddp.register_forward_pre_hook(self._forget), ddp.register_forward_hook(self._forget, always_call=True)]
 
     def compiled(self, code: Any) -> None:
         if code is not None and not self.done and code not in self.codes:
             self.codes.append(code)
 
-    def __call__(self, module: Any, args: Any, output: Any) -> None:
+    def _forget(self, *_: Any) -> None:
         self.done = True
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
         for code in self.codes:
             dc.forget_compiled(code)

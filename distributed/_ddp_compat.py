@@ -42,11 +42,16 @@ def route_forward(ddp: DDP, compiled: Any) -> None:
     pre/post-forward run eagerly, as in DDP's own forward); ``compiled`` compiles its inner
     module with a callback of its own. ``unroute_forward`` undoes it."""
     ddp.__dict__["forward"] = torch.compiler.disable(compiled.forward)
-    ddp.__dict__["_bucketwise_compiled"] = compiled
+    set_owner(ddp, compiled)
 
 
-def routed_to(ddp: Any) -> Any | None:
-    """What ``route_forward`` routed ``ddp``'s forward to, or None."""
+def set_owner(ddp: Any, owner: Any) -> None:
+    """Record what compiles this DDP module's graphs (``bucketwise.report(ddp)`` reads it)."""
+    ddp.__dict__["_bucketwise_compiled"] = owner
+
+
+def owner_of(ddp: Any) -> Any | None:
+    """What ``set_owner`` recorded for ``ddp``, or None."""
     return getattr(ddp, "__dict__", {}).get("_bucketwise_compiled")
 
 
