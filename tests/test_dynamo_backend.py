@@ -3,7 +3,7 @@
 The entry point is found by name in a fresh interpreter that has not imported bucketwise; its
 options are checked; on 2 gloo ranks both ways of nesting ``torch.compile`` and ``DDP`` train
 exactly like eager DDP, with bucketwise's strategy (NOTE [registered backend takes over the DDP
-forward] in ``compiler/dynamo_backend.py``).
+forward] and NOTE [compiled inside DDP] in ``compiler/dynamo_backend.py``).
 """
 
 from __future__ import annotations
@@ -94,6 +94,16 @@ class Net(nn.Module):
         return x
 
 
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Net()
+        self.head = nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
 def _train(model, params, rank: int, steps: int = 3, no_sync_first: bool = False) -> None:
     opt = torch.optim.SGD(params, lr=0.05)
     for step in range(steps):
@@ -143,6 +153,15 @@ def _worker(rank: int, world: int, ep_dir: str) -> dict:
     _train(compiled, net.parameters(), rank)
     rep = bucketwise.report(compiled._orig_mod)
     out["unused"] = (_max_diff(eager, net), [(g.strategy, g.strategy_reason) for g in rep.graphs])
+
+    # A module compiled inside the module DDP wraps (a LightningModule's network): split, whole graphs.
+    base = Outer()
+    eager, net = copy.deepcopy(base), copy.deepcopy(base)
+    _train(DDP(eager), eager.parameters(), rank, steps=4)
+    net.body = torch.compile(net.body, backend="bucketwise", options=AOT)
+    _train(DDP(net), net.parameters(), rank, steps=4)
+    rep = bucketwise.report(net.body)
+    out["deep"] = (_max_diff(eager, net), [(g.strategy, g.op_count) for g in rep.graphs])
     return out
 
 
@@ -164,3 +183,8 @@ def test_compile_and_ddp_either_way_train_like_eager_ddp(tmp_path):
         diff, graphs = out["unused"]
         assert diff < 1e-6, (rank, diff)
         assert [s for s, _ in graphs] == ["split"] and "find_unused_parameters=True" in graphs[0][1], graphs
+
+        diff, graphs = out["deep"]
+        assert diff < 1e-6, (rank, diff)
+        # one whole graph of the 6 layers (torch's DDPOptimizer would have handed over pieces)
+        assert len(graphs) == 1 and graphs[0][0] == "split" and graphs[0][1] >= 12, graphs
