@@ -12,18 +12,25 @@ torch's bucket boundaries and calls the backend once per piece. Nor can a backen
 ``optimize_ddp=False`` around the calls of the compiled object: ``torch.compile`` wraps a named
 backend in ``_TorchCompileWrapper``, which does not carry a ``backend_ctx_ctor`` through (torch
 2.11, 2.13). What the backend does see is the DDP module whose forward is running
-(``DistributedDataParallel._get_active_ddp_module()``), whichever way the framework nested
-``torch.compile`` and ``DDP``: Dynamo never traces DDP's own forward, it runs it eagerly and
-compiles the inner module's frame. So at its first call for a DDP module the backend builds
-what ``bucketwise.compile(ddp)`` builds (a ``CompiledModule`` with its own frame, Dynamo cache,
-report, strategy ``auto``, rank checks, CUDA graphs on request) and routes that DDP module's
-forward to it (``_ddp_compat.route_forward``: an instance attribute of that one module, the
-class and torch untouched). The pieces of that first call run as they are (uncompiled graph
-modules, DDP's reducer reducing), so the first step is an eager DDP step; from the second call
-on, DDP's pre/post-forward run eagerly around bucketwise's compiled inner module, exactly as
-under ``bucketwise.compile``, and torch's DDPOptimizer never sees those frames (no active DDP
-module during them). ``bucketwise.report`` accepts the framework's object
-(``OptimizedModule``, the DDP module) and finds the compiled module through the DDP module.
+(``DistributedDataParallel._get_active_ddp_module()``) and the frame being compiled: Dynamo
+never traces DDP's own forward, it runs it eagerly and compiles the frames below it.
+
+- The compile wraps the DDP module (``torch.compile(DDP(m))``: accelerate after ``prepare``,
+  Lightning Fabric): the frame is the wrapped module's own. At its first call the backend builds
+  what ``bucketwise.compile(ddp)`` builds (a ``CompiledModule`` with its own frame, Dynamo
+  cache, report, strategy ``auto``, rank checks, CUDA graphs on request) and routes that DDP
+  module's forward to it (``_ddp_compat.route_forward``: an instance attribute of that one
+  module; the class and torch untouched). From the second call on, DDP's pre/post-forward run
+  eagerly around bucketwise's compiled inner module, exactly as under ``bucketwise.compile``,
+  and torch's DDPOptimizer never sees those frames (no active DDP module during them).
+- DDP wraps the compiled module (``DDP(torch.compile(m))``: HF Trainer given a compiled model)
+  or a module compiled deeper inside (a LightningModule's network): :class:`InsideDDP`, DDP's
+  own forward and reducer, whole graphs split at its buckets (NOTE [compiled inside DDP]).
+
+Either way the pieces of the first call run as they are (uncompiled graph modules, DDP's
+reducer reducing), so the first step is an eager DDP step, and their cache entries are dropped
+once it returns (``_FirstCall``). ``bucketwise.report`` accepts the framework's object (the
+``OptimizedModule``, the DDP module, the compiled module) and finds bucketwise's through it.
 """
 
 from __future__ import annotations
@@ -107,7 +114,7 @@ def bucketwise_backend(
         owner = attach_inside(ddp, config)
         module = _frame_module()
         if module is not None:
-            # report() accepts the module compiled inside DDP (or what torch.compile returned for it).
+            # report() accepts the module compiled inside DDP, and what torch.compile returned for it.
             _ddp_compat.set_owner(module, owner)
     owner.first_call.compiled(dc.compiling_code())
     return gm.forward
@@ -123,13 +130,14 @@ def _frame_module() -> Any | None:
 
 
 def _frame_of(ddp: Any) -> bool:
-    """Is Dynamo compiling a frame of the module DDP wraps (its forward, or a resumption of it),
-    rather than of a module inside it? True where torch does not say."""
+    """Is Dynamo compiling a frame of the module DDP calls itself (its forward, or a resumption
+    of it), i.e. does the ``torch.compile`` wrap the DDP module? False for a module compiled
+    before DDP wrapped it (``DDP(torch.compile(m))``: DDP calls the ``OptimizedModule``, the
+    frame is ``m``'s) or deeper inside. True where torch does not say."""
     f_locals = dc.compiling_frame_locals()
     if f_locals is None:
         return True
-    inner = dc.uncompiled(ddp.module)
-    return any(value is inner for value in f_locals.values())
+    return any(value is ddp.module for value in f_locals.values())
 
 
 def attach(ddp: Any, config: CompileConfig) -> Any:
@@ -147,9 +155,6 @@ def attach(ddp: Any, config: CompileConfig) -> Any:
     )
     compiled.__dict__["first_call"] = _FirstCall(ddp)
     _ddp_compat.route_forward(ddp, compiled)
-    if dc.uncompiled(ddp.module) is not ddp.module:
-        # DDP(torch.compile(m, backend="bucketwise")): report() also accepts what torch.compile returned.
-        ddp.module.__dict__["_bucketwise_compiled"] = compiled
     log.info("bucketwise: %s compiled by torch.compile(backend='bucketwise') (strategy %s, inner backend %s)",
              compiled._bucketwise_report.target, config.strategy, config.backend_name)
     return compiled
@@ -178,9 +183,15 @@ _INSIDE: contextvars.ContextVar["InsideDDP | None"] = contextvars.ContextVar("bu
 
 
 class InsideDDP:
-    """bucketwise for modules compiled inside a DDP module's wrapped module (a LightningModule's
-    network, a block of a model): DDP's own forward and reducer stay in charge, strategy
-    ``split`` (``fused`` needs bucketwise to run the DDP forward: compile the module DDP wraps).
+    """bucketwise for modules compiled before DDP wrapped them (``DDP(torch.compile(m))``: HF
+    Trainer given a compiled model) or inside DDP's wrapped module (a LightningModule's network):
+    DDP's own forward and reducer stay in charge, strategy ``split`` (``fused`` needs bucketwise
+    to run the DDP forward: compile the DDP module).
+
+    Running DDP's own forward keeps whatever a framework wrapped around the compiled module's
+    ``forward`` (accelerate's autocast for mixed precision): bucketwise's own frame around the DDP
+    module would trace past such a wrapper, which carries the ``_torchdynamo_inline`` attribute
+    of the function it wraps.
 
     NOTE [compiled inside DDP]: such a graph reaches the backend with DDP's forward running, and
     so, with torch's default ``optimize_ddp=True``, split by torch's DDPOptimizer. From its

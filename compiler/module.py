@@ -69,9 +69,7 @@ class CompiledModule(nn.Module):
         super().__init__()
         self._orig_mod = mod
         ddp = mod if _ddp_compat.is_ddp(mod) else None
-        # DDP(torch.compile(m)): the compiled frame below inlines m itself (its own frame, cache and
-        # backend), not the OptimizedModule around it.
-        inner = dc.uncompiled(mod.module) if ddp is not None else mod
+        inner = mod.module if ddp is not None else mod
         report = Report(target=type(inner).__name__ if ddp is None else f"DDP({type(inner).__name__})",
                         strategy=config.strategy, backend=config.backend_name)
         runtime = FusedRuntime(ddp) if ddp is not None and config.strategy in ("fused", "auto") else None
