@@ -51,6 +51,11 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     for run in ("eager", "bucketwise"):
         trainer = train(run == "bucketwise")
+        if run == "bucketwise":
+            import bucketwise
+
+            # report() accepts what torch.compile returned
+            assert [g.strategy for g in bucketwise.report(trainer.model).graphs] == ["split"]
         model = getattr(trainer.model, "_orig_mod", trainer.model)
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         save(run, rank, model.named_parameters(), losses)
