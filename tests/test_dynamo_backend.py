@@ -77,6 +77,22 @@ def test_options():
     assert "strategy" in OWN_OPTIONS and "inner_backend" in OWN_OPTIONS
 
 
+@pytest.mark.parametrize("dynamic", [True, False, None])
+def test_dynamic_seen_by_the_backend(dynamic):
+    """torch.compile does not pass dynamic= to a backend; bucketwise reads it from the Dynamo
+    config torch.compile patches around its calls."""
+    from bucketwise.compiler import _dynamo_compat as dc
+
+    seen = []
+
+    def spy(gm, example_inputs):
+        seen.append(dc.requested_dynamic())
+        return gm.forward
+
+    torch.compile(lambda x: x * 2, backend=spy, dynamic=dynamic)(torch.randn(4))
+    assert seen == [dynamic], seen
+
+
 # --- 2 ranks ---------------------------------------------------------------------------------
 
 
