@@ -178,13 +178,20 @@ def drive(args: argparse.Namespace, argv: list[str]) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
                str(Path(__file__).resolve()), *argv, "--worker", name]
         print(f"[hf_trainer_bench] {name}: {shlex.join(cmd)}", flush=True)
-        subprocess.run(cmd, env=env, check=True)
-        report["configs"][name] = json.loads(Path(worker_out).read_text())
+        proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
+        sys.stderr.write(proc.stderr[-20000:])
+        text = Path(worker_out).read_text() if os.path.getsize(worker_out) else ""
         os.unlink(worker_out)
+        # A config that fails (e.g. Dynamo stopping in DDP's forward) is recorded, the others still run.
+        report["configs"][name] = json.loads(text) if proc.returncode == 0 and text else {
+            "config": name, "error": f"exit code {proc.returncode}", "stderr_tail": proc.stderr[-4000:]}
         out.write_text(json.dumps(report, indent=1))
     eager = report["configs"].get("eager")
     for name, result in report["configs"].items():
-        if eager is not None and name != "eager":
+        if "error" in result:
+            print(f"[hf_trainer_bench] {name}: FAILED ({result['error']}), see stderr_tail in {out}", flush=True)
+            continue
+        if eager is not None and "error" not in eager and name != "eager":
             diffs = [abs(a - b) for a, b in zip(result["losses"], eager["losses"])]
             result["max_abs_loss_diff_vs_eager"] = max(diffs) if diffs else None
         print(f"[hf_trainer_bench] {name}: median step {result['median_step_ms']} ms, "
