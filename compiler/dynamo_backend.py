@@ -215,6 +215,10 @@ class InsideDDP:
             "compiled inside the forward of a DDP module through torch.compile(backend='bucketwise'): DDP's "
             "reducer reduces (split); the first call ran uncompiled (NOTE [compiled inside DDP])"
         )
+        if config.freeze_mode is not None:
+            self._bucketwise_report.note(
+                "freeze= not applied: DDP's own forward runs here (compile the DDP module to freeze after warm-up)")
+            log.warning("bucketwise: freeze=%r not applied to modules compiled inside DDP", config.freeze)
         self.first_call = _FirstCall(ddp)
         self._scopes: list[contextlib.ExitStack] = []
         ddp.register_forward_pre_hook(self._enter)
@@ -222,6 +226,11 @@ class InsideDDP:
 
     def backend(self, gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         return self._bucketwise_backend(gm, example_inputs)
+
+    def __deepcopy__(self, memo: dict) -> "InsideDDP":
+        # Held by the compiled module (report() finds it there): a copy of that module (an EMA
+        # copy, an evaluation copy) shares it rather than copying hooks and compiled graphs.
+        return self
 
     def _enter(self, module: Any, args: Any) -> None:
         scope = contextlib.ExitStack()

@@ -40,7 +40,7 @@ def route_forward(ddp: DDP, compiled: Any) -> None:
     ``nn.Module.__call__`` calls instead of ``DistributedDataParallel.forward``; hooks, state
     and parameters stay the module's. Dynamo is kept out of the routed forward itself (DDP's
     pre/post-forward run eagerly, as in DDP's own forward); ``compiled`` compiles its inner
-    module with a callback of its own. ``unroute_forward`` undoes it."""
+    module with a callback of its own."""
     ddp.__dict__["forward"] = torch.compiler.disable(compiled.forward)
     set_owner(ddp, compiled)
 
@@ -53,12 +53,6 @@ def set_owner(ddp: Any, owner: Any) -> None:
 def owner_of(ddp: Any) -> Any | None:
     """What ``set_owner`` recorded for ``ddp``, or None."""
     return getattr(ddp, "__dict__", {}).get("_bucketwise_compiled")
-
-
-def unroute_forward(ddp: DDP) -> None:
-    """``ddp(...)`` runs DDP's own forward again."""
-    ddp.__dict__.pop("forward", None)
-    ddp.__dict__.pop("_bucketwise_compiled", None)
 
 
 def uses_python_reducer(ddp: DDP) -> bool:

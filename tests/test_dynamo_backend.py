@@ -177,6 +177,7 @@ def _worker(rank: int, world: int, ep_dir: str) -> dict:
     net.body = torch.compile(net.body, backend="bucketwise", options=AOT)
     _train(DDP(net), net.parameters(), rank, steps=4)
     rep = bucketwise.report(net.body)
+    assert bucketwise.report(copy.deepcopy(net.body)) is rep  # a copy (EMA, evaluation) shares the report
     out["deep"] = (_max_diff(eager, net), [(g.strategy, g.op_count) for g in rep.graphs])
     return out
 
