@@ -17,6 +17,5 @@ def test_hf_trainer_recipe(tmp_path):
     out = run_recipe([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
                      "hf_trainer_recipe.py", tmp_path)
     assert_same_training(out)
-    # The Trainer builds DDP with find_unused_parameters=True for a model without gradient
-    # checkpointing: auto picks split, DDP's reducer reduces.
+    # DDP wraps the compiled model: split, DDP's reducer reduces.
     assert strategies(out) == [["split"], ["split"]]

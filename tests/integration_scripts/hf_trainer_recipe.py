@@ -33,9 +33,10 @@ def train(compiled: bool) -> Trainer:
     model = LlamaForCausalLM(config)
     extra = {}
     if compiled:
-        # The recipe: compile the model yourself, leave torch_compile off, keep every column.
+        # The recipe: compile the model yourself, leave torch_compile off, keep every column, and
+        # tell DDP every parameter is used (its buckets then follow the order of use).
         model = torch.compile(model, backend="bucketwise", options=INNER)
-        extra["remove_unused_columns"] = False
+        extra.update(remove_unused_columns=False, ddp_find_unused_parameters=False)
     args = TrainingArguments(
         output_dir=os.path.join(os.environ["BUCKETWISE_RECIPE_OUT"], "trainer"),
         per_device_train_batch_size=4, max_steps=STEPS, learning_rate=1e-2, use_cpu=True,
