@@ -50,6 +50,62 @@ def cacheable_calls_options(targets: dict[str, str], options: dict | None) -> di
     return {**(options or {}), key: {**(options or {}).get(key, {}), **targets}}
 
 
+def inductor_option_names() -> list[str]:
+    """Every key ``torch.compile(options=...)`` accepts for Inductor."""
+    import torch._inductor
+
+    return list(torch._inductor.list_options())
+
+
+def requested_dynamic() -> bool | None:
+    """Inside a backend call: the ``dynamic=`` of the ``torch.compile`` that is compiling, read
+    from the Dynamo config it patches around its calls (``True``: nothing assumed static;
+    ``False``: no automatic dynamic shapes; ``None``: torch's default)."""
+    config = torch._dynamo.config
+    if not getattr(config, "assume_static_by_default", True):
+        return True
+    if not getattr(config, "automatic_dynamic_shapes", True):
+        return False
+    return None
+
+
+def compiling_code() -> Any | None:
+    """Inside a backend call: the code object of the frame Dynamo is compiling, or ``None``."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return getattr(InstructionTranslator.current_tx(), "f_code", None)
+    except (ImportError, AttributeError):
+        return None
+
+
+def forget_compiled(code: Any) -> None:
+    """Drop every compiled entry Dynamo keeps for ``code``: its next call compiles afresh."""
+    from torch._dynamo.eval_frame import reset_code
+
+    reset_code(code)
+
+
+def compiling_frame_locals() -> dict[str, Any] | None:
+    """Inside a backend call: the local variables of the frame Dynamo is compiling (its ``self``
+    among them for a method), or ``None`` where this torch does not say."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except (ImportError, AttributeError):
+        return None
+    f_locals = getattr(tx, "f_locals", None)
+    return dict(f_locals) if isinstance(f_locals, dict) else None
+
+
+def uncompiled(module: Any) -> Any:
+    """The module ``torch.compile`` wrapped, for an ``OptimizedModule``; else ``module``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return module._orig_mod if isinstance(module, OptimizedModule) else module
+
+
 def is_dynamo_control_flow(exc: BaseException) -> bool:
     """Exceptions Dynamo raises through a backend to restart or skip the frame (e.g.
     ``TensorifyScalarRestartAnalysis`` under dynamic shapes): never a compile failure, always

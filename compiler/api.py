@@ -79,6 +79,12 @@ def compile(
         fallback=fallback,
         freeze=freeze,
     )
+    return compile_with_config(obj, config)
+
+
+def compile_with_config(obj: nn.Module | Callable[..., Any], config: CompileConfig) -> Any:
+    """:func:`compile` with its arguments already checked (also what the ``"bucketwise"``
+    torch.compile backend builds for a DDP module)."""
     if _ddp_compat.is_ddp(obj):
         problem = _ddp_compat.process_group_usable(obj)
         if problem is not None:

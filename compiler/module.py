@@ -237,7 +237,7 @@ def compile_function(fn: Callable[..., Any], config: CompileConfig) -> Callable[
     report = Report(target=getattr(fn, "__qualname__", type(fn).__name__), strategy=config.strategy,
                     backend=config.backend_name)
     backend = GraphBackend(config, report, None)
-    report.set_alignment_source(lambda: _function_alignment(backend))
+    report.set_alignment_source(lambda: function_alignment(backend))
     compiled = _torch_compile(fn, backend, config)
 
     @functools.wraps(fn)
@@ -256,7 +256,7 @@ def compile_function(fn: Callable[..., Any], config: CompileConfig) -> Callable[
     return bucketwise_compiled
 
 
-def _function_alignment(backend: GraphBackend) -> dict[str, Any]:
+def function_alignment(backend: GraphBackend) -> dict[str, Any]:
     ddp = backend.ddp
     if ddp is None:
         return {"alignment": None, "status": "no DDP module seen"}

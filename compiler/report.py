@@ -471,7 +471,11 @@ def _align(rows: list[tuple[str, ...]], right: Any = range(6)) -> str:
 
 
 def report(compiled: Any) -> Report:
-    """The :class:`Report` of an object returned by :func:`bucketwise.compile`."""
+    """The :class:`Report` of an object returned by :func:`bucketwise.compile`, or by
+    ``torch.compile(..., backend="bucketwise")`` (or the DDP module it compiled)."""
+    # A DDP module (or an OptimizedModule around it) whose forward the "bucketwise" torch.compile
+    # backend took over carries the compiled module (NOTE [registered backend takes over the DDP forward]).
+    compiled = getattr(compiled, "_bucketwise_compiled", compiled)
     rep = getattr(compiled, "_bucketwise_report", None)
     if not isinstance(rep, Report):
         raise TypeError(

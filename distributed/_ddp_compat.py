@@ -34,6 +34,27 @@ def post_forward(ddp: DDP, output: Any) -> Any:
     return ddp._post_forward(output)
 
 
+def route_forward(ddp: DDP, compiled: Any) -> None:
+    """``ddp(...)`` runs ``compiled.forward`` from now on (NOTE [registered backend takes over
+    the DDP forward]): an instance attribute ``forward`` of this one module, which
+    ``nn.Module.__call__`` calls instead of ``DistributedDataParallel.forward``; hooks, state
+    and parameters stay the module's. Dynamo is kept out of the routed forward itself (DDP's
+    pre/post-forward run eagerly, as in DDP's own forward); ``compiled`` compiles its inner
+    module with a callback of its own."""
+    ddp.__dict__["forward"] = torch.compiler.disable(compiled.forward)
+    set_owner(ddp, compiled)
+
+
+def set_owner(ddp: Any, owner: Any) -> None:
+    """Record what compiles this DDP module's graphs (``bucketwise.report(ddp)`` reads it)."""
+    ddp.__dict__["_bucketwise_compiled"] = owner
+
+
+def owner_of(ddp: Any) -> Any | None:
+    """What ``set_owner`` recorded for ``ddp``, or None."""
+    return getattr(ddp, "__dict__", {}).get("_bucketwise_compiled")
+
+
 def uses_python_reducer(ddp: DDP) -> bool:
     return bool(getattr(ddp, "_use_python_reducer", False))
 

@@ -1,0 +1,213 @@
+"""HF Trainer on a small Llama (built from its config, synthetic tokens), three ways: bucketwise as
+docs/integrations-recipes.md says, the Trainer's own ``torch_compile_backend="inductor"``, and no
+compile. Per config: the loss of every step and the step times, in one JSON file.
+
+    python benchmarks/hf_trainer_bench.py --nproc 2 --out benchmarks/results/<run>/hf_trainer.json
+
+Each config runs in its own ``torchrun`` job (the Trainer's accelerate state is per process);
+this driver starts them one after the other and merges what their rank 0 writes. ``--tiny``:
+sizes and backends for a CPU check (gloo, ``aot_eager``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_cli import ALWAYS_ENV
+
+CONFIGS = ("bucketwise", "torch_compile", "eager")
+SIZES = {  # name: (hidden, intermediate, layers, heads, vocab, seq, batch per rank)
+    "small": (1024, 2816, 4, 16, 32000, 512, 8),
+    "tiny": (32, 64, 2, 4, 128, 16, 4),
+}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10, help="first steps left out of the step-time statistics")
+    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--inner-backend", default="inductor", help="bucketwise's inner_backend")
+    p.add_argument("--compile-backend", default="inductor", help="torch_compile_backend of the torch_compile config")
+    p.add_argument("--find-unused", action="store_true", help="ddp_find_unused_parameters=True (default False)")
+    p.add_argument("--tiny", action="store_true", help="CPU check: --size tiny, aot_eager, 6 steps, 2 warm-up")
+    p.add_argument("--out", required=True)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.size, args.inner_backend, args.compile_backend = "tiny", "aot_eager", "aot_eager"
+        args.steps, args.warmup = min(args.steps, 6), min(args.warmup, 2)
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        p.error(f"--configs: unknown {sorted(unknown)}; choose from {list(CONFIGS)}")
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--warmup must be in [0, --steps), got {args.warmup} with --steps {args.steps}")
+    return args
+
+
+# --- one config, on every rank (under torchrun) ---------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    config_name = args.worker
+    cuda = torch.cuda.is_available()
+    hidden, inter, layers, heads, vocab, seq, batch = SIZES[args.size]
+
+    class Tokens(torch.utils.data.Dataset):
+        """Learnable synthetic sequences: an arithmetic progression of token ids per sample."""
+
+        def __len__(self) -> int:
+            return 1 << 20
+
+        def __getitem__(self, i: int) -> dict:
+            g = torch.Generator().manual_seed(i)
+            start, stride = torch.randint(0, vocab, (1,), generator=g), torch.randint(1, 8, (1,), generator=g)
+            ids = (start + stride * torch.arange(seq)) % vocab
+            return {"input_ids": ids, "labels": ids.clone()}
+
+    class StepTimes(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._t0 = 0.0
+
+        def on_step_begin(self, *_, **__) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, *_, **__) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self._t0)
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max(seq, 64)))
+    extra: dict = {}
+    if config_name == "bucketwise":
+        model = torch.compile(model, backend="bucketwise", options={"inner_backend": args.inner_backend})
+        extra["remove_unused_columns"] = False
+    elif config_name == "torch_compile":
+        extra.update(torch_compile=True, torch_compile_backend=args.compile_backend)
+    out_dir = Path(args.out).parent
+    targs = TrainingArguments(
+        output_dir=str(out_dir / f"trainer-{config_name}"), per_device_train_batch_size=batch,
+        max_steps=args.steps, learning_rate=3e-4, lr_scheduler_type="constant", logging_steps=1,
+        save_strategy="no", report_to=[], seed=0, data_seed=0, disable_tqdm=True,
+        bf16=cuda, use_cpu=not cuda, ddp_backend="nccl" if cuda else "gloo",
+        ddp_find_unused_parameters=args.find_unused, dataloader_num_workers=0, **extra)
+    timer = StepTimes()
+    trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=[timer])
+    trainer.train()
+    if trainer.args.process_index != 0:
+        return
+    measured = timer.times[args.warmup:]
+    result = {
+        "config": config_name,
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "step_seconds": timer.times,
+        "median_step_ms": round(1000 * statistics.median(measured), 3),
+        "mean_step_ms": round(1000 * statistics.fmean(measured), 3),
+        "warmup_s": round(sum(timer.times[:args.warmup]), 3),
+        "compile": {"bucketwise": f"torch.compile(model, backend='bucketwise', options={{'inner_backend': '{args.inner_backend}'}})",
+                    "torch_compile": f"TrainingArguments(torch_compile=True, torch_compile_backend='{args.compile_backend}')",
+                    "eager": None}[config_name],
+    }
+    if config_name == "bucketwise":
+        import bucketwise
+
+        rep = bucketwise.report(trainer.model_wrapped)
+        result["bucketwise"] = {"strategies": [g.strategy for g in rep.graphs], "totals": rep.totals, "notes": rep.notes}
+    Path(os.environ["HF_BENCH_WORKER_OUT"]).write_text(json.dumps(result))
+
+
+# --- driver -------------------------------------------------------------------------------
+
+
+def meta(args: argparse.Namespace, argv: list[str]) -> dict:
+    import torch
+    import transformers
+
+    try:
+        import accelerate
+
+        accelerate_version = accelerate.__version__
+    except ImportError:
+        accelerate_version = None
+    cuda = torch.cuda.is_available()
+    hidden, inter, layers, heads, vocab, seq, batch = SIZES[args.size]
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv[:1], *argv]),
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "device": "cuda" if cuda else (platform.processor() or "cpu"),
+        "nproc": args.nproc,
+        "torch": torch.__version__, "transformers": transformers.__version__, "accelerate": accelerate_version,
+        "model": {"arch": "LlamaForCausalLM", "hidden": hidden, "intermediate": inter, "layers": layers,
+                  "heads": heads, "vocab": vocab, "seq": seq, "batch_per_rank": batch},
+        "steps": args.steps, "warmup": args.warmup, "bf16": cuda, "find_unused_parameters": args.find_unused,
+        "env": dict(ALWAYS_ENV),
+    }
+
+
+def drive(args: argparse.Namespace, argv: list[str]) -> dict:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"meta": meta(args, argv), "configs": {}}
+    for name in args.configs.split(","):
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            worker_out = f.name
+        env = {**os.environ, **ALWAYS_ENV, "HF_BENCH_WORKER_OUT": worker_out, "HF_HUB_OFFLINE": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+               str(Path(__file__).resolve()), *argv, "--worker", name]
+        print(f"[hf_trainer_bench] {name}: {shlex.join(cmd)}", flush=True)
+        proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
+        sys.stderr.write(proc.stderr[-20000:])
+        text = Path(worker_out).read_text() if os.path.getsize(worker_out) else ""
+        os.unlink(worker_out)
+        # A config that fails (e.g. Dynamo stopping in DDP's forward) is recorded, the others still run.
+        report["configs"][name] = json.loads(text) if proc.returncode == 0 and text else {
+            "config": name, "error": f"exit code {proc.returncode}", "stderr_tail": proc.stderr[-4000:]}
+        out.write_text(json.dumps(report, indent=1))
+    eager = report["configs"].get("eager")
+    for name, result in report["configs"].items():
+        if "error" in result:
+            print(f"[hf_trainer_bench] {name}: FAILED ({result['error']}), see stderr_tail in {out}", flush=True)
+            continue
+        if eager is not None and "error" not in eager and name != "eager":
+            diffs = [abs(a - b) for a, b in zip(result["losses"], eager["losses"])]
+            result["max_abs_loss_diff_vs_eager"] = max(diffs) if diffs else None
+        print(f"[hf_trainer_bench] {name}: median step {result['median_step_ms']} ms, "
+              f"warm-up {result['warmup_s']} s, final loss {result['losses'][-1]:.4f}", flush=True)
+    out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    if args.worker is not None:
+        worker(args)
+    else:
+        drive(args, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""``torch.compile(..., backend="bucketwise")``: bucketwise as a registered torch.compile backend.
+
+The package registers :func:`bucketwise_backend` in the ``torch_dynamo_backends`` entry-point
+group (``pyproject.toml``), so frameworks that call ``torch.compile`` themselves (Lightning
+Fabric and Trainer, accelerate, HF Trainer through a compiled model) reach bucketwise by name,
+without importing it first.
+
+NOTE [registered backend takes over the DDP forward]: a backend only ever sees graphs, and for a
+DDP module it does not even see whole ones: with torch's default ``optimize_ddp=True``, Dynamo
+hands a graph captured inside DDP's forward to torch's own DDPOptimizer, which cuts it at
+torch's bucket boundaries and calls the backend once per piece. Nor can a backend scope
+``optimize_ddp=False`` around the calls of the compiled object: ``torch.compile`` wraps a named
+backend in ``_TorchCompileWrapper``, which does not carry a ``backend_ctx_ctor`` through (torch
+2.11, 2.13). What the backend does see is the DDP module whose forward is running
+(``DistributedDataParallel._get_active_ddp_module()``) and the frame being compiled: Dynamo
+never traces DDP's own forward, it runs it eagerly and compiles the frames below it.
+
+- The compile wraps the DDP module (``torch.compile(DDP(m))``: accelerate after ``prepare``,
+  Lightning Fabric): the frame is the wrapped module's own. At its first call the backend builds
+  what ``bucketwise.compile(ddp)`` builds (a ``CompiledModule`` with its own frame, Dynamo
+  cache, report, strategy ``auto``, rank checks, CUDA graphs on request) and routes that DDP
+  module's forward to it (``_ddp_compat.route_forward``: an instance attribute of that one
+  module; the class and torch untouched). From the second call on, DDP's pre/post-forward run
+  eagerly around bucketwise's compiled inner module, exactly as under ``bucketwise.compile``,
+  and torch's DDPOptimizer never sees those frames (no active DDP module during them).
+- DDP wraps the compiled module (``DDP(torch.compile(m))``: HF Trainer given a compiled model)
+  or a module compiled deeper inside (a LightningModule's network): :class:`InsideDDP`, DDP's
+  own forward and reducer, whole graphs split at its buckets (NOTE [compiled inside DDP]).
+
+Either way the pieces of the first call run as they are (uncompiled graph modules, DDP's
+reducer reducing), so the first step is an eager DDP step, and their cache entries are dropped
+once it returns (``_FirstCall``). ``bucketwise.report`` accepts the framework's object (the
+``OptimizedModule``, the DDP module, the compiled module) and finds bucketwise's through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..distributed import _ddp_compat
+from . import _dynamo_compat as dc
+from .config import CompileConfig
+from .graph_backend import GraphBackend
+from .report import Report
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "bucketwise"
+
+OWN_OPTIONS = (
+    "strategy",
+    "inner_backend",
+    "cudagraphs",
+    "bucket_cap_mb",
+    "first_bucket_cap_mb",
+    "gather_embedding_rows",
+    "fallback",
+    "freeze",
+)
+"""Keys of ``torch.compile(options=...)`` that bucketwise reads (``inner_backend`` is
+``bucketwise.compile``'s ``backend``); with ``inner_backend="inductor"`` (the default) every
+other key must be an Inductor option and goes to Inductor."""
+
+
+def config_from_options(mode: str | None, options: dict[str, Any] | None, dynamic: bool | None) -> CompileConfig:
+    """The :class:`CompileConfig` that ``torch.compile(backend="bucketwise", mode=, options=,
+    dynamic=)`` asks for; a bad key raises naming it and the accepted ones."""
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"torch.compile(backend='bucketwise'): options must be a dict, got {type(options).__name__}")
+    rest = dict(options or {})
+    own = {k: rest.pop(k) for k in OWN_OPTIONS if k in rest}
+    inner = own.pop("inner_backend", "inductor")
+    if inner == BACKEND_NAME:
+        raise ValueError("torch.compile(backend='bucketwise'): inner_backend cannot be 'bucketwise'; use e.g. 'inductor'")
+    if rest:
+        known = set(dc.inductor_option_names()) if inner == "inductor" else set()
+        bad = sorted(k for k in rest if k not in known)
+        if bad:
+            others = ("and Inductor's options (torch._inductor.list_options())" if inner == "inductor"
+                      else f"(inner_backend={inner!r} takes no other options)")
+            raise ValueError(
+                f"torch.compile(backend='bucketwise'): unknown option(s) {bad}; accepted: {list(OWN_OPTIONS)} {others}"
+            )
+    return CompileConfig(backend=inner, mode=mode, options=rest or None, dynamic=dynamic, **own)
+
+
+def bucketwise_backend(
+    gm: Any, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict[str, Any] | None = None
+) -> Callable[..., Any]:
+    """The ``"bucketwise"`` torch.compile backend (NOTE [registered backend takes over the DDP
+    forward]). Outside any DDP forward the graph is compiled with the inner backend."""
+    config = config_from_options(mode, options, dc.requested_dynamic())
+    inside = _INSIDE.get()
+    if inside is not None:
+        return inside.backend(gm, example_inputs)
+    ddp = dc.active_ddp_module()
+    if ddp is None:
+        warnings.warn(
+            "bucketwise: no DistributedDataParallel forward is running around this graph; compiled with "
+            "the inner backend alone (no buckets, no report). Compile the DDP-wrapped module, or a module "
+            "that DDP wraps, to get bucketwise's strategies",
+            stacklevel=2,
+        )
+        return dc.make_backend(config.backend, config.mode, config.options, config.dynamic)(gm, example_inputs)
+    if _frame_of(ddp):
+        owner = attach(ddp, config)
+    else:
+        owner = attach_inside(ddp, config)
+        module = _frame_module()
+        if module is not None:
+            # report() accepts the module compiled inside DDP, and what torch.compile returned for it.
+            _ddp_compat.set_owner(module, owner)
+    owner.first_call.compiled(dc.compiling_code())
+    return gm.forward
+
+
+def _frame_module() -> Any | None:
+    """The module whose method Dynamo is compiling (its first argument), or None."""
+    code, f_locals = dc.compiling_code(), dc.compiling_frame_locals()
+    if code is None or f_locals is None or not code.co_argcount:
+        return None
+    first = f_locals.get(code.co_varnames[0])
+    return first if isinstance(first, torch.nn.Module) else None
+
+
+def _frame_of(ddp: Any) -> bool:
+    """Is Dynamo compiling a frame of the module DDP calls itself (its forward, or a resumption
+    of it), i.e. does the ``torch.compile`` wrap the DDP module? False for a module compiled
+    before DDP wrapped it (``DDP(torch.compile(m))``: DDP calls the ``OptimizedModule``, the
+    frame is ``m``'s) or deeper inside. True where torch does not say."""
+    f_locals = dc.compiling_frame_locals()
+    if f_locals is None:
+        return True
+    return any(value is ddp.module for value in f_locals.values())
+
+
+def attach(ddp: Any, config: CompileConfig) -> Any:
+    """The ``CompiledModule`` that runs ``ddp``'s forward from now on (built at the first call)."""
+    from .api import compile_with_config
+
+    owner = _existing(ddp, config)
+    if owner is not None:
+        return owner
+    compiled = compile_with_config(ddp, config)
+    compiled._bucketwise_report.note(
+        "compiled through torch.compile(backend='bucketwise'): the first call ran uncompiled (torch's DDPOptimizer "
+        "had split its graph before bucketwise saw it); bucketwise runs this DDP module's forward from the second "
+        "call on (NOTE [registered backend takes over the DDP forward])"
+    )
+    compiled.__dict__["first_call"] = _FirstCall(ddp)
+    _ddp_compat.route_forward(ddp, compiled)
+    log.info("bucketwise: %s compiled by torch.compile(backend='bucketwise') (strategy %s, inner backend %s)",
+             compiled._bucketwise_report.target, config.strategy, config.backend_name)
+    return compiled
+
+
+def attach_inside(ddp: Any, config: CompileConfig) -> "InsideDDP":
+    """The :class:`InsideDDP` compiling the graphs of modules inside ``ddp``'s wrapped module."""
+    owner = _existing(ddp, config)
+    if owner is not None:
+        return owner
+    owner = InsideDDP(ddp, config)
+    _ddp_compat.set_owner(ddp, owner)
+    return owner
+
+
+def _existing(ddp: Any, config: CompileConfig) -> Any | None:
+    owner = _ddp_compat.owner_of(ddp)
+    if owner is not None and owner._bucketwise_backend.config != config:
+        log.warning("bucketwise: %s is already compiled with other options; keeping the first ones",
+                    owner._bucketwise_report.target)
+    return owner
+
+
+# The InsideDDP whose DDP module's forward is running (its graphs go to that object's backend).
+_INSIDE: contextvars.ContextVar["InsideDDP | None"] = contextvars.ContextVar("bucketwise_inside_ddp", default=None)
+
+
+class InsideDDP:
+    """bucketwise for modules compiled before DDP wrapped them (``DDP(torch.compile(m))``: HF
+    Trainer given a compiled model) or inside DDP's wrapped module (a LightningModule's network):
+    DDP's own forward and reducer stay in charge, strategy ``split`` (``fused`` needs bucketwise
+    to run the DDP forward: compile the DDP module).
+
+    Running DDP's own forward keeps whatever a framework wrapped around the compiled module's
+    ``forward`` (accelerate's autocast for mixed precision): bucketwise's own frame around the DDP
+    module would trace past such a wrapper, which carries the ``_torchdynamo_inline`` attribute
+    of the function it wraps.
+
+    NOTE [compiled inside DDP]: such a graph reaches the backend with DDP's forward running, and
+    so, with torch's default ``optimize_ddp=True``, split by torch's DDPOptimizer. From its
+    second forward on, this DDP module's forward runs with ``optimize_ddp=False`` (a forward
+    pre-hook enters the scope, a forward hook that runs even on an exception leaves it; nothing
+    outside that forward sees the change) and every graph compiled in it goes, whole, to one
+    :class:`GraphBackend` that finds the DDP module as the active one, cuts the graph at that
+    module's buckets and leaves the reduction to its reducer. The first forward runs uncompiled,
+    and its cache entries are dropped once it returns (``_FirstCall``).
+    """
+
+    def __init__(self, ddp: Any, config: CompileConfig) -> None:
+        from .module import function_alignment
+
+        name = type(dc.uncompiled(ddp.module)).__name__
+        self._bucketwise_report = Report(target=f"modules inside DDP({name})", strategy=config.strategy,
+                                         backend=config.backend_name)
+        self._bucketwise_backend = backend = GraphBackend(config, self._bucketwise_report, None)
+        self._bucketwise_report.set_alignment_source(lambda: function_alignment(backend))
+        self._bucketwise_report.note(
+            "compiled inside the forward of a DDP module through torch.compile(backend='bucketwise'): DDP's "
+            "reducer reduces (split); the first call ran uncompiled (NOTE [compiled inside DDP])"
+        )
+        if config.freeze_mode is not None:
+            self._bucketwise_report.note(
+                "freeze= not applied: DDP's own forward runs here (compile the DDP module to freeze after warm-up)")
+            log.warning("bucketwise: freeze=%r not applied to modules compiled inside DDP", config.freeze)
+        self.first_call = _FirstCall(ddp)
+        self._scopes: list[contextlib.ExitStack] = []
+        ddp.register_forward_pre_hook(self._enter)
+        ddp.register_forward_hook(self._leave, always_call=True)
+
+    def backend(self, gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return self._bucketwise_backend(gm, example_inputs)
+
+    def __deepcopy__(self, memo: dict) -> "InsideDDP":
+        # Held by the compiled module (report() finds it there): a copy of that module (an EMA
+        # copy, an evaluation copy) shares it rather than copying hooks and compiled graphs.
+        return self
+
+    def _enter(self, module: Any, args: Any) -> None:
+        scope = contextlib.ExitStack()
+        scope.enter_context(dc.torch_ddp_optimizer_disabled())
+        token = _INSIDE.set(self)
+        scope.callback(_INSIDE.reset, token)
+        self._scopes.append(scope)
+
+    def _leave(self, module: Any, args: Any, output: Any) -> None:
+        if self._scopes:  # none when the hook was added during this forward
+            self._scopes.pop().close()
+
+
+class _FirstCall:
+    """The frames compiled in the call that attached bucketwise to a DDP module: their Dynamo
+    cache entries (torch's DDPOptimizer's pieces, run uncompiled) are dropped once that call has
+    returned (at its end, or at the start of the next forward when the module had no hooks when
+    the call began and so runs none at its end). Kept, they would run again: in the next
+    forward of a module compiled inside DDP, and for any other instance of the class compiled
+    with the same options (Dynamo shares a code object's entries among instances), whose DDP
+    forward would then never reach the backend."""
+
+    def __init__(self, ddp: Any) -> None:
+        self.codes: list[Any] = []
+        self.done = False
+        self.handles = [ddp.register_forward_pre_hook(self._forget), ddp.register_forward_hook(self._forget, always_call=True)]
+
+    def compiled(self, code: Any) -> None:
+        if code is not None and not self.done and code not in self.codes:
+            self.codes.append(code)
+
+    def _forget(self, *_: Any) -> None:
+        self.done = True
+        for handle in self.handles:
+            handle.remove()
+        for code in self.codes:
+            dc.forget_compiled(code)
