@@ -13,11 +13,12 @@ import shlex
 import sys
 from pathlib import Path
 
+import bench_launch
 import bench_models
 from bench_configs import CONFIGS, DEFAULT_CONFIGS, base_name, recipe_for
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
-NETS = ("default", "socket")
+NETS = ("default", "socket", "2node")
 DEVICES = ("auto", "cuda", "cpu")
 COMMAND_ENV = "BUCKETWISE_BENCH_COMMAND"
 ARGV_ENV = "BUCKETWISE_BENCH_ARGV"
@@ -26,7 +27,7 @@ command line for an abbreviation of its ``--nproc-per-node`` and refuse it."""
 
 # Mandatory on the GPU machines (NVLink multicast / NVLS off), for every launched job.
 ALWAYS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# --net socket: NCCL over TCP sockets on loopback (emulates multi-node Ethernet).
+# --net socket / 2node: NCCL over TCP sockets on loopback (emulates multi-node Ethernet).
 SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
 # --compile-cache off: no FX-graph / AOTAutograd cache hits between configs (comparable compile
 # times whatever the config order); Triton's kernel binary cache still applies.
@@ -77,6 +78,8 @@ class BenchArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.net not in NETS:
             raise ValueError(f"unknown --net {self.net!r}; use one of {', '.join(NETS)}")
+        if self.net == "2node" and self.nproc != 2:
+            raise ValueError(f"--net 2node runs 2 ranks, one per node: drop --nproc or pass --nproc 2, got {self.nproc}")
         if self.device not in DEVICES:
             raise ValueError(f"unknown --device {self.device!r}; use one of {', '.join(DEVICES)}")
         if self.compile_cache not in COMPILE_CACHES:
@@ -117,7 +120,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output directory (default benchmarks/results/<date>-<model>-<net>)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager for CPU smoke tests)")
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket_cap_mb (default: DDP's 25)")
-    p.add_argument("--net", default="default", help="default, or socket (NCCL over TCP on loopback)")
+    p.add_argument("--net", default="default",
+                   help="default; socket (NCCL over TCP on loopback); 2node (two bucketwise launch agents, one GPU "
+                        "each, c10d rendezvous and NCCL over TCP on loopback: two nodes on Ethernet)")
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cuda or cpu")
     for flag in bench_models.SIZE_FLAGS:
         p.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help="model size override")
@@ -153,7 +158,7 @@ def parse(argv: list[str]) -> BenchArgs:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    nproc = ns.nproc if ns.nproc is not None else _default_nproc(device)
+    nproc = ns.nproc if ns.nproc is not None else (2 if ns.net == "2node" else _default_nproc(device))
     out = ns.out or default_out(ns.model, ns.net)
     try:
         return BenchArgs(
@@ -194,7 +199,7 @@ def _default_nproc(device: str) -> int:
 
 def job_env(args: BenchArgs) -> dict[str, str]:
     env = dict(ALWAYS_ENV)
-    if args.net == "socket":
+    if args.net in ("socket", "2node"):
         env.update(SOCKET_ENV)
     env.update(NO_CACHE_ENV if args.compile_cache == "off" else CACHE_ENV)
     return env
@@ -239,13 +244,16 @@ def relaunch(args: BenchArgs, argv: list[str]) -> None:
         extra += ["--cache-dir", cache_root]
     env[ARGV_ENV] = json.dumps([*argv, *extra])
     script = str(Path(__file__).resolve().parent / "ddp_bench.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc), script]
-    print(f"launching {args.nproc} ranks: {shlex.join(cmd[1:])}", flush=True)
+    job = bench_launch.commands(script, nproc=args.nproc, net=args.net, out=args.out, device=args.device)
+    for cmd, extra in job:
+        print(f"launching: {' '.join(f'{k}={v} ' for k, v in extra.items())}{shlex.join(cmd[1:])}", flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     if cache_root is not None:
         # Compile caches: wait for the job (and its restart), then remove the cache root we made.
         from bench_restart import run_jobs
 
-        sys.exit(run_jobs(cmd, env, cache_root, restart=args.restart, keep=args.keep_cache or args.cache_dir is not None))
-    os.execve(sys.executable, cmd, env)
+        sys.exit(run_jobs(job, env, cache_root, restart=args.restart, keep=args.keep_cache or args.cache_dir is not None))
+    if len(job) > 1:
+        sys.exit(bench_launch.run(job, env))
+    os.execve(sys.executable, job[0][0], env)

@@ -141,6 +141,7 @@ CONFIGS: dict[str, Recipe] = {
     "bw-fused-dense": Recipe(compiler="bucketwise", strategy="fused", gather_embedding_rows=False),
     "bw-fused-dense-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True, gather_embedding_rows=False),
     "eager-bf16": Recipe(comm_hook="bf16"),
+    "torch-bf16": Recipe(compiler="torch", comm_hook="bf16"),
     "eager-powersgd": Recipe(comm_hook="powersgd"),
     "torch-powersgd": Recipe(compiler="torch", comm_hook="powersgd"),
     "bw-split-powersgd": Recipe(compiler="bucketwise", strategy="split", comm_hook="powersgd"),

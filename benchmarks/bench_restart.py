@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 from typing import Any, Sequence
 
 import torch
 
+import bench_launch
 from bench_output import read_jsonl, safe_name, write_jsonl, write_markdown
 
 PHASES = ("cold", "warm")
@@ -60,11 +60,11 @@ def cache_counts() -> dict[str, dict[str, int]]:
             for name, (group, prefix) in _COUNTERS.items()}
 
 
-def run_jobs(cmd: Sequence[str], env: dict[str, str], root: str, *, restart: bool, keep: bool) -> int:
+def run_jobs(job: Sequence[bench_launch.Command], env: dict[str, str], root: str, *, restart: bool, keep: bool) -> int:
     """The launcher with the compile caches on: the job, then (``restart``) the same job as
     ``--phase warm``, over ``root``; ``root`` is removed afterwards unless ``keep``."""
     try:
-        code = subprocess.run(list(cmd), env=env).returncode
+        code = bench_launch.run(job, env)
         if not restart:
             return code
         if code != 0:
@@ -72,7 +72,7 @@ def run_jobs(cmd: Sequence[str], env: dict[str, str], root: str, *, restart: boo
             return code
         print(f"restart: the same job again over the compile caches in {root}", flush=True)
         warm_env = dict(env, **{"BUCKETWISE_BENCH_ARGV": json.dumps([*json.loads(env["BUCKETWISE_BENCH_ARGV"]), "--phase", "warm"])})
-        return subprocess.run(list(cmd), env=warm_env).returncode
+        return bench_launch.run(job, warm_env)
     finally:
         if keep:
             print(f"compile caches kept in {root}", flush=True)

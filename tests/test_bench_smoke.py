@@ -198,6 +198,35 @@ def test_intervals(bench):
     assert bm.intersection_length(a, bm.merge([(2, 6), (7.5, 9)])) == pytest.approx(2.5)
 
 
+def test_two_node_agents(tmp_path):
+    # --net 2node: two `bucketwise launch --nnodes 2 --nproc-per-node 1` agents on this host, one
+    # rank each, meeting through a c10d rendezvous on loopback (gloo here, NCCL over TCP on GPUs).
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(BENCH_DIR / "ddp_bench.py"), "--net", "2node", "--device", "cpu", "--model", "mlp",
+           "--configs", "eager,bw-fused", "--backend", "aot_eager", "--steps", "2", "--warmup", "1", "--out", str(out)]
+    result = _run(cmd, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert result.stdout.count("launching: ") == 2 and "--nnodes 2 --nproc-per-node 1" in result.stdout
+    objs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    meta, rows = objs[0], objs[1:]
+    assert meta["net"] == "2node" and meta["world_size"] == 2, meta
+    assert [r["config"] for r in rows] == ["eager", "bw-fused"] and all(r["status"] == "ok" for r in rows), rows
+    eager, fused = (r["losses"] for r in rows)
+    assert fused["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-4)
+    assert rows[1]["param_spread"] == 0.0
+    # Each agent kept its own stats folder; the node that ran rank 0 printed the job-wide table.
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("stats-node")) == ["stats-node0", "stats-node1"]
+    assert "ranks 2 of 2" in result.stdout, result.stdout[-3000:]
+
+
+def test_two_node_flag_checks(bench, capsys):
+    cli, _ = bench
+    assert cli.parse(["--device", "cpu", "--net", "2node"]).nproc == 2
+    with pytest.raises(SystemExit):
+        cli.parse(["--device", "cpu", "--net", "2node", "--nproc", "4"])
+    assert "--net 2node runs 2 ranks, one per node" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
