@@ -41,10 +41,7 @@ class FirstIterationOrder:
             if ddp is None or _ddp_compat.has_rebuilt_buckets(ddp):
                 self.active = False
             elif torch.is_grad_enabled():
-                args_list = list(args)
-                for i in self.positions:
-                    args_list[i] = args_list[i].view_as(args_list[i])
-                args = tuple(args_list)
+                args = through_views(args, self.positions)
         return self.compiled(*args)
 
 
@@ -67,8 +64,13 @@ class ReadyLast:
 
     def __call__(self, *args: Any) -> Any:
         if torch.is_grad_enabled():
-            args_list = list(args)
-            for i in self.positions:
-                args_list[i] = args_list[i].view_as(args_list[i])
-            args = tuple(args_list)
+            args = through_views(args, self.positions)
         return self.compiled(*args)
+
+
+def through_views(args: tuple, positions: Sequence[int]) -> tuple:
+    """``args`` with the tensors at ``positions`` replaced by fresh no-op views of themselves."""
+    out = list(args)
+    for i in positions:
+        out[i] = out[i].view_as(out[i])
+    return tuple(out)

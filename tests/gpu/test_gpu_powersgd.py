@@ -11,8 +11,9 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _ranks import run_two_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -95,19 +96,4 @@ def _case(rank: int, cudagraphs: bool) -> None:
 
 @pytest.mark.parametrize("cudagraphs", [False, True], ids=["fused", "fused-cg"])
 def test_gpu_powersgd_matches_eager_ddp(cudagraphs: bool, tmp_path) -> None:
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, str(tmp_path / "store"), cudagraphs, errors)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=400)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            pytest.fail("a rank did not finish in time")
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not failures, "\n".join(failures)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_two_ranks(_worker, str(tmp_path / "store"), cudagraphs)

@@ -1,0 +1,29 @@
+"""Run a GPU test's worker on 2 spawned ranks (one GPU each) and fail with every rank's error."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch.multiprocessing as mp
+
+
+def run_two_ranks(worker: Callable[..., None], store: str, *args: Any, timeout: float = 400) -> None:
+    """``worker(rank, 2, store, *args, errors)`` on ranks 0 and 1; a rank puts its traceback into
+    ``errors`` (a queue) when it fails."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    procs = [ctx.Process(target=worker, args=(r, 2, store, *args, errors)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            pytest.fail(f"{getattr(worker, '__module__', '')}: a rank did not finish within {timeout:.0f} s")
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    assert not failures, "\n".join(failures)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
