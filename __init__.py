@@ -20,4 +20,4 @@ from .compiler.runtime_view import RuntimeView
 from .distributed.comm_hooks import traceable_comm_hook
 
 __all__ = ["compile", "report", "freeze", "profile", "traceable_comm_hook", "Report", "RuntimeView"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
