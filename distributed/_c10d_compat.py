@@ -4,12 +4,16 @@
 Checked on torch 2.11.0 (device machines) and 2.13.0 (CI): ``destroy_process_group()`` (for the
 default group) calls ``shutdown()`` on every group of ``_world.pg_names``, sorted by group name,
 last name first; ``_get_default_store()`` returns the store ``init_process_group`` wrapped in
-``PrefixStore("default_pg", ...)``.
+``PrefixStore("default_pg", ...)``; ``new_group()`` gives a group the default group's
+``bound_device_id`` (set by ``init_process_group(device_id=...)``) and then asks the new group for
+that device's backend, which a Python ``ProcessGroup`` subclass does not have ("No backend type
+associated with device type cuda").
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 
 def shuts_down_before(first: Any, then: Any) -> bool:
@@ -30,3 +34,21 @@ def default_store() -> Any | None:
         return c10d._get_default_store()
     except (RuntimeError, ValueError):
         return None
+
+
+@contextlib.contextmanager
+def default_device_unbound() -> Iterator[None]:
+    """Within: the default group looks as if ``init_process_group`` had no ``device_id``, so that
+    ``new_group()`` can make a group of a Python backend. Restored on leaving."""
+    from torch.distributed import distributed_c10d as c10d
+
+    default = c10d._get_default_group()
+    bound = default.bound_device_id
+    if bound is None:
+        yield
+        return
+    default.bound_device_id = None
+    try:
+        yield
+    finally:
+        default.bound_device_id = bound

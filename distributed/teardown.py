@@ -103,7 +103,8 @@ def guard(pg: Any) -> None:
     ranks = dist.get_process_group_ranks(pg)
     made = []
     for _ in range(_MAX_TRIES):
-        made.append(dist.new_group(ranks=ranks, backend=_BACKEND, use_local_synchronization=True))
+        with _c10d_compat.default_device_unbound():
+            made.append(dist.new_group(ranks=ranks, backend=_BACKEND, use_local_synchronization=True))
         if _c10d_compat.shuts_down_before(made[-1], pg):
             break
     else:

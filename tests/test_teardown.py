@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -40,9 +41,13 @@ def _train_fused_with_graphs(steps: int = 3):
     return compiled
 
 
-def _destroy_worker(rank: int, world_size: int) -> dict:
+def _destroy_worker(rank: int, world_size: int, bound_device: bool = False) -> dict:
     import bucketwise
 
+    if bound_device:
+        # What init_process_group(device_id=torch.device("cuda", rank)) leaves on the default group:
+        # new_group() then asks every new group for that device's backend.
+        dist.group.WORLD.bound_device_id = torch.device("cuda", rank)
     compiled = _train_fused_with_graphs()
     stats = bucketwise.report(compiled).cudagraphs
     before = {s.name: s.captured for s in stats}
@@ -51,8 +56,9 @@ def _destroy_worker(rank: int, world_size: int) -> dict:
             "graphs": [g["strategy"] for g in bucketwise.report(compiled).to_dict()["graphs"]]}
 
 
-def test_destroy_process_group_releases_captured_graphs(tmp_path):
-    for r in run_distributed(_destroy_worker, tmp_path, timeout=400):
+@pytest.mark.parametrize("bound_device", [False, True], ids=["plain", "init-with-device-id"])
+def test_destroy_process_group_releases_captured_graphs(tmp_path, bound_device):
+    for r in run_distributed(_destroy_worker, tmp_path, args=(bound_device,), timeout=400):
         assert r["graphs"] == ["fused"], r
         assert any(r["before"].values()), r["before"]  # something was captured ...
         for name, (captured, reason) in r["after"].items():  # ... and nothing is left

@@ -42,7 +42,8 @@ SCRIPT = textwrap.dedent("""
     mode = sys.argv[1]
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl")
+    # "device_id": the default group bound to the rank's GPU, as torch recommends
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank) if mode == "device_id" else None)
     cfg = GPTConfig(vocab=1024, seq=64, layers=2, d_model=128, heads=4)
     torch.manual_seed(0)
     model = DDP(GPT(cfg).cuda(), device_ids=[rank])
@@ -110,8 +111,9 @@ def _run(tmp_path, mode: str) -> tuple[int | None, str, float | None]:
     return code, out, took
 
 
-def test_plain_script_exits_by_itself(tmp_path):
-    code, out, took = _run(tmp_path, "plain")
+@pytest.mark.parametrize("mode", ["plain", "device_id"])
+def test_plain_script_exits_by_itself(tmp_path, mode):
+    code, out, took = _run(tmp_path, mode)
     assert code == 0, f"exit code {code} (None: still running {EXIT_WITHIN_S} s after training, killed)\n{out[-4000:]}"
     assert out.count("destroyed the process group") == NPROC, out[-4000:]
     assert "backward" in out, "nothing was captured: the test would prove nothing\n" + out[-4000:]
