@@ -43,3 +43,9 @@ def test_cli_version_as_a_command():
     out = subprocess.run([sys.executable, "-m", "bucketwise.launch.cli", "--version"],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     assert out == f"bucketwise {bucketwise.__version__}\n"
+
+
+def test_readme_names_the_version():
+    readme = (ROOT / "README.md").read_text()
+    named = re.findall(r"Version (\d+\.\d+\.\d+)", readme)
+    assert named == [bucketwise.__version__], f"README.md names version(s) {named}, the package is {bucketwise.__version__}"
