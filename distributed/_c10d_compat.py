@@ -43,11 +43,7 @@ def default_device_unbound() -> Iterator[None]:
     from torch.distributed import distributed_c10d as c10d
 
     default = c10d._get_default_group()
-    bound = default.bound_device_id
-    if bound is None:
-        yield
-        return
-    default.bound_device_id = None
+    bound, default.bound_device_id = default.bound_device_id, None
     try:
         yield
     finally:

@@ -102,12 +102,12 @@ def guard(pg: Any) -> None:
                                       devices=["cpu", "cuda"])
     ranks = dist.get_process_group_ranks(pg)
     made = []
-    for _ in range(_MAX_TRIES):
-        with _c10d_compat.default_device_unbound():
+    with _c10d_compat.default_device_unbound():
+        for _ in range(_MAX_TRIES):
             made.append(dist.new_group(ranks=ranks, backend=_BACKEND, use_local_synchronization=True))
-        if _c10d_compat.shuts_down_before(made[-1], pg):
-            break
-    else:
-        log.warning("bucketwise: could not place the CUDA-graph release before the DDP process group's teardown; "
-                    "release CUDA graphs (bucketwise.compiler.cudagraphs) before destroy_process_group()")
+            if _c10d_compat.shuts_down_before(made[-1], pg):
+                break
+        else:
+            log.warning("bucketwise: could not place the CUDA-graph release before the DDP process group's "
+                        "teardown; release CUDA graphs (bucketwise.compiler.cudagraphs) before destroy_process_group()")
     _release_groups[pg] = made

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import pytest
 import torch.multiprocessing as mp
@@ -27,3 +27,16 @@ def run_two_ranks(worker: Callable[..., None], store: str, *args: Any, timeout: 
         failures.append(errors.get())
     assert not failures, "\n".join(failures)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def step_side_by_side(pairs: Sequence[tuple[Any, Any]], *inputs: Any) -> list[float]:
+    """One training step of each ``(model, optimizer)`` pair on the same inputs (the model returns
+    the loss); the losses, in order."""
+    losses = []
+    for model, opt in pairs:
+        opt.zero_grad(set_to_none=True)
+        loss = model(*inputs)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _ranks import run_two_ranks
+from _ranks import run_two_ranks, step_side_by_side
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,13 +64,7 @@ def _case(rank: int, cudagraphs: bool) -> None:
     opt_c = torch.optim.SGD(comp.parameters(), lr=0.1)
     for step in range(8):
         x, y = synthetic_tokens(cfg, 4, seed=100 * rank + step, device="cuda")
-        losses = []
-        for m, opt in ((eager, opt_e), (comp, opt_c)):
-            opt.zero_grad(set_to_none=True)
-            loss = m(x, y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses = step_side_by_side(((eager, opt_e), (comp, opt_c)), x, y)
         # Inductor's kernels round differently; orthogonalisation passes that on to P and Q.
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-4, msg=lambda m: f"step {step}: {m}")
     assert state.iter == eager_state.iter == 8

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _ranks import run_two_ranks
+from _ranks import run_two_ranks, step_side_by_side
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,13 +60,7 @@ def _gpt_case(rank: int, *, strategy: str, dynamic: bool = False, cudagraphs: bo
     for step in range(5):
         batch = 4 + (step % 2 if dynamic else 0)
         x, y = synthetic_tokens(cfg, batch, seed=100 * rank + step, device="cuda")
-        losses = []
-        for m, opt in ((eager, opt_e), (comp, opt_c)):
-            opt.zero_grad(set_to_none=True)
-            loss = m(x, y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses = step_side_by_side(((eager, opt_e), (comp, opt_c)), x, y)
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
     for (name, a), b in zip(eager.module.named_parameters(), comp.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
