@@ -8,6 +8,9 @@ A recipe turns a freshly built model into the module a training step calls:
   training-step call (Dynamo reads the flag per frame when it converts it, so the patch must be
   active while the step runs, not while ``torch.compile()`` is called).
 - ``local``: ``torch.compile(model)`` without DDP: the compute floor, no gradient traffic.
+- ``replicate``: torch's DDP successor built on FSDP2 (``replicate()`` from
+  ``torch.distributed._composable.replicate_with_fsdp``), applied to each block of the model's
+  first ``nn.ModuleList`` and then to the root (torchtitan's order), then ``torch.compile``.
 - ``bw-<strategy>``: ``bucketwise.compile(DDP(model), strategy=...)``.
 - ``*-ro``: the same with ``mode="reduce-overhead"`` (Inductor's CUDA graphs; CUDA only).
 - ``bw-<strategy>-cg``: ``bucketwise.compile(..., cudagraphs=True)`` (bucketwise's own CUDA-graph
@@ -48,6 +51,8 @@ class Recipe:
     """``none`` (eager), ``torch`` (``torch.compile``) or ``bucketwise`` (``bucketwise.compile``)."""
     ddp: bool = True
     """Wrap the model in DDP (``False``: the local compute floor)."""
+    replicate: bool = False
+    """Wrap the model with FSDP2's ``replicate()`` instead of DDP."""
     mode: str | None = None
     """``torch.compile`` mode, e.g. ``reduce-overhead``."""
     optimize_ddp: bool | None = None
@@ -72,6 +77,8 @@ class Recipe:
             raise ValueError("bucketwise recipes compile a DDP module (ddp=True)")
         if self.comm_hook not in COMM_HOOKS:
             raise ValueError(f"comm_hook must be one of {COMM_HOOKS}, got {self.comm_hook!r}")
+        if self.replicate and (self.ddp or self.compiler != "torch"):
+            raise ValueError("replicate recipes compile with torch.compile and use no DDP (ddp=False)")
         if self.compiler == "none" and (self.mode or self.optimize_ddp is not None):
             raise ValueError("mode/optimize_ddp need a compiler")
 
@@ -90,6 +97,8 @@ class Recipe:
         return None
 
     def wrap(self, model: nn.Module, *, device: torch.device, bucket_cap_mb: float | None) -> nn.Module:
+        if self.replicate:
+            return _replicate(model)
         if not self.ddp:
             return model
         kwargs: dict[str, Any] = {}
@@ -127,6 +136,18 @@ class Recipe:
         return Prepared(module=compiled, step_context=contextlib.nullcontext, report=bucketwise.report(compiled))
 
 
+def _replicate(model: nn.Module) -> nn.Module:
+    """FSDP2's ``replicate()`` on each block of the first ``nn.ModuleList`` (the transformer
+    blocks), then on the root, as torchtitan applies it. A private torch module (checked on torch
+    2.11 and 2.13); the benchmark's only use of it."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    blocks = next((m for m in model.modules() if isinstance(m, nn.ModuleList)), [])
+    for block in blocks:
+        replicate(block)
+    return replicate(model)
+
+
 RO = "reduce-overhead"
 
 CONFIGS: dict[str, Recipe] = {
@@ -134,6 +155,7 @@ CONFIGS: dict[str, Recipe] = {
     "torch": Recipe(compiler="torch"),
     "torch-nosplit": Recipe(compiler="torch", optimize_ddp=False),
     "local": Recipe(compiler="torch", ddp=False),
+    "replicate": Recipe(compiler="torch", ddp=False, replicate=True),
     "bw-split": Recipe(compiler="bucketwise", strategy="split"),
     "bw-none": Recipe(compiler="bucketwise", strategy="none"),
     "bw-fused": Recipe(compiler="bucketwise", strategy="fused"),

@@ -1,4 +1,4 @@
-"""Benchmark models on synthetic data: ``gpt``, ``gpt-medium``, ``gpt-tiny``, ``convnet``, ``mlp``.
+"""Benchmark models on synthetic data: ``gpt``, ``gpt-medium``, ``gpt-tiny``, ``llama``, ``convnet``, ``mlp``.
 
 Each model is a :class:`ModelSpec`: default sizes, which size flags apply, how to build the
 module, a fixed synthetic batch per rank and the loss of one forward. The size flags are shared
@@ -28,7 +28,7 @@ SIZE_MEANING = {
     "mlp": {"layers": "linear layers (depth)", "d_model": "hidden width", "batch": "samples per rank",
             "vocab": "output classes"},
 }
-SIZE_MEANING["gpt-tiny"] = SIZE_MEANING["gpt-medium"] = SIZE_MEANING["gpt"]
+SIZE_MEANING["gpt-tiny"] = SIZE_MEANING["gpt-medium"] = SIZE_MEANING["llama"] = SIZE_MEANING["gpt"]
 
 DEFAULT_SIZES = {
     # GPT-2 small (124M shape, untied head): GPTConfig.gpt2_small().
@@ -38,6 +38,9 @@ DEFAULT_SIZES = {
     "gpt-medium": {"layers": 24, "d_model": 1024, "heads": 16, "seq": 1024, "batch": 4, "vocab": 50304},
     # A small GPT with the real GPT-2 vocabulary: head/embedding dominate the gradient bytes.
     "gpt-tiny": {"layers": 6, "d_model": 256, "heads": 4, "seq": 128, "batch": 4, "vocab": 50304},
+    # Hugging Face transformers' LlamaForCausalLM built from a config (no download): 8 layers,
+    # d 1024, 16 heads, SwiGLU 2816, Llama-2's 32000-token vocabulary, batch 4 x 1024.
+    "llama": {"layers": 8, "d_model": 1024, "heads": 16, "seq": 1024, "batch": 4, "vocab": 32000},
     # ResNet-18-like for 32x32 images (CIFAR shape): 3 stages of 2 basic blocks, BatchNorm.
     "convnet": {"layers": 2, "d_model": 64, "seq": 32, "batch": 64, "vocab": 10},
     # bucketwise.launch.models.mlp defaults (a top-level nn.Sequential), 32 inputs.
@@ -134,6 +137,33 @@ def _gpt_spec(name: str, s: dict[str, int]) -> ModelSpec:
     )
 
 
+def _llama_spec(s: dict[str, int]) -> ModelSpec:
+    """``transformers.LlamaForCausalLM`` from a ``LlamaConfig`` (needs ``transformers``)."""
+
+    def build() -> nn.Module:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["d_model"], intermediate_size=s["d_model"] * 11 // 4,
+                          num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                          max_position_embeddings=s["seq"], attn_implementation="sdpa")
+        return LlamaForCausalLM(cfg)
+
+    def loss(module: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        tokens, targets = batch
+        logits = module(input_ids=tokens).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def make_batch(seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        data = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1), generator=g)
+        return data[:, :-1].to(device), data[:, 1:].to(device)
+
+    return ModelSpec(
+        name="llama", sizes=s, build=build, make_batch=make_batch,
+        loss=loss, items_per_batch=s["batch"] * s["seq"], unit="tokens", bf16_autocast=True,
+    )
+
+
 def _convnet_spec(s: dict[str, int]) -> ModelSpec:
     return ModelSpec(
         name="convnet", sizes=s, build=lambda: ConvNet(width=s["d_model"], blocks=s["layers"], classes=s["vocab"]),
@@ -174,6 +204,8 @@ def make_spec(model: str, overrides: dict[str, int | None]) -> ModelSpec:
         if sizes["d_model"] % sizes["heads"]:
             raise ValueError(f"--d-model ({sizes['d_model']}) must be a multiple of --heads ({sizes['heads']})")
         return _gpt_spec(model, sizes)
+    if model == "llama":
+        return _llama_spec(sizes)
     if model == "convnet":
         return _convnet_spec(sizes)
     return _mlp_spec(sizes)

@@ -1,0 +1,298 @@
+"""What DDP and bucketwise add to a compiled training step: configs side by side in one process.
+
+    python benchmarks/tax_bench.py --model gpt-medium \
+        --configs local,local-ro,torch-nosplit,torch,replicate,bw-fused,bw-fused-cg --pairs 4 --out DIR
+
+On one GPU and one rank (NCCL, world size 1) no gradient moves, so everything a config costs
+above ``local`` (``local-ro`` for the CUDA-graph configs) is what the wrapper adds: memory, host
+time, GPU time, compile time. Run-to-run spread on a virtual host (25% between two jobs) would
+hide that, so every config is built once in the same process and the timed blocks are
+interleaved: ``A B C ... C B A`` pairs, the direction alternating; a config's ratio to its floor
+is the median of the per-pair ratios of CPU issue time.
+
+Per config (``results.json`` and ``results.md`` in ``--out``):
+
+- ``first_step_s``: the first step, compile included; not a cold compile where an earlier
+  config compiled the same code (Dynamo reuses it: ``torch``, ``torch-nosplit`` after ``local``),
+  so cold and warm compiles are measured by ``ddp_bench.py --restart`` instead;
+  ``compile_s``: bucketwise's own compile-time total, where it applies;
+- ``rest_mib``: memory the config holds between steps (parameters, optimizer state, DDP's
+  buckets, live CUDA-graph pool memory); ``first_peak_mib``: its peak over the first step and
+  the warm-up steps (``torch.cuda.max_memory_allocated`` above what was allocated before the
+  config was built: nothing else runs meanwhile; compile, autotuning and capture included);
+  ``peak_mib``: its peak over the timed steps, less the other configs' memory at rest (an
+  estimate: it is off where another config's memory changes after it was built, as CUDA-graph
+  pools may);
+- ``issue_ms``/``step_ms``: per pair, the median host time to issue a step and the GPU
+  (CUDA-event) time per step; ``kernels``, ``gpu_ms``: kernels launched and GPU kernel time per
+  step (profiler); ``host_us_per_launch``: issue time over kernels launched.
+
+Started without torchrun it runs one rank itself; under torchrun every rank runs the same
+interleaving and rank 0 writes its own figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch._functorch.config
+import torch._inductor.config
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_configs import recipe_for, floor_config  # noqa: E402
+from bench_models import MODELS, make_spec  # noqa: E402
+from ddp_bench import LR, make_step  # noqa: E402
+
+DEFAULT_CONFIGS = "local,local-ro,torch-nosplit,torch,replicate,bw-fused,bw-fused-cg"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt-medium", choices=MODELS)
+    p.add_argument("--configs", default=DEFAULT_CONFIGS)
+    p.add_argument("--pairs", type=int, default=4, help="interleaved rounds (>= 3)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per config per round")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--backend", default="inductor")
+    p.add_argument("--out", required=True)
+    ns = p.parse_args(argv)
+    if ns.pairs < 3:
+        p.error(f"--pairs must be >= 3 for a median of per-pair ratios, got {ns.pairs}")
+    ns.configs = ns.configs.split(",")
+    for config in ns.configs:
+        recipe_for(config)  # unknown names fail here, before anything is built
+    return ns
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _allocated() -> int:
+    _sync()
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def build(config: str, spec: Any, device: torch.device, backend: str, warmup: int) -> dict[str, Any]:
+    """One config's model, compiled, its first step timed and ``warmup`` more steps run."""
+    recipe = recipe_for(config)
+    gc.collect()
+    before = _allocated()
+    _reset_peak()
+    torch.manual_seed(0)
+    model = spec.build().to(device)
+    prepared = recipe.prepare(model, device=device, backend=backend, bucket_cap_mb=None)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True if device.type == "cuda" else None)
+    step = make_step(prepared, spec, opt, spec.make_batch(1, device), device,
+                     mark_cudagraph_step=recipe.mode == "reduce-overhead", annotate=False)
+    _sync()
+    t0 = time.perf_counter()
+    step()
+    _sync()
+    first_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        step()
+    rest = _allocated() - before
+    report = prepared.report
+    return {"config": config, "step": step, "first_step_s": first_s, "rest_bytes": rest,
+            "first_peak_bytes": _peak() - before, "peak_bytes": 0,
+            "compile_s": report.totals.get("compile_seconds") if report is not None else None,
+            "issue_ms": [], "step_ms": []}
+
+
+def timed_block(entry: dict[str, Any], steps: int, others_at_rest: int) -> None:
+    """``steps`` steps of one config: median host issue time, GPU time per step, peak memory."""
+    step: Callable[[], Any] = entry["step"]
+    _sync()
+    _reset_peak()
+    cuda = torch.cuda.is_available()
+    start = torch.cuda.Event(enable_timing=True) if cuda else None
+    end = torch.cuda.Event(enable_timing=True) if cuda else None
+    if cuda:
+        start.record()
+    wall = time.perf_counter()
+    issue = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        issue.append((time.perf_counter() - t) * 1e3)
+    if cuda:
+        end.record()
+    _sync()
+    entry["issue_ms"].append(statistics.median(issue))
+    entry["step_ms"].append(start.elapsed_time(end) / steps if cuda else (time.perf_counter() - wall) * 1e3 / steps)
+    entry["peak_bytes"] = max(entry["peak_bytes"], _peak() - others_at_rest)
+
+
+def kernel_profile(entry: dict[str, Any], steps: int) -> None:
+    """Kernels launched and GPU kernel time per step, from ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available() or steps <= 0:
+        entry["kernels"] = entry["gpu_ms"] = None
+        return
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            entry["step"]()
+        _sync()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    entry["kernels"] = len(kernels) / steps
+    entry["gpu_ms"] = sum(e.device_time for e in kernels) / 1e3 / steps
+
+
+def summarize(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for config, e in entries.items():
+        floor = floor_config(config)
+        row = {k: e[k] for k in ("config", "first_step_s", "compile_s", "issue_ms", "step_ms", "kernels", "gpu_ms")}
+        row.update(floor=floor, rest_mib=e["rest_bytes"] / 2**20, peak_mib=e["peak_bytes"] / 2**20,
+                   first_peak_mib=e["first_peak_bytes"] / 2**20,
+                   issue_ms_median=statistics.median(e["issue_ms"]), step_ms_median=statistics.median(e["step_ms"]))
+        row["host_us_per_launch"] = (row["issue_ms_median"] * 1e3 / e["kernels"]) if e.get("kernels") else None
+        base = entries.get(floor)
+        if base is not None:
+            row["issue_ratio"] = statistics.median(a / b for a, b in zip(e["issue_ms"], base["issue_ms"]))
+            row["step_ratio"] = statistics.median(a / b for a, b in zip(e["step_ms"], base["step_ms"]))
+            row["peak_ratio"] = e["first_peak_bytes"] / base["first_peak_bytes"] if base["first_peak_bytes"] else None
+            row["gpu_ratio"] = e["gpu_ms"] / base["gpu_ms"] if e.get("gpu_ms") and base.get("gpu_ms") else None
+        rows.append(row)
+    return rows
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    first_peak = {r["config"]: r["first_peak_mib"] for r in rows if "error" not in r}
+    for r in rows:
+        if "error" not in r and first_peak.get(r["floor"]):
+            r["peak_ratio"] = r["first_peak_mib"] / first_peak[r["floor"]]
+    head = ("| config | floor | peak MiB | x floor | at rest MiB | CPU issue ms | x floor | step ms | x floor "
+            "| GPU ms | x floor | kernels | host us/launch |")
+    lines = [f"# {meta['model']}: configs side by side, {meta['pairs']} interleaved rounds", "",
+             f"{meta['gpu'] or meta['device']}, world size {meta['world_size']}, torch {meta['torch']}, {meta['date']}",
+             "", f"`{meta['command']}`", "", head, "|" + " --- |" * 13]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| `{r['config']}` | failed: {r['error'].splitlines()[0][:200]} |" + " |" * 11)
+            continue
+        lines.append("| " + " | ".join([
+            f"`{r['config']}`", f"`{r['floor']}`", _fmt(r["first_peak_mib"], ",.0f"), _fmt(r.get("peak_ratio"), ".2f"),
+            _fmt(r["rest_mib"], ",.0f"), _fmt(r["issue_ms_median"], ".2f"), _fmt(r.get("issue_ratio"), ".3f"),
+            _fmt(r["step_ms_median"], ".2f"), _fmt(r.get("step_ratio"), ".3f"), _fmt(r.get("gpu_ms"), ".2f"),
+            _fmt(r.get("gpu_ratio"), ".3f"), _fmt(r.get("kernels"), ".0f"), _fmt(r.get("host_us_per_launch"), ".1f")]) + " |")
+    lines += ["", "peak MiB: the config's peak over its first step and warm-up steps (compile and CUDA-graph "
+              "capture included), above what was allocated before it was built. x floor: CPU issue and step, the "
+              "median over rounds of the per-round ratio to the floor; peak and GPU time, the ratio of the "
+              "figures. GPU ms: kernel time per step from the profiler. Per-round figures are in results.json."]
+    return "\n".join(lines) + "\n"
+
+
+def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    cuda = device.type == "cuda"
+    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": shlex.join(["python3", "benchmarks/tax_bench.py", *sys.argv[1:]]),
+            "model": args.model, "sizes": make_spec(args.model, {}).sizes, "configs": args.configs,
+            "pairs": args.pairs, "steps": args.steps, "warmup": args.warmup, "backend": args.backend,
+            "device": device.type, "gpu": torch.cuda.get_device_name(device) if cuda else None,
+            "world_size": dist.get_world_size(), "torch": torch.__version__,
+            "python": platform.python_version()}
+
+
+def run(args: argparse.Namespace, device: torch.device) -> None:
+    spec = make_spec(args.model, {})
+    entries: dict[str, dict[str, Any]] = {}
+    failed: list[dict[str, Any]] = []
+    for i, config in enumerate(args.configs, 1):
+        print(f"[{i}/{len(args.configs)}] building {config} ...", flush=True)
+        try:
+            entries[config] = build(config, spec, device, args.backend, args.warmup)
+        except Exception as exc:  # noqa: BLE001 - a config that fails is recorded, the others still run
+            failed.append({"config": config, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+            print(f"    failed: {failed[-1]['error']}", flush=True)
+            gc.collect()
+            continue
+        e = entries[config]
+        print(f"    first step {e['first_step_s']:.1f} s, at rest {e['rest_bytes'] / 2**20:,.0f} MiB, "
+              f"first-steps peak {e['first_peak_bytes'] / 2**20:,.0f} MiB", flush=True)
+    at_rest = _allocated()
+    built = list(entries)
+    for r in range(args.pairs):
+        order = built if r % 2 == 0 else built[::-1]
+        for config in order:
+            timed_block(entries[config], args.steps, at_rest - entries[config]["rest_bytes"])
+        print(f"round {r + 1}/{args.pairs}: " + ", ".join(f"{c} {entries[c]['issue_ms'][-1]:.1f}" for c in built)
+              + " ms issue", flush=True)
+    for config in built:
+        kernel_profile(entries[config], args.profile_steps)
+    rows = summarize(entries) + failed
+    if dist.get_rank() == 0:
+        meta = _meta(args, device)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        with open(os.path.join(args.out, "results.md"), "w") as f:
+            f.write(markdown(meta, rows))
+        print(markdown(meta, rows), flush=True)
+
+
+def rewrite_markdown(out: str) -> None:
+    """``results.md`` again from ``results.json`` (the docs tables come from the JSON too)."""
+    with open(os.path.join(out, "results.json")) as f:
+        data = json.load(f)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(markdown(data["meta"], data["rows"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"),
+                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    # Every config compiles cold: no FX-graph or AOTAutograd cache hit from a config built earlier.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    try:
+        # The process's compiler start-up (imports, workers) before the first config's first step.
+        x = torch.ones(8, 8, device=device, requires_grad=True)
+        torch.compile(lambda t: torch.relu(t @ t) * 2, backend=args.backend)(x).sum().backward()
+        run(args, device)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
