@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -41,6 +42,7 @@ PERF_DOC = "docs/performance.md"
 README = "README.md"
 ALL_MARKERS = ("<!-- perf-tables:begin -->", "<!-- perf-tables:end -->")
 CURRENT_MARKERS = ("<!-- perf-current:begin -->", "<!-- perf-current:end -->")
+TAX_MARKERS = ("<!-- perf-tax:begin -->", "<!-- perf-tax:end -->")
 PROBE_ROW = "all-gradient allreduce"
 """The last row: ``ddp_bench.py``'s probe, one allreduce of all gradient bytes (the communication floor)."""
 NETS = {"default": "NCCL default transport", "socket": "NCCL over loopback TCP sockets"}
@@ -193,6 +195,42 @@ def current_table(folders: Sequence[Folder], link_root: str) -> str:
     return "\n".join(folder_table(folder, f"{link_root}{folder.name}/"))
 
 
+def _ratio(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def tax_tables(results: Path, link_root: str) -> str:
+    """One table per ``tax_bench.py`` folder (``<folder>/<model>/results.json``): per model and
+    config, peak memory, CPU issue and GPU time over the config's floor."""
+    out = []
+    for folder in sorted(p for p in results.iterdir() if p.is_dir()):
+        runs = [json.loads(f.read_text()) for f in sorted(folder.glob("*/results.json"))]
+        runs = [r for r in runs if "pairs" in r.get("meta", {})]
+        if not runs:
+            continue
+        meta = runs[0]["meta"]
+        out += [f"### [{folder.name}]({link_root}{folder.name}/)", "",
+                f"{meta['gpu'] or meta['device']}, world size {meta['world_size']}, torch {meta['torch']}; "
+                f"configs side by side in one process, {meta['pairs']} interleaved rounds.", "",
+                "| model | config | floor | peak MiB | peak x floor | CPU issue ms | issue x floor | GPU ms | GPU x floor | host us/launch |",
+                "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for run in runs:
+            rows = [r for r in run["rows"] if "error" not in r]
+            peaks = {r["config"]: r["first_peak_mib"] for r in rows}
+            for r in rows:
+                peak_ratio = r["first_peak_mib"] / peaks[r["floor"]] if peaks.get(r["floor"]) else None
+                gpu = "-" if r.get("gpu_ms") is None else f"{r['gpu_ms']:.2f}"
+                launch = "-" if r.get("host_us_per_launch") is None else f"{r['host_us_per_launch']:.1f}"
+                out.append(f"| {run['meta']['model']} | `{r['config']}` | `{r['floor']}` | {r['first_peak_mib']:,.0f} "
+                           f"| {_ratio(peak_ratio)} | {r['issue_ms_median']:.2f} | {_ratio(r.get('issue_ratio'))} "
+                           f"| {gpu} | {_ratio(r.get('gpu_ratio'))} | {launch} |")
+            for r in run["rows"]:
+                if "error" in r:
+                    out.append(f"| {run['meta']['model']} | `{r['config']}` | failed | | | | | | | |")
+        out.append("")
+    return "\n".join(out).rstrip("\n")
+
+
 def replace_between(text: str, markers: tuple[str, str], body: str, where: str) -> str:
     begin, end = markers
     if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
@@ -209,9 +247,10 @@ def generated(root: Path) -> dict[Path, str]:
     for name, markers, body in (
         (PERF_DOC, ALL_MARKERS, all_tables(folders, "../benchmarks/results/")),
         (README, CURRENT_MARKERS, current_table(folders, "benchmarks/results/")),
+        (PERF_DOC, TAX_MARKERS, tax_tables(root / "benchmarks" / "results", "../benchmarks/results/")),
     ):
         path = root / name
-        out[path] = replace_between(path.read_text(), markers, body, name)
+        out[path] = replace_between(out.get(path, path.read_text()), markers, body, name)
     return out
 
 

@@ -43,7 +43,8 @@ def _fake_repo(root: Path) -> dict[str, list[tuple[dict, list[dict]]]]:
     records of each folder (one entry per run, in run order)."""
     (root / "docs").mkdir(parents=True)
     (root / "README.md").write_text("# fake\n\n<!-- perf-current:begin -->\nold\n<!-- perf-current:end -->\n\nend\n")
-    (root / "docs" / "performance.md").write_text("# perf\n\n<!-- perf-tables:begin -->\n<!-- perf-tables:end -->\n")
+    (root / "docs" / "performance.md").write_text("# perf\n\n<!-- perf-tax:begin -->\n<!-- perf-tax:end -->\n\n"
+                                                 "<!-- perf-tables:begin -->\n<!-- perf-tables:end -->\n")
     results = root / "benchmarks" / "results"
     folders = {
         # the newest main folder: gpt, 2 ranks, default net, default cap, ran local and torch
