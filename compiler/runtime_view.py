@@ -18,6 +18,10 @@ from . import trace_analysis as ta
 STEP_MARK = "bucketwise.step"
 """A ``record_function`` range opened and closed at the start of every profiled step."""
 
+HOST_BOUND_BUSY = 0.8
+"""A step whose GPU is busy less than this fraction of it is bound by the host
+(NOTE [saying when the host is the step])."""
+
 _SOURCES = {
     "cuda": "NCCL kernels against the other kernels on the GPU",
     "cpu": "gloo's ranges on its threads against the training thread outside c10d calls and waits "
@@ -77,13 +81,20 @@ class RuntimeView:
     trace_path: str | None = None
     plot_path: str | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    gpu_busy_ms: float | None = None
+    """Per step, the time in which any GPU kernel ran (``None`` without GPU kernels in the trace)."""
+
+    @property
+    def host_bound(self) -> bool:
+        """The GPU sat idle for more than a fifth of the step: the host issuing it is the step."""
+        return self.gpu_busy_ms is not None and self.gpu_busy_ms < HOST_BOUND_BUSY * self.step_ms
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "host_bound": self.host_bound}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RuntimeView:
-        d = dict(data)
+        d = {k: v for k, v in data.items() if k != "host_bound"}
         d["buckets"] = [BucketTime(**b) for b in d["buckets"]]
         d["other"] = BucketTime(**d["other"]) if d.get("other") else None
         return cls(**d)
@@ -105,9 +116,32 @@ class RuntimeView:
 
 
 def totals_line(view: RuntimeView) -> str:
-    return (f"rank {view.rank}: {view.steps} profiled step(s), {view.step_ms:.2f} ms per step; communication "
+    busy = "" if view.gpu_busy_ms is None else f", GPU busy {view.gpu_busy_ms:.2f} ms"
+    return (f"rank {view.rank}: {view.steps} profiled step(s), {view.step_ms:.2f} ms per step{busy}; communication "
             f"{view.comm_ms:.3f} ms per step, {view.overlapped_ms:.3f} overlapped with compute, "
             f"{view.exposed_ms:.3f} exposed; {view.wire_bytes / 2**20:.2f} MiB sent per step")
+
+
+# NOTE [saying when the host is the step]: on a virtual machine a kernel launch costs tens of
+# microseconds of host time, so a step of small kernels is often issued slower than the GPU runs
+# it; then bucket sizes and overlap change nothing and CUDA graphs are the remedy (one launch per
+# graph). The trace shows it without a guess: the union of the GPU's kernels against the step's
+# wall time. A GPU busy less than HOST_BOUND_BUSY of the step is called host-bound, and the note
+# says what to try; where the compiled object already replays CUDA graphs, the host time left is
+# outside its graphs (the optimizer step, data loading, Python).
+
+
+def host_bound_note(view: RuntimeView, *, replays_cuda_graphs: bool) -> str | None:
+    """What to tell the user when ``view``'s steps are bound by the host, else ``None``."""
+    if not view.host_bound or view.gpu_busy_ms is None:
+        return None
+    head = (f"host-bound: the GPU was busy {view.gpu_busy_ms:.2f} of {view.step_ms:.2f} ms per step "
+            f"({view.gpu_busy_ms / view.step_ms:.0%}); the host issuing kernels is the step")
+    if replays_cuda_graphs:
+        return head + "; the compiled graphs already replay as CUDA graphs, so the host time is outside them " \
+                      "(optimizer step, data loading, Python)"
+    return head + "; bucketwise.compile(..., cudagraphs=True) replays each compiled graph with one launch " \
+                  "(its memory cost: docs/performance.md)"
 
 
 def _cell(v: Any) -> str:
@@ -147,10 +181,11 @@ def analyze(events: Sequence[dict[str, Any]], report: dict[str, Any], *, steps: 
     unsized = sum(1 for c in comm if c.nbytes is None)
     if unsized:
         notes.append(f"{unsized} collective(s) without a size in the trace are counted as other")
+    busy_us = ta.gpu_busy_us(events)
     one_graph = len({b.graph_id for b in planned}) == 1
     labels = {id(c): f"b{b.index}" if one_graph else f"g{b.graph_id}b{b.index}" for i, b in enumerate(planned)
               for c in matched[i]}
-    return RuntimeView(
+    view = RuntimeView(
         target=str(report.get("target")), rank=int(report.get("rank", 0)), world_size=int(report.get("world_size", 1)),
         host=host, steps=steps, source=source, step_ms=step_ms,
         comm_ms=total_us / 1e3 / steps, overlapped_ms=over_us / 1e3 / steps,
@@ -158,7 +193,12 @@ def analyze(events: Sequence[dict[str, Any]], report: dict[str, Any], *, steps: 
         wire_bytes=sum(c.nbytes or 0 for c in comm) // steps,
         buckets=buckets, other=_row(None, other, compute, steps) if other else None,
         timeline=_last_step(events, comm, compute, source, labels), notes=notes,
+        gpu_busy_ms=None if busy_us is None else busy_us / 1e3 / steps,
     )
+    note = host_bound_note(view, replays_cuda_graphs=any(c.get("captured") for c in report.get("cudagraphs", [])))
+    if note:
+        view.notes.append(note)
+    return view
 
 
 def _row(b: ta.PlannedBucket | None, comm: list[ta.Collective], compute: list[ta.Interval], steps: int) -> BucketTime:

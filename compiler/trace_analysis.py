@@ -113,6 +113,12 @@ def kernels(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e.get("cat") == "kernel" and e.get("ph", "X") == "X" and "dur" in e]
 
 
+def gpu_busy_us(events: Sequence[dict[str, Any]]) -> float | None:
+    """Microseconds in which at least one GPU kernel ran (``None``: the trace has no kernel)."""
+    ks = kernels(events)
+    return length(merge(_span(k) for k in ks)) if ks else None
+
+
 def _span(e: dict[str, Any]) -> Interval:
     return float(e["ts"]), float(e["ts"]) + float(e["dur"])
 

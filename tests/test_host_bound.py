@@ -1,0 +1,54 @@
+"""The runtime view says when the host is the step (NOTE [saying when the host is the step]):
+from the trace's kernels against the step's wall time, with advice that depends on whether the
+compiled graphs already replay as CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+
+from bucketwise.compiler.runtime_view import HOST_BOUND_BUSY, RuntimeView, analyze
+
+
+def _kernels(busy_us: float, steps: int, step_us: float) -> list[dict]:
+    """Per step, back-to-back kernels of 10 us filling ``busy_us`` of a ``step_us`` step, plus a
+    second stream's kernel inside the busy span (counted once: the union)."""
+    events = []
+    for s in range(steps):
+        t0 = s * step_us
+        n = int(busy_us // 10)
+        events += [{"ph": "X", "cat": "kernel", "name": f"triton_{i}", "ts": t0 + 10 * i, "dur": 10, "args": {}}
+                   for i in range(n)]
+        events.append({"ph": "X", "cat": "kernel", "name": "copy", "ts": t0 + 5, "dur": 10, "args": {}})
+    return events
+
+
+REPORT = {"target": "DDP(Net)", "rank": 0, "world_size": 1, "graphs": []}
+
+
+def test_idle_gpu_is_called_host_bound_with_the_cudagraphs_advice():
+    view = analyze(_kernels(400, steps=3, step_us=1000), REPORT, steps=3, step_ms=1.0)
+    assert view.gpu_busy_ms == pytest.approx(0.4)
+    assert view.host_bound
+    (note,) = [n for n in view.notes if n.startswith("host-bound")]
+    assert "busy 0.40 of 1.00 ms per step (40%)" in note and "cudagraphs=True" in note
+    assert "GPU busy 0.40 ms" in view.table()
+
+
+def test_busy_gpu_is_not_host_bound():
+    busy = 1000 * HOST_BOUND_BUSY + 50
+    view = analyze(_kernels(busy, steps=2, step_us=1000), REPORT, steps=2, step_ms=1.0)
+    assert not view.host_bound and not any(n.startswith("host-bound") for n in view.notes)
+
+
+def test_graphs_already_replaying_get_other_advice():
+    report = {**REPORT, "cudagraphs": [{"name": "g0 backward", "captured": True}]}
+    view = analyze(_kernels(300, steps=1, step_us=1000), report, steps=1, step_ms=1.0)
+    (note,) = [n for n in view.notes if n.startswith("host-bound")]
+    assert "already replay as CUDA graphs" in note and "cudagraphs=True" not in note
+
+
+def test_cpu_trace_has_no_verdict_and_round_trips():
+    view = analyze([], REPORT, steps=1, step_ms=1.0)
+    assert view.gpu_busy_ms is None and not view.host_bound
+    again = RuntimeView.from_dict(view.to_dict())
+    assert again == view and view.to_dict()["host_bound"] is False
