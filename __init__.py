@@ -12,12 +12,17 @@ Public API (kept small on purpose):
 - the ``bucketwise`` command (``launch``, ``doctor``, ``stats``, ``demo``, ``--version``).
 """
 
-from .compiler.api import compile
-from .compiler.freeze import freeze
-from .compiler.profiling import profile
-from .compiler.report import Report, report
-from .compiler.runtime_view import RuntimeView
-from .distributed.comm_hooks import traceable_comm_hook
+# NOTE [one copy of the package]: the repository root is this package's folder (pyproject's
+# package-dir), so test runners that import a checkout's __init__.py under the folder's name
+# (pytest does, for a folder with an __init__.py) run this file as another module. Absolute
+# imports make that module re-export the one installed ``bucketwise`` instead of loading a second
+# copy of every submodule under the folder's name (or failing where the name is no identifier).
+from bucketwise.compiler.api import compile
+from bucketwise.compiler.freeze import freeze
+from bucketwise.compiler.profiling import profile
+from bucketwise.compiler.report import Report, report
+from bucketwise.compiler.runtime_view import RuntimeView
+from bucketwise.distributed.comm_hooks import traceable_comm_hook
 
 __all__ = ["compile", "report", "freeze", "profile", "traceable_comm_hook", "Report", "RuntimeView"]
 __version__ = "0.2.0"
