@@ -15,7 +15,9 @@ Per config (``results.json`` and ``results.md`` in ``--out``):
 - ``first_step_s``: the first step, compile included; not a cold compile where an earlier
   config compiled the same code (Dynamo reuses it: ``torch``, ``torch-nosplit`` after ``local``),
   so cold and warm compiles are measured by ``ddp_bench.py --restart`` instead;
-  ``compile_s``: bucketwise's own compile-time total, where it applies;
+  ``compile_s``: bucketwise's own compile-time total, where it applies; ``compile_breakdown``:
+  the report's compile-time breakdown (dynamo, bucketwise, AOTAutograd, backend, caches) and
+  ``first_step_accounted``, its total over the first step's wall time;
 - ``rest_mib``: memory the config holds between steps (parameters, optimizer state, DDP's
   buckets, live CUDA-graph pool memory); ``first_peak_mib``: its peak over the first step and
   the warm-up steps (``torch.cuda.max_memory_allocated`` above what was allocated before the
@@ -118,9 +120,11 @@ def build(config: str, spec: Any, device: torch.device, backend: str, warmup: in
         step()
     rest = _allocated() - before
     report = prepared.report
+    times = report.totals.get("compile_times") if report is not None else None
     return {"config": config, "step": step, "first_step_s": first_s, "rest_bytes": rest,
             "first_peak_bytes": _peak() - before, "peak_bytes": 0,
             "compile_s": report.totals.get("compile_seconds") if report is not None else None,
+            "compile_breakdown": times,
             "issue_ms": [], "step_ms": []}
 
 
@@ -169,7 +173,10 @@ def summarize(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for config, e in entries.items():
         floor = floor_config(config)
-        row = {k: e[k] for k in ("config", "first_step_s", "compile_s", "issue_ms", "step_ms", "kernels", "gpu_ms")}
+        row = {k: e.get(k) for k in ("config", "first_step_s", "compile_s", "compile_breakdown", "issue_ms", "step_ms",
+                                     "kernels", "gpu_ms")}
+        times = e.get("compile_breakdown")
+        row["first_step_accounted"] = times["total_s"] / e["first_step_s"] if times and e["first_step_s"] else None
         row.update(floor=floor, rest_mib=e["rest_bytes"] / 2**20, peak_mib=e["peak_bytes"] / 2**20,
                    first_peak_mib=e["first_peak_bytes"] / 2**20,
                    issue_ms_median=statistics.median(e["issue_ms"]), step_ms_median=statistics.median(e["step_ms"]))
