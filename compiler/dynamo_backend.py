@@ -52,6 +52,8 @@ from .report import Report
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "bucketwise"
+ALIGNMENT_POLLS = 20
+"""Forwards after DDP's bucket rebuild in which :class:`InsideDDP` looks for the alignment."""
 
 OWN_OPTIONS = (
     "strategy",
@@ -155,6 +157,9 @@ def attach(ddp: Any, config: CompileConfig) -> Any:
     )
     compiled.__dict__["first_call"] = _FirstCall(ddp)
     _ddp_compat.route_forward(ddp, compiled)
+    # report() accepts the module the user compiled (Fabric re-applies the compile over its DDP
+    # module, so the user's OptimizedModule wraps ddp.module) as well as the DDP module.
+    _ddp_compat.set_owner(ddp.module, compiled)
     log.info("bucketwise: %s compiled by torch.compile(backend='bucketwise') (strategy %s, inner backend %s)",
              compiled._bucketwise_report.target, config.strategy, config.backend_name)
     return compiled
@@ -220,6 +225,8 @@ class InsideDDP:
                 "freeze= not applied: DDP's own forward runs here (compile the DDP module to freeze after warm-up)")
             log.warning("bucketwise: freeze=%r not applied to modules compiled inside DDP", config.freeze)
         self.first_call = _FirstCall(ddp)
+        self._ddp = ddp
+        self._alignment_polls = 0
         self._scopes: list[contextlib.ExitStack] = []
         ddp.register_forward_pre_hook(self._enter)
         ddp.register_forward_hook(self._leave, always_call=True)
@@ -242,6 +249,21 @@ class InsideDDP:
     def _leave(self, module: Any, args: Any, output: Any) -> None:
         if self._scopes:  # none when the hook was added during this forward
             self._scopes.pop().close()
+        self._bucketwise_report.after_call()
+        self._refresh_alignment()
+
+    def _refresh_alignment(self) -> None:
+        """Rewrite the rank file once the reducer's rebuilt buckets make the alignment known
+        (as ``CompiledModule._refresh_alignment`` does for a compiled DDP module); stop asking
+        after ``ALIGNMENT_POLLS`` forwards past the rebuild."""
+        if self._alignment_polls >= ALIGNMENT_POLLS or not self._bucketwise_report.graphs:
+            return
+        if not _ddp_compat.has_rebuilt_buckets(self._ddp) and _ddp_compat.will_rebuild(self._ddp):
+            return
+        self._alignment_polls += 1
+        if self._bucketwise_report.alignment is not None or self._alignment_polls >= ALIGNMENT_POLLS:
+            self._alignment_polls = ALIGNMENT_POLLS
+            self._bucketwise_report.write_rank_file()
 
 
 class _FirstCall:
