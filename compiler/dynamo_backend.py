@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import logging
 import warnings
 from typing import Any, Callable, Sequence
@@ -123,12 +124,24 @@ def bucketwise_backend(
 
 
 def _frame_module() -> Any | None:
-    """The module whose method Dynamo is compiling (its first argument), or None."""
+    """The module whose method Dynamo is compiling (its first argument, or the first of its
+    ``*args`` for a decorator's wrapper such as transformers' ``deprecate_kwarg``), or None."""
     code, f_locals = dc.compiling_code(), dc.compiling_frame_locals()
-    if code is None or f_locals is None or not code.co_argcount:
+    if code is None or f_locals is None:
         return None
-    first = f_locals.get(code.co_varnames[0])
+    if code.co_argcount:
+        first = f_locals.get(code.co_varnames[0])
+    else:
+        first = next(iter(_varargs(code, f_locals)), None)
     return first if isinstance(first, torch.nn.Module) else None
+
+
+def _varargs(code: Any, f_locals: dict[str, Any]) -> tuple:
+    """The frame's ``*args`` tuple (empty without one)."""
+    if not code.co_flags & inspect.CO_VARARGS:
+        return ()
+    value = f_locals.get(code.co_varnames[code.co_argcount + code.co_kwonlyargcount])
+    return value if isinstance(value, tuple) else ()
 
 
 def _frame_of(ddp: Any) -> bool:
@@ -136,10 +149,13 @@ def _frame_of(ddp: Any) -> bool:
     of it), i.e. does the ``torch.compile`` wrap the DDP module? False for a module compiled
     before DDP wrapped it (``DDP(torch.compile(m))``: DDP calls the ``OptimizedModule``, the
     frame is ``m``'s) or deeper inside. True where torch does not say."""
-    f_locals = dc.compiling_frame_locals()
+    code, f_locals = dc.compiling_code(), dc.compiling_frame_locals()
     if f_locals is None:
         return True
-    return any(value is ddp.module for value in f_locals.values())
+    # A decorator around the module's forward (transformers 5.24 wraps LlamaForCausalLM.forward
+    # in deprecate_kwarg's ``wrapped_func(*args, **kwargs)``) holds the module in its *args.
+    candidates = [*f_locals.values(), *(_varargs(code, f_locals) if code is not None else ())]
+    return any(value is ddp.module for value in candidates)
 
 
 def attach(ddp: Any, config: CompileConfig) -> Any:

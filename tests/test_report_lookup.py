@@ -109,3 +109,35 @@ def test_rank_file_rewritten_once_alignment_and_backward_compiles_are_known(sing
     assert saved["alignment"]["alignment"] == live["alignment"]["alignment"] == 1.0, saved["alignment"]
     assert saved["totals"]["compile_times"]["backward_compiles"] == 1, saved["totals"]["compile_times"]
     assert saved["totals"]["compile_times"] == live["totals"]["compile_times"]
+
+
+def _decorated(fn):
+    """Like transformers' ``deprecate_kwarg``: the wrapper's frame holds the module in ``*args``."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped_func(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapped_func
+
+
+class DecoratedNet(Net):
+    @_decorated
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def test_decorated_forward_still_compiled_around_ddp(single_rank_group):
+    """The compile wraps the DDP module even when the module's forward is a decorator's
+    ``wrapped_func(*args, **kwargs)`` (transformers 5.24's LlamaForCausalLM): fused, not split."""
+    net = DecoratedNet()
+    compiled = torch.compile(DDP(net), backend="bucketwise", options=AOT)
+    _step(compiled, steps=2)
+    rep = bucketwise.report(compiled)
+    assert rep.target == "DDP(DecoratedNet)", rep.target
+    assert [g.strategy for g in rep.graphs if g.variant is None] == ["fused"]
+    # and compiled inside DDP, report() finds it through the module in the wrapper's *args
+    inner = torch.compile(DecoratedNet(), backend="bucketwise", options={**AOT, "strategy": "split"})
+    _step(DDP(inner), steps=2)
+    assert [g.strategy for g in bucketwise.report(inner).graphs] == ["split"]
