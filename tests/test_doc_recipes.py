@@ -192,3 +192,23 @@ def test_integrations_train_script_runs(tmp_path):
     assert len(losses) == 10 and losses[-1] < losses[0], out
     assert (tmp_path / "model.pt").exists()
     assert [training_strategies(s) for s in rank_stats(tmp_path)] == [["fused"], ["fused"]]
+
+
+def test_doctor_example_reports_the_failing_stage_as_the_page_shows(tmp_path):
+    """docs/troubleshooting.md: the doctor, with a fault-injecting third stage, on the page's
+    script, prints the page's lines (the output block's, paths apart)."""
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    shown = re.search(r"^```\n(bucketwise doctor: .*?)^```", page, re.M | re.S).group(1)
+    command = re.search(r"^(BUCKETWISE_DOCTOR_LADDER=\S+) \\\n\s+bucketwise (doctor .*doctor_example\.py)$", page, re.M)
+    ladder, args = command.group(1).split("=", 1)[1], command.group(2).split()
+    assert args[-1] == "doctor_example.py", args
+    env = {**_env(tmp_path), "BUCKETWISE_DOCTOR_LADDER": ladder}
+    env.pop("BUCKETWISE_STATS_DIR")
+    cmd = [sys.executable, "-m", "bucketwise.launch.cli", *args[:-1], str(RECIPES / args[-1])]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout.replace(f"{tmp_path}/", "")
+    lines = [line for line in shown.splitlines() if line != "..."]
+    assert len(lines) >= 3 and " 0 failing" not in lines[0], lines
+    for line in lines:
+        assert line in out.splitlines(), f"the page shows {line!r}; the doctor printed:\n{out}"
