@@ -137,3 +137,24 @@ def test_error_table_rows_are_what_the_code_raises(caplog):
         else:
             assert kind == "warning", f"{expr}: raised nothing, the table says {kind}"
             assert any(_matches(r.getMessage(), documented) for r in caplog.records), (expr, caplog.text)
+
+
+def test_user_guide_names_every_hook_that_runs_fused():
+    """docs/comm-hooks.md's table is the list of hooks ``fused`` reproduces; the user guide's
+    strategy advice must name each of them."""
+    table = (ROOT / "docs" / "comm-hooks.md").read_text()
+    fused_rows = re.findall(r"^\| (.*?) \| fused", table, re.M)
+    hooks = {h for row in fused_rows for h in re.findall(r"`([\w.]*hook)`", row)}
+    assert {"allreduce_hook", "powerSGD_hook", "bucketwise.traceable_comm_hook"} <= hooks, hooks
+    guide = (ROOT / "docs" / "user-guide.md").read_text()
+    advice = guide[guide.index("- **`fused`** needs"):guide.index("- **`split`**")]
+    missing = sorted(h for h in hooks if f"`{h}`" not in advice)
+    assert not missing, f"user-guide.md's `fused` advice does not name {missing}"
+
+
+def test_no_page_asks_users_to_release_cuda_graphs_before_destroying_the_group():
+    """bucketwise releases the fused CUDA graphs at destroy_process_group() (NOTE in
+    distributed/teardown.py); no page may tell users to do it themselves first."""
+    for page in PAGES:
+        text = " ".join(page.read_text().split())
+        assert "release the compiled graphs before" not in text, page.name
