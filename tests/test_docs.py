@@ -158,3 +158,40 @@ def test_no_page_asks_users_to_release_cuda_graphs_before_destroying_the_group()
     for page in PAGES:
         text = " ".join(page.read_text().split())
         assert "release the compiled graphs before" not in text, page.name
+
+
+# -- the README as a package index shows it ---------------------------------------------------------
+
+REPOSITORY = "https://github.com/bucketwise/bucketwise"
+
+
+def _readme_outside_generated_tables() -> str:
+    """README.md without the block benchmarks/perf_tables.py writes."""
+    text = (ROOT / "README.md").read_text()
+    return re.sub(r"<!-- perf-current:begin -->.*?<!-- perf-current:end -->", "", text, flags=re.S)
+
+
+def test_readme_links_are_absolute_and_resolve_in_this_checkout():
+    """A package index shows README.md away from the repository: every link must be absolute, and
+    a link into the repository must name a file (blob) or folder (tree) of this checkout."""
+    prefix = re.compile(rf"^{re.escape(REPOSITORY)}/(blob|tree)/main/([^#]+)(?:#(.*))?$")
+    links = re.findall(r"\]\(([^)\s]+)\)", _readme_outside_generated_tables())
+    assert len(links) >= 10, links
+    for target in links:
+        assert re.match(r"https?://", target), f"README.md: relative link {target} breaks on a package index page"
+        m = prefix.match(target)
+        if not m:
+            continue
+        kind, path, anchor = m.groups()
+        resolved = ROOT / path
+        assert resolved.is_dir() if kind == "tree" else resolved.is_file(), f"README.md: {target} names no {kind}"
+        if anchor:
+            assert anchor in _anchors(resolved), f"README.md: no heading for #{anchor} in {path}"
+
+
+def test_project_urls_name_the_repository():
+    text = (ROOT / "pyproject.toml").read_text()
+    urls = dict(re.findall(r'^(\w+) = "(https://[^"]+)"$', text.split("[project.urls]")[1].split("\n[")[0], re.M))
+    assert urls["Repository"] == REPOSITORY and urls["Homepage"] == REPOSITORY, urls
+    assert all(u.startswith(REPOSITORY) for u in urls.values()), urls
+    assert "License :: OSI Approved :: BSD License" in text and (ROOT / "LICENSE").read_text().startswith("BSD 3-Clause")
