@@ -212,3 +212,13 @@ def test_doctor_example_reports_the_failing_stage_as_the_page_shows(tmp_path):
     assert len(lines) >= 3 and " 0 failing" not in lines[0], lines
     for line in lines:
         assert line in out.splitlines(), f"the page shows {line!r}; the doctor printed:\n{out}"
+
+
+@pytest.mark.inductor
+def test_per_sample_grads_prints_what_its_comments_say(tmp_path):
+    """docs/programming-model.md's example: each print's output is the comment on its line."""
+    script = RECIPES / "per_sample_grads.py"
+    expected = re.findall(r"^print\(.*\)\s+# (.*)$", script.read_text(), re.M)
+    assert len(expected) == 2, expected
+    out = _run([sys.executable], script, tmp_path)
+    assert out.splitlines()[-len(expected):] == expected, out
