@@ -195,6 +195,20 @@ def meta(args: argparse.Namespace, argv: list[str]) -> dict:
     }
 
 
+def _worker_argv(argv: list[str]) -> list[str]:
+    """``argv`` without ``--nproc`` (torchrun's parser would take it for an abbreviation of its
+    own ``--nproc-per-node``, even after the script, and stop: "ambiguous option")."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
 def drive(args: argparse.Namespace, argv: list[str]) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -204,7 +218,7 @@ def drive(args: argparse.Namespace, argv: list[str]) -> dict:
             worker_out = f.name
         env = {**os.environ, **ALWAYS_ENV, "HF_BENCH_WORKER_OUT": worker_out, "HF_HUB_OFFLINE": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-               str(Path(__file__).resolve()), *argv, "--worker", name]
+               str(Path(__file__).resolve()), *_worker_argv(argv), "--worker", name]
         print(f"[hf_trainer_bench] {name}: {shlex.join(cmd)}", flush=True)
         proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
         sys.stderr.write(proc.stderr[-20000:])
