@@ -1,8 +1,17 @@
-"""HF Trainer on a small Llama (built from its config, synthetic tokens), three ways: bucketwise as
-docs/integrations-recipes.md says, the Trainer's own ``torch_compile_backend="inductor"``, and no
-compile. Per config: the loss of every step and the step times, in one JSON file.
+"""HF Trainer on a small Llama (built from its config, synthetic tokens), four ways, as
+docs/integrations-recipes.md describes them:
 
-    python benchmarks/hf_trainer_bench.py --nproc 2 --out benchmarks/results/<run>/hf_trainer.json
+- ``fused``: ``bucketwise.hf.BucketwiseTrainer`` (bucketwise runs the DDP forward; one process:
+  the model compiled with the inner backend alone);
+- ``split``: ``Trainer(model=torch.compile(model, backend="bucketwise"))`` (DDP wraps the
+  compiled model; one process: the inner backend alone, with bucketwise's warning);
+- ``torch_compile``: the Trainer's own ``TrainingArguments(torch_compile=True)`` (Inductor);
+- ``eager``: no compile.
+
+Per config: the loss of every step, the step times, steps per second (after the warm-up, and
+the Trainer's own ``train_steps_per_second``, warm-up included), in one JSON file.
+
+    python benchmarks/hf_trainer_bench.py --nproc 1 --out benchmarks/results/<run>/hf_trainer.json
 
 Each config runs in its own ``torchrun`` job (the Trainer's accelerate state is per process);
 this driver starts them one after the other and merges what their rank 0 writes. ``--tiny``:
@@ -26,7 +35,7 @@ from pathlib import Path
 
 from bench_cli import ALWAYS_ENV
 
-CONFIGS = ("bucketwise", "torch_compile", "eager")
+CONFIGS = ("fused", "split", "torch_compile", "eager")
 SIZES = {  # name: (hidden, intermediate, layers, heads, vocab, seq, batch per rank)
     "small": (1024, 2816, 4, 16, 32000, 512, 8),
     "tiny": (32, 64, 2, 4, 128, 16, 4),
@@ -35,7 +44,7 @@ SIZES = {  # name: (hidden, intermediate, layers, heads, vocab, seq, batch per r
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2, help="ranks (GPUs); 1: no DDP module, the Trainer trains alone")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10, help="first steps left out of the step-time statistics")
@@ -101,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max(seq, 64)))
     extra: dict = {}
-    if config_name == "bucketwise":
+    if config_name == "split":
         model = torch.compile(model, backend="bucketwise", options={"inner_backend": args.inner_backend})
         extra["remove_unused_columns"] = False
     elif config_name == "torch_compile":
@@ -114,8 +123,14 @@ def worker(args: argparse.Namespace) -> None:
         bf16=cuda, use_cpu=not cuda, ddp_backend="nccl" if cuda else "gloo",
         ddp_find_unused_parameters=args.find_unused, dataloader_num_workers=0, **extra)
     timer = StepTimes()
-    trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=[timer])
-    trainer.train()
+    trainer_class = Trainer
+    kwargs: dict = {}
+    if config_name == "fused":
+        from bucketwise.hf import BucketwiseTrainer
+
+        trainer_class, kwargs = BucketwiseTrainer, {"bucketwise_options": {"backend": args.inner_backend}}
+    trainer = trainer_class(model=model, args=targs, train_dataset=Tokens(), callbacks=[timer], **kwargs)
+    metrics = trainer.train().metrics
     if trainer.args.process_index != 0:
         return
     measured = timer.times[args.warmup:]
@@ -125,17 +140,30 @@ def worker(args: argparse.Namespace) -> None:
         "step_seconds": timer.times,
         "median_step_ms": round(1000 * statistics.median(measured), 3),
         "mean_step_ms": round(1000 * statistics.fmean(measured), 3),
+        "steps_per_second": round(1 / statistics.fmean(measured), 3),
+        "trainer_steps_per_second": metrics.get("train_steps_per_second"),
         "warmup_s": round(sum(timer.times[:args.warmup]), 3),
-        "compile": {"bucketwise": f"torch.compile(model, backend='bucketwise', options={{'inner_backend': '{args.inner_backend}'}})",
+        "world_size": trainer.args.world_size,
+        "compile": {"fused": f"BucketwiseTrainer(..., bucketwise_options={{'backend': '{args.inner_backend}'}})",
+                    "split": f"torch.compile(model, backend='bucketwise', options={{'inner_backend': '{args.inner_backend}'}})",
                     "torch_compile": f"TrainingArguments(torch_compile=True, torch_compile_backend='{args.compile_backend}')",
                     "eager": None}[config_name],
     }
-    if config_name == "bucketwise":
-        import bucketwise
-
-        rep = bucketwise.report(trainer.model_wrapped)
-        result["bucketwise"] = {"strategies": [g.strategy for g in rep.graphs], "totals": rep.totals, "notes": rep.notes}
+    if config_name in ("fused", "split"):
+        result["bucketwise"] = _bucketwise_summary(trainer, config_name)
     Path(os.environ["HF_BENCH_WORKER_OUT"]).write_text(json.dumps(result))
+
+
+def _bucketwise_summary(trainer, config_name: str) -> dict:
+    """What bucketwise compiled (strategies, totals, notes); on one process the ``split`` config
+    has no DDP module, so no report (bucketwise warned that the inner backend ran alone)."""
+    import bucketwise
+
+    try:
+        rep = trainer.bucketwise_report() if config_name == "fused" else bucketwise.report(trainer.model)
+    except TypeError as exc:
+        return {"report": None, "why": str(exc)}
+    return {"strategies": [g.strategy for g in rep.graphs], "totals": rep.totals, "notes": rep.notes}
 
 
 # --- driver -------------------------------------------------------------------------------
@@ -167,6 +195,20 @@ def meta(args: argparse.Namespace, argv: list[str]) -> dict:
     }
 
 
+def _worker_argv(argv: list[str]) -> list[str]:
+    """``argv`` without ``--nproc`` (torchrun's parser would take it for an abbreviation of its
+    own ``--nproc-per-node``, even after the script, and stop: "ambiguous option")."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
 def drive(args: argparse.Namespace, argv: list[str]) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +218,7 @@ def drive(args: argparse.Namespace, argv: list[str]) -> dict:
             worker_out = f.name
         env = {**os.environ, **ALWAYS_ENV, "HF_BENCH_WORKER_OUT": worker_out, "HF_HUB_OFFLINE": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-               str(Path(__file__).resolve()), *argv, "--worker", name]
+               str(Path(__file__).resolve()), *_worker_argv(argv), "--worker", name]
         print(f"[hf_trainer_bench] {name}: {shlex.join(cmd)}", flush=True)
         proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
         sys.stderr.write(proc.stderr[-20000:])
@@ -195,6 +237,7 @@ def drive(args: argparse.Namespace, argv: list[str]) -> dict:
             diffs = [abs(a - b) for a, b in zip(result["losses"], eager["losses"])]
             result["max_abs_loss_diff_vs_eager"] = max(diffs) if diffs else None
         print(f"[hf_trainer_bench] {name}: median step {result['median_step_ms']} ms, "
+              f"{result['steps_per_second']} steps/s after warm-up, "
               f"warm-up {result['warmup_s']} s, final loss {result['losses'][-1]:.4f}", flush=True)
     out.write_text(json.dumps(report, indent=1))
     return report

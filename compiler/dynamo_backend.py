@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import logging
 import warnings
 from typing import Any, Callable, Sequence
@@ -52,6 +53,8 @@ from .report import Report
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "bucketwise"
+ALIGNMENT_POLLS = 20
+"""Forwards after DDP's bucket rebuild in which :class:`InsideDDP` looks for the alignment."""
 
 OWN_OPTIONS = (
     "strategy",
@@ -121,12 +124,24 @@ def bucketwise_backend(
 
 
 def _frame_module() -> Any | None:
-    """The module whose method Dynamo is compiling (its first argument), or None."""
+    """The module whose method Dynamo is compiling (its first argument, or the first of its
+    ``*args`` for a decorator's wrapper such as transformers' ``deprecate_kwarg``), or None."""
     code, f_locals = dc.compiling_code(), dc.compiling_frame_locals()
-    if code is None or f_locals is None or not code.co_argcount:
+    if code is None or f_locals is None:
         return None
-    first = f_locals.get(code.co_varnames[0])
+    if code.co_argcount:
+        first = f_locals.get(code.co_varnames[0])
+    else:
+        first = next(iter(_varargs(code, f_locals)), None)
     return first if isinstance(first, torch.nn.Module) else None
+
+
+def _varargs(code: Any, f_locals: dict[str, Any]) -> tuple:
+    """The frame's ``*args`` tuple (empty without one)."""
+    if not code.co_flags & inspect.CO_VARARGS:
+        return ()
+    value = f_locals.get(code.co_varnames[code.co_argcount + code.co_kwonlyargcount])
+    return value if isinstance(value, tuple) else ()
 
 
 def _frame_of(ddp: Any) -> bool:
@@ -134,10 +149,13 @@ def _frame_of(ddp: Any) -> bool:
     of it), i.e. does the ``torch.compile`` wrap the DDP module? False for a module compiled
     before DDP wrapped it (``DDP(torch.compile(m))``: DDP calls the ``OptimizedModule``, the
     frame is ``m``'s) or deeper inside. True where torch does not say."""
-    f_locals = dc.compiling_frame_locals()
+    code, f_locals = dc.compiling_code(), dc.compiling_frame_locals()
     if f_locals is None:
         return True
-    return any(value is ddp.module for value in f_locals.values())
+    # A decorator around the module's forward (transformers 5.24 wraps LlamaForCausalLM.forward
+    # in deprecate_kwarg's ``wrapped_func(*args, **kwargs)``) holds the module in its *args.
+    candidates = [*f_locals.values(), *(_varargs(code, f_locals) if code is not None else ())]
+    return any(value is ddp.module for value in candidates)
 
 
 def attach(ddp: Any, config: CompileConfig) -> Any:
@@ -155,6 +173,9 @@ def attach(ddp: Any, config: CompileConfig) -> Any:
     )
     compiled.__dict__["first_call"] = _FirstCall(ddp)
     _ddp_compat.route_forward(ddp, compiled)
+    # report() accepts the module the user compiled (Fabric re-applies the compile over its DDP
+    # module, so the user's OptimizedModule wraps ddp.module) as well as the DDP module.
+    _ddp_compat.set_owner(ddp.module, compiled)
     log.info("bucketwise: %s compiled by torch.compile(backend='bucketwise') (strategy %s, inner backend %s)",
              compiled._bucketwise_report.target, config.strategy, config.backend_name)
     return compiled
@@ -220,6 +241,8 @@ class InsideDDP:
                 "freeze= not applied: DDP's own forward runs here (compile the DDP module to freeze after warm-up)")
             log.warning("bucketwise: freeze=%r not applied to modules compiled inside DDP", config.freeze)
         self.first_call = _FirstCall(ddp)
+        self._ddp = ddp
+        self._alignment_polls = 0
         self._scopes: list[contextlib.ExitStack] = []
         ddp.register_forward_pre_hook(self._enter)
         ddp.register_forward_hook(self._leave, always_call=True)
@@ -242,6 +265,21 @@ class InsideDDP:
     def _leave(self, module: Any, args: Any, output: Any) -> None:
         if self._scopes:  # none when the hook was added during this forward
             self._scopes.pop().close()
+        self._bucketwise_report.after_call()
+        self._refresh_alignment()
+
+    def _refresh_alignment(self) -> None:
+        """Rewrite the rank file once the reducer's rebuilt buckets make the alignment known
+        (as ``CompiledModule._refresh_alignment`` does for a compiled DDP module); stop asking
+        after ``ALIGNMENT_POLLS`` forwards past the rebuild."""
+        if self._alignment_polls >= ALIGNMENT_POLLS or not self._bucketwise_report.graphs:
+            return
+        if not _ddp_compat.has_rebuilt_buckets(self._ddp) and _ddp_compat.will_rebuild(self._ddp):
+            return
+        self._alignment_polls += 1
+        if self._bucketwise_report.alignment is not None or self._alignment_polls >= ALIGNMENT_POLLS:
+            self._alignment_polls = ALIGNMENT_POLLS
+            self._bucketwise_report.write_rank_file()
 
 
 class _FirstCall:

@@ -470,15 +470,41 @@ def _align(rows: list[tuple[str, ...]], right: Any = range(6)) -> str:
     return "\n".join(out)
 
 
+WRAPPER_ATTRS = ("_orig_mod", "module", "_forward_module", "_original_module")
+"""Where a wrapper keeps what it wraps: ``torch.compile``'s ``OptimizedModule`` and
+``CompiledModule`` (``_orig_mod``), DDP (``module``), Lightning Fabric's ``_FabricModule``
+(``_forward_module``, ``_original_module``)."""
+
+
 def report(compiled: Any) -> Report:
-    """The :class:`Report` of an object returned by :func:`bucketwise.compile`, or by
-    ``torch.compile(..., backend="bucketwise")`` (or the DDP module it compiled)."""
-    # A DDP module (or an OptimizedModule around it) whose forward the "bucketwise" torch.compile
-    # backend took over carries the compiled module (NOTE [registered backend takes over the DDP forward]).
-    compiled = getattr(compiled, "_bucketwise_compiled", compiled)
-    rep = getattr(compiled, "_bucketwise_report", None)
-    if not isinstance(rep, Report):
-        raise TypeError(
-            f"report() expects an object returned by bucketwise.compile, got {type(compiled).__name__}"
-        )
-    return rep
+    """The :class:`Report` of what bucketwise compiled, found through the object you hold.
+
+    Accepts what :func:`bucketwise.compile` returned, what ``torch.compile(...,
+    backend="bucketwise")`` returned (once it has run a step: the backend attaches at the first
+    call), the DDP module, the module compiled inside DDP, and the wrappers frameworks put
+    around them (Lightning Fabric's module, accelerate's and the HF Trainer's DDP module).
+    NOTE [report finds the compile]: each object is searched, wrapper by wrapper, through the
+    attributes in :data:`WRAPPER_ATTRS` (read from the instance, never through a wrapper's own
+    ``__getattr__``), for bucketwise's report or the record that the ``"bucketwise"`` backend
+    left on a DDP module and on the module it wraps (``_ddp_compat.set_owner``).
+    """
+    seen: list[Any] = []
+    todo = [compiled]
+    while todo:
+        node = todo.pop(0)
+        if any(node is s for s in seen) or len(seen) >= 16:
+            continue
+        seen.append(node)
+        attrs = getattr(node, "__dict__", None) or {}
+        for candidate in (node if "_bucketwise_report" in attrs else None, attrs.get("_bucketwise_compiled")):
+            rep = getattr(candidate, "__dict__", {}).get("_bucketwise_report") if candidate is not None else None
+            if isinstance(rep, Report):
+                return rep
+        children = attrs.get("_modules") or {}
+        todo += [w for name in WRAPPER_ATTRS for w in (children.get(name), attrs.get(name)) if w is not None]
+    chain = " -> ".join(dict.fromkeys(type(s).__name__ for s in seen))
+    raise TypeError(
+        f"report() expects an object compiled by bucketwise, got {type(compiled).__name__} (searched: {chain}); "
+        "pass what bucketwise.compile returned, the DDP module, or what torch.compile(..., backend='bucketwise') "
+        "returned after its first call"
+    )

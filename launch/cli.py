@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import Sequence
 
@@ -218,7 +219,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # The top-level parser has no options taking values, so argv[0] is the subcommand.
     raw = argv[argv.index(args.command) + 1:]
-    return args.func(args, raw)
+    try:
+        code = args.func(args, raw)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+    except BrokenPipeError:
+        return _reader_gone()
+    return code
+
+
+def _reader_gone() -> int:
+    """The reader of stdout went away (``bucketwise stats --json DIR | head``): stop quietly,
+    as a shell tool does, instead of a traceback. stdout goes to /dev/null so the interpreter's
+    last flush cannot raise again; the exit code is a shell's for SIGPIPE (128 + 13)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

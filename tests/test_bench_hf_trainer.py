@@ -1,5 +1,6 @@
-"""benchmarks/hf_trainer_bench.py on CPU with tiny sizes: the JSON it writes (the bucketwise
-config only, to stay quick; tests/test_integration_hf_trainer.py compares the recipe with eager)."""
+"""benchmarks/hf_trainer_bench.py on CPU with tiny sizes: the JSON it writes (the two bucketwise
+configs only, to stay quick; tests/test_doc_recipes.py and tests/test_integration_hf_trainer.py
+compare them with the eager Trainer)."""
 
 from __future__ import annotations
 
@@ -23,13 +24,17 @@ def test_hf_trainer_bench_tiny(tmp_path):
     out = tmp_path / "hf.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BUCKETWISE_PROGRESS": "0",
            "PYTHONPATH": os.pathsep.join([str(entry_point_dir(tmp_path))] + [p for p in sys.path if p])}
-    cmd = [sys.executable, str(BENCH), "--tiny", "--configs", "bucketwise", "--steps", "4", "--out", str(out)]
+    cmd = [sys.executable, str(BENCH), "--tiny", "--configs", "fused,split", "--steps", "4", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads(out.read_text())
     meta = result["meta"]
     assert meta["command"].endswith(f"--out {out}") and meta["torch"] and meta["date"], meta
-    assert list(result["configs"]) == ["bucketwise"], result["configs"].keys()
-    bw = result["configs"]["bucketwise"]
-    assert len(bw["losses"]) == 4 and len(bw["step_seconds"]) == 4 and bw["median_step_ms"] > 0, bw
-    assert bw["bucketwise"]["strategies"] == ["split"], bw["bucketwise"]
+    assert list(result["configs"]) == ["fused", "split"], result["configs"].keys()
+    for name, strategies in (("fused", ["fused"]), ("split", ["split"])):
+        bw = result["configs"][name]
+        assert len(bw["losses"]) == 4 and len(bw["step_seconds"]) == 4 and bw["steps_per_second"] > 0, bw
+        assert sorted(bw["bucketwise"]["strategies"]) == strategies, (name, bw["bucketwise"])
+    # the same Trainer, the same data: both ways train alike (aot_eager: the same kernels)
+    fused, split = (result["configs"][n]["losses"] for n in ("fused", "split"))
+    assert max(abs(a - b) for a, b in zip(fused, split)) < 1e-4, (fused, split)

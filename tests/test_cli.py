@@ -105,6 +105,18 @@ def test_stats_json(run_dir, capsys):
         (2, 0, "segment", 0), (2, 0, "segment", 1)}
 
 
+@pytest.mark.parametrize("json_flag", [["--json"], []])
+def test_stats_into_a_closed_pipe_stops_quietly(run_dir, json_flag):
+    """``bucketwise stats --json DIR | head``: the reader is gone before the output is written;
+    no traceback, the shell's SIGPIPE exit code."""
+    proc = subprocess.Popen([sys.executable, "-m", "bucketwise.launch.cli", "stats", str(run_dir), *json_flag],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # no reader: the first write that reaches the pipe fails
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def test_stats_compares_planned_buckets(run_dir, capsys):
     for rank, names in ((0, ["a", "b"]), (1, ["a", "c"])):
         path = run_dir / f"rank{rank}.json"

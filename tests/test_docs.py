@@ -52,3 +52,146 @@ def test_results_folders_named_in_the_docs_exist():
     for page in PAGES:
         for name in re.findall(r"\b(20\d\d-\d\d-\d\d_[\w.-]+?)(?=[/`)\s]|$)", page.read_text()):
             assert (RESULTS / name).is_dir(), f"{page.name} names results folder {name}, which does not exist"
+
+
+# -- scripts the docs show (NOTE [docs include their scripts] in tests/doc_includes.py) ----------
+
+
+def test_included_blocks_equal_their_files():
+    import doc_includes
+
+    assert doc_includes.stale() == [], "run: python tests/doc_includes.py --write"
+
+
+def test_runnable_python_blocks_are_included_files():
+    """A Python block that is a whole script (it has a ``__main__`` guard) must be an included
+    file, so a test runs what the page shows."""
+    import doc_includes
+
+    for page in doc_includes.PAGES:
+        included = {text for _, text in doc_includes.includes(page)}
+        for block in re.findall(r"^```python\n(.*?)^```\n", page.read_text(), re.M | re.S):
+            if "__main__" in block:
+                assert block in included, f"{page.name}: a runnable script that is not an included file:\n{block[:300]}"
+
+
+def test_every_recipe_file_is_shown_and_run():
+    import doc_includes
+
+    shown = {path for page in doc_includes.PAGES for path, _ in doc_includes.includes(page)}
+    runner = (ROOT / "tests" / "test_doc_recipes.py").read_text()
+    for path in sorted((ROOT / "docs" / "recipes").glob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        assert rel in shown, f"{rel} is shown by no page (<!-- include {rel} -->)"
+        assert f'"{path.name}"' in runner, f"{rel} is run by no test in tests/test_doc_recipes.py"
+
+
+# -- the error table of docs/troubleshooting.md ---------------------------------------------------
+
+ERROR_ROW = re.compile(r"^\| `((?:compile|report)\([^`]*\))`(?P<when>[^|]*)\| (?P<kind>[^|]+?) \| (?P<msg>.*) \|$", re.M)
+# What the text after the call says about where the row applies; other rows are runs across ranks
+# or after setup this test cannot make (their tests: tests/test_bad_input.py).
+WHEN = {"": True, "of a module not compiled by bucketwise": True}
+
+
+def _error_rows() -> list[tuple[str, str, str]]:
+    import torch
+
+    when = {**WHEN, "without a GPU": not torch.cuda.is_available(), "on a machine with CUDA": torch.cuda.is_available()}
+    rows = []
+    for m in ERROR_ROW.finditer((ROOT / "docs" / "troubleshooting.md").read_text()):
+        condition = m.group("when").strip()
+        if when.get(condition, False):
+            rows.append((m.group(1), m.group("kind").split(" (")[0], m.group("msg")))
+    return rows
+
+
+def _matches(message: str, documented: str) -> bool:
+    """The documented message, which may end in ``...`` (the rest cut)."""
+    if documented.endswith("..."):
+        return message.startswith(documented[:-3].rstrip())
+    return message == documented
+
+
+def test_error_table_rows_are_what_the_code_raises(caplog):
+    """Each row that is one call is made, and must raise (or warn) as the table says."""
+    import logging
+
+    import torch.nn as nn
+
+    import bucketwise
+
+    rows = _error_rows()
+    assert len(rows) >= 13, rows  # the table's single-call rows, so this test cannot pass by finding none
+    for expr, kind, documented in rows:
+        scope = {"compile": bucketwise.compile, "report": bucketwise.report, "ddp": nn.Linear(2, 2),
+                 "model": nn.Linear(2, 2), "nn": nn}
+        caplog.clear()
+        try:
+            with caplog.at_level(logging.WARNING, logger="bucketwise"):
+                eval(expr.replace("{...}", '{"max_autotune": True}'), scope)  # noqa: S307 - the docs' own rows
+        except Exception as exc:  # noqa: BLE001
+            first = str(exc).splitlines()[0]
+            assert type(exc).__name__ == kind, f"{expr}: raised {type(exc).__name__}, the table says {kind}"
+            assert _matches(first, documented), f"{expr}:\n  raises {first!r}\n  table  {documented!r}"
+        else:
+            assert kind == "warning", f"{expr}: raised nothing, the table says {kind}"
+            assert any(_matches(r.getMessage(), documented) for r in caplog.records), (expr, caplog.text)
+
+
+def test_user_guide_names_every_hook_that_runs_fused():
+    """docs/comm-hooks.md's table is the list of hooks ``fused`` reproduces; the user guide's
+    strategy advice must name each of them."""
+    table = (ROOT / "docs" / "comm-hooks.md").read_text()
+    fused_rows = re.findall(r"^\| (.*?) \| fused", table, re.M)
+    hooks = {h for row in fused_rows for h in re.findall(r"`([\w.]*hook)`", row)}
+    assert {"allreduce_hook", "powerSGD_hook", "bucketwise.traceable_comm_hook"} <= hooks, hooks
+    guide = (ROOT / "docs" / "user-guide.md").read_text()
+    advice = guide[guide.index("- **`fused`** needs"):guide.index("- **`split`**")]
+    missing = sorted(h for h in hooks if f"`{h}`" not in advice)
+    assert not missing, f"user-guide.md's `fused` advice does not name {missing}"
+
+
+def test_no_page_asks_users_to_release_cuda_graphs_before_destroying_the_group():
+    """bucketwise releases the fused CUDA graphs at destroy_process_group() (NOTE in
+    distributed/teardown.py); no page may tell users to do it themselves first."""
+    for page in PAGES:
+        text = " ".join(page.read_text().split())
+        assert "release the compiled graphs before" not in text, page.name
+
+
+# -- the README as a package index shows it ---------------------------------------------------------
+
+REPOSITORY = "https://github.com/bucketwise/bucketwise"
+
+
+def _readme_outside_generated_tables() -> str:
+    """README.md without the block benchmarks/perf_tables.py writes."""
+    text = (ROOT / "README.md").read_text()
+    return re.sub(r"<!-- perf-current:begin -->.*?<!-- perf-current:end -->", "", text, flags=re.S)
+
+
+def test_readme_links_are_absolute_and_resolve_in_this_checkout():
+    """A package index shows README.md away from the repository: every link must be absolute, and
+    a link into the repository must name a file (blob) or folder (tree) of this checkout."""
+    prefix = re.compile(rf"^{re.escape(REPOSITORY)}/(blob|tree)/main/([^#]+)(?:#(.*))?$")
+    links = re.findall(r"\]\(([^)\s]+)\)", _readme_outside_generated_tables())
+    assert len(links) >= 10, links
+    for target in links:
+        assert re.match(r"https?://", target), f"README.md: relative link {target} breaks on a package index page"
+        m = prefix.match(target)
+        if not m:
+            continue
+        kind, path, anchor = m.groups()
+        resolved = ROOT / path
+        assert resolved.is_dir() if kind == "tree" else resolved.is_file(), f"README.md: {target} names no {kind}"
+        if anchor:
+            assert anchor in _anchors(resolved), f"README.md: no heading for #{anchor} in {path}"
+
+
+def test_project_urls_name_the_repository():
+    text = (ROOT / "pyproject.toml").read_text()
+    urls = dict(re.findall(r'^(\w+) = "(https://[^"]+)"$', text.split("[project.urls]")[1].split("\n[")[0], re.M))
+    assert urls["Repository"] == REPOSITORY and urls["Homepage"] == REPOSITORY, urls
+    assert all(u.startswith(REPOSITORY) for u in urls.values()), urls
+    assert "License :: OSI Approved :: BSD License" in text and (ROOT / "LICENSE").read_text().startswith("BSD 3-Clause")

@@ -1,5 +1,7 @@
-"""HF Trainer recipe (docs/integrations-recipes.md) on 2 gloo ranks under torchrun: parameters and
-losses after a few steps equal the eager Trainer's; bucketwise's stats say which strategy ran."""
+"""HF Trainer given a model compiled with ``backend="bucketwise"`` (docs/integrations-recipes.md, the
+way without ``BucketwiseTrainer``) on 2 gloo ranks under torchrun: parameters and losses after a
+few steps equal the eager Trainer's; bucketwise's stats say which strategy ran (``split``). The
+``BucketwiseTrainer`` recipe (``fused``): tests/test_doc_recipes.py."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
-"""HF Trainer with bucketwise (docs/integrations-recipes.md), next to the same eager Trainer.
+"""HF Trainer given ``model=torch.compile(model, backend="bucketwise")`` (docs/integrations-recipes.md,
+the way without ``BucketwiseTrainer``: DDP wraps the compiled model, ``split``), next to the same
+eager Trainer.
 
 Run by tests/test_integration_hf_trainer.py as
 ``torchrun --standalone --nproc_per_node 2 hf_trainer_recipe.py`` (gloo on CPU): a tiny Llama
 built from its config (nothing downloaded) trains a few steps on synthetic tokens, eagerly and
-then compiled the way the recipe says.
+then compiled that way.
 """
 
 from __future__ import annotations

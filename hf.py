@@ -1,0 +1,175 @@
+"""bucketwise for the Hugging Face Trainer: :class:`BucketwiseTrainer`, the Trainer on ``fused``.
+
+    from bucketwise.hf import BucketwiseTrainer
+
+    trainer = BucketwiseTrainer(model=model, args=args, train_dataset=ds)   # instead of Trainer(...)
+
+``with_bucketwise(SomeTrainer)`` does the same for a Trainer subclass of your own or of another
+library (TRL's ``SFTTrainer``, ...). Needs ``transformers``; ``import bucketwise`` does not import
+this module.
+
+NOTE [HF Trainer on fused]: given ``model=torch.compile(model)``, the Trainer wraps the compiled
+model in DDP, so DDP's own forward and reducer stay in charge (``split``, and torch's
+DDPOptimizer takes the first step uncompiled). ``fused`` needs bucketwise to run the DDP forward,
+and the Trainer builds its DDP module inside ``train()`` (through accelerate's ``prepare``),
+where no public hook hands it out before it is called. The first place that sees it is
+``Trainer.compute_loss(model, inputs, ...)``, the documented method for subclasses to override,
+which the Trainer calls with the DDP module for every training step (and every evaluation step
+with labels). There, once per DDP module, :class:`BucketwiseTrainer` builds what
+``bucketwise.compile(ddp)`` builds and routes that module's forward to it
+(``_ddp_compat.route_forward``: an instance attribute of that one module, as the ``"bucketwise"``
+torch.compile backend does; the classes of torch and transformers stay untouched), then hands the
+same DDP module on to the Trainer's own ``compute_loss``. Everything of the Trainer sees the
+objects it built (``unwrap_model``, ``no_sync()`` under gradient accumulation, saving), and the
+first step is compiled like the others.
+
+The Trainer asks DDP for ``find_unused_parameters=True`` for a ``PreTrainedModel`` without
+gradient checkpointing, by default rather than because a parameter is unused; ``auto`` would then
+pick ``split``. Unless ``ddp_find_unused_parameters=True`` was set by you, or a ``strategy`` is
+given in ``bucketwise_options``, the strategy is ``"fused"``: ranks whose graphs read different
+parameters then raise ``RankMismatchError`` at their first step instead of training apart, and
+the report notes the choice.
+
+Without a DDP module (one process) the model the Trainer trains is compiled with
+``bucketwise.compile(model)`` (no buckets: the inner backend alone), and the log says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+import transformers
+
+from .compiler import _dynamo_compat as dc
+from .compiler.api import compile as bucketwise_compile
+from .compiler.config import CompileConfig
+from .compiler.report import report
+from .distributed import _ddp_compat
+
+log = logging.getLogger(__name__)
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(CompileConfig))
+"""Keys of ``bucketwise_options``: the keyword arguments of :func:`bucketwise.compile`."""
+
+
+def check_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """``bucketwise_options`` as a new dict, checked as :func:`bucketwise.compile` checks them."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError(f"bucketwise_options must be a dict of bucketwise.compile arguments, got {type(options).__name__}")
+    bad = sorted(set(options) - set(OPTION_NAMES))
+    if bad:
+        raise ValueError(f"bucketwise_options: unknown key(s) {bad}; accepted: {list(OPTION_NAMES)}")
+    CompileConfig(**options)  # raises naming the bad value
+    return dict(options)
+
+
+class BucketwiseTrainerMixin:
+    """Put before a ``transformers.Trainer`` class in the bases (NOTE [HF Trainer on fused]).
+
+    Keyword argument ``bucketwise_options``: a dict of :func:`bucketwise.compile` arguments
+    (``backend``, ``strategy``, ``cudagraphs``, ...); default: ``bucketwise.compile``'s own,
+    with ``strategy="fused"`` as the note says.
+    """
+
+    def __init__(self, *args: Any, bucketwise_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        options = check_options(bucketwise_options)
+        model = kwargs.get("model", args[0] if args else None)
+        if model is not None and dc.uncompiled(model) is not model:
+            raise ValueError(
+                f"model: {type(self).__name__} compiles the model itself; pass the uncompiled model "
+                "(model._orig_mod), not what torch.compile returned"
+            )
+        super().__init__(*args, **kwargs)
+        if self.args.torch_compile:
+            raise ValueError(
+                f"args.torch_compile=True: {type(self).__name__} compiles the model with bucketwise; "
+                "leave torch_compile off (bucketwise_options={'backend': ...} picks the backend)"
+            )
+        self._bucketwise_options = options
+        self._bucketwise_plain: tuple[Any, Any] | None = None
+        self._bucketwise_said: set[str] = set()
+
+    def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        return super().compute_loss(self._bucketwise_model(model), inputs, *args, **kwargs)
+
+    # -- what compute_loss hands on ----------------------------------------------------------
+
+    def _bucketwise_model(self, model: Any) -> Any:
+        if _ddp_compat.is_ddp(model):
+            if _ddp_compat.owner_of(model) is None:
+                self._bucketwise_attach(model)
+            return model
+        training = model.training and torch.is_grad_enabled()
+        if self.args.world_size > 1:
+            if training:
+                self._bucketwise_say(
+                    "not-ddp", logging.WARNING,
+                    f"bucketwise: the Trainer trains a {type(model).__name__}, not a DistributedDataParallel module "
+                    "(FSDP, DeepSpeed?); it runs uncompiled: bucketwise compiles DDP modules")
+            else:
+                self._bucketwise_say(
+                    "eval", logging.INFO,
+                    "bucketwise: the Trainer evaluates the model outside DDP; evaluation runs uncompiled")
+            return model
+        return self._bucketwise_single(model)
+
+    def _bucketwise_attach(self, ddp: Any) -> None:
+        options = dict(self._bucketwise_options)
+        chosen = "strategy" not in options and self.args.ddp_find_unused_parameters is not True
+        if chosen:
+            options["strategy"] = "fused"
+        compiled = bucketwise_compile(ddp, **options)
+        rep = compiled._bucketwise_report
+        rep.note(f"compiled by bucketwise.hf.{type(self).__name__}: bucketwise runs this DDP module's forward "
+                 "from the first step on (NOTE [HF Trainer on fused])")
+        if chosen and _ddp_compat.find_unused_parameters(ddp):
+            rep.note("strategy 'fused' although the Trainer asked DDP for find_unused_parameters=True (its default "
+                     "without gradient checkpointing): ranks whose graphs read different parameters raise "
+                     "RankMismatchError; set ddp_find_unused_parameters=True yourself to get 'auto' (split)")
+        _ddp_compat.route_forward(ddp, compiled)
+        _ddp_compat.set_owner(ddp.module, compiled)  # report(trainer.model) finds it
+        log.info("bucketwise: %s compiled by %s (strategy %s)", rep.target, type(self).__name__,
+                 options.get("strategy", "auto"))
+
+    def _bucketwise_single(self, model: Any) -> Any:
+        """One process, no DDP module: the model compiled with the inner backend alone."""
+        if self.label_smoother is not None:
+            self._bucketwise_say(
+                "smoothing", logging.WARNING,
+                "bucketwise: one process with label_smoothing_factor: the model runs uncompiled (the Trainer "
+                "picks its label smoothing by the model's class name)")
+            return model
+        if self._bucketwise_plain is None or self._bucketwise_plain[0] is not model:
+            options = dict(self._bucketwise_options)
+            options.setdefault("strategy", "auto")
+            self._bucketwise_plain = (model, bucketwise_compile(model, **options))
+            self._bucketwise_say(
+                "single", logging.INFO,
+                f"bucketwise: one process, no DDP module: {type(model).__name__} compiled with backend "
+                f"{options.get('backend', 'inductor')!r} alone (no gradient buckets)")
+        return self._bucketwise_plain[1]
+
+    def _bucketwise_say(self, key: str, level: int, text: str) -> None:
+        if key not in self._bucketwise_said:
+            self._bucketwise_said.add(key)
+            log.log(level, text)
+
+    def bucketwise_report(self) -> Any:
+        """:func:`bucketwise.report` of the model this Trainer trains (after a training step)."""
+        return report(self._bucketwise_plain[1] if self._bucketwise_plain is not None else self.model_wrapped)
+
+
+def with_bucketwise(trainer_class: type) -> type:
+    """``trainer_class`` (a ``transformers.Trainer`` subclass) with :class:`BucketwiseTrainerMixin`."""
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
+        raise TypeError(f"trainer_class must be transformers.Trainer or a subclass of it, got {trainer_class!r}")
+    return type(f"Bucketwise{trainer_class.__name__}", (BucketwiseTrainerMixin, trainer_class), {})
+
+
+class BucketwiseTrainer(BucketwiseTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` whose DDP module bucketwise compiles (NOTE [HF Trainer on fused])."""
