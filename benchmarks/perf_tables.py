@@ -42,6 +42,7 @@ PERF_DOC = "docs/performance.md"
 README = "README.md"
 ALL_MARKERS = ("<!-- perf-tables:begin -->", "<!-- perf-tables:end -->")
 CURRENT_MARKERS = ("<!-- perf-current:begin -->", "<!-- perf-current:end -->")
+REPOSITORY_TREE = "https://github.com/bucketwise/bucketwise/tree/main/"
 TAX_MARKERS = ("<!-- perf-tax:begin -->", "<!-- perf-tax:end -->")
 PROBE_ROW = "all-gradient allreduce"
 """The last row: ``ddp_bench.py``'s probe, one allreduce of all gradient bytes (the communication floor)."""
@@ -246,7 +247,8 @@ def generated(root: Path) -> dict[Path, str]:
     out = {}
     for name, markers, body in (
         (PERF_DOC, ALL_MARKERS, all_tables(folders, "../benchmarks/results/")),
-        (README, CURRENT_MARKERS, current_table(folders, "benchmarks/results/")),
+        # Absolute: a package index shows README.md away from the repository.
+        (README, CURRENT_MARKERS, current_table(folders, REPOSITORY_TREE + "benchmarks/results/")),
         (PERF_DOC, TAX_MARKERS, tax_tables(root / "benchmarks" / "results", "../benchmarks/results/")),
     ):
         path = root / name

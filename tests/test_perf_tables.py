@@ -131,7 +131,7 @@ def test_tables_are_the_records(tmp_path):
     readme = (tmp_path / "README.md").read_text()
     current = readme.split("<!-- perf-current:begin -->")[1].split("<!-- perf-current:end -->")[0]
     assert list(_tables(current)) == ["2026-01-02_2xFake_gpt-nvlink"]
-    assert "(benchmarks/results/2026-01-02_2xFake_gpt-nvlink/)" in current
+    assert "(https://github.com/bucketwise/bucketwise/tree/main/benchmarks/results/2026-01-02_2xFake_gpt-nvlink/)" in current
     assert readme.startswith("# fake\n") and readme.endswith("<!-- perf-current:end -->\n\nend\n")
 
 
