@@ -1,0 +1,34 @@
+"""Every zoo model by name, and the named subsets (``ci``, ``gpu``)."""
+
+from __future__ import annotations
+
+from zoo_hf import MODELS as HF_MODELS
+from zoo_spec import ZooModel
+from zoo_vision import MODELS as VISION_MODELS
+
+MODELS: dict[str, ZooModel] = {m.name: m for m in [*HF_MODELS, *VISION_MODELS]}
+
+SUBSETS = {
+    # tests/test_zoo.py: one model per family and the user-reported cases that run on CPU
+    "ci": ("llama", "bert", "qwen2-moe", "mobilenet-v3", "llama-lora", "llama-dynamic-seq"),
+    # benchmarks/zoo.py --device cuda: the one-GPU speed and memory run, most wanted first
+    "gpu": ("llama", "gpt2", "bert", "t5", "vit", "resnet50", "mobilenet-v3", "mixtral", "llama-lora",
+            "llama-checkpointing", "batchnorm-cudagraphs", "llama-flex-attention", "llama-max-autotune",
+            "whisper", "convnext", "timm-vit"),
+}
+
+
+def get(name: str) -> ZooModel:
+    if name not in MODELS:
+        raise KeyError(f"no zoo model {name!r}; the zoo has: {', '.join(MODELS)}")
+    return MODELS[name]
+
+
+def select(spec: str) -> list[ZooModel]:
+    """``all``, a subset name, or comma-separated model names."""
+    if spec == "all":
+        return list(MODELS.values())
+    if spec in SUBSETS:
+        return [get(n) for n in SUBSETS[spec]]
+    return [get(n.strip()) for n in spec.split(",") if n.strip()]
+
