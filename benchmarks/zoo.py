@@ -35,6 +35,10 @@ from zoo_registry import MODELS, select
 from zoo_train import CHECK_CONFIGS, SPEED_CONFIGS
 
 
+MIN_MODEL_S = 45.0
+"""A model is not started with less of ``--budget-s`` left than this."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class ZooArgs:
     models: str
@@ -71,14 +75,16 @@ def parse(argv: list[str] | None) -> ZooArgs:
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: 2 on cpu, 1 on cuda)")
     p.add_argument("--backend", default=None, help="default: aot_eager on cpu, inductor on cuda")
     p.add_argument("--configs", default=None, help="comma-separated subset of the configs")
-    p.add_argument("--timeout-s", type=float, default=900.0, help="per model; a model past it is killed and recorded")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="per model; a model past it is killed and recorded (default: 900 on cpu, 150 on cuda)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="whole run; models not started in time are recorded as not run (default: none on cpu, 450 on cuda)")
+                   help="whole run; models not started in time are recorded as not run (default: none on cpu, 420 on cuda)")
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
     return ZooArgs(models=a.models, device=a.device, out=Path(a.out), steps=a.steps or (10 if cuda else 3),
                    nproc=a.nproc or (1 if cuda else 2), backend=a.backend or ("inductor" if cuda else "aot_eager"),
-                   timeout_s=a.timeout_s, budget_s=a.budget_s if a.budget_s is not None else (450.0 if cuda else None),
+                   timeout_s=a.timeout_s or (150.0 if cuda else 900.0),
+                   budget_s=a.budget_s if a.budget_s is not None else (420.0 if cuda else None),
                    configs=tuple(a.configs.split(",")) if a.configs else None)
 
 
@@ -117,7 +123,7 @@ def git_revision() -> str | None:
     return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if rev.returncode == 0 else None
 
 
-def run_one(model: Any, args: ZooArgs, work: Path) -> dict[str, Any]:
+def run_one(model: Any, args: ZooArgs, work: Path, *, timeout_s: float) -> dict[str, Any]:
     if args.device == "cpu" and model.gpu_only:
         return {"model": model.name, "status": "gpu only", "reason": model.gpu_only}
     broken = {p: importable(p) for p in model.needs if importable(p)}
@@ -127,7 +133,7 @@ def run_one(model: Any, args: ZooArgs, work: Path) -> dict[str, Any]:
     opts = {"mode": "speed" if args.device == "cuda" else "check", "device": args.device, "backend": args.backend,
             "steps": args.steps, "configs": args.configs}
     t0 = time.perf_counter()
-    outcome = run_ranks(model.name, opts, nproc=args.nproc, device=args.device, work=work, timeout_s=args.timeout_s)
+    outcome = run_ranks(model.name, opts, nproc=args.nproc, device=args.device, work=work, timeout_s=timeout_s)
     outcome["seconds"] = round(time.perf_counter() - t0, 1)
     return outcome
 
@@ -139,11 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="zoo-") as work:
         for model in select(args.models):
-            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+            left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - start)
+            if left is not None and left < MIN_MODEL_S:
                 result = {"model": model.name, "status": "not run", "reason": f"past the --budget-s of {args.budget_s:g} s"}
             else:
                 print(f"zoo: {model.name} ...", flush=True)
-                result = run_one(model, args, Path(work))
+                result = run_one(model, args, Path(work), timeout_s=args.timeout_s if left is None else min(args.timeout_s, left))
             record["models"].append(result)
             print(f"zoo: {model.name}: {summary(result)}", flush=True)
             write(args.out / "zoo.json", record)

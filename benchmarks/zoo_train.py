@@ -47,18 +47,19 @@ def compiled_for(config: str, built: Built, spec: ZooModel, device: torch.device
         return ddp, ddp
     if config == "local":
         return torch.compile(built.module, backend=backend, **kw), None
-    ddp = make_ddp(built, spec, device)
     if config == "torch":
+        ddp = make_ddp(built, spec, device, min_cap_mb=TORCH_MIN_CAP_MB)
         return torch.compile(ddp, backend=backend, **kw), ddp
+    ddp = make_ddp(built, spec, device)
     strategy = config.removeprefix("bw-").removesuffix("-cg")
     cudagraphs = config.endswith("-cg")
     return bucketwise.compile(ddp, backend=backend, strategy=strategy, cudagraphs=cudagraphs, **kw), ddp
 
 
-def make_ddp(built: Built, spec: ZooModel, device: torch.device) -> DDP:
+def make_ddp(built: Built, spec: ZooModel, device: torch.device, *, min_cap_mb: float = 0.0) -> DDP:
     ids = [device.index] if device.type == "cuda" else None
     return DDP(built.module, device_ids=ids, find_unused_parameters=spec.find_unused_parameters,
-               bucket_cap_mb=bucket_cap_mb(built.module))
+               bucket_cap_mb=max(bucket_cap_mb(built.module), min_cap_mb))
 
 
 def bucket_cap_mb(module: torch.nn.Module) -> float:
@@ -66,6 +67,12 @@ def bucket_cap_mb(module: torch.nn.Module) -> float:
     one bucket, and ``split`` and ``fused`` would have nothing to cut or overlap."""
     size = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     return max(size / BUCKETS / 2**20, 1e-3)
+
+
+TORCH_MIN_CAP_MB = 1.0
+"""``torch.compile(DDP)``'s DDPOptimizer asserts that its 1 MiB first bucket is no larger than
+DDP's cap, so the anchor runs with a cap of at least 1 MiB (bucket caps do not change what two
+ranks compute)."""
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
