@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"zoo: {model.name} ...", flush=True)
                 result = run_one(model, args, Path(work), timeout_s=args.timeout_s if left is None else min(args.timeout_s, left))
+            result = {"model": model.name, "family": model.family, "source": model.source, **result}
             record["models"].append(result)
             print(f"zoo: {model.name}: {summary(result)}", flush=True)
             write(args.out / "zoo.json", record)
