@@ -43,6 +43,7 @@ MIN_MODEL_S = 45.0
 class ZooArgs:
     models: str
     device: str
+    mode: str
     out: Path
     steps: int
     nproc: int
@@ -54,22 +55,26 @@ class ZooArgs:
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.mode not in ("check", "speed"):
+            raise ValueError(f"--mode must be check or speed, got {self.mode!r}")
         if self.steps < 1 or self.nproc < 1:
             raise ValueError("--steps and --nproc must be at least 1")
         if self.timeout_s <= 0 or (self.budget_s is not None and self.budget_s <= 0):
             raise ValueError("--timeout-s and --budget-s must be positive")
         select(self.models)  # raises KeyError naming the zoo's models
-        known = SPEED_CONFIGS if self.device == "cuda" else CHECK_CONFIGS
+        known = SPEED_CONFIGS if self.mode == "speed" else CHECK_CONFIGS
         bad = [c for c in self.configs or () if c not in known]
         if bad:
-            raise ValueError(f"--configs: unknown {bad}; on {self.device}: {', '.join(known)}")
+            raise ValueError(f"--configs: unknown {bad}; with --mode {self.mode}: {', '.join(known)}")
 
 
 def parse(argv: list[str] | None) -> ZooArgs:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="all", help="all, a subset (ci, gpu) or comma-separated names: "
                    + ", ".join(MODELS))
-    p.add_argument("--device", default="cpu", help="cpu (gloo ranks, correctness) or cuda (one GPU, speed)")
+    p.add_argument("--device", default="cpu", help="cpu (gloo ranks) or cuda (NCCL, one GPU per rank)")
+    p.add_argument("--mode", default=None, help="check (against eager DDP: torch, auto, fused, split; default on cpu) or "
+                   "speed (step time and peak memory: local, torch, bw-fused, bw-fused-cg; default on cuda)")
     p.add_argument("--out", required=True, help="output folder (zoo.json)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: 3 on cpu, 3 warm-up + 10 timed on cuda)")
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: 2 on cpu, 1 on cuda)")
@@ -81,7 +86,8 @@ def parse(argv: list[str] | None) -> ZooArgs:
                    help="whole run; models not started in time are recorded as not run (default: none on cpu, 420 on cuda)")
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
-    return ZooArgs(models=a.models, device=a.device, out=Path(a.out), steps=a.steps or (10 if cuda else 3),
+    mode = a.mode or ("speed" if cuda else "check")
+    return ZooArgs(models=a.models, device=a.device, mode=mode, out=Path(a.out), steps=a.steps or (10 if mode == "speed" else 3),
                    nproc=a.nproc or (1 if cuda else 2), backend=a.backend or ("inductor" if cuda else "aot_eager"),
                    timeout_s=a.timeout_s or (150.0 if cuda else 900.0),
                    budget_s=a.budget_s if a.budget_s is not None else (420.0 if cuda else None),
@@ -107,7 +113,7 @@ def meta(args: ZooArgs) -> dict[str, Any]:
         machine = f"CPU ({os.cpu_count()} cores, {platform.machine()}), {args.nproc} gloo ranks"
     return {"type": "zoo", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine, "device": args.device, "world_size": args.nproc, "backend": args.backend,
-            "steps": args.steps, "mode": "speed" if args.device == "cuda" else "check",
+            "steps": args.steps, "mode": args.mode,
             "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv), "git": git_revision(),
             "versions": versions()}
 
@@ -130,7 +136,7 @@ def run_one(model: Any, args: ZooArgs, work: Path, *, timeout_s: float) -> dict[
     if broken:
         return {"model": model.name, "status": "skipped",
                 "reason": "; ".join(f"import {p} failed: {why}" for p, why in broken.items())}
-    opts = {"mode": "speed" if args.device == "cuda" else "check", "device": args.device, "backend": args.backend,
+    opts = {"mode": args.mode, "device": args.device, "backend": args.backend,
             "steps": args.steps, "configs": args.configs}
     t0 = time.perf_counter()
     outcome = run_ranks(model.name, opts, nproc=args.nproc, device=args.device, work=work, timeout_s=timeout_s)

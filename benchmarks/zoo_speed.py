@@ -19,7 +19,7 @@ import torch
 import bucketwise
 from zoo_check import compare, snapshot
 from zoo_spec import Built, ZooModel, forward_kwargs
-from zoo_train import LR, SPEED_CONFIGS, compiled_for, error_record, fresh, report_fields, to_device
+from zoo_train import LR, SPEED_CONFIGS, compiled_for, error_record, fresh, report_fields, to_device, warm_up
 
 WARMUP = 3
 GPU_RTOL_SCALE = 10.0
@@ -37,11 +37,19 @@ def step_fn(call: Any, built: Built, batches: list[dict[str, Any]], opt: torch.o
     return step
 
 
+def device_of(opts: dict[str, Any]) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if opts["device"] == "cuda" else torch.device("cpu")
+
+
 def timed(config: str, spec: ZooModel, rank: int, opts: dict[str, Any], init: dict) -> tuple[dict[str, Any], Built, Any]:
-    device = torch.device("cuda", torch.cuda.current_device())
+    """On CUDA with events and peak memory; on CPU (a dry run of this path) with the host clock."""
+    device = device_of(opts)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     built = fresh(spec, device, init)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     call, _ = compiled_for(config, built, spec, device, opts["backend"])
     opt = torch.optim.SGD(built.module.parameters(), lr=LR)
     steps = opts["steps"]
@@ -49,24 +57,37 @@ def timed(config: str, spec: ZooModel, rank: int, opts: dict[str, Any], init: di
     step = step_fn(call, built, batches, opt)
     t0 = time.perf_counter()
     step(0)
-    torch.cuda.synchronize()
+    sync()
     first = time.perf_counter() - t0
     for i in range(1, WARMUP):
         step(i)
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-    events[0].record()
-    for i in range(steps):
-        step(WARMUP + i)
-        events[i + 1].record()
-    torch.cuda.synchronize()
-    ms = [events[i].elapsed_time(events[i + 1]) for i in range(steps)]
+    ms = timed_steps(step, range(WARMUP, WARMUP + steps), cuda)
+    peak = round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None
     rec = {"config": config, "status": "pass", "first_step_s": round(first, 3), "median_ms": round(statistics.median(ms), 3),
-           "min_ms": round(min(ms), 3), "peak_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1)}
+           "min_ms": round(min(ms), 3), "peak_mib": peak}
     return rec, built, call
 
 
+def timed_steps(step: Any, indices: range, cuda: bool) -> list[float]:
+    if not cuda:
+        ms = []
+        for i in indices:
+            t0 = time.perf_counter()
+            step(i)
+            ms.append((time.perf_counter() - t0) * 1e3)
+        return ms
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(len(indices) + 1)]
+    events[0].record()
+    for k, i in enumerate(indices):
+        step(i)
+        events[k + 1].record()
+    torch.cuda.synchronize()
+    return [events[k].elapsed_time(events[k + 1]) for k in range(len(indices))]
+
+
 def run_speed(spec: ZooModel, rank: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
-    init_built = fresh(spec, torch.device("cuda", torch.cuda.current_device()), None)
+    warm_up(opts["backend"], device_of(opts))
+    init_built = fresh(spec, device_of(opts), None)
     init = {k: v.detach().clone() for k, v in init_built.module.state_dict().items()}
     init_snap = snapshot(init_built.module)
     params = sum(p.numel() for p in init_built.module.parameters())
@@ -75,7 +96,8 @@ def run_speed(spec: ZooModel, rank: int, opts: dict[str, Any]) -> list[dict[str,
     for config in ("eager", *(opts.get("configs") or SPEED_CONFIGS)):
         torch.compiler.reset()
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         try:
             rec, built, call = timed(config, spec, rank, opts, init)
             state = snapshot(built.module)

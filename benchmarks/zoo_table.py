@@ -28,8 +28,8 @@ Real architectures, built from their libraries' own classes and configs (no down
 trained for a few steps on 2 CPU ranks (gloo) under `bucketwise.compile(DDP(model))` with each
 strategy, and under plain `torch.compile(DDP(model))` for comparison, from the same parameters
 on the same batches as eager DDP. The models are small (hidden size 32, one or two layers,
-32 x 32 images; ResNet-50 and EfficientNet-B0 at their full width): what is tested is that the
-architecture compiles and trains like eager DDP, not its speed on a CPU.
+32 x 32 images; torchvision's ResNet-50, EfficientNet-B0 and MobileNetV3 at their full size):
+what is tested is that the architecture compiles and trains like eager DDP, not its speed.
 
 **Equal to eager DDP** means, for every parameter and buffer on both ranks, the update after the
 last step (final minus initial value) is within `1e-3` of the largest eager update of that tensor,
@@ -40,8 +40,8 @@ from reducing in another order or through AOTAutograd is about `1e-5` of an upda
 Cells: **pass** (equal, no fallback), **fallback** (some graph ran uncompiled; the reason is
 below), **mismatch** (not equal), **error** (raised; the message is below), **GPU only** (see the
 note), **skipped** (a package was missing). Reproduce with `python3 benchmarks/zoo.py --out DIR`
-([benchmarks/README.md](../benchmarks/README.md#model-zoo)); this page is generated from the
-results by `python3 benchmarks/zoo_table.py`.
+(`--help` for the options; [zoo.py](../benchmarks/zoo.py) says what it runs); this page is
+generated from the results by `python3 benchmarks/zoo_table.py`.
 """
 
 
@@ -98,7 +98,7 @@ def coverage_table(run: dict[str, Any]) -> list[str]:
         rows = [m for m in run["models"] if m.get("family") == family]
         if not rows:
             continue
-        lines += ["", f"### {title}", "", head, "| --- | --- | ---: |" + " --- |" * 5 + " ---: |" * 3]
+        lines += ["", f"### {title}", "", head, "| --- | --- | ---: |" + " --- |" * 5 + " ---: |" * 4]
         for m in rows:
             lines.append(row(m))
     return lines
@@ -171,7 +171,8 @@ def speed_section(name: str, run: dict[str, Any]) -> list[str]:
                 cells.append("-")
             elif "median_ms" in r:
                 mark = "" if r["status"] == "pass" else f" ({r['status']})"
-                cells.append(f"{r['median_ms']:.2f} / {r['peak_mib']:.0f}{mark}")
+                peak = "-" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
+                cells.append(f"{r['median_ms']:.2f} / {peak}{mark}")
             else:
                 cells.append(r["status"])
         lines.append(f"| `{m['model']}` | " + " | ".join(cells) + " |")
