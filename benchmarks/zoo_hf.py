@@ -27,9 +27,10 @@ def _transformers() -> Any:
     return transformers
 
 
-def causal_lm(config_cls: str, model_cls: str, *, seqs: tuple[int, ...] = (SEQ,), setup: Callable | None = None,
-              **overrides: Any) -> Callable[[], Built]:
-    """A decoder-only LM trained on next-token loss; ``seqs[step % len(seqs)]`` tokens a step."""
+def causal_lm(config_cls: str, model_cls: str, *, seqs: tuple[int, ...] = (SEQ,), uneven: bool = False,
+              setup: Callable | None = None, **overrides: Any) -> Callable[[], Built]:
+    """A decoder-only LM trained on next-token loss; ``seqs[step % len(seqs)]`` tokens a step
+    (``uneven``: ``seqs[(step + rank) % len(seqs)]``, so the ranks' lengths differ)."""
     def build() -> Built:
         tf = _transformers()
         config = getattr(tf, config_cls)(**{**DECODER, **overrides})
@@ -38,7 +39,7 @@ def causal_lm(config_cls: str, model_cls: str, *, seqs: tuple[int, ...] = (SEQ,)
             module = setup(module)
 
         def batch(rank: int, step: int) -> dict[str, Any]:
-            ids = tokens(rank, step, seq=seqs[step % len(seqs)])
+            ids = tokens(rank, step, seq=seqs[(step + (rank if uneven else 0)) % len(seqs)])
             return {"input_ids": ids, "labels": ids}
 
         return Built(module=module, batch=batch, loss=hf_loss)
@@ -127,6 +128,11 @@ def checkpointed(module: Any) -> Any:
     return module
 
 
+def checkpointed_reentrant(module: Any) -> Any:
+    module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return module
+
+
 T5 = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
           decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
 BART = dict(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
@@ -170,7 +176,18 @@ MODELS = [
              source="LlamaForCausalLM, gradient_checkpointing_enable (use_reentrant=False)",
              build=causal_lm("LlamaConfig", "LlamaForCausalLM", setup=checkpointed), needs=TF),
     ZooModel(name="llama-dynamic-seq", family="case", source="LlamaForCausalLM, sequence length 16, 24, 32 in turn",
-             build=causal_lm("LlamaConfig", "LlamaForCausalLM", seqs=(16, 24, 32)), needs=TF, dynamic=True),
+             build=causal_lm("LlamaConfig", "LlamaForCausalLM", seqs=(16, 24, 32)), needs=TF),
+    ZooModel(name="llama-uneven-seq", family="case",
+             source="LlamaForCausalLM, sequence lengths 16, 24, 32 in turn, another one on each rank",
+             build=causal_lm("LlamaConfig", "LlamaForCausalLM", seqs=(16, 24, 32), uneven=True), needs=TF),
+    ZooModel(name="llama-checkpointing-reentrant", family="case",
+             source="LlamaForCausalLM, gradient_checkpointing_enable (use_reentrant=True)",
+             build=causal_lm("LlamaConfig", "LlamaForCausalLM", setup=checkpointed_reentrant), needs=TF),
+    ZooModel(name="llama-accumulation", family="case",
+             source="LlamaForCausalLM, 2 micro-batches a step, the first under no_sync()",
+             build=causal_lm("LlamaConfig", "LlamaForCausalLM"), needs=TF, accumulate=2),
+    ZooModel(name="llama-bf16-autocast", family="case", source="LlamaForCausalLM, forward under torch.autocast(bfloat16)",
+             build=causal_lm("LlamaConfig", "LlamaForCausalLM"), needs=TF, autocast="bfloat16"),
     ZooModel(name="llama-flex-attention", family="case", source="LlamaForCausalLM, attn_implementation='flex_attention'",
              build=causal_lm("LlamaConfig", "LlamaForCausalLM", attn_implementation="flex_attention"), needs=TF,
              gpu_only="FlexAttention's compiled kernels need Inductor on a GPU"),

@@ -54,12 +54,14 @@ class ZooModel:
     needs: tuple[str, ...] = ()
     """Packages it imports (a missing one skips the model)."""
     find_unused_parameters: bool = False
-    dynamic: bool = False
-    """Batches change shape from step to step (the sequence length)."""
     gpu_only: str | None = None
     """Why it runs on GPUs only (``None``: runs on CPU too)."""
     compile_kwargs: tuple[tuple[str, Any], ...] = ()
     """Extra ``bucketwise.compile`` / ``torch.compile`` keyword arguments (``mode``)."""
+    accumulate: int = 1
+    """Micro-batches per optimizer step (gradient accumulation: all but the last under ``no_sync()``)."""
+    autocast: str | None = None
+    """``torch.autocast`` dtype of the forward (``"bfloat16"``); ``None``: fp32."""
 
     def __post_init__(self) -> None:
         if not self.name or any(c.isspace() for c in self.name):
@@ -69,6 +71,10 @@ class ZooModel:
             raise ValueError(f"ZooModel.family must be one of {families}, got {self.family!r}")
         if not callable(self.build):
             raise TypeError(f"ZooModel.build of {self.name} must be callable")
+        if self.accumulate < 1:
+            raise ValueError(f"ZooModel.accumulate of {self.name} must be at least 1, got {self.accumulate}")
+        if self.autocast not in (None, "bfloat16", "float16"):
+            raise ValueError(f"ZooModel.autocast of {self.name} must be None, 'bfloat16' or 'float16', got {self.autocast!r}")
 
 
 def tokens(rank: int, step: int, *, seq: int = SEQ, vocab: int = VOCAB, batch: int = BATCH) -> torch.Tensor:

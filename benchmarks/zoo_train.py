@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import time
 import traceback
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -79,14 +80,19 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def train(call: Callable, built: Built, rank: int, steps: range, device: torch.device, opt: torch.optim.Optimizer,
-          perturb: bool = False) -> tuple[list[float], float | None]:
+def train(call: Callable, built: Built, spec: ZooModel, rank: int, steps: range, device: torch.device,
+          opt: torch.optim.Optimizer, perturb: bool = False) -> tuple[list[float], float | None]:
     losses, first = [], None
     t0 = time.perf_counter()
     for step in steps:
-        batch = to_device(built.batch(rank, step), device)
-        loss = built.loss(call(**forward_kwargs(batch)), batch)
-        loss.backward()
+        for micro in range(spec.accumulate):
+            sync = micro == spec.accumulate - 1
+            batch = to_device(built.batch(rank, step * spec.accumulate + micro), device)
+            with nullcontext() if sync else call.no_sync():
+                with autocast(spec, device):
+                    out = call(**forward_kwargs(batch))
+                loss = built.loss(out, batch)
+                loss.backward()
         if perturb:  # a wrong gradient, as a bug would leave it: the check must catch it
             p = next(p for p in built.module.parameters() if p.grad is not None)
             p.grad.mul_(1.01)
@@ -96,6 +102,12 @@ def train(call: Callable, built: Built, rank: int, steps: range, device: torch.d
         if first is None:
             first = time.perf_counter() - t0
     return [x.item() for x in losses], first
+
+
+def autocast(spec: ZooModel, device: torch.device) -> Any:
+    if spec.autocast is None:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, spec.autocast))
 
 
 def report_fields(compiled: Any) -> dict[str, Any]:
@@ -120,7 +132,7 @@ def check_config(config: str, spec: ZooModel, rank: int, opts: dict[str, Any], i
     t0 = time.perf_counter()
     call, ddp = compiled_for(config, built, spec, device, opts["backend"])
     opt = torch.optim.SGD(built.module.parameters(), lr=LR)
-    losses, first = train(call, built, rank, range(opts["steps"]), device, opt, perturb=opts.get("perturb") == config)
+    losses, first = train(call, built, spec, rank, range(opts["steps"]), device, opt, perturb=opts.get("perturb") == config)
     rec: dict[str, Any] = {"config": config, "seconds": round(time.perf_counter() - t0, 2), "losses": losses,
                            "first_step_s": round(first, 3)}
     rec["check"] = compare(init_snap, eager, snapshot(built.module))
@@ -162,7 +174,7 @@ def run_check(spec: ZooModel, rank: int, opts: dict[str, Any]) -> list[dict[str,
     opt = torch.optim.SGD(built.module.parameters(), lr=LR)
     warm_up(opts["backend"], device)
     t0 = time.perf_counter()
-    losses, first = train(call, built, rank, range(opts["steps"]), device, opt)
+    losses, first = train(call, built, spec, rank, range(opts["steps"]), device, opt)
     records = [{"config": "eager", "status": "pass", "seconds": round(time.perf_counter() - t0, 2), "losses": losses,
                 "first_step_s": round(first, 3), "bucket_cap_mb": bucket_cap_mb(built.module),
                 "params": sum(p.numel() for p in built.module.parameters()),

@@ -52,11 +52,12 @@ def test_zoo_model_trains_like_eager_ddp(tmp_path, name):
             rec = configs[config]
             assert rec["status"] == "pass", f"rank {rank['rank']} {name} {config}: {json.dumps(rec, indent=1)[:3000]}"
             assert rec["fallbacks"] == 0 and rec["replica_spread"] == 0.0
-        assert configs["split"]["segments"] > 1, "the bucket cap should give split several segments"
         if get(name).find_unused_parameters:
+            # DDP keeps its construction-time buckets, the first of them 1 MiB: one bucket here
             assert configs["auto"]["strategies"] == ["split"]
         else:
             assert configs["auto"]["strategies"] == ["fused"]
+            assert configs["split"]["segments"] > configs["split"]["graphs"], "the bucket cap should cut the graphs"
 
 
 def test_a_wrong_gradient_is_caught(tmp_path):
