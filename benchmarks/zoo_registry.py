@@ -12,9 +12,9 @@ SUBSETS = {
     # tests/test_zoo.py: one model per family and the user-reported cases that run on CPU
     "ci": ("llama", "bert", "qwen2-moe", "mobilenet-v3", "llama-lora", "llama-dynamic-seq"),
     # benchmarks/zoo.py --device cuda: the one-GPU speed and memory run, most wanted first
-    "gpu": ("llama", "gpt2", "bert", "t5", "vit", "resnet50", "mobilenet-v3", "mixtral", "llama-lora",
-            "llama-checkpointing", "batchnorm-cudagraphs", "llama-flex-attention", "llama-max-autotune",
-            "whisper", "convnext", "timm-vit"),
+    "gpu": ("llama", "gpt2", "bert", "vit", "t5", "mobilenet-v3", "llama-lora", "batchnorm-cudagraphs",
+            "llama-checkpointing", "mixtral", "llama-flex-attention", "resnet50", "whisper", "convnext", "timm-vit",
+            "llama-max-autotune"),
 }
 
 

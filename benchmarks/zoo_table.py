@@ -47,6 +47,12 @@ generated from the results by `python3 benchmarks/zoo_table.py`.
 """
 
 
+GPU_COMMAND = "python3 benchmarks/zoo.py --device cuda --models gpu --out DIR"
+NO_GPU_RUN = (f"No one-GPU run is recorded yet. `{GPU_COMMAND}` measures, on one GPU with Inductor, step time "
+              "and peak memory of `local` (the model compiled without DDP), `torch`, `bw-fused` and `bw-fused-cg` "
+              "for the models above that fit its time budget, and runs the GPU-only cases.")
+
+
 def worst_error(run: dict[str, Any]) -> str:
     """The largest relative error of a passing config, rounded up to one significant digit."""
     errs = [c["check"]["rel_err"] for m in run["models"] for c in m.get("configs", [])
@@ -95,7 +101,12 @@ def summary(name: str, run: dict[str, Any]) -> list[str]:
     ran = [m for m in models if "configs" in m]
     torch_ok = set(passes(ran, "torch"))
     auto_ok = set(passes(ran, "auto"))
-    lines = [f"## Coverage: {len(ran)} models on CPU, {len(models) - len(ran)} not run there", "",
+    others: dict[str, int] = {}
+    for m in models:
+        if "configs" not in m:
+            others[cell(m, "auto")] = others.get(cell(m, "auto"), 0) + 1
+    rest = "".join(f", {n} {status}" for status, n in sorted(others.items()))
+    lines = [f"## Coverage: {len(models)} models, {len(ran)} run on CPU{rest}", "",
              f"[CPU run](../benchmarks/results/{name}/): {run['machine']}, torch {run['versions']['torch']}, backend "
              f"`{run['backend']}`, {run['steps']} SGD steps, {run['date'][:10]}.", "",
              "| | models equal to eager DDP (pass) |", "| --- | ---: |"]
@@ -143,8 +154,9 @@ def detail_table(run: dict[str, Any]) -> list[str]:
     its first step, compile included, is the comparable figure)."""
     lines = ["", "## Every strategy in detail", "",
              "From `bucketwise.report(compiled).totals` on rank 0 (`torch.compile` keeps no such report: `n/a`); "
-             "first step s: the first training step, compiling included; worst rel. error: the largest difference "
-             "from eager DDP's update over that tensor's largest update, over both ranks.", "",
+             "first step s: the first training step, compiling included (on a shared CPU: indicative only); worst rel. "
+             "error: the largest difference from eager DDP's update over that tensor's largest update, over both "
+             "ranks.", "",
              "| model | config | outcome | strategy | graphs | breaks | segments | fallbacks | compile s | first step s "
              "| worst rel. error |", "| --- | --- | --- | --- |" + " ---: |" * 7]
     for m in run["models"]:
@@ -198,7 +210,8 @@ def speed_section(name: str, run: dict[str, Any]) -> list[str]:
              f"`{run['backend']}`, one rank (world size 1: no gradient traffic), the same small models, "
              f"median of {run['steps']} timed steps in ms / peak MiB (`torch.cuda.max_memory_allocated`), "
              f"{run['date'][:10]}. `local`: the model compiled without DDP; `torch`: `torch.compile(DDP(model))`; "
-             "`bw-fused`: `strategy=\"fused\"`; `-cg`: `cudagraphs=True`.", "",
+             "`bw-fused`: `strategy=\"fused\"`; `-cg`: `cudagraphs=True`; each checked against eager DDP at ten "
+             f"times the CPU tolerance (Inductor reorders float math). Reproduce with `{GPU_COMMAND}`.", "",
              "| model | " + " | ".join(f"`{c}`" for c in SPEED_CONFIGS) + " |", "| --- |" + " ---: |" * len(SPEED_CONFIGS)]
     for m in run["models"]:
         if "configs" not in m:
@@ -230,7 +243,7 @@ def render(results: Path) -> str:
     else:
         lines += [""] + summary(cpu[0], cpu[1]) + coverage_table(cpu[1]) + notes(cpu[1]) + detail_table(cpu[1])
     gpu = newest(runs, "speed")
-    lines += speed_section(*gpu) if gpu else ["", "## Step time and peak memory, one GPU", "", "Not measured yet."]
+    lines += speed_section(*gpu) if gpu else ["", "## Step time and peak memory, one GPU", "", NO_GPU_RUN]
     return "\n".join(lines) + "\n"
 
 

@@ -114,6 +114,22 @@ def test_models_doc_counts_the_records(tmp_path):
     assert "bucketwise `auto` passes on 1; `auto` passes on 1 model(s) where it does not (b)" in doc
     assert "| `d` | d | - | GPU only | GPU only |" in doc
     assert "- `b`, `torch`: error: `RuntimeError: boom`" in doc
+    assert "No one-GPU run is recorded yet" in doc
     assert _table(tmp_path, "--check").returncode == 0
     (folder / "zoo.json").write_text(json.dumps({**run, "steps": 4}))
     assert _table(tmp_path, "--check").returncode == 1
+
+    speed = {**run, "mode": "speed", "machine": "1 x Fake GPU, NCCL", "backend": "inductor", "steps": 10,
+             "models": [{"model": "a", "family": "transformers", "source": "a class", "status": "ran", "configs": [
+                 {"config": "eager", "status": "pass", "median_ms": 3.0, "peak_mib": 30.0},
+                 {"config": "local", "status": "pass", "median_ms": 1.5, "peak_mib": 20.4},
+                 {"config": "bw-fused-cg", "status": "error", "error": "ValueError: no"}]},
+                 {"model": "e", "family": "case", "source": "e", "status": "not run", "reason": "past the budget"}]}
+    gpu = tmp_path / "benchmarks" / "results" / "2026-01-02_1xFake_zoo"
+    gpu.mkdir()
+    (gpu / "zoo.json").write_text(json.dumps(speed))
+    assert _table(tmp_path).returncode == 0
+    doc = (tmp_path / "docs" / "models.md").read_text()
+    assert "| `a` | 3.00 / 30 | 1.50 / 20 | - | - | error |" in doc
+    assert "| `e` | not run | not run |" in doc
+    assert "- `a`, `bw-fused-cg`: error: `ValueError: no`" in doc
