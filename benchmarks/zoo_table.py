@@ -42,8 +42,10 @@ runs below (the `worst rel. error` column), and one gradient off by 1% is caught
 Cells: **pass** (equal, no fallback), **fallback** (some graph ran uncompiled; the reason is
 below), **mismatch** (not equal), **error** (raised; the message is below), **GPU only** (see the
 note), **skipped** (a package was missing). Reproduce with `python3 benchmarks/zoo.py --out DIR`
-(`--help` for the options; [zoo.py](../benchmarks/zoo.py) says what it runs); this page is
-generated from the results by `python3 benchmarks/zoo_table.py`.
+(`--help` for the options; [zoo.py](../benchmarks/zoo.py) says what it runs) after
+`pip install -e '.[integrations,zoo]'` (install the torchvision build that matches your torch
+first: pip may otherwise replace torch); this page is generated from the results by
+`python3 benchmarks/zoo_table.py`.
 """
 
 
@@ -230,7 +232,9 @@ def speed_section(name: str, run: dict[str, Any]) -> list[str]:
             else:
                 cells.append(r["status"])
         lines.append(f"| `{m['model']}` | " + " | ".join(cells) + " |")
-    gpu_notes = [f"- `{m['model']}`, `{c['config']}`: {note_of(c)}" for m in run["models"] for c in m.get("configs", []) if note_of(c)]
+    gpu_notes = [f"- `{m['model']}`: {m['status']}: {m.get('reason', '')}" for m in run["models"] if "configs" not in m]
+    gpu_notes += [f"- `{m['model']}`, `{c['config']}`: {note_of(c)}" for m in run["models"] for c in m.get("configs", [])
+                  if note_of(c)]
     return lines + (["", *gpu_notes] if gpu_notes else [])
 
 

@@ -138,3 +138,4 @@ def test_models_doc_counts_the_records(tmp_path):
     assert "| `a` | 3.00 / 30 | 1.50 / 20 | - | - | error |" in doc
     assert "| `e` | not run | not run |" in doc
     assert "- `a`, `bw-fused-cg`: error: `ValueError: no`" in doc
+    assert "- `e`: not run: past the budget" in doc
