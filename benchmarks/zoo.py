@@ -2,8 +2,9 @@
 
     # CPU, 2 gloo ranks: every model, configs torch, auto, fused, split against eager DDP
     python3 benchmarks/zoo.py --out benchmarks/results/<date>_cpu-2rank_zoo
-    # one GPU (NCCL, world size 1, Inductor): step time and peak memory
-    python3 benchmarks/zoo.py --device cuda --models gpu --out /tmp/zoo-gpu
+    # one GPU (NCCL, world size 1, Inductor): step time and peak memory of the ``gpu`` subset,
+    # models in order until --budget-s (420 s) is spent
+    python3 benchmarks/zoo.py --device cuda --out /tmp/zoo-gpu
 
 Each model runs in fresh processes (one per rank, a gloo or NCCL group through a file store):
 eager DDP trains ``--steps`` steps, then every config trains the same steps from the same
@@ -70,13 +71,13 @@ class ZooArgs:
 
 def parse(argv: list[str] | None) -> ZooArgs:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="all", help="all, a subset (ci, gpu) or comma-separated names: "
-                   + ", ".join(MODELS))
+    p.add_argument("--models", default=None, help="all (default on cpu), a subset (ci; gpu, the default on cuda) or "
+                   "comma-separated names: " + ", ".join(MODELS))
     p.add_argument("--device", default="cpu", help="cpu (gloo ranks) or cuda (NCCL, one GPU per rank)")
     p.add_argument("--mode", default=None, help="check (against eager DDP: torch, auto, fused, split; default on cpu) or "
                    "speed (step time and peak memory: local, torch, bw-fused, bw-fused-cg; default on cuda)")
     p.add_argument("--out", required=True, help="output folder (zoo.json)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: 3 on cpu, 3 warm-up + 10 timed on cuda)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: 3 with --mode check; 10 timed after 3 warm-up with --mode speed)")
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: 2 on cpu, 1 on cuda)")
     p.add_argument("--backend", default=None, help="default: aot_eager on cpu, inductor on cuda")
     p.add_argument("--configs", default=None, help="comma-separated subset of the configs")
@@ -87,7 +88,7 @@ def parse(argv: list[str] | None) -> ZooArgs:
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
     mode = a.mode or ("speed" if cuda else "check")
-    return ZooArgs(models=a.models, device=a.device, mode=mode, out=Path(a.out), steps=a.steps or (10 if mode == "speed" else 3),
+    return ZooArgs(models=a.models or ("gpu" if cuda else "all"), device=a.device, mode=mode, out=Path(a.out), steps=a.steps or (10 if mode == "speed" else 3),
                    nproc=a.nproc or (1 if cuda else 2), backend=a.backend or ("inductor" if cuda else "aot_eager"),
                    timeout_s=a.timeout_s or (150.0 if cuda else 900.0),
                    budget_s=a.budget_s if a.budget_s is not None else (420.0 if cuda else None),

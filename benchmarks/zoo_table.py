@@ -49,7 +49,7 @@ first: pip may otherwise replace torch); this page is generated from the results
 """
 
 
-GPU_COMMAND = "python3 benchmarks/zoo.py --device cuda --models gpu --out DIR"
+GPU_COMMAND = "python3 benchmarks/zoo.py --device cuda --out DIR"
 NO_GPU_RUN = (f"No one-GPU run is recorded yet. `{GPU_COMMAND}` measures, on one GPU with Inductor, step time "
               "and peak memory of `local` (the model compiled without DDP), `torch`, `bw-fused` and `bw-fused-cg` "
               "for the models above that fit its time budget, and runs the GPU-only cases.")
