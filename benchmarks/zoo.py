@@ -77,7 +77,8 @@ def parse(argv: list[str] | None) -> ZooArgs:
     p.add_argument("--mode", default=None, help="check (against eager DDP: torch, auto, fused, split; default on cpu) or "
                    "speed (step time and peak memory: local, torch, bw-fused, bw-fused-cg; default on cuda)")
     p.add_argument("--out", required=True, help="output folder (zoo.json)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: 3 with --mode check; 10 timed after 3 warm-up with --mode speed)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps (default: 3 with --mode check; 10 timed after 3 warm-up with --mode speed)")
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: 2 on cpu, 1 on cuda)")
     p.add_argument("--backend", default=None, help="default: aot_eager on cpu, inductor on cuda")
     p.add_argument("--configs", default=None, help="comma-separated subset of the configs")
