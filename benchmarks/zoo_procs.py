@@ -1,0 +1,129 @@
+"""Run one zoo model on N fresh processes and merge what the ranks found.
+
+Each rank is a ``spawn``ed interpreter joined through a file store (no ports): gloo on CPU,
+NCCL on its own GPU. A rank writes ``rank<R>.json``; a rank that raises writes
+``rank<R>.error``. Ranks still running at the timeout, or some seconds after another rank
+failed (blocked in a collective), are killed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+              "BUCKETWISE_PROGRESS": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+"""On CPU; on CUDA only the last three (Inductor compiles with its worker pool)."""
+GRACE_S = 20.0
+ORDER = {"pass": 0, "fallback": 1, "mismatch": 2, "error": 3}
+
+
+def _rank_main(rank: int, nproc: int, name: str, opts: dict[str, Any], store: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from zoo_train import run_model
+
+    try:
+        if opts["device"] == "cuda":
+            torch.cuda.set_device(rank)
+            backend = "nccl"
+        else:
+            torch.set_num_threads(1)
+            backend = "gloo"
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=nproc,
+                                timeout=datetime.timedelta(seconds=600))
+        try:
+            result = run_model(rank, nproc, name, opts)
+        finally:
+            dist.destroy_process_group()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        Path(out, f"rank{rank}.error").write_text(traceback.format_exc())
+        raise SystemExit(1)
+
+
+@functools.cache
+def importable(package: str) -> str | None:
+    """``None`` if ``import package`` works in a fresh interpreter, else its last error line."""
+    proc = subprocess.run([sys.executable, "-c", f"import {package}"], capture_output=True, text=True, timeout=300)
+    if proc.returncode == 0:
+        return None
+    lines = proc.stderr.strip().splitlines()
+    return lines[-1][:300] if lines else f"exit code {proc.returncode}"
+
+
+def run_ranks(name: str, opts: dict[str, Any], *, nproc: int, device: str, work: Path, timeout_s: float) -> dict[str, Any]:
+    run_dir = Path(work) / f"{name}-{time.monotonic_ns()}"
+    run_dir.mkdir(parents=True)
+    env = WORKER_ENV if device == "cpu" else {k: WORKER_ENV[k] for k in ("BUCKETWISE_PROGRESS", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM")}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    ctx = mp.get_context("spawn")
+    try:
+        procs = [ctx.Process(target=_rank_main, args=(r, nproc, name, opts, str(run_dir / "store"), str(run_dir)), daemon=True)
+                 for r in range(nproc)]
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    timed_out = _wait(procs, run_dir, timeout_s)
+    errors = {r: (run_dir / f"rank{r}.error").read_text() for r in range(nproc) if (run_dir / f"rank{r}.error").exists()}
+    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(nproc) if (run_dir / f"rank{r}.json").exists()]
+    if len(ranks) == nproc:
+        return {"model": name, "status": "ran", **merge(ranks)}
+    why = f"timed out after {timeout_s:g} s" if timed_out else "a rank failed"
+    first = next(iter(errors.values()), "")
+    last = [ln for ln in first.strip().splitlines() if ln.strip()][-1:] or [f"exit codes {[p.exitcode for p in procs]}"]
+    return {"model": name, "status": "error", "reason": f"{why}: {last[0][:400]}", "traceback": first[-4000:]}
+
+
+def _wait(procs: list[Any], run_dir: Path, timeout_s: float) -> bool:
+    deadline, failed_at, timed_out = time.monotonic() + timeout_s, None, False
+    while any(p.is_alive() for p in procs):
+        now = time.monotonic()
+        if failed_at is None and (any(not p.is_alive() and p.exitcode != 0 for p in procs) or any(run_dir.glob("*.error"))):
+            failed_at = now
+        if now > deadline:
+            timed_out = True
+            break
+        if failed_at is not None and now - failed_at > GRACE_S:
+            break
+        time.sleep(0.1)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    return timed_out
+
+
+def merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's record per config, with the worst status and check over every rank."""
+    configs = []
+    for i, rec in enumerate(ranks[0]["configs"]):
+        per_rank = [r["configs"][i] for r in ranks]
+        merged = dict(rec)
+        merged["status"] = max((c["status"] for c in per_rank), key=lambda s: ORDER.get(s, 0))
+        worst_err = next((c for c in per_rank if c["status"] == "error"), None)
+        if worst_err is not None:
+            merged.update({k: worst_err[k] for k in ("error", "traceback")})
+        checks = [c["check"] for c in per_rank if "check" in c]
+        if checks:
+            merged["check"] = max(checks, key=lambda c: c["ratio"])
+        configs.append(merged)
+    return {"configs": configs}

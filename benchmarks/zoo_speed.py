@@ -1,0 +1,126 @@
+"""One zoo model on one GPU: step time and peak memory of each config (``zoo.py --device cuda``).
+
+Per config: a fresh model from the same parameters, ``WARMUP`` steps (the first compiles and is
+timed alone: ``first_step_s``), then ``opts["steps"]`` steps timed with CUDA events (median and
+minimum ms), and ``torch.cuda.max_memory_allocated`` over all of them (reset before the config).
+Eager DDP runs first as the reference: every config's parameters afterwards are checked against
+it with ``zoo_check`` at ten times the CPU tolerance (Inductor fuses and reorders float math).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import bucketwise
+from zoo_check import compare, snapshot
+from zoo_spec import Built, ZooModel, forward_kwargs
+from zoo_train import LR, SPEED_CONFIGS, compiled_for, error_record, fresh, report_fields, to_device, warm_up
+
+WARMUP = 3
+GPU_RTOL_SCALE = 10.0
+
+
+def step_fn(call: Any, built: Built, batches: list[dict[str, Any]], opt: torch.optim.Optimizer):
+    def step(i: int) -> torch.Tensor:
+        batch = batches[i]
+        loss = built.loss(call(**forward_kwargs(batch)), batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def device_of(opts: dict[str, Any]) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if opts["device"] == "cuda" else torch.device("cpu")
+
+
+def timed(config: str, spec: ZooModel, rank: int, opts: dict[str, Any], init: dict) -> tuple[dict[str, Any], Built, Any]:
+    """On CUDA with events and peak memory; on CPU (a dry run of this path) with the host clock."""
+    device = device_of(opts)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    built = fresh(spec, device, init)
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    call, _ = compiled_for(config, built, spec, device, opts["backend"])
+    opt = torch.optim.SGD(built.module.parameters(), lr=LR)
+    steps = opts["steps"]
+    batches = [to_device(built.batch(rank, i), device) for i in range(WARMUP + steps)]
+    step = step_fn(call, built, batches, opt)
+    t0 = time.perf_counter()
+    step(0)
+    sync()
+    first = time.perf_counter() - t0
+    for i in range(1, WARMUP):
+        step(i)
+    ms = timed_steps(step, range(WARMUP, WARMUP + steps), cuda)
+    peak = round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None
+    rec = {"config": config, "status": "pass", "first_step_s": round(first, 3), "median_ms": round(statistics.median(ms), 3),
+           "min_ms": round(min(ms), 3), "peak_mib": peak}
+    return rec, built, call
+
+
+def timed_steps(step: Any, indices: range, cuda: bool) -> list[float]:
+    if not cuda:
+        ms = []
+        for i in indices:
+            t0 = time.perf_counter()
+            step(i)
+            ms.append((time.perf_counter() - t0) * 1e3)
+        return ms
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(len(indices) + 1)]
+    events[0].record()
+    for k, i in enumerate(indices):
+        step(i)
+        events[k + 1].record()
+    torch.cuda.synchronize()
+    return [events[k].elapsed_time(events[k + 1]) for k in range(len(indices))]
+
+
+def run_speed(spec: ZooModel, rank: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
+    warm_up(opts["backend"], device_of(opts))
+    init_built = fresh(spec, device_of(opts), None)
+    init = {k: v.detach().clone() for k, v in init_built.module.state_dict().items()}
+    init_snap = snapshot(init_built.module)
+    params = sum(p.numel() for p in init_built.module.parameters())
+    del init_built
+    records, eager = [], None
+    for config in ("eager", *(opts.get("configs") or SPEED_CONFIGS)):
+        torch.compiler.reset()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        try:
+            rec, built, call = timed(config, spec, rank, opts, init)
+            state = snapshot(built.module)
+            if config == "eager":
+                eager, rec["params"] = state, params
+            else:
+                rec["check"] = compare(init_snap, eager, state, rtol_scale=GPU_RTOL_SCALE)
+                rec["status"] = "pass" if rec["check"]["ok"] else "mismatch"
+            if config.startswith("bw-"):
+                rec.update(report_fields(call))
+                rec["cuda_graphs"] = cuda_graph_fields(call)
+                if rec.get("fallbacks") or rec.get("eager_calls"):
+                    rec["status"] = "fallback" if rec["status"] == "pass" else rec["status"]
+            del built, call
+        except Exception as exc:  # noqa: BLE001 - recorded; the other configs go on
+            rec = error_record(config, exc)
+        records.append(rec)
+    return records
+
+
+def cuda_graph_fields(call: Any) -> dict[str, int] | None:
+    graphs = bucketwise.report(call).to_dict()["cudagraphs"]
+    if not graphs:
+        return None
+    return {"graphs": len(graphs), "captured": sum(1 for g in graphs if g["captured"]),
+            "replays": sum(g["replays"] for g in graphs), "uncaptured_runs": sum(g["uncaptured_runs"] for g in graphs)}

@@ -1,0 +1,273 @@
+"""``docs/models.md``, generated from the zoo's results (``benchmarks/results/*/zoo.json``).
+
+    python3 benchmarks/zoo_table.py            # rewrite docs/models.md
+    python3 benchmarks/zoo_table.py --check    # exit 1 if docs/models.md is not what this would write
+
+The newest CPU run (``zoo.py``, correctness against eager DDP) gives the coverage table and the
+pass counts; the newest one-GPU run (``zoo.py --device cuda``), if any, gives step time and
+peak memory. Everything else on the page is fixed text below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+DOC = "docs/models.md"
+CHECK_CONFIGS = ("torch", "auto", "fused", "split")
+SPEED_CONFIGS = ("eager", "local", "torch", "bw-fused", "bw-fused-cg")
+FAMILIES = {"transformers": "Hugging Face transformers", "peft": "peft", "torchvision": "torchvision", "timm": "timm",
+            "case": "Cases users report"}
+
+INTRO = """# Models: does it work on mine?
+
+Real architectures, built from their libraries' own classes and configs (no downloads), each
+trained for a few steps on 2 CPU ranks (gloo) under `bucketwise.compile(DDP(model))` with each
+strategy, and under plain `torch.compile(DDP(model))` for comparison, from the same parameters
+on the same batches as eager DDP. The models are small (hidden size 32, one or two layers,
+32 x 32 images; torchvision's ResNet-50, EfficientNet-B0 and MobileNetV3 at their full size):
+what is tested is that the architecture compiles and trains like eager DDP, not its speed.
+
+**Equal to eager DDP** means, for every parameter and buffer on both ranks, the update after the
+last step (final minus initial value) is within `1e-3` of the largest eager update of that tensor,
+plus `1e-7` (fp32), and both ranks hold the same parameters; integer buffers must be equal. Round-off
+from reducing in another order or through AOTAutograd stays below {worst} of an update in the
+runs below (the `worst rel. error` column), and one gradient off by 1% is caught
+(`tests/test_zoo.py` checks it): the tolerance sits between the two.
+
+Cells: **pass** (equal, no fallback), **fallback** (some graph ran uncompiled; the reason is
+below), **mismatch** (not equal), **error** (raised; the message is below), **GPU only** (see the
+note), **skipped** (a package was missing). Reproduce with `python3 benchmarks/zoo.py --out DIR`
+(`--help` for the options; [zoo.py](../benchmarks/zoo.py) says what it runs) after
+`pip install -e '.[integrations,zoo]'` (install the torchvision build that matches your torch
+first: pip may otherwise replace torch); this page is generated from the results by
+`python3 benchmarks/zoo_table.py`.
+"""
+
+
+GPU_COMMAND = "python3 benchmarks/zoo.py --device cuda --out DIR"
+NO_GPU_RUN = (f"No one-GPU run is recorded yet. `{GPU_COMMAND}` measures, on one GPU with Inductor, step time "
+              "and peak memory of `local` (the model compiled without DDP), `torch`, `bw-fused` and `bw-fused-cg` "
+              "for the models above that fit its time budget, and runs the GPU-only cases.")
+
+
+def worst_error(run: dict[str, Any]) -> str:
+    """The largest relative error of a passing config, rounded up to one significant digit."""
+    errs = [c["check"]["rel_err"] for m in run["models"] for c in m.get("configs", [])
+            if c["status"] == "pass" and (c.get("check") or {}).get("rel_err") is not None]
+    if not errs:
+        return "n/a"
+    worst = max(errs)
+    if worst == 0:
+        return "`0`"
+    exp = math.floor(math.log10(worst))
+    mantissa = math.ceil(round(worst / 10**exp, 9))
+    if mantissa == 10:
+        mantissa, exp = 1, exp + 1
+    return f"`{mantissa}e{exp}`"
+
+
+def load(results: Path) -> list[tuple[str, dict[str, Any]]]:
+    runs = []
+    for path in sorted(results.glob("*/zoo.json")):
+        runs.append((path.parent.name, json.loads(path.read_text())))
+    return runs
+
+
+def newest(runs: list[tuple[str, dict[str, Any]]], mode: str) -> tuple[str, dict[str, Any]] | None:
+    picked = [r for r in runs if r[1].get("mode") == mode]
+    return max(picked, key=lambda r: (r[1]["date"], r[0])) if picked else None
+
+
+def by_config(model: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["config"]: c for c in model.get("configs", [])}
+
+
+def cell(model: dict[str, Any], config: str) -> str:
+    if "configs" not in model:
+        return {"gpu only": "GPU only"}.get(model["status"], model["status"])
+    rec = by_config(model).get(config)
+    return "-" if rec is None else rec["status"]
+
+
+def passes(models: list[dict[str, Any]], config: str) -> list[str]:
+    return [m["model"] for m in models if cell(m, config) == "pass"]
+
+
+def summary(name: str, run: dict[str, Any]) -> list[str]:
+    models = run["models"]
+    ran = [m for m in models if "configs" in m]
+    torch_ok = set(passes(ran, "torch"))
+    auto_ok = set(passes(ran, "auto"))
+    others: dict[str, int] = {}
+    for m in models:
+        if "configs" not in m:
+            others[cell(m, "auto")] = others.get(cell(m, "auto"), 0) + 1
+    rest = "".join(f", {n} {status}" for status, n in sorted(others.items()))
+    lines = [f"## Coverage: {len(models)} models, {len(ran)} run on CPU{rest}", "",
+             f"[CPU run](../benchmarks/results/{name}/): {run['machine']}, torch {run['versions']['torch']}, backend "
+             f"`{run['backend']}`, {run['steps']} SGD steps, {run['date'][:10]}.", "",
+             "| | models equal to eager DDP (pass) |", "| --- | ---: |"]
+    for config in CHECK_CONFIGS:
+        label = "`torch.compile(DDP(model))`" if config == "torch" else f"bucketwise `strategy=\"{config}\"`"
+        lines.append(f"| {label} | {len(passes(ran, config))} of {len(ran)} |")
+    lines += ["", f"Where `torch.compile(DDP(model))` passes ({len(torch_ok)} models), bucketwise `auto` passes on "
+              f"{len(torch_ok & auto_ok)}; `auto` passes on {len(auto_ok - torch_ok)} model(s) where it does not"
+              + (f" ({', '.join(sorted(auto_ok - torch_ok))})" if auto_ok - torch_ok else "") + "."]
+    return lines
+
+
+def coverage_table(run: dict[str, Any]) -> list[str]:
+    head = ("| model | built from | params | `torch` | `auto` | `fused` | `split` | `auto` strategy | graphs / breaks "
+            "| segments `split` | worst rel. error `auto` | compile s `auto` |")
+    lines = []
+    for family, title in FAMILIES.items():
+        rows = [m for m in run["models"] if m.get("family") == family]
+        if not rows:
+            continue
+        lines += ["", f"### {title}", "", head, "| --- | --- | ---: |" + " --- |" * 5 + " ---: |" * 4]
+        for m in rows:
+            lines.append(row(m))
+    return lines
+
+
+def row(m: dict[str, Any]) -> str:
+    cfg = by_config(m)
+    eager, auto, split = cfg.get("eager", {}), cfg.get("auto", {}), cfg.get("split", {})
+    params = f"{eager['params']:,}" if "params" in eager else "-"
+    if eager.get("trainable") not in (None, eager.get("params")):
+        params += f" ({eager['trainable']:,} trained)"
+    strategy = ", ".join(auto.get("strategies", [])) or "-"
+    graphs = f"{auto['graphs']} / {auto['graph_breaks']}" if "graphs" in auto else "-"
+    seg = str(split.get("segments", "-"))
+    check = auto.get("check") or {}
+    rel = "-" if check.get("rel_err") is None else f"{check['rel_err']:.1e}"
+    comp = f"{auto['compile_s']:.2f}" if "compile_s" in auto else "-"
+    cells = [f"`{m['model']}`", m["source"], params, *(cell(m, c) for c in CHECK_CONFIGS), strategy, graphs, seg, rel, comp]
+    return "| " + " | ".join(cells) + " |"
+
+
+def detail_table(run: dict[str, Any]) -> list[str]:
+    """Every model and config: what the report counted (the ``torch`` anchor has no report:
+    its first step, compile included, is the comparable figure)."""
+    lines = ["", "## Every strategy in detail", "",
+             "From `bucketwise.report(compiled).totals` on rank 0 (`torch.compile` keeps no such report: `n/a`); "
+             "first step s: the first training step, compiling included (on a shared CPU: indicative only); worst rel. "
+             "error: the largest difference from eager DDP's update over that tensor's largest update, over both "
+             "ranks.", "",
+             "| model | config | outcome | strategy | graphs | breaks | segments | fallbacks | compile s | first step s "
+             "| worst rel. error |", "| --- | --- | --- | --- |" + " ---: |" * 7]
+    for m in run["models"]:
+        for c in m.get("configs", [])[1:]:
+            def num(key: str, fmt: str = "{}") -> str:
+                if c["config"] == "torch" and key not in ("first_step_s",):
+                    return "n/a"
+                return "-" if c.get(key) is None else fmt.format(c[key])
+            rel = (c.get("check") or {}).get("rel_err")
+            lines.append("| " + " | ".join([
+                f"`{m['model']}`", f"`{c['config']}`", c["status"], ", ".join(c.get("strategies", [])) or "-",
+                num("graphs"), num("graph_breaks"), num("segments"), num("fallbacks"), num("compile_s", "{:.2f}"),
+                num("first_step_s", "{:.2f}"), "-" if rel is None else f"{rel:.1e}"]) + " |")
+    return lines
+
+
+def notes(run: dict[str, Any]) -> list[str]:
+    out = []
+    for m in run["models"]:
+        if "configs" not in m:
+            if m["status"] != "ran":
+                out.append(f"- `{m['model']}`: {cell(m, 'auto')}: {m.get('reason', '')}")
+            continue
+        for c in m["configs"]:
+            text = note_of(c)
+            if text:
+                out.append(f"- `{m['model']}`, `{c['config']}`: {text}")
+    return ["", "## Notes: failures, fallbacks, strategy choices", ""] + (out or ["None."])
+
+
+def note_of(c: dict[str, Any]) -> str | None:
+    parts = []
+    if c["status"] == "error":
+        parts.append(f"error: `{c['error']}`")
+    if c["status"] == "mismatch":
+        chk = c.get("check") or {}
+        parts.append(f"not equal to eager DDP: worst tensor `{chk.get('worst')}`, error {chk.get('ratio', 0):.3g} x the tolerance, "
+                     f"replica spread {c.get('replica_spread')}")
+    if c.get("fallback_reasons"):
+        parts.append("fell back: " + "; ".join(f"`{r.splitlines()[0][:200]}`" for r in c["fallback_reasons"]))
+    if c.get("eager_calls"):
+        parts.append(f"{c['eager_calls']} call(s) ran eagerly")
+    if c.get("strategy_reasons") and c["config"] in ("auto", "fused"):
+        parts.append(f"strategy {', '.join(c['strategies'])}: " + "; ".join(c["strategy_reasons"]))
+    return "; ".join(parts) or None
+
+
+def speed_section(name: str, run: dict[str, Any]) -> list[str]:
+    lines = ["", "## Step time and peak memory, one GPU", "",
+             f"[GPU run](../benchmarks/results/{name}/): {run['machine']}, torch {run['versions']['torch']}, backend "
+             f"`{run['backend']}`, one rank (world size 1: no gradient traffic), the same small models, "
+             f"median of {run['steps']} timed steps in ms / peak MiB (`torch.cuda.max_memory_allocated`), "
+             f"{run['date'][:10]}. `local`: the model compiled without DDP; `torch`: `torch.compile(DDP(model))`; "
+             "`bw-fused`: `strategy=\"fused\"`; `-cg`: `cudagraphs=True`; each checked against eager DDP at ten "
+             f"times the CPU tolerance (Inductor reorders float math). Reproduce with `{GPU_COMMAND}`.", "",
+             "| model | " + " | ".join(f"`{c}`" for c in SPEED_CONFIGS) + " |", "| --- |" + " ---: |" * len(SPEED_CONFIGS)]
+    for m in run["models"]:
+        if "configs" not in m:
+            lines.append(f"| `{m['model']}` | " + " | ".join([m["status"]] * len(SPEED_CONFIGS)) + " |")
+            continue
+        cfg = by_config(m)
+        cells = []
+        for c in SPEED_CONFIGS:
+            r = cfg.get(c)
+            if r is None:
+                cells.append("-")
+            elif "median_ms" in r:
+                mark = "" if r["status"] == "pass" else f" ({r['status']})"
+                peak = "-" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
+                cells.append(f"{r['median_ms']:.2f} / {peak}{mark}")
+            else:
+                cells.append(r["status"])
+        lines.append(f"| `{m['model']}` | " + " | ".join(cells) + " |")
+    gpu_notes = [f"- `{m['model']}`: {m['status']}: {m.get('reason', '')}" for m in run["models"] if "configs" not in m]
+    gpu_notes += [f"- `{m['model']}`, `{c['config']}`: {note_of(c)}" for m in run["models"] for c in m.get("configs", [])
+                  if note_of(c)]
+    return lines + (["", *gpu_notes] if gpu_notes else [])
+
+
+def render(results: Path) -> str:
+    runs = load(results)
+    cpu = newest(runs, "check")
+    lines = [INTRO.rstrip("\n").replace("{worst}", worst_error(cpu[1]) if cpu else "n/a")]
+    if cpu is None:
+        lines += ["", "(no zoo results under benchmarks/results/)"]
+    else:
+        lines += [""] + summary(cpu[0], cpu[1]) + coverage_table(cpu[1]) + notes(cpu[1]) + detail_table(cpu[1])
+    gpu = newest(runs, "speed")
+    lines += speed_section(*gpu) if gpu else ["", "## Step time and peak memory, one GPU", "", NO_GPU_RUN]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0].replace("``", ""))
+    p.add_argument("--check", action="store_true", help="exit 1 if docs/models.md is not current; write nothing")
+    p.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="repository root")
+    args = p.parse_args(argv)
+    root = Path(args.root)
+    text = render(root / "benchmarks" / "results")
+    doc = root / DOC
+    if doc.exists() and doc.read_text() == text:
+        return 0
+    if args.check:
+        print(f"zoo_table.py: {doc} is not current; run python3 benchmarks/zoo_table.py", file=sys.stderr)
+        return 1
+    doc.write_text(text)
+    print(f"wrote {doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
