@@ -230,7 +230,7 @@ def test_two_node_flag_checks(bench, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--model", "resnet"], "known models: gpt, gpt-medium, gpt-tiny, convnet, mlp"),
+        (["--model", "resnet"], "known models: gpt, gpt-medium, gpt-tiny, llama, convnet, mlp"),
         (["--configs", "eager,bw-magic"], "known configs: eager, torch, torch-nosplit, local"),
         (["--model", "mlp", "--heads", "4"], "--heads does not apply to model 'mlp'"),
         (["--configs", "eager", "--repeat", "torch"], "--repeat 'torch' is not among --configs"),
