@@ -123,4 +123,5 @@ def cuda_graph_fields(call: Any) -> dict[str, int] | None:
     if not graphs:
         return None
     return {"graphs": len(graphs), "captured": sum(1 for g in graphs if g["captured"]),
-            "replays": sum(g["replays"] for g in graphs), "uncaptured_runs": sum(g["uncaptured_runs"] for g in graphs)}
+            "replays": sum(g["replays"] for g in graphs), "uncaptured_runs": sum(g["uncaptured_runs"] for g in graphs),
+            "not_captured": {g["name"]: g["reason"] for g in graphs if not g["captured"]}}

@@ -368,7 +368,17 @@ def _signature(args: Sequence[Any]) -> tuple:
 
 
 def _dense(t: torch.Tensor) -> bool:
-    return t.is_contiguous() or t.is_non_overlapping_and_dense()
+    """Whether ``t``'s elements fill its memory exactly once in some order of its dimensions
+    (a permuted contiguous tensor is; an expanded or strided-slice view is not): then a buffer
+    from ``empty_strided`` with the same strides holds a copy of it."""
+    if t.is_contiguous() or t.numel() == 0:
+        return True
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def inner_compile_factory(group: CudaGraphGroup, label: Callable[[], str], *, auto: bool) -> Callable[[], Callable[..., Any]]:

@@ -245,6 +245,26 @@ def test_failed_capture_runs_uncaptured_with_the_reason(monkeypatch):
     assert not fw["captured"] and fw["replays"] == 0 and "capture failed" in fw["reason"], fw
 
 
+def test_permuted_inputs_are_copied_and_expanded_ones_refused(monkeypatch):
+    """A permuted input is dense: copied into a buffer of the same strides and replayed. An
+    expanded one is not: that graph runs uncaptured and the stats say why (never an exception)."""
+    use_emulated_graphs(monkeypatch)
+
+    def f(x):
+        return x.sin() * 2
+
+    for make, replays in [(lambda: torch.randn(4, 6).t(), 3), (lambda: torch.randn(1, 6).expand(4, 6), 0)]:
+        torch.compiler.reset()
+        c = bucketwise.compile(f, backend="inductor", cudagraphs=True, dynamic=False)
+        for _ in range(4):
+            x = make()
+            torch.testing.assert_close(c(x), x.sin() * 2)
+        (stats,) = bucketwise.report(c).cudagraphs
+        assert stats.replays == replays, stats
+        if replays == 0:
+            assert "is not dense" in stats.reason, stats
+
+
 def test_writing_into_a_plain_input_runs_uncaptured(monkeypatch):
     use_emulated_graphs(monkeypatch)
 
