@@ -2,8 +2,9 @@
 
 One :class:`CudaGraphRunner` wraps one Inductor-compiled graph (the forward, the backward or the
 inference graph of a segment) and replays it from a ``torch.cuda.CUDAGraph``; the runners of one
-compiled object share a :class:`CudaGraphGroup` (one memory pool, one capture stream, one set
-of stats). A replay is one launch and a few pointer checks: no cudagraph trees.
+compiled object share a :class:`CudaGraphGroup` (one capture stream, one set of stats; each
+recording has a memory pool of its own, NOTE [one pool per recording]). A replay is one launch
+and a few pointer checks: no cudagraph trees.
 
 NOTE [cudagraph replay safety]: a replay writes into the same output memory every time. The
 runner therefore
@@ -29,6 +30,19 @@ runner therefore
 
 The first call of a signature and every fallback call run the compiled graph itself, so a
 failed or refused capture never changes numerics.
+
+NOTE [one pool per recording]: graphs captured into one shared pool may place their outputs in
+memory that an earlier-captured graph uses as scratch while it replays. That is safe only when
+the graphs replay in the order they were captured and every output is dead before that earlier
+graph replays again; neither holds here. A graph whose first signature changes once (a backward
+whose incoming gradient has other strides on the first step) records a step after the rest;
+gradients kept over ``no_sync()`` micro-steps and saved activations of a second forward live
+across other graphs' replays. On a T5 and a Whisper model (one H100, ``fused``) a shared pool
+gave wrong gradients from the third step: a backward recorded last put a parameter's gradient
+in the scratch of the backwards replayed after it. Each recording therefore captures into a
+pool of its own: its scratch is reused only by its own replays, and the outputs a runner
+protects (NOTE [cudagraph replay safety]) are written by no other graph. The price is the
+scratch of every recording held at once instead of the largest one.
 """
 
 from __future__ import annotations
@@ -94,19 +108,17 @@ class CudaGraphs:
     device_type = "cuda"
 
     def __init__(self) -> None:
-        self._pool = None
         self._stream = None
 
     def capture(self, fn: Callable[[list[Any]], Any], inputs: Sequence[Any]) -> tuple[Any, Any]:
-        """Record ``fn(list(inputs))`` into a new graph in the shared pool; returns (graph, fn's
-        result). Nothing runs: the first replay computes. The graph keeps no reference to
-        ``inputs``, only their addresses."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        """Record ``fn(list(inputs))`` into a new graph with a memory pool of its own (NOTE [one
+        pool per recording]); returns (graph, fn's result). Nothing runs: the first replay
+        computes. The graph keeps no reference to ``inputs``, only their addresses."""
+        if self._stream is None:
             self._stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
         # thread_local: NCCL's watchdog and other threads keep querying events meanwhile.
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=None, stream=self._stream, capture_error_mode="thread_local"):
             out = fn(list(inputs))
         return graph, out
 
@@ -133,7 +145,7 @@ class CudaGraphs:
 
 
 class CudaGraphGroup:
-    """The runners of one compiled object: shared pool and stream, stats, stable addresses."""
+    """The runners of one compiled object: capture stream, stats, stable addresses."""
 
     def __init__(self, on_stats: Callable[[CudaGraphStats], None], graphs: CudaGraphs | None = None,
                  *, max_records: int = MAX_RECORDS) -> None:
