@@ -235,6 +235,7 @@ def speed_section(name: str, run: dict[str, Any]) -> list[str]:
     gpu_notes = [f"- `{m['model']}`: {m['status']}: {m.get('reason', '')}" for m in run["models"] if "configs" not in m]
     gpu_notes += [f"- `{m['model']}`, `{c['config']}`: {note_of(c)}" for m in run["models"] for c in m.get("configs", [])
                   if note_of(c)]
+    gpu_notes += [f"- {n}" for n in run.get("notes", [])]  # what the run folder's README records since
     return lines + (["", *gpu_notes] if gpu_notes else [])
 
 
