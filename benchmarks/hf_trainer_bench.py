@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -209,11 +210,25 @@ def _worker_argv(argv: list[str]) -> list[str]:
     return out
 
 
+NO_ENTRY_POINT = ("backend='bucketwise' is found through the installed package's torch_dynamo_backends entry "
+                  "point, and no installed distribution declares it: run `pip install -e .` (or install the wheel) first")
+
+
+def _backend_entry_point() -> bool:
+    """Whether ``torch.compile(backend="bucketwise")`` can find the backend by name (the package
+    is installed, not only importable from a source folder)."""
+    return any(ep.name == "bucketwise" for ep in importlib.metadata.entry_points(group="torch_dynamo_backends"))
+
+
 def drive(args: argparse.Namespace, argv: list[str]) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"meta": meta(args, argv), "configs": {}}
     for name in args.configs.split(","):
+        if name == "split" and not _backend_entry_point():
+            report["configs"][name] = {"config": name, "error": NO_ENTRY_POINT}
+            print(f"[hf_trainer_bench] split: not run: {NO_ENTRY_POINT}", flush=True)
+            continue
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             worker_out = f.name
         env = {**os.environ, **ALWAYS_ENV, "HF_BENCH_WORKER_OUT": worker_out, "HF_HUB_OFFLINE": "1"}
