@@ -228,6 +228,7 @@ def drive(args: argparse.Namespace, argv: list[str]) -> dict:
         if name == "split" and not _backend_entry_point():
             report["configs"][name] = {"config": name, "error": NO_ENTRY_POINT}
             print(f"[hf_trainer_bench] split: not run: {NO_ENTRY_POINT}", flush=True)
+            out.write_text(json.dumps(report, indent=1))
             continue
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             worker_out = f.name

@@ -38,3 +38,24 @@ def test_hf_trainer_bench_tiny(tmp_path):
     # the same Trainer, the same data: both ways train alike (aot_eager: the same kernels)
     fused, split = (result["configs"][n]["losses"] for n in ("fused", "split"))
     assert max(abs(a - b) for a, b in zip(fused, split)) < 1e-4, (fused, split)
+
+
+def test_split_without_the_entry_point_says_so(tmp_path, monkeypatch, capsys):
+    """A source folder on PYTHONPATH (no ``pip install``) has no backend entry point: the split
+    config is recorded with the reason and the fix, without starting a job that would fail."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    import hf_trainer_bench as bench
+
+    monkeypatch.setattr(bench, "_backend_entry_point", lambda: False)
+    real_run = bench.subprocess.run
+
+    def run(cmd, *a, **k):
+        assert "torch.distributed.run" not in cmd, f"no job should start: {cmd}"
+        return real_run(cmd, *a, **k)
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    out = tmp_path / "hf.json"
+    argv = ["--tiny", "--configs", "split", "--out", str(out)]
+    bench.drive(bench.parse(argv), argv)
+    assert json.loads(out.read_text())["configs"]["split"]["error"] == bench.NO_ENTRY_POINT
+    assert "pip install -e ." in capsys.readouterr().out
