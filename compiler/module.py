@@ -107,7 +107,13 @@ class CompiledModule(nn.Module):
         training = torch.is_grad_enabled() and (ddp is None or _ddp_compat.grad_sync_requested(ddp))
         profiling.on_call(self, self._bucketwise_report, training=training)
         runs = self._bucketwise_report.graph_runs
-        out = self._forward(*args, **kwargs)
+        first = self._bucketwise_report.first_step
+        if first.pending:
+            first.start()
+            out = self._forward(*args, **kwargs)
+            first.forward_done(out)
+        else:
+            out = self._forward(*args, **kwargs)
         if self._bucketwise_report.graph_runs == runs:
             say_eager(self._bucketwise_report, self._bucketwise_code, self.__dict__.get("_bucketwise_frozen"))
         freeze_after_warmup(self, self._bucketwise_freeze)
@@ -130,6 +136,8 @@ class CompiledModule(nn.Module):
         return self._forward_with_reducer(ddp, self._bucketwise_call, args, kwargs)
 
     def _forward_fused(self, ddp: Any, runtime: FusedRuntime, sync: bool, args: tuple, kwargs: dict) -> Any:
+        if not _ddp_compat.reducer_released(ddp):
+            self._release_reducer(ddp)
         runtime.before_forward(sync)
         call = self._bucketwise_call if sync else self._bucketwise_call_nosync
         # The no_sync() variant is bucketwise's own second cache entry: its first call is
@@ -157,7 +165,8 @@ class CompiledModule(nn.Module):
         last steps of an uneven epoch lose the in-graph overlap.
         """
         world = _ddp_compat.world_size(ddp)
-        with _ddp_compat.join_notified(ddp) as not_joined:
+        with _ddp_compat.join_notified(ddp) as notice:
+            not_joined = notice.not_joined
             if not_joined is not None and not_joined == world:
                 return self._forward_fused(ddp, runtime, True, args, kwargs)
             if not self.__dict__.get("_join_noted"):
@@ -169,6 +178,7 @@ class CompiledModule(nn.Module):
                     "reduced the gradients, as DDP's join hook expects (NOTE [fused under join])"
                 )
             runtime.reducer_step()
+            notice.hand_to_reducer()
             out = self._forward_with_reducer(ddp, self._bucketwise_call_nosync, args, kwargs, warm=self._nosync_warm)
             self.__dict__["_nosync_warm"] = True
             return out
@@ -189,6 +199,7 @@ class CompiledModule(nn.Module):
         self.__dict__["_fused_checked"] = True
         requested = self._bucketwise_backend.config.strategy
         if why_not_fused(ddp, requested) is None and not _ddp_compat.uses_python_reducer(ddp):
+            self.__dict__["_release_wanted"] = True
             return runtime
         runtime.remove_hooks()
         self.__dict__["_bucketwise_runtime"] = None
@@ -197,6 +208,22 @@ class CompiledModule(nn.Module):
         backend.fused_runtime = None
         self._bucketwise_report.set_alignment_source(lambda: measure_alignment(ddp, backend.param_segments))
         return None
+
+    def _release_reducer(self, ddp: Any) -> None:
+        """Free DDP's idle bucket buffers (NOTE [released reducer]). Once ``join()`` rebuilt them,
+        they stay while the join context lasts: a rank with no inputs left never forwards, so it
+        keeps whatever reducer it has, and every rank's must be in the same state."""
+        if not self.__dict__.get("_release_wanted"):
+            return
+        if _ddp_compat.wants_released_reducer(ddp) and _ddp_compat.join_enabled(ddp):
+            return
+        freed = _ddp_compat.release_reducer(ddp)
+        if freed and not self.__dict__.get("_release_noted"):
+            self.__dict__["_release_noted"] = True
+            self._bucketwise_report.note(
+                f"DDP's reducer bucket buffers released ({freed / 2**20:.1f} MiB, a second copy of the gradients): the "
+                "fused backward reduces into buffers that become param.grad (NOTE [released reducer])"
+            )
 
     def _refresh_alignment(self) -> None:
         """Once the reducer's rebuilt buckets are readable, publish the alignment figure.
@@ -244,8 +271,13 @@ def compile_function(fn: Callable[..., Any], config: CompileConfig) -> Callable[
     def bucketwise_compiled(*args: Any, **kwargs: Any) -> Any:
         profiling.on_call(bucketwise_compiled, report, training=torch.is_grad_enabled())
         runs = report.graph_runs
+        first = report.first_step.pending and report.first_step
+        if first:
+            first.start()
         with dc.torch_ddp_optimizer_disabled(), stance(bucketwise_compiled):
             out = compiled(*args, **kwargs)
+        if first:
+            first.forward_done(out)
         if report.graph_runs == runs:
             say_eager(report, getattr(fn, "__code__", None), bucketwise_compiled.__dict__.get("_bucketwise_frozen"))
         freeze_after_warmup(bucketwise_compiled, config.freeze_mode)

@@ -9,12 +9,17 @@ only the middle call for a compiled one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import sys
+import weakref
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+log = logging.getLogger(__name__)
 
 
 def is_ddp(obj: Any) -> bool:
@@ -273,6 +278,95 @@ def run_forward_with_idle_reducer(ddp: DDP, args: tuple, kwargs: dict, call: Any
     return out
 
 
+# --- DDP's bucket buffers (fused strategy) ------------------------------------------------
+# NOTE [released reducer]: DDP's reducer allocates its bucket buffers, one flat tensor per
+# bucket and together a copy of every gradient, when the DDP module is built, and holds them
+# for the module's life. Under ``fused`` the reducer is idle: the compiled backward reduces
+# each bucket into a buffer of its own, whose views become ``param.grad`` (and are freed with
+# them at ``zero_grad(set_to_none=True)``), so the reducer's buffers are a second copy of the
+# gradients that nothing reads: 15-17% of a transformer's peak memory on one GPU. bucketwise
+# therefore destroys the reducer (and the logger that keeps it alive) once ``fused`` is
+# confirmed, and puts in their place a stand-in that answers the one call DDP's idle forward
+# makes (``_rebuild_buckets()``: nothing to rebuild). Anything else asked of it (``join()``
+# once a rank has joined, a comm hook registered later, DDP's logging data) first rebuilds the
+# real reducer, the way DDP's own ``__setstate__`` does, with the comm hooks and static-graph
+# setting the module had, and is then answered by it. A fresh reducer is what the idle one was:
+# never run, buckets not yet rebuilt, so ranks that rebuild it at the same step (join) agree.
+
+_RELEASED_KEY = "_bucketwise_released_reducer"
+
+
+class _ReleasedReducer:
+    """Stands in for ``ddp.reducer`` and ``ddp.logger`` while the fused graphs reduce (NOTE
+    [released reducer]): the idle forward's ``_rebuild_buckets()`` is answered here, every other
+    attribute rebuilds the real object first."""
+
+    def __init__(self, ddp: DDP, role: str) -> None:
+        self.__dict__["_ddp"] = weakref.ref(ddp)
+        self.__dict__["_role"] = role
+
+    def _rebuild_buckets(self) -> bool:
+        if self._role == "reducer":
+            return False
+        return self.__getattr__("_rebuild_buckets")()
+
+    def __getattr__(self, name: str) -> Any:
+        ddp = self._ddp()
+        if ddp is None:
+            raise AttributeError(f"{name}: the DDP module this reducer belonged to is gone")
+        rebuild_reducer(ddp, why=f"DDP's {self._role}.{name} was used")
+        return getattr(getattr(ddp, self._role), name)
+
+    def __repr__(self) -> str:
+        return f"<DDP {self._role} released by bucketwise (rebuilt on first use)>"
+
+
+def reducer_bytes(ddp: DDP) -> int:
+    """Bytes of the reducer's dense bucket buffers: one element per dense reducer parameter."""
+    flags = sparse_gradient_flags(ddp)
+    return sum(p.numel() * p.element_size() for (_, p), sparse in zip(reducer_parameters(ddp), flags) if not sparse)
+
+
+def reducer_released(ddp: DDP) -> bool:
+    return isinstance(getattr(ddp, "reducer", None), _ReleasedReducer)
+
+
+def release_reducer(ddp: DDP) -> int:
+    """Destroy DDP's reducer and logger, freeing the bucket buffers (NOTE [released reducer]);
+    returns their bytes, 0 where there was nothing to release (already released, or no C++
+    reducer: every parameter's allreduce delayed, the python reducer)."""
+    if not isinstance(getattr(ddp, "reducer", None), dist.Reducer) or uses_python_reducer(ddp):
+        return 0
+    freed = reducer_bytes(ddp)
+    ddp.__dict__[_RELEASED_KEY] = True
+    ddp.reducer = _ReleasedReducer(ddp, "reducer")
+    ddp.logger = _ReleasedReducer(ddp, "logger")
+    return freed
+
+
+def rebuild_reducer(ddp: DDP, *, why: str) -> None:
+    """Build DDP's reducer and logger again where they were released, as DDP's ``__setstate__``
+    does, then register the module's comm hooks and static-graph setting on them."""
+    if not reducer_released(ddp):
+        return
+    parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
+    names = ddp._build_debug_param_to_name_mapping(parameters)
+    ddp._ddp_init_helper(parameters, expect_sparse_gradient, names, ddp.static_graph)
+    for hook, state in getattr(ddp, "_comm_hooks", None) or []:
+        ddp.logger._set_comm_hook_name(hook.__qualname__)
+        dist._register_comm_hook(ddp.reducer, state, hook)
+    if ddp.static_graph:
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()
+    ddp._has_rebuilt_buckets = False
+    log.info("bucketwise: DDP's reducer rebuilt (%s); its bucket buffers are allocated again", why)
+
+
+def wants_released_reducer(ddp: DDP) -> bool:
+    """bucketwise released this module's reducer once (it is released again after a rebuild)."""
+    return bool(ddp.__dict__.get(_RELEASED_KEY))
+
+
 # --- comm hooks (distributed/comm_hooks.py, powersgd.py) -----------------------------------
 # Checked on torch 2.13.0 (CI); tests/gpu/test_gpu_powersgd.py runs them on 2.11.0.
 
@@ -290,6 +384,9 @@ def comm_hook_kind(ddp: DDP) -> tuple[str, str | None]:
     ``("unsupported", why)``, ``why`` naming the hook."""
     registered = comm_hook(ddp)
     if registered is None:
+        builtin = _builtin_hook_name(ddp)
+        if builtin is not None:
+            return "unsupported", f"DDP's built-in comm hook {builtin} runs in its C++ reducer and cannot be traced"
         return "reducer", None
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
@@ -312,6 +409,15 @@ def comm_hook_kind(ddp: DDP) -> tuple[str, str | None]:
     name = getattr(hook, "__qualname__", repr(hook))
     return "unsupported", (f"comm hook {name} cannot be traced into the graph (wrap a hook written with functional "
                            "collectives in bucketwise.traceable_comm_hook)")
+
+
+def _builtin_hook_name(ddp: DDP) -> str | None:
+    """A C++ comm hook registered with ``_register_builtin_comm_hook`` (not in ``_comm_hooks``):
+    only DDP's logging data names it. Not read from a released reducer's stand-in, which would
+    rebuild it: the reducer is released only after the hook check passed."""
+    if not isinstance(getattr(ddp, "logger", None), dist.Logger):
+        return None
+    return ddp._get_ddp_logging_data().get("comm_hook") or None
 
 
 def batched_powersgd_works() -> bool:
@@ -344,29 +450,43 @@ def join_enabled(ddp: DDP) -> bool:
     return bool(config is not None and config.enable)
 
 
-@contextlib.contextmanager
-def join_notified(ddp: DDP) -> Iterator[int | None]:
-    """Inside an enabled ``ddp.join()``: send this forward's notification to the join context
-    now (the allreduce DDP's ``_pre_forward`` would send first thing) and yield how many ranks
-    have not joined yet; the ``_pre_forward`` run inside the block does not send it again.
+@dataclasses.dataclass(frozen=True)
+class JoinNotice:
+    """This step's notification to the join context: how many ranks have not joined (``None``
+    where another joinable leads the context and the count is unknown)."""
 
-    Yields ``None`` when DDP is not the first joinable of the context (another joinable sends the
-    notification and the count is unknown). The collectives stay exactly DDP's, in DDP's order:
-    the notification (and the early-termination check) first, then ``_pre_forward``'s own.
+    ddp: DDP
+    not_joined: int | None
+    work: Any = None
+
+    def hand_to_reducer(self) -> None:
+        """What ``_pre_forward`` does with the notification of a step DDP's reducer reduces: the
+        reducer divides by the ranks that have not joined when
+        ``divide_by_initial_world_size=False``. A fused step needs no reducer, so a released one
+        is rebuilt only here (NOTE [released reducer])."""
+        if self.work is not None:
+            self.ddp.reducer._set_forward_pass_work_handle(self.work, self.ddp._divide_by_initial_world_size)
+
+
+@contextlib.contextmanager
+def join_notified(ddp: DDP) -> Iterator[JoinNotice]:
+    """Inside an enabled ``ddp.join()``: send this forward's notification to the join context
+    now (the allreduce DDP's ``_pre_forward`` would send first thing) and yield it; the
+    ``_pre_forward`` run inside the block does not send it again.
+
+    The collectives stay exactly DDP's, in DDP's order: the notification (and the
+    early-termination check) first, then ``_pre_forward``'s own.
     """
     from torch.distributed.algorithms.join import Join
 
     config = ddp._join_config
     work = Join.notify_join_context(ddp)
     if work is None:
-        yield None
+        yield JoinNotice(ddp, None)
         return
     not_joined = int(work.get_future().wait()[0].item())
-    # What _pre_forward does with the handle: the reducer divides by the ranks that have not
-    # joined when divide_by_initial_world_size=False.
-    ddp.reducer._set_forward_pass_work_handle(work, ddp._divide_by_initial_world_size)
     ddp._join_config = config._replace(is_first_joinable=False)
     try:
-        yield not_joined
+        yield JoinNotice(ddp, not_joined, work)
     finally:
         ddp._join_config = config

@@ -36,8 +36,10 @@ def _assert_fused(report: dict[str, Any], *, min_buckets: int = 1) -> None:
         assert len(g["segments"]) == 1, g  # compiled whole: bucket size does not cut the graph
         for b in g["buckets"]:
             assert 0.0 <= b["issued_at"] <= 1.0 and b["comm_dtype"], b
-    # The reducer stays idle: there is no alignment to measure.
+    # The reducer stays idle: there is no alignment to measure, and its bucket buffers are
+    # released (NOTE [released reducer]).
     assert report["alignment"]["alignment"] is None, report["alignment"]
+    assert any("bucket buffers released" in n for n in report["notes"]), report["notes"]
 
 
 @pytest.mark.parametrize("case", sorted(c for c in CASES if c not in _SKIP and not c.startswith("inductor")))
