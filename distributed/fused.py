@@ -70,13 +70,22 @@ class BucketSync(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         spec: CommSpec = ctx.spec
         full = filled_grads(grads, ctx.shapes)
-        flat = torch.cat([g.reshape(-1) for g in full])
-        wire = flat.to(spec.comm_dtype) if spec.comm_dtype is not None else flat
-        wire = wire / spec.world_size if spec.divide_first else wire * (1.0 / spec.world_size)
+        # Each gradient is cast and scaled on its way into the bucket (elementwise, so the same
+        # values as scaling the flat bucket): Inductor then writes the scaled gradients straight
+        # into the one flat buffer the all-reduce works on in place, instead of a flat copy and a
+        # scaled flat copy of it.
+        wire = torch.cat([_scaled(g.reshape(-1), spec) for g in full])
         reduced = cc.all_reduce_sum(wire, spec.group)
         if spec.comm_dtype is not None:
-            reduced = reduced.to(flat.dtype)
+            reduced = reduced.to(full[0].dtype)
         return (None, *split_like(reduced, full))
+
+
+def _scaled(g: torch.Tensor, spec: CommSpec) -> torch.Tensor:
+    """One gradient as it goes on the wire: DDP's reducer's ``grad * (1/world)``, or a compress
+    hook's ``grad.to(dtype) / world``."""
+    wire = g.to(spec.comm_dtype) if spec.comm_dtype is not None else g
+    return wire / spec.world_size if spec.divide_first else wire * (1.0 / spec.world_size)
 
 
 def filled_grads(grads: Sequence[torch.Tensor | None], shapes: Sequence[tuple[Any, Any, Any]]) -> list[torch.Tensor]:
