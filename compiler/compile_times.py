@@ -117,6 +117,12 @@ class CompileTimesTracker:
         if compile_id is not None:
             self._tracked.append(_Tracked(times, compile_id, call_us))
 
+    def compiled_within(self, start_us: int, end_us: int) -> float:
+        """Compile seconds of the graphs whose backend was called between the two wall-clock
+        times (their lazily compiled backwards included)."""
+        self.refresh()
+        return sum(t.times.total_s for t in self._tracked if start_us <= t.call_us <= end_us)
+
     def refresh(self) -> bool:
         """Read torch's records; whether any graph gained figures."""
         if not self._tracked:
@@ -129,7 +135,9 @@ class CompileTimesTracker:
         """The frame record holds the backend call; backward records of the same compile id
         follow it, up to the next frame compiled under that id (ids restart after a reset)."""
         changed = False
-        mine = [r for r in records if r.compile_id == t.compile_id]
+        # torch 2.11 also files runtime records under the compile id (Triton autotuning at the
+        # first calls of the forward and of the backward): no compile seconds, not a frame.
+        mine = [r for r in records if r.compile_id == t.compile_id and (r.frame_s is not None or r.backward_s is not None)]
         for r in mine:
             key = (r.start_us, r.forward)
             if r.forward and r.start_us > t.call_us:

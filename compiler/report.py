@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from . import job_stats
+from . import first_step, job_stats
 from .compile_times import (BREAKDOWN_FOOTER, BREAKDOWN_HEADER, POLLS_AFTER_COMPILE, CompileTimes,
                             CompileTimesTracker, breakdown_row, sum_compile_times)
 
@@ -170,6 +170,8 @@ class Report:
         self._alignment_fn: Callable[[], dict[str, Any]] | None = None
         self._slot: tuple[str, int] | None = None
         self.compile_times = CompileTimesTracker()
+        self.first_step = first_step.FirstStep()
+        """The first call and its backward, timed (NOTE [first step])."""
         self._polls_left = 0
 
     # -- recording -------------------------------------------------------------------------
@@ -233,6 +235,7 @@ class Report:
             "fallbacks": sum(1 for g in self.graphs for s in [*g.segments, *g.later_variants] if s.fell_back),
             "compile_seconds": round(sum(g.compile_seconds for g in self.graphs), 6),
             "compile_times": sum_compile_times(g.compile_times for g in self.graphs),
+            "first_step": self.first_step.summary(self.compile_times.compiled_within),
             "alignment": self.alignment,
             "eager_calls": sum(self.eager_calls.values()),
         }
@@ -396,6 +399,9 @@ def format_table(data: dict[str, Any]) -> str:
         lines.append("")
         lines.append(_align([BREAKDOWN_HEADER, *times_rows], right=range(1, 8)))
         lines.append(BREAKDOWN_FOOTER)
+    first = first_step.describe(data["totals"].get("first_step"))
+    if first:
+        lines.append(first)
     return "\n".join(lines)
 
 

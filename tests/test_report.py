@@ -384,6 +384,52 @@ def test_compile_times_in_the_rank_file(single_rank_group, tmp_path, monkeypatch
     assert "FX cache h/m/b" in launch_stats.format_merged(merged) and "FX cache h/m/b" in bucketwise.report(compiled).table()
 
 
+def test_compile_times_skip_runtime_records():
+    """torch 2.11 also files records of runtime work (Triton autotuning at the first forward
+    and backward) under a frame's compile id, without compile seconds: they are neither a
+    second frame nor a backward compile, and the lazy backward between them is still claimed."""
+    from bucketwise.compiler import _dynamo_compat as dc
+    from bucketwise.compiler.compile_times import CompileTimes, CompileTimesTracker, _Tracked
+
+    def rec(forward, start, frame_s=None, backward_s=None, inductor_s=None):
+        return dc.CompileRecord(compile_id="0/0", forward=forward, start_us=start, end_us=start + 10, frame_s=frame_s,
+                                backend_s=None if frame_s is None else frame_s / 2, backward_s=backward_s,
+                                inductor_s=inductor_s, fx_hit=0, fx_miss=1)
+
+    records = [rec(True, 0, frame_s=20.0), rec(True, 30), rec(False, 40, backward_s=12.0, inductor_s=11.0),
+               rec(False, 60)]
+    t = _Tracked(CompileTimes(aot_autograd_s=1.0, backend_s=2.0), "0/0", call_us=5)
+    assert CompileTimesTracker._claim(t, records)
+    assert t.times.dynamo_s == pytest.approx(10.0)
+    assert t.times.backward_compiles == 1
+    assert t.times.backend_s == pytest.approx(13.0) and t.times.aot_autograd_s == pytest.approx(2.0)
+    assert not CompileTimesTracker._claim(t, records)  # each record once
+
+
+def test_first_step_breakdown(single_rank_group):
+    """NOTE [first step]: the first call and its backward are timed; their compile seconds are
+    the graphs' breakdown, the rest is named (autotuning, other first-call work)."""
+    compiled = bucketwise.compile(DDP(MLP(), bucket_cap_mb=CAP_MB), backend="aot_eager", strategy="fused")
+    rep = bucketwise.report(compiled)
+    assert rep.totals["first_step"] is None  # nothing ran yet
+    x = torch.randn(8, 64)
+    start = time.perf_counter()
+    out = compiled(x)
+    assert rep.totals["first_step"]["backward_s"] is None  # the backward has not run
+    out.square().mean().backward()
+    wall = time.perf_counter() - start
+    first = rep.totals["first_step"]
+    compile_total = rep.totals["compile_times"]["total_s"]
+    assert first["backward_s"] > 0 and first["forward_s"] > 0
+    assert first["compiled_calls_s"] == pytest.approx(first["forward_s"] + first["backward_s"], abs=1e-5)
+    assert first["compile_s"] == pytest.approx(compile_total, abs=1e-5) and compile_total > 0
+    assert first["compiled_calls_s"] == pytest.approx(first["compile_s"] + first["autotune_s"] + first["other_s"], abs=1e-5)
+    assert first["compiled_calls_s"] <= wall
+    assert "first step: compiled calls" in rep.table()
+    compiled(x).square().mean().backward()  # later steps are not timed
+    assert rep.totals["first_step"]["forward_s"] == first["forward_s"]
+
+
 @pytest.mark.inductor
 def test_compile_times_show_the_caches_of_a_restart(single_rank_group, tmp_path, monkeypatch):
     """A restart within one process: compile, ``torch._dynamo.reset()``, compile again over the

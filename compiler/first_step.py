@@ -1,0 +1,111 @@
+"""Where a compiled object's first step goes: compiling, Triton autotuning, other first-call work.
+
+NOTE [first step]: the compile-time breakdown (NOTE [compile-time breakdown]) covers what torch
+records as compiling. A first step takes longer: at their first calls Inductor's Triton kernels
+autotune (each benchmarks its candidate configurations), kernels and CUDA libraries load
+(cuBLAS, cuDNN handles), NCCL sets its communicator up at the first collective, and the
+first backward runs eagerly-scheduled autograd around the compiled graphs. On one H100, gpt's
+first ``bw-fused`` step took 24.6 s of which the breakdown accounted for 14.2 s.
+
+The compiled object's first call and the backward it starts are therefore timed (wall clock,
+no device synchronisation), and torch's own timer of Triton autotuning is read across them.
+``first_step`` in the report's totals then says: the compiled calls' wall time, the compile
+seconds spent inside it, the autotuning seconds, and the rest (other first-call work). What
+the step spends outside the compiled calls (the loss, the optimizer, data) is the user's eager
+code. Nothing is timed after the first call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+from ..distributed import _autograd_compat
+from . import _dynamo_compat as dc
+
+_AUTOTUNE_PHASES = ("CachingAutotuner.benchmark_all_configs", "CachingAutotuner.coordinate_descent_tuning")
+
+
+def _autotune_seconds() -> float:
+    phases = dc.compile_phase_seconds()
+    return sum(phases.get(name, 0.0) for name in _AUTOTUNE_PHASES)
+
+
+@dataclasses.dataclass
+class FirstStep:
+    """The first call of a compiled object and its backward (NOTE [first step])."""
+
+    forward_s: float | None = None
+    """Wall seconds of the first call (compiles of the graphs it meets included)."""
+    backward_s: float | None = None
+    """Wall seconds of the backward that call's outputs started (``None``: none ran yet)."""
+    autotune_s: float = 0.0
+    """Triton autotuning within both, by torch's timer."""
+    start_us: int | None = None
+    end_us: int | None = None
+    _autotune_at_start: float = 0.0
+    _t0: float = 0.0
+    _hooks: list[Any] = dataclasses.field(default_factory=list)
+    _backward_seen: bool = False
+
+    @property
+    def pending(self) -> bool:
+        """The first call has not happened yet."""
+        return self.start_us is None
+
+    def start(self) -> None:
+        self.start_us = dc.wall_us()
+        self._autotune_at_start = _autotune_seconds()
+        self._t0 = time.perf_counter()
+
+    def forward_done(self, output: Any) -> None:
+        """After the first call: time it, and time the backward its outputs start."""
+        self.forward_s = time.perf_counter() - self._t0
+        self.end_us = dc.wall_us()
+        self.autotune_s = _autotune_seconds() - self._autotune_at_start
+        nodes = {t.grad_fn for t in _autograd_compat.tensor_leaves(output) if t.grad_fn is not None}
+        self._hooks = [node.register_prehook(self._backward_started) for node in nodes]
+
+    def _backward_started(self, grad_outputs: Any) -> None:
+        if self._backward_seen:
+            return None  # another output's node of the same backward, or a later one
+        self._backward_seen = True
+        t0 = time.perf_counter()
+
+        def backward_done() -> None:
+            self.backward_s = time.perf_counter() - t0
+            self.end_us = dc.wall_us()
+            self.autotune_s = _autotune_seconds() - self._autotune_at_start
+            # Removed here, not in the hook: the engine is iterating over them there.
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks = []
+
+        _autograd_compat.queue_backward_callback(backward_done)
+        return None
+
+    def summary(self, compiled_within: Callable[[int, int], float]) -> dict[str, Any] | None:
+        """``compiled_within(start_us, end_us)``: compile seconds of the graphs compiled then."""
+        if self.forward_s is None or self.start_us is None or self.end_us is None:
+            return None
+        wall = self.forward_s + (self.backward_s or 0.0)
+        compile_s = compiled_within(self.start_us, self.end_us)
+        return {
+            "compiled_calls_s": round(wall, 6),
+            "forward_s": round(self.forward_s, 6),
+            "backward_s": None if self.backward_s is None else round(self.backward_s, 6),
+            "compile_s": round(compile_s, 6),
+            "autotune_s": round(self.autotune_s, 6),
+            "other_s": round(max(0.0, wall - compile_s - self.autotune_s), 6),
+        }
+
+
+def describe(summary: dict[str, Any] | None) -> str | None:
+    """One line for the report's table."""
+    if not summary:
+        return None
+    bwd = "" if summary["backward_s"] is not None else " (no backward yet)"
+    return (f"first step: compiled calls {summary['compiled_calls_s']:.2f} s{bwd} = compile {summary['compile_s']:.2f} s"
+            f" + Triton autotuning {summary['autotune_s']:.2f} s + other first-call work {summary['other_s']:.2f} s "
+            "(kernel and CUDA library loading, NCCL set-up); the rest of the step is eager code around the compiled calls")
