@@ -36,7 +36,7 @@ import torch
 from . import job_stats
 from . import trace_analysis as ta
 from .report import STATS_DIR_ENV, Report, _atomic_write_json, rank_and_world, report
-from .runtime_view import STEP_MARK, RuntimeView, analyze, plot_timeline
+from .runtime_view import HOST_BOUND_PREFIX, STEP_MARK, RuntimeView, analyze, plot_timeline
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,11 @@ class Profile:
                        step_ms=self._step_ms(end, last_step_open), host=socket.gethostname())
         view.trace_path = trace
         view.notes.extend(notes)
+        host_note = next((n for n in view.notes if n.startswith(HOST_BOUND_PREFIX)), None)
+        if host_note is not None:
+            # The report says it too: its table, the rank file, `bucketwise stats` and `doctor`.
+            self._report.note(f"profiled steps: {host_note}")
+            self._report.write_rank_file()
         if self.steps == 0:
             view.notes.append("no training step of the compiled object ran while profiling: figures are for the "
                               "whole profiled time")

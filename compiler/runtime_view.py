@@ -131,11 +131,14 @@ def totals_line(view: RuntimeView) -> str:
 # outside its graphs (the optimizer step, data loading, Python).
 
 
+HOST_BOUND_PREFIX = "host-bound: "
+
+
 def host_bound_note(view: RuntimeView, *, replays_cuda_graphs: bool) -> str | None:
     """What to tell the user when ``view``'s steps are bound by the host, else ``None``."""
     if not view.host_bound or view.gpu_busy_ms is None:
         return None
-    head = (f"host-bound: the GPU was busy {view.gpu_busy_ms:.2f} of {view.step_ms:.2f} ms per step "
+    head = (f"{HOST_BOUND_PREFIX}the GPU was busy {view.gpu_busy_ms:.2f} of {view.step_ms:.2f} ms per step "
             f"({view.gpu_busy_ms / view.step_ms:.0%}); the host issuing kernels is the step")
     if replays_cuda_graphs:
         return head + "; the compiled graphs already replay as CUDA graphs, so the host time is outside them " \

@@ -21,6 +21,9 @@ from ..compiler import doctor
 from . import failures, launcher, stats
 from .demo import add_demo_arguments
 
+DOCTOR_PROFILE_STEPS = 3
+"""Training steps ``bucketwise doctor`` profiles when not told (host-bound or not)."""
+
 _DESCRIPTION = """\
 Distributed-aware torch.compile for DistributedDataParallel: launch jobs through torchrun and
 read the per-bucket compile statistics of bucketwise.compile.
@@ -87,8 +90,10 @@ def _add_doctor(sub) -> None:
                     "(up to the backend in use; $BUCKETWISE_DOCTOR_LADDER overrides) and compares "
                     "each stage's outputs with the uncompiled segment. Prints, per segment, the "
                     "first stage that fails or diverges, with the error; the segment's graph is "
-                    "saved under STATS_DIR/doctor/.",
-        usage="bucketwise doctor [-h] [torchrun options] [--stats-dir DIR] SCRIPT [ARGS ...]",
+                    "saved under STATS_DIR/doctor/. It also profiles a few training steps "
+                    f"(--profile-steps, {DOCTOR_PROFILE_STEPS} unless given) and says which ranks' steps "
+                    "are bound by the host, and what to try.",
+        usage="bucketwise doctor [-h] [torchrun options] [--stats-dir DIR] [--profile-steps N] SCRIPT [ARGS ...]",
     )
     p.set_defaults(func=lambda args, raw: _cmd_launch(args, raw, doctor_dir="doctor"), parser=p)
 
@@ -136,6 +141,8 @@ def _cmd_launch(args: argparse.Namespace, raw: list[str], doctor_dir: str | None
     for option in launcher.BUCKETWISE_OPTIONS:
         options = launcher.strip_option(options, option)
     logs = failures.log_options(options, stats_dir)
+    if doctor_dir is not None and args.profile_steps is None:
+        args.profile_steps = DOCTOR_PROFILE_STEPS
     extra = launcher.profile_env(args)
     if doctor_dir is not None:
         extra[doctor.DOCTOR_ENV] = os.path.join(stats_dir, "doctor")
@@ -144,7 +151,8 @@ def _cmd_launch(args: argparse.Namespace, raw: list[str], doctor_dir: str | None
     if doctor_dir is not None:
         eager = stats.eager_summary(stats_dir)
         print("\n".join(doctor.summarize(os.path.join(stats_dir, "doctor")) + eager
-                        + ([] if eager else ["bucketwise doctor: every compiled object ran its compiled graphs"])))
+                        + ([] if eager else ["bucketwise doctor: every compiled object ran its compiled graphs"])
+                        + stats.host_bound_lines(stats_dir, args.profile_steps)))
     if code != 0:
         found = failures.find_failures(os.path.join(stats_dir, "logs")) if logs else []
         print("\n".join(failures.describe(found, code)), file=sys.stderr)

@@ -394,6 +394,26 @@ def runtime_views(path: str, warn: Callable[[str], None]) -> list[Any]:
     return views
 
 
+def host_bound_lines(path: str, steps: int) -> list[str]:
+    """``bucketwise doctor``'s verdict on the host from the runtime views of a run folder (``steps``
+    profiled steps were asked for): which ranks' profiled steps the host bounds, and what to try
+    (NOTE [saying when the host is the step]); one line when none does or nothing was profiled."""
+    from ..compiler.runtime_view import HOST_BOUND_PREFIX
+
+    views = runtime_views(path, lambda msg: None)
+    if not views:
+        return [f"bucketwise doctor: no step was profiled: the job ended within its warm-up, before {steps} profiled "
+                "step(s) (--profile-warmup W sets the warm-up): nothing to say about host-bound steps"]
+    lines = [f"bucketwise doctor: rank {v.rank}: {n}" for v in views for n in v.notes if n.startswith(HOST_BOUND_PREFIX)]
+    if lines:
+        return lines
+    measured = [v for v in views if v.gpu_busy_ms is not None]
+    if not measured:
+        return ["bucketwise doctor: no GPU kernels in the profiled steps: nothing to say about host-bound steps"]
+    return [f"bucketwise doctor: the GPU was busy {min(v.gpu_busy_ms / v.step_ms for v in measured):.0%} or more of "
+            "every profiled step: not bound by the host"]
+
+
 def runtime_lines(path: str, warn: Callable[[str], None]) -> list[str]:
     """The per-bucket runtime table of every rank's view in a run folder; none without views."""
     from ..compiler.runtime_view import merged_table

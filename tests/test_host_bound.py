@@ -52,3 +52,58 @@ def test_cpu_trace_has_no_verdict_and_round_trips():
     assert view.gpu_busy_ms is None and not view.host_bound
     again = RuntimeView.from_dict(view.to_dict())
     assert again == view and view.to_dict()["host_bound"] is False
+
+
+def _write_view(folder, rank: int, busy_us: float) -> None:
+    import json
+
+    view = analyze(_kernels(busy_us, steps=2, step_us=1000), {**REPORT, "rank": rank}, steps=2, step_ms=1.0)
+    (folder / f"runtime-rank{rank}.json").write_text(json.dumps(view.to_dict()))
+
+
+def test_doctor_names_the_host_bound_ranks(tmp_path):
+    from bucketwise.launch import stats
+
+    _write_view(tmp_path, 0, 300)
+    _write_view(tmp_path, 1, 950)
+    (line,) = stats.host_bound_lines(str(tmp_path), 2)
+    assert line.startswith("bucketwise doctor: rank 0: host-bound: the GPU was busy 0.30 of 1.00 ms") and "cudagraphs=True" in line
+    (tmp_path / "runtime-rank0.json").unlink()
+    assert stats.host_bound_lines(str(tmp_path), 2) == [
+        "bucketwise doctor: the GPU was busy 95% or more of every profiled step: not bound by the host"]
+
+
+def test_doctor_says_nothing_without_views_and_why_on_cpu(tmp_path):
+    import json
+
+    from bucketwise.launch import stats
+
+    (line,) = stats.host_bound_lines(str(tmp_path), 3)
+    assert line.startswith("bucketwise doctor: no step was profiled: the job ended within its warm-up, before 3")
+    (tmp_path / "runtime-rank0.json").write_text(json.dumps(analyze([], REPORT, steps=1, step_ms=1.0).to_dict()))
+    assert stats.host_bound_lines(str(tmp_path), 3) == [
+        "bucketwise doctor: no GPU kernels in the profiled steps: nothing to say about host-bound steps"]
+
+
+def test_profile_puts_the_host_bound_note_in_the_report(single_rank_group, tmp_path, monkeypatch):
+    """A host-bound verdict of ``bucketwise.profile`` reaches the report (table, rank file).
+    A CPU trace has no kernels, so the trace is analysed as one whose GPU was busy 30%."""
+    import torch
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bucketwise
+    from bucketwise.compiler import profiling
+
+    real = profiling.analyze
+    monkeypatch.setattr(profiling, "analyze",
+                        lambda events, report, **kw: real(_kernels(300, steps=kw["steps"], step_us=1000), report,
+                                                          **{**kw, "step_ms": 1.0}))
+    compiled = bucketwise.compile(DDP(nn.Linear(8, 8)), backend="aot_eager", strategy="fused")
+    with bucketwise.profile(compiled, out_dir=tmp_path, plot=False):
+        for _ in range(2):
+            compiled(torch.randn(4, 8)).sum().backward()
+    notes = bucketwise.report(compiled).notes
+    (note,) = [n for n in notes if "host-bound" in n]
+    assert note.startswith("profiled steps: host-bound: the GPU was busy 0.30 of 1.00 ms") and "cudagraphs=True" in note
+    assert note in bucketwise.report(compiled).table()
