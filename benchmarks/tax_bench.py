@@ -72,10 +72,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--backend", default="inductor")
+    p.add_argument("--restarts", type=int, default=0, metavar="N",
+                   help="then N interleaved rounds of cold and warm first steps, each in a new process "
+                        "(benchmarks/tax_restarts.py)")
+    p.add_argument("--first-step-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", required=True)
     ns = p.parse_args(argv)
-    if ns.pairs < 3:
-        p.error(f"--pairs must be >= 3 for a median of per-pair ratios, got {ns.pairs}")
+    if ns.pairs < 3 and not (ns.pairs == 0 and ns.restarts):
+        p.error(f"--pairs must be >= 3 for a median of per-pair ratios (0 with --restarts: restarts only), got {ns.pairs}")
+    if ns.restarts < 0:
+        p.error(f"--restarts must be 0 or more, got {ns.restarts}")
     ns.configs = ns.configs.split(",")
     for config in ns.configs:
         recipe_for(config)  # unknown names fail here, before anything is built
@@ -198,7 +204,31 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], restarts: dict[str, Any] | None = None) -> str:
+    lines = [_steady_markdown(meta, rows)] if rows else [f"# {meta['model']}", "",
+                                                         f"{meta['gpu'] or meta['device']}, world size "
+                                                         f"{meta['world_size']}, torch {meta['torch']}, {meta['date']}",
+                                                         "", f"`{meta['command']}`", ""]
+    if restarts:
+        lines.append(_restarts_markdown(restarts))
+    return "\n".join(lines)
+
+
+def _restarts_markdown(restarts: dict[str, Any]) -> str:
+    head = ("| config | cold first step s | x `torch` | warm first step s | x non-graphed | first step accounted |"
+            "\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    rows = [f"| `{c}` | {_fmt(r['cold_s'], '.2f')} | {_fmt(r.get('cold_over_torch'), '.3f')} | {_fmt(r['warm_s'], '.2f')} "
+            f"| {_fmt(r.get('warm_over_uncaptured'), '.3f')} | {_fmt(r.get('first_step_accounted'), '.1%')} |"
+            for c, r in restarts["summary"].items()]
+    return "\n".join([f"## First steps in new processes, {restarts['rounds']} interleaved rounds", "", head, *rows, "",
+                      "cold: a new process over empty compile caches; warm: another over the same caches (a restart). "
+                      "x `torch`: median over rounds of the cold first step over torch's DDPOptimizer's; x non-graphed: "
+                      "the warm first step of a CUDA-graph config over its twin's without graphs. first step accounted: "
+                      "the report's first-step breakdown (compile, Triton autotuning, other first-call work) over the "
+                      "cold first step's wall time. Every run is in results.json.", ""])
+
+
+def _steady_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     first_peak = {r["config"]: r["first_peak_mib"] for r in rows if "error" not in r}
     for r in rows:
         if "error" not in r and first_peak.get(r["floor"]):
@@ -235,11 +265,26 @@ def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             "python": platform.python_version()}
 
 
+def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
+    """A child of ``--restarts``: one config's first step and the step after it, over the
+    compile caches its environment names (tax_restarts.py)."""
+    import tax_restarts
+
+    entry = build(args.configs[0], make_spec(args.model, {}), device, args.backend, warmup=0)
+    _sync()
+    t0 = time.perf_counter()
+    entry["step"]()
+    _sync()
+    tax_restarts.print_result({"config": args.configs[0], "first_step_s": entry["first_step_s"],
+                               "second_step_s": time.perf_counter() - t0, "compile_times": entry["compile_breakdown"],
+                               "first_step": entry["first_step_breakdown"]})
+
+
 def run(args: argparse.Namespace, device: torch.device) -> None:
     spec = make_spec(args.model, {})
     entries: dict[str, dict[str, Any]] = {}
     failed: list[dict[str, Any]] = []
-    for i, config in enumerate(args.configs, 1):
+    for i, config in enumerate(args.configs if args.pairs else [], 1):
         print(f"[{i}/{len(args.configs)}] building {config} ...", flush=True)
         try:
             entries[config] = build(config, spec, device, args.backend, args.warmup)
@@ -251,6 +296,31 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
         e = entries[config]
         print(f"    first step {e['first_step_s']:.1f} s, at rest {e['rest_bytes'] / 2**20:,.0f} MiB, "
               f"first-steps peak {e['first_peak_bytes'] / 2**20:,.0f} MiB", flush=True)
+    if not entries and not failed:
+        rows: list[dict[str, Any]] = []
+    else:
+        rows = _steady(args, entries, failed)
+    restarts = None
+    if args.restarts:
+        import tax_restarts
+
+        entries.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        restarts = tax_restarts.run_restarts(args.model, args.configs, args.backend, args.restarts)
+    if dist.get_rank() == 0:
+        meta = _meta(args, device)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows, "restarts": restarts}, f, indent=1)
+        with open(os.path.join(args.out, "results.md"), "w") as f:
+            f.write(markdown(meta, rows, restarts))
+        print(markdown(meta, rows, restarts), flush=True)
+
+
+def _steady(args: argparse.Namespace, entries: dict[str, dict[str, Any]], failed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The interleaved rounds and the kernel profiles of the configs built in this process."""
     at_rest = _allocated()
     built = list(entries)
     for r in range(args.pairs):
@@ -261,15 +331,7 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
               + " ms issue", flush=True)
     for config in built:
         kernel_profile(entries[config], args.profile_steps)
-    rows = summarize(entries) + failed
-    if dist.get_rank() == 0:
-        meta = _meta(args, device)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        with open(os.path.join(args.out, "results.md"), "w") as f:
-            f.write(markdown(meta, rows))
-        print(markdown(meta, rows), flush=True)
+    return summarize(entries) + failed
 
 
 def rewrite_markdown(out: str) -> None:
@@ -277,7 +339,7 @@ def rewrite_markdown(out: str) -> None:
     with open(os.path.join(out, "results.json")) as f:
         data = json.load(f)
     with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(markdown(data["meta"], data["rows"]))
+        f.write(markdown(data["meta"], data["rows"], data.get("restarts")))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    if args.first_step_only:
+        try:
+            first_step_only(args, device)
+        finally:
+            dist.destroy_process_group()
+        return 0
     # Every config compiles cold: no FX-graph or AOTAutograd cache hit from a config built earlier.
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False

@@ -99,3 +99,44 @@ def test_replicate_recipe_checks_its_fields(bench):
     bench_configs = bench[1]
     with pytest.raises(ValueError, match="replicate"):
         bench_configs.Recipe(compiler="torch", replicate=True)  # ddp=True left on
+
+
+@pytest.mark.inductor
+def test_restarts_run_cold_then_warm_in_new_processes(bench, monkeypatch):
+    """A cold first step in a new process over empty caches, then a warm one over the same
+    caches: the warm process loads the fused graph from the AOTAutograd cache, and the report's
+    first-step breakdown accounts for the compiled calls."""
+    import tax_restarts
+
+    monkeypatch.setenv("MASTER_PORT", "29633")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    result = tax_restarts.run_restarts("mlp", ["bw-fused"], "inductor", 1, timeout_s=300)
+    (run,) = result["runs"]["bw-fused"]
+    cold, warm = run["cold"], run["warm"]
+    assert "error" not in cold and "error" not in warm, run
+    assert cold["compile_times"]["aot_autograd_cache"]["miss"] == 1
+    assert warm["compile_times"]["aot_autograd_cache"]["hit"] == 1
+    for r in (cold, warm):
+        first = r["first_step"]
+        assert 0 < first["compiled_calls_s"] <= r["first_step_s"]
+    assert result["summary"]["bw-fused"]["cold_s"] == cold["first_step_s"]
+
+
+def test_restart_ratios_are_medians_of_per_round_ratios(bench):
+    import tax_restarts
+
+    run = lambda cold, warm: {"cold": {"first_step_s": cold}, "warm": {"first_step_s": warm}}  # noqa: E731
+    runs = {"torch": [run(10.0, 2.0), run(20.0, 2.0), run(10.0, 2.0)],
+            "bw-fused": [run(11.0, 1.0), run(10.0, 1.0), run(30.0, 2.0)],
+            "bw-fused-cg": [run(12.0, 1.2), run(12.0, 1.5), {"cold": {"error": "x"}, "warm": {"error": "x"}}]}
+    summary = tax_restarts.summarize(runs)
+    # Per-round ratios 1.1, 0.5, 3.0: the median is 1.1.
+    assert summary["bw-fused"]["cold_over_torch"] == pytest.approx(1.1)
+    # The failed round is left out: warm ratios 1.2 and 1.5.
+    assert summary["bw-fused-cg"]["warm_over_uncaptured"] == pytest.approx(1.35)
+    assert "cold_over_torch" not in summary["torch"] and "warm_over_uncaptured" not in summary["bw-fused"]
+    md = bench[0].markdown({"model": "gpt", "gpu": "GPU", "device": "cuda", "world_size": 1, "torch": "2.11",
+                            "date": "d", "command": "c"}, [], {"rounds": 3, "summary": summary})
+    assert "| `bw-fused` | 11.00 | 1.100 | 1.00 | - |" in md

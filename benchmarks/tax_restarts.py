@@ -1,0 +1,117 @@
+"""Cold and warm first steps, configs interleaved across fresh processes (``tax_bench.py --restarts N``).
+
+A config's first step in a new process is what a user waits for at every (re)start. Measured in
+the process that already compiled other configs it is not cold (Dynamo, Triton and the compile
+workers are warm), so each first step here runs in a process of its own:
+
+- cold: a new process over an empty compile-cache folder (Inductor's FX graph cache, the
+  AOTAutograd cache and Triton's kernels, all under it);
+- warm: another new process over the same folder, as a restarted job finds it.
+
+Rounds interleave the configs, the order reversed every other round (A B C, C B A, ...), and a
+ratio to another config is the median of the per-round ratios. Each child process builds one
+config, runs its first step and one more, and prints one JSON line: the first step's seconds,
+the second step's, and the report's compile-time and first-step breakdowns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+RESULT_MARK = "TAX_FIRST_STEP "
+
+
+def child_env(cache_dir: str) -> dict[str, str]:
+    """The environment of a child process: its compile caches on, under ``cache_dir`` only."""
+    # Its own rendezvous port: the parent's process group still holds the parent's.
+    port = str(int(os.environ.get("MASTER_PORT", "29517")) + 1)
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
+            "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1", "BUCKETWISE_PROGRESS": "0",
+            "MASTER_PORT": port}
+
+
+def run_child(model: str, config: str, backend: str, cache_dir: str, timeout_s: float) -> dict[str, Any]:
+    """One new process: ``config``'s first step over ``cache_dir``; its JSON line, or the error."""
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tax_bench.py"), "--model", model,
+           "--configs", config, "--backend", backend, "--first-step-only", "--out", cache_dir]
+    try:
+        proc = subprocess.run(cmd, env=child_env(cache_dir), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK):])
+    return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+
+
+def run_restarts(model: str, configs: list[str], backend: str, rounds: int, *, timeout_s: float = 900.0) -> dict[str, Any]:
+    """``rounds`` interleaved rounds of a cold and a warm first step per config."""
+    root = tempfile.mkdtemp(prefix="bucketwise-restarts-")
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    try:
+        for r in range(rounds):
+            order = configs if r % 2 == 0 else configs[::-1]
+            for config in order:
+                cache = os.path.join(root, f"r{r}-{config}")
+                os.makedirs(cache)
+                cold = run_child(model, config, backend, cache, timeout_s)
+                warm = run_child(model, config, backend, cache, timeout_s) if "error" not in cold else cold
+                runs[config].append({"cold": cold, "warm": warm})
+                print(f"restarts round {r + 1}/{rounds} {config}: cold {_s(cold)}, warm {_s(warm)}", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"rounds": rounds, "runs": runs, "summary": summarize(runs)}
+
+
+def _s(run: dict[str, Any]) -> str:
+    return f"{run['first_step_s']:.1f} s" if "first_step_s" in run else f"failed ({run['error'][:200]})"
+
+
+def _first(runs: list[dict[str, Any]], phase: str) -> list[float | None]:
+    return [r[phase].get("first_step_s") for r in runs]
+
+
+def median_ratio(a: list[float | None], b: list[float | None]) -> float | None:
+    """Median over rounds of ``a/b`` (rounds where either failed left out)."""
+    pairs = [x / y for x, y in zip(a, b) if x is not None and y]
+    return statistics.median(pairs) if pairs else None
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per config: median cold and warm first steps, and the ratios the goals name: cold over
+    torch's DDPOptimizer (``torch``), and a CUDA-graph config's warm first step over its
+    non-graphed twin's (``bw-fused-cg`` over ``bw-fused``)."""
+    out = {}
+    for config, rs in runs.items():
+        cold, warm = _first(rs, "cold"), _first(rs, "warm")
+        row = {"cold_s": _median(cold), "warm_s": _median(warm), "cold_runs": cold, "warm_runs": warm,
+               "first_step_accounted": _median([_accounted(r["cold"]) for r in rs])}
+        if "torch" in runs and config != "torch":
+            row["cold_over_torch"] = median_ratio(cold, _first(runs["torch"], "cold"))
+        twin = config.removesuffix("-cg")
+        if config.endswith("-cg") and twin in runs:
+            row["warm_over_uncaptured"] = median_ratio(warm, _first(runs[twin], "warm"))
+        out[config] = row
+    return out
+
+
+def _accounted(run: dict[str, Any]) -> float | None:
+    first = run.get("first_step")
+    return first["compiled_calls_s"] / run["first_step_s"] if first and run.get("first_step_s") else None
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def print_result(result: dict[str, Any]) -> None:
+    """The child's one line for its parent."""
+    print(RESULT_MARK + json.dumps(result), flush=True)
