@@ -17,7 +17,7 @@ where no public hook hands it out before it is called. The first place that sees
 which the Trainer calls with the DDP module for every training step (and every evaluation step
 with labels). There, once per DDP module, :class:`BucketwiseTrainer` builds what
 ``bucketwise.compile(ddp)`` builds and routes that module's forward to it
-(``_ddp_compat.route_forward``: an instance attribute of that one module, as the ``"bucketwise"``
+(``ddpc.route_forward``: an instance attribute of that one module, as the ``"bucketwise"``
 torch.compile backend does; the classes of torch and transformers stay untouched), then hands the
 same DDP module on to the Trainer's own ``compute_loss``. Everything of the Trainer sees the
 objects it built (``unwrap_model``, ``no_sync()`` under gradient accumulation, saving), and the
@@ -43,11 +43,11 @@ from typing import Any
 import torch
 import transformers
 
-from .compiler import _dynamo_compat as dc
+from ._compat import dynamo as dc
 from .compiler.api import compile as bucketwise_compile
 from .compiler.config import CompileConfig
 from .compiler.report import report
-from .distributed import _ddp_compat
+from ._compat import ddp as ddpc
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,8 @@ class BucketwiseTrainerMixin:
     # -- what compute_loss hands on ----------------------------------------------------------
 
     def _bucketwise_model(self, model: Any) -> Any:
-        if _ddp_compat.is_ddp(model):
-            if _ddp_compat.owner_of(model) is None:
+        if ddpc.is_ddp(model):
+            if ddpc.owner_of(model) is None:
                 self._bucketwise_attach(model)
             return model
         training = model.training and torch.is_grad_enabled()
@@ -127,12 +127,12 @@ class BucketwiseTrainerMixin:
         rep = compiled._bucketwise_report
         rep.note(f"compiled by bucketwise.hf.{type(self).__name__}: bucketwise runs this DDP module's forward "
                  "from the first step on (NOTE [HF Trainer on fused])")
-        if chosen and _ddp_compat.find_unused_parameters(ddp):
+        if chosen and ddpc.find_unused_parameters(ddp):
             rep.note("strategy 'fused' although the Trainer asked DDP for find_unused_parameters=True (its default "
                      "without gradient checkpointing): ranks whose graphs read different parameters raise "
                      "RankMismatchError; set ddp_find_unused_parameters=True yourself to get 'auto' (split)")
-        _ddp_compat.route_forward(ddp, compiled)
-        _ddp_compat.set_owner(ddp.module, compiled)  # report(trainer.model) finds it
+        ddpc.route_forward(ddp, compiled)
+        ddpc.set_owner(ddp.module, compiled)  # report(trainer.model) finds it
         log.info("bucketwise: %s compiled by %s (strategy %s)", rep.target, type(self).__name__,
                  options.get("strategy", "auto"))
 

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..distributed import _ddp_compat
+from .._compat import ddp as ddpc
 from . import cudagraph_policy
 from .config import CompileConfig
 from .module import CompiledModule, compile_function
@@ -85,8 +85,8 @@ def compile(
 def compile_with_config(obj: nn.Module | Callable[..., Any], config: CompileConfig) -> Any:
     """:func:`compile` with its arguments already checked (also what the ``"bucketwise"``
     torch.compile backend builds for a DDP module)."""
-    if _ddp_compat.is_ddp(obj):
-        problem = _ddp_compat.process_group_usable(obj)
+    if ddpc.is_ddp(obj):
+        problem = ddpc.process_group_usable(obj)
         if problem is not None:
             raise ValueError(f"obj: cannot compile this DDP module: {problem}")
     _check_cudagraphs(config)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
-from . import _dynamo_compat as dc
+from .._compat import dynamo as dc
 
 POLLS_AFTER_COMPILE = 3
 """Calls after a compile that look for torch's records of it (frame, then the lazy backward)."""

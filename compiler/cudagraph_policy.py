@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from . import _dynamo_compat as dc
+from .._compat import dynamo as dc
 
 # Ops that read a tensor's value on the host (a device-to-host copy + synchronisation) or whose
 # output shape depends on tensor values: a capture would bake one step's answer into the graph.

@@ -56,7 +56,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..distributed import teardown
-from . import _dynamo_compat as dc
+from .._compat import dynamo as dc
 
 log = logging.getLogger(__name__)
 
@@ -394,7 +394,7 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def inner_compile_factory(group: CudaGraphGroup, label: Callable[[], str], *, auto: bool) -> Callable[[], Callable[..., Any]]:
-    """``make_inner`` for :func:`_dynamo_compat.compile_with_inner`: each graph handed to the
+    """``make_inner`` for :func:`dc.compile_with_inner`: each graph handed to the
     backend gets an inner compile that compiles with Inductor and wraps the result in a runner
     named after ``label()`` (read once, when the backend is called)."""
     from .cudagraph_policy import capture_blockers, mutated_placeholders

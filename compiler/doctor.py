@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from . import _dynamo_compat as dc
+from .._compat import dynamo as dc
 
 DOCTOR_ENV = "BUCKETWISE_DOCTOR_DIR"
 LADDER_ENV = "BUCKETWISE_DOCTOR_LADDER"

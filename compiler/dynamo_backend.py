@@ -19,7 +19,7 @@ never traces DDP's own forward, it runs it eagerly and compiles the frames below
   Lightning Fabric): the frame is the wrapped module's own. At its first call the backend builds
   what ``bucketwise.compile(ddp)`` builds (a ``CompiledModule`` with its own frame, Dynamo
   cache, report, strategy ``auto``, rank checks, CUDA graphs on request) and routes that DDP
-  module's forward to it (``_ddp_compat.route_forward``: an instance attribute of that one
+  module's forward to it (``ddpc.route_forward``: an instance attribute of that one
   module; the class and torch untouched). From the second call on, DDP's pre/post-forward run
   eagerly around bucketwise's compiled inner module, exactly as under ``bucketwise.compile``,
   and torch's DDPOptimizer never sees those frames (no active DDP module during them).
@@ -44,8 +44,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..distributed import _ddp_compat
-from . import _dynamo_compat as dc
+from .._compat import ddp as ddpc
+from .._compat import dynamo as dc
 from .config import CompileConfig
 from .graph_backend import GraphBackend
 from .report import Report
@@ -118,7 +118,7 @@ def bucketwise_backend(
         module = _frame_module()
         if module is not None:
             # report() accepts the module compiled inside DDP, and what torch.compile returned for it.
-            _ddp_compat.set_owner(module, owner)
+            ddpc.set_owner(module, owner)
     owner.first_call.compiled(dc.compiling_code())
     return gm.forward
 
@@ -172,10 +172,10 @@ def attach(ddp: Any, config: CompileConfig) -> Any:
         "call on (NOTE [registered backend takes over the DDP forward])"
     )
     compiled.__dict__["first_call"] = _FirstCall(ddp)
-    _ddp_compat.route_forward(ddp, compiled)
+    ddpc.route_forward(ddp, compiled)
     # report() accepts the module the user compiled (Fabric re-applies the compile over its DDP
     # module, so the user's OptimizedModule wraps ddp.module) as well as the DDP module.
-    _ddp_compat.set_owner(ddp.module, compiled)
+    ddpc.set_owner(ddp.module, compiled)
     log.info("bucketwise: %s compiled by torch.compile(backend='bucketwise') (strategy %s, inner backend %s)",
              compiled._bucketwise_report.target, config.strategy, config.backend_name)
     return compiled
@@ -187,12 +187,12 @@ def attach_inside(ddp: Any, config: CompileConfig) -> "InsideDDP":
     if owner is not None:
         return owner
     owner = InsideDDP(ddp, config)
-    _ddp_compat.set_owner(ddp, owner)
+    ddpc.set_owner(ddp, owner)
     return owner
 
 
 def _existing(ddp: Any, config: CompileConfig) -> Any | None:
-    owner = _ddp_compat.owner_of(ddp)
+    owner = ddpc.owner_of(ddp)
     if owner is not None and owner._bucketwise_backend.config != config:
         log.warning("bucketwise: %s is already compiled with other options; keeping the first ones",
                     owner._bucketwise_report.target)
@@ -274,7 +274,7 @@ class InsideDDP:
         after ``ALIGNMENT_POLLS`` forwards past the rebuild."""
         if self._alignment_polls >= ALIGNMENT_POLLS or not self._bucketwise_report.graphs:
             return
-        if not _ddp_compat.has_rebuilt_buckets(self._ddp) and _ddp_compat.will_rebuild(self._ddp):
+        if not ddpc.has_rebuilt_buckets(self._ddp) and ddpc.will_rebuild(self._ddp):
             return
         self._alignment_polls += 1
         if self._bucketwise_report.alignment is not None or self._alignment_polls >= ALIGNMENT_POLLS:

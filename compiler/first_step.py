@@ -21,8 +21,8 @@ import dataclasses
 import time
 from typing import Any, Callable
 
-from ..distributed import _autograd_compat
-from . import _dynamo_compat as dc
+from .._compat import autograd as agc
+from .._compat import dynamo as dc
 
 _AUTOTUNE_PHASES = ("CachingAutotuner.benchmark_all_configs", "CachingAutotuner.coordinate_descent_tuning")
 
@@ -64,7 +64,7 @@ class FirstStep:
         self.forward_s = time.perf_counter() - self._t0
         self.end_us = dc.wall_us()
         self.autotune_s = _autotune_seconds() - self._autotune_at_start
-        nodes = {t.grad_fn for t in _autograd_compat.tensor_leaves(output) if t.grad_fn is not None}
+        nodes = {t.grad_fn for t in agc.tensor_leaves(output) if t.grad_fn is not None}
         self._hooks = [node.register_prehook(self._backward_started) for node in nodes]
 
     def _backward_started(self, grad_outputs: Any) -> None:
@@ -82,7 +82,7 @@ class FirstStep:
                 handle.remove()
             self._hooks = []
 
-        _autograd_compat.queue_backward_callback(backward_done)
+        agc.queue_backward_callback(backward_done)
         return None
 
     def summary(self, compiled_within: Callable[[int, int], float]) -> dict[str, Any] | None:

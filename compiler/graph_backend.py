@@ -17,12 +17,12 @@ from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
-from ..distributed import _collectives_compat as cc
-from ..distributed import _ddp_compat
-from ..distributed.cache_keys import traced_call_targets
+from .._compat import collectives as cc
+from .._compat import ddp as ddpc
+from ..distributed.cache_keys import comm_pass_key, traced_call_targets
 from ..distributed.ddp_optimizer import plan_for_graph, split_and_compile
 from ..distributed.embedding_rows import insert_embedding_rows, plan_embedding_rows, renormed_tables
-from ..distributed.comm_hooks import HookedGraph, HookProgram, TracedHookProgram
+from ..distributed.comm_hooks import HookedGraph, HookProgram, TracedHookProgram, comm_hook_kind
 from ..distributed.fused import CommSpec, backward_positions, insert_bucket_syncs
 from ..distributed.fused_policy import why_not_fused
 from ..distributed.powersgd_run import PowerSGDRun
@@ -31,7 +31,7 @@ from ..distributed.rank_check import check_same_on_all_ranks, gather_on_all_rank
 from ..distributed.ready_order import FirstIterationOrder, ReadyLast
 from ..partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops, ready_order
 from ..partitioners.split import Segment
-from . import _dynamo_compat as dc
+from .._compat import dynamo as dc
 from . import cudagraph_policy, doctor
 from .compile_times import backend_call_times
 from .config import CompileConfig
@@ -148,7 +148,7 @@ class GraphBackend:
         fn = result.fn
         if ddp is not None and params and strategy != "fused":
             fn = FirstIterationOrder(fn, ddp, _forward_positions(gm, params))
-        trigger = _ddp_compat.delayed_allreduce_trigger(ddp) if ddp is not None else None
+        trigger = ddpc.delayed_allreduce_trigger(ddp) if ddp is not None else None
         if trigger is not None:
             positions = [i for i, a in enumerate(example_inputs) if a is trigger]
             fn = ReadyLast(fn, positions) if positions else fn
@@ -161,9 +161,9 @@ class GraphBackend:
         (DDP's reducer under ``split``/``none``, the fused runtime under ``fused``)."""
         if ddp is None:
             return []
-        named = _ddp_compat.reducer_parameters(ddp)
+        named = ddpc.reducer_parameters(ddp)
         params = find_graph_params(gm, example_inputs, named)
-        sparse = {id(p) for (_, p), flag in zip(named, _ddp_compat.sparse_gradient_flags(ddp)) if flag}
+        sparse = {id(p) for (_, p), flag in zip(named, ddpc.sparse_gradient_flags(ddp)) if flag}
         dense = [p for p in params if id(p.tensor) not in sparse]
         for p in params:
             if id(p.tensor) in sparse and p.name not in self._sparse_noted:
@@ -187,7 +187,7 @@ class GraphBackend:
             return "none", ("no_sync(): no gradient communication" if self.variant == "no_sync" else None)
         if ddp is None:
             return "none", ("no DDP module: no gradient buckets" if requested in ("split", "fused") else None)
-        if _ddp_compat.uses_python_reducer(ddp):
+        if ddpc.uses_python_reducer(ddp):
             return "none", "DDP's python reducer (compiled autograd) does its own bucketing"
         if requested == "split":
             return "split", None
@@ -288,11 +288,11 @@ class GraphBackend:
         """The program of the DDP module's comm hook, shared by its graphs; ``None`` for torch's
         allreduce/fp16/bf16 hooks and no hook (plain ``BucketSync``)."""
         runtime = self.fused_runtime
-        kind, _ = _ddp_compat.comm_hook_kind(ddp)
+        kind, _ = comm_hook_kind(ddp)
         if kind not in ("powersgd", "traceable"):
             return None
         if runtime.hook is None:
-            hook, state = _ddp_compat.comm_hook(ddp)
+            hook, state = ddpc.comm_hook(ddp)
             if kind == "powersgd":
                 runtime.hook = PowerSGDRun(state, _group_spec(state.process_group), dc.mark_static_address)
             else:
@@ -312,7 +312,7 @@ class GraphBackend:
         compiler = VariantCompiler(gm, example_inputs, program, synced, self._compile_variant, self.report, self._label)
         graph = HookedGraph(program, synced, compiler)
         # Equal results with eager DDP need the reducer's buckets (NOTE [powersgd in the graph]).
-        if not _ddp_compat.will_rebuild(ddp):
+        if not ddpc.will_rebuild(ddp):
             self.report.note(f"{program.name}: DDP keeps its construction-time buckets (find_unused_parameters=True), "
                              "the fused graphs reduce the planned ones: the hook sees other buckets than in eager DDP")
         elif program.bucket_count() > len(synced):
@@ -371,7 +371,7 @@ class GraphBackend:
         if tables:
             context += (f"; this graph gathers embedding gradients as rows ({tables[0].signature(spec)}), which "
                         "needs every rank to look up as many ids: pass gather_embedding_rows=False otherwise")
-        pg = _ddp_compat.process_group(ddp)
+        pg = ddpc.process_group(ddp)
         check_start = time.perf_counter()
         everyone = gather_on_all_ranks((layout, dense_layout), pg, what="fused bucket layout", context=context)
         self._rank_check_s += time.perf_counter() - check_start
@@ -402,7 +402,7 @@ class GraphBackend:
         """The backend, with Inductor's comm/compute reordering on (scoped to its compiles)."""
         if self._fused_backend is None:
             if self.config.backend == "inductor":
-                options = {**cc.comm_overlap_options(), **(self.config.options or {})}
+                options = {**cc.comm_overlap_options(comm_pass_key()), **(self.config.options or {})}
                 self._fused_backend = self._make_backend(dc.cacheable_calls_options(traced_call_targets(), options))
             else:
                 self._fused_backend = self.segment_backend
@@ -509,11 +509,11 @@ def _wire_bytes(bucket: Sequence[GraphParam], spec: CommSpec) -> int:
 
 
 def _comm_spec(ddp: Any) -> CommSpec:
-    kind, _ = _ddp_compat.comm_hook_kind(ddp)
+    kind, _ = comm_hook_kind(ddp)
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(kind)
     import torch
 
-    spec = _group_spec(_ddp_compat.process_group(ddp))
+    spec = _group_spec(ddpc.process_group(ddp))
     return dataclasses.replace(spec, comm_dtype=getattr(torch, dtype) if dtype else None, divide_first=kind != "reducer")
 
 

@@ -12,7 +12,7 @@ import torch.fx as fx
 from ..distributed.comm_hooks import HookProgram
 from ..distributed.fused import fresh_copy
 from ..partitioners.param_usage import GraphParam
-from . import _dynamo_compat as dc
+from .._compat import dynamo as dc
 from .report import Report, VariantStats
 from .segments import CompileOutcome
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..distributed import _c10d_compat
+from .._compat import c10d as c10c
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def publish(stats_dir: str, relpath: str, data: dict[str, Any]) -> None:
 def _open(stats_dir: str) -> _Publisher | None:
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return None
-    store = _c10d_compat.default_store()
+    store = c10c.default_store()
     if store is None:
         return None
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

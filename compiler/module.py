@@ -12,12 +12,13 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..distributed import _ddp_compat, teardown
+from .._compat import ddp as ddpc
+from ..distributed import teardown
 from ..distributed.alignment import measure_alignment
 from ..distributed.fused_policy import why_not_fused
 from ..distributed.fused_runtime import FusedRuntime
 from ..distributed.rank_check import prepare_rank_checks
-from . import _dynamo_compat as dc
+from .._compat import dynamo as dc
 from . import profiling
 from .config import CompileConfig
 from .freeze import freeze_after_warmup, stance
@@ -69,7 +70,7 @@ class CompiledModule(nn.Module):
     def __init__(self, mod: nn.Module, config: CompileConfig) -> None:
         super().__init__()
         self._orig_mod = mod
-        ddp = mod if _ddp_compat.is_ddp(mod) else None
+        ddp = mod if ddpc.is_ddp(mod) else None
         inner = mod.module if ddp is not None else mod
         report = Report(target=type(inner).__name__ if ddp is None else f"DDP({type(inner).__name__})",
                         strategy=config.strategy, backend=config.backend_name)
@@ -92,10 +93,10 @@ class CompiledModule(nn.Module):
             # Dynamo keeps one cache entry per backend, so switching costs no recompile.
             nosync = GraphBackend(dataclasses.replace(config, strategy="none"), report, ddp, variant="no_sync")
             self.__dict__["_bucketwise_call_nosync"] = _torch_compile(forward, nosync, config)
-            prepare_rank_checks(_ddp_compat.process_group(ddp))
+            prepare_rank_checks(ddpc.process_group(ddp))
             if backend.cudagraphs is not None:
                 # The backward graphs will hold the bucket allreduces' NCCL kernels.
-                teardown.guard(_ddp_compat.process_group(ddp))
+                teardown.guard(ddpc.process_group(ddp))
             report.set_alignment_source(
                 lambda: {"alignment": None, "status": "fused: DDP's reducer is idle, the compiled backward reduces"}
             )
@@ -104,7 +105,7 @@ class CompiledModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         ddp = self._bucketwise_ddp
-        training = torch.is_grad_enabled() and (ddp is None or _ddp_compat.grad_sync_requested(ddp))
+        training = torch.is_grad_enabled() and (ddp is None or ddpc.grad_sync_requested(ddp))
         profiling.on_call(self, self._bucketwise_report, training=training)
         runs = self._bucketwise_report.graph_runs
         first = self._bucketwise_report.first_step
@@ -129,14 +130,14 @@ class CompiledModule(nn.Module):
         if runtime is not None and not self._fused_checked:
             runtime = self._confirm_fused(ddp, runtime)
         if runtime is not None:
-            sync = _ddp_compat.grad_sync_requested(ddp) and torch.is_grad_enabled()
-            if sync and _ddp_compat.join_enabled(ddp):
+            sync = ddpc.grad_sync_requested(ddp) and torch.is_grad_enabled()
+            if sync and ddpc.join_enabled(ddp):
                 return self._forward_in_join(ddp, runtime, args, kwargs)
             return self._forward_fused(ddp, runtime, sync, args, kwargs)
         return self._forward_with_reducer(ddp, self._bucketwise_call, args, kwargs)
 
     def _forward_fused(self, ddp: Any, runtime: FusedRuntime, sync: bool, args: tuple, kwargs: dict) -> Any:
-        if not _ddp_compat.reducer_released(ddp):
+        if not ddpc.reducer_released(ddp):
             self._release_reducer(ddp)
         runtime.before_forward(sync)
         call = self._bucketwise_call if sync else self._bucketwise_call_nosync
@@ -144,7 +145,7 @@ class CompiledModule(nn.Module):
         # part of the warm-up even when it comes after freezing.
         warm = sync or self._nosync_warm
         with stance(self) if warm else contextlib.nullcontext():
-            out = _ddp_compat.run_forward_with_idle_reducer(ddp, args, kwargs, call)
+            out = ddpc.run_forward_with_idle_reducer(ddp, args, kwargs, call)
         if not sync:
             self.__dict__["_nosync_warm"] = True
         runtime.after_forward(out, sync)
@@ -164,8 +165,8 @@ class CompiledModule(nn.Module):
         reducer in charge, exactly what the join hook on the joined ranks mirrors. Only the
         last steps of an uneven epoch lose the in-graph overlap.
         """
-        world = _ddp_compat.world_size(ddp)
-        with _ddp_compat.join_notified(ddp) as notice:
+        world = ddpc.world_size(ddp)
+        with ddpc.join_notified(ddp) as notice:
             not_joined = notice.not_joined
             if not_joined is not None and not_joined == world:
                 return self._forward_fused(ddp, runtime, True, args, kwargs)
@@ -186,19 +187,19 @@ class CompiledModule(nn.Module):
     def _forward_with_reducer(self, ddp: Any, call: Callable[..., Any], args: tuple, kwargs: dict, *,
                               warm: bool = True) -> Any:
         """DDP's own forward around a compiled call: the reducer reduces in the backward."""
-        args, kwargs = _ddp_compat.pre_forward(ddp, args, kwargs)
-        if self._alignment_pending and _ddp_compat.has_rebuilt_buckets(ddp):
+        args, kwargs = ddpc.pre_forward(ddp, args, kwargs)
+        if self._alignment_pending and ddpc.has_rebuilt_buckets(ddp):
             self._refresh_alignment()
         with stance(self) if warm else contextlib.nullcontext():
             out = call(*args, **kwargs)
-        return _ddp_compat.post_forward(ddp, out)
+        return ddpc.post_forward(ddp, out)
 
     def _confirm_fused(self, ddp: Any, runtime: FusedRuntime) -> FusedRuntime | None:
         """At the first forward (comm hooks are registered after construction): keep DDP's
         reducer in charge when the fused strategy cannot reproduce what it would do."""
         self.__dict__["_fused_checked"] = True
         requested = self._bucketwise_backend.config.strategy
-        if why_not_fused(ddp, requested) is None and not _ddp_compat.uses_python_reducer(ddp):
+        if why_not_fused(ddp, requested) is None and not ddpc.uses_python_reducer(ddp):
             self.__dict__["_release_wanted"] = True
             return runtime
         runtime.remove_hooks()
@@ -215,9 +216,9 @@ class CompiledModule(nn.Module):
         keeps whatever reducer it has, and every rank's must be in the same state."""
         if not self.__dict__.get("_release_wanted"):
             return
-        if _ddp_compat.wants_released_reducer(ddp) and _ddp_compat.join_enabled(ddp):
+        if ddpc.wants_released_reducer(ddp) and ddpc.join_enabled(ddp):
             return
-        freed = _ddp_compat.release_reducer(ddp)
+        freed = ddpc.release_reducer(ddp)
         if freed and not self.__dict__.get("_release_noted"):
             self.__dict__["_release_noted"] = True
             self._bucketwise_report.note(

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from . import _dynamo_compat as dc
+from .._compat import dynamo as dc
 from . import doctor
 from .progress import Progress
 
@@ -106,7 +106,7 @@ def compile_segments(
     """Compile every ``submod_*`` of ``split_gm`` in forward order, replacing it in place.
 
     Each segment is compiled against fake inputs that carry the strides the previous compiled
-    segment really produces (see NOTE [several AOT graphs per Dynamo graph] in _dynamo_compat).
+    segment really produces (see NOTE [several AOT graphs per Dynamo graph] in _compat/dynamo.py).
     """
     fake_mode = dc.detect_fake_mode(example_inputs)
     tracing = dc.SegmentTracing()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from . import _ddp_compat
+from .._compat import ddp as ddpc
 
 
 def measure_alignment(ddp: Any, param_segments: Mapping[int, Mapping[str, int]]) -> dict[str, Any]:
@@ -18,13 +18,13 @@ def measure_alignment(ddp: Any, param_segments: Mapping[int, Mapping[str, int]])
     ``{"alignment": None, "status": "pending ..."}`` until the reducer has rebuilt its buckets
     from the first iteration's gradient-ready order.
     """
-    buckets, source = _ddp_compat.reducer_buckets(ddp)
+    buckets, source = ddpc.reducer_buckets(ddp)
     if buckets is None:
         return {
             "alignment": None,
             "status": "pending: DDP's reducer rebuilds its buckets after the first iterations",
         }
-    names = [name for name, _ in _ddp_compat.reducer_parameters(ddp)]
+    names = [name for name, _ in ddpc.reducer_parameters(ddp)]
     where: dict[str, tuple[int, int]] = {}
     for frame in sorted(param_segments):
         for name, seg in param_segments[frame].items():

@@ -12,7 +12,7 @@ bucketwise's code changed:
   accepts only call targets it knows to be safe; these are declared safe through Inductor's
   ``unsafe_marked_cacheable_functions`` option, scoped to bucketwise's own compiles, with a key
   that changes whenever the code they trace changes (:func:`traced_call_targets`);
-- the scheduler pass handed to Inductor (``_collectives_compat.sink_waits_to_consumers``) is an
+- the scheduler pass handed to Inductor (``cc.sink_waits_to_consumers``) is an
   object whose pickled form (what the FX graph cache hashes) carries the same kind of key.
 
 A key is the hash of the source files of the modules whose code ends up in the compiled graph.
@@ -53,7 +53,15 @@ def source_key(*modules: ModuleType) -> str:
 def traced_call_targets() -> dict[str, str]:
     """``module.function`` name -> cache key of every function the fused graph passes insert as a
     ``call_function`` target (the names AOTAutograd's cache checks a graph's calls against)."""
-    from . import _collectives_compat, embedding_rows, fused
+    from .._compat import collectives as cc
+    from . import embedding_rows, fused
 
-    key = source_key(fused, embedding_rows, _collectives_compat)
+    key = source_key(fused, embedding_rows, cc)
     return {f"{fn.__module__}.{fn.__name__}": key for fn in (fused.bucket_sync, embedding_rows.embedding_rows)}
+
+
+def comm_pass_key() -> str:
+    """The cache key of the comm scheduler pass (``_compat/collectives.py``) handed to Inductor."""
+    from .._compat import collectives as cc
+
+    return source_key(cc)

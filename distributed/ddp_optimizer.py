@@ -21,7 +21,7 @@ from ..compiler.progress import Progress
 from ..compiler.segments import CompileOutcome, compile_segments
 from ..partitioners.param_usage import GraphParam, ready_order
 from ..partitioners.split import Segment, bucket_boundaries, split_graph
-from . import _ddp_compat
+from .._compat import ddp as ddpc
 from .plan import BucketCaps, buckets_from_reducer, plan_buckets
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def plan_for_graph(ddp: Any, params: Sequence[GraphParam], caps: BucketCaps) -> 
     reducer will rebuild to the same buckets (NOTE [first-iteration gradient order]).
     """
     if caps.matches_ddp(ddp):
-        known = _ddp_compat.fixed_buckets(ddp)
+        known = ddpc.fixed_buckets(ddp)
         if known is not None:
             return buckets_from_reducer(params, known), "reducer"
     return plan_buckets(ready_order(params), caps), "predicted"

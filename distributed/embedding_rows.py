@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from . import _collectives_compat as cc
+from .._compat import collectives as cc
 from .fused import CommSpec
 from ..partitioners.param_usage import GraphParam
 from ..partitioners.regions import transform_regions

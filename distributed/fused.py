@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from . import _collectives_compat as cc
+from .._compat import collectives as cc
 from ..partitioners.param_usage import GraphParam
 from ..partitioners.split import LazyGraph
 from ..partitioners.regions import outside_regions, transform_regions

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _ddp_compat
+from .._compat import ddp as ddpc
+from .comm_hooks import comm_hook_kind
 
 
 def why_not_fused(ddp: Any, requested: str) -> str | None:
@@ -13,10 +14,10 @@ def why_not_fused(ddp: Any, requested: str) -> str | None:
 
     Read at the first forward, once comm hooks are registered (they come after construction).
     """
-    kind, why = _ddp_compat.comm_hook_kind(ddp)
+    kind, why = comm_hook_kind(ddp)
     if kind == "unsupported":
         return f"{why}; DDP's reducer runs it, overlapping each bucket's hook with the backward"
-    if requested == "auto" and _ddp_compat.find_unused_parameters(ddp):
+    if requested == "auto" and ddpc.find_unused_parameters(ddp):
         # NOTE [fused and unused parameters]: fused graphs reduce the buckets of the parameters
         # they read, agreed on by all ranks at compile time. find_unused_parameters=True says
         # the ranks may read different parameters (a layer used on one rank only), which DDP's

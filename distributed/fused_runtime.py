@@ -34,7 +34,8 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from . import _autograd_compat, _ddp_compat
+from .._compat import autograd as agc
+from .._compat import ddp as ddpc
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class FusedRuntime:
 
     def __init__(self, ddp: Any) -> None:
         self._ddp = weakref.ref(ddp)
-        self.params = [p for _, p in _ddp_compat.reducer_parameters(ddp)]
+        self.params = [p for _, p in ddpc.reducer_parameters(ddp)]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.covered: set[int] = set()
         """ids of parameters that some compiled graph reduces in its backward."""
@@ -181,7 +182,7 @@ class FusedRuntime:
         if not self._in_synced_backward or id(param) in self._step_covered:
             return
         if not self._eager_ready:
-            _autograd_compat.queue_backward_callback(self._flush_eager)
+            agc.queue_backward_callback(self._flush_eager)
         self._eager_ready.append(param)
 
     def _flush_eager(self) -> None:
@@ -212,7 +213,7 @@ class FusedRuntime:
                     continue
                 var = getattr(nxt, "variable", None)
                 if var is not None:
-                    if id(var) in self.covered and not _autograd_compat.is_compiled_graph_node(node):
+                    if id(var) in self.covered and not agc.is_compiled_graph_node(node):
                         eager_slots.append(slot)
                         found.add(id(var))
                 else:
@@ -227,7 +228,7 @@ class FusedRuntime:
         spec = self.spec
         _average_(
             tensors,
-            _ddp_compat.process_group(self.ddp),
+            ddpc.process_group(self.ddp),
             spec.comm_dtype if spec is not None else None,
             spec.divide_first if spec is not None else False,
         )
@@ -246,4 +247,4 @@ class FusedRuntime:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in _autograd_compat.tensor_leaves(obj) if t.requires_grad]
+    return [t for t in agc.tensor_leaves(obj) if t.requires_grad]

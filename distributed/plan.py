@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Sequence
 
-from . import _ddp_compat
+from .._compat import ddp as ddpc
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -49,7 +49,7 @@ class BucketCaps:
         Without overrides these are exactly the limits DDP's reducer uses when it rebuilds its
         buckets, so the plan can coincide with the reducer's real buckets.
         """
-        ddp_first, ddp_cap, per_bucket = _ddp_compat.bucket_caps(ddp)
+        ddp_first, ddp_cap, per_bucket = ddpc.bucket_caps(ddp)
         if bucket_cap_mb is None and first_bucket_cap_mb is None:
             return cls(first_bytes=ddp_first, bytes=ddp_cap, per_bucket=tuple(per_bucket))
         cap = int(bucket_cap_mb * _MIB) if bucket_cap_mb is not None else ddp_cap
@@ -61,7 +61,7 @@ class BucketCaps:
         return cls(first_bytes=first, bytes=cap)
 
     def matches_ddp(self, ddp: "DistributedDataParallel") -> bool:
-        first, cap, per_bucket = _ddp_compat.bucket_caps(ddp)
+        first, cap, per_bucket = ddpc.bucket_caps(ddp)
         return self.limits() == (per_bucket or [first, cap])
 
 
@@ -73,7 +73,7 @@ def plan_buckets(params_in_ready_order: Sequence["GraphParam"], caps: BucketCaps
     if not params:
         return []
     order = list(range(len(params)))
-    groups = _ddp_compat.compute_bucket_assignment([p.tensor for p in params], caps.limits(), order)
+    groups = ddpc.compute_bucket_assignment([p.tensor for p in params], caps.limits(), order)
     # Buckets still open at the end come back in hash order; keep ready order.
     groups.sort(key=min)
     return [[params[i] for i in group] for group in groups]

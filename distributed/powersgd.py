@@ -78,8 +78,8 @@ from typing import Any, Sequence
 
 import torch
 
-from . import _collectives_compat as cc
-from . import _ddp_compat
+from .._compat import collectives as cc
+from .._compat import ddp as ddpc
 from .fused import filled_grads, split_like
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float) -> torch.Tensor:
     output takes QR's column-major strides), made contiguous again."""
     if matrices.shape[2] <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
         out = matrices.clone(memory_format=torch.contiguous_format)
-        _ddp_compat.powersgd_gram_schmidt_(out, epsilon)
+        ddpc.powersgd_gram_schmidt_(out, epsilon)
         return out
     return torch.linalg.qr(matrices).Q.contiguous()
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import _ddp_compat
+from .._compat import ddp as ddpc
 
 
 class FirstIterationOrder:
@@ -33,12 +33,12 @@ class FirstIterationOrder:
         self.compiled = compiled
         self._ddp = weakref.ref(ddp)
         self.positions = list(positions)
-        self.active = bool(self.positions) and _ddp_compat.will_rebuild(ddp)
+        self.active = bool(self.positions) and ddpc.will_rebuild(ddp)
 
     def __call__(self, *args: Any) -> Any:
         if self.active:
             ddp = self._ddp()
-            if ddp is None or _ddp_compat.has_rebuilt_buckets(ddp):
+            if ddp is None or ddpc.has_rebuilt_buckets(ddp):
                 self.active = False
             elif torch.is_grad_enabled():
                 args = through_views(args, self.positions)

@@ -11,7 +11,7 @@ ends with ``destroy_process_group()`` would never exit. Nobody should have to fr
   backend with no communication) whose ``shutdown()`` releases every live recording.
   ``destroy_process_group()`` shuts the groups down one by one, last group name first; the
   release group is created (again, with a new name, if need be) so that it comes before the DDP
-  group (``_c10d_compat.shuts_down_before``);
+  group (``c10c.shuts_down_before``);
 - an ``atexit`` handler releases them at interpreter exit, before torch's own teardown: a script
   that never calls ``destroy_process_group()``, an exception that ends the script, Ctrl-C.
 
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from . import _c10d_compat
+from .._compat import c10d as c10c
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +102,10 @@ def guard(pg: Any) -> None:
                                       devices=["cpu", "cuda"])
     ranks = dist.get_process_group_ranks(pg)
     made = []
-    with _c10d_compat.default_device_unbound():
+    with c10c.default_device_unbound():
         for _ in range(_MAX_TRIES):
             made.append(dist.new_group(ranks=ranks, backend=_BACKEND, use_local_synchronization=True))
-            if _c10d_compat.shuts_down_before(made[-1], pg):
+            if c10c.shuts_down_before(made[-1], pg):
                 break
         else:
             log.warning("bucketwise: could not place the CUDA-graph release before the DDP process group's "

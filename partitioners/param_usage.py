@@ -8,7 +8,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx as fx
 
-from ..compiler._dynamo_compat import is_higher_order_op
+from .._compat.dynamo import is_higher_order_op
 
 
 @dataclasses.dataclass(frozen=True)

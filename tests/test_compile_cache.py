@@ -8,18 +8,18 @@ import pickle
 import torch
 import torch.fx as fx
 
-from bucketwise.compiler import _dynamo_compat as dc
-from bucketwise.distributed import _collectives_compat as cc
-from bucketwise.distributed.cache_keys import source_key, traced_call_targets
+from bucketwise._compat import dynamo as dc
+from bucketwise._compat import collectives as cc
+from bucketwise.distributed.cache_keys import comm_pass_key, source_key, traced_call_targets
 from bucketwise.distributed.fused import CommSpec, insert_bucket_syncs
 from bucketwise.partitioners.param_usage import find_graph_params
 
 
 def test_scheduler_pass_pickles_with_the_hash_of_its_source():
-    passes = cc.comm_overlap_options()["reorder_for_compute_comm_overlap_passes"]
+    passes = cc.comm_overlap_options(comm_pass_key())["reorder_for_compute_comm_overlap_passes"]
     sink = passes[-1]
     assert sink.uuid() == source_key(cc) and sink.uuid().startswith("bucketwise-")
-    assert pickle.dumps(sink) == pickle.dumps(cc.comm_overlap_options()["reorder_for_compute_comm_overlap_passes"][-1])
+    assert pickle.dumps(sink) == pickle.dumps(cc.comm_overlap_options(comm_pass_key())["reorder_for_compute_comm_overlap_passes"][-1])
     assert pickle.dumps(sink) != pickle.dumps(cc.SinkWaitsPass("bucketwise-other"))
     assert sink.key.encode() in pickle.dumps(sink)
 

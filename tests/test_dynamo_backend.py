@@ -81,7 +81,7 @@ def test_options():
 def test_dynamic_seen_by_the_backend(dynamic):
     """torch.compile does not pass dynamic= to a backend; bucketwise reads it from the Dynamo
     config torch.compile patches around its calls."""
-    from bucketwise.compiler import _dynamo_compat as dc
+    from bucketwise._compat import dynamo as dc
 
     seen = []
 

@@ -113,7 +113,7 @@ def _inductor_backward_calls(rank: int, world: int, variant: str, cache_dir: str
 @pytest.mark.inductor
 @pytest.mark.parametrize("variant", ["fp32", "fp16", "fp16-autocast"])
 def test_fused_inductor_overlaps_every_bucket(tmp_path, variant):
-    # NOTE [late waits] (distributed/_collectives_compat.py): left to itself Inductor puts each
+    # NOTE [late waits] (distributed/cc.py): left to itself Inductor puts each
     # wait before the next allreduce (one bucket in flight), and under autocast with a compress
     # hook it issued the first bucket's allreduce after the whole backward (with our first pass).
     args = (variant, str(tmp_path / "inductor"))

@@ -1,6 +1,6 @@
 """Gradients exist once under ``fused``: DDP's idle bucket buffers are released.
 
-NOTE [released reducer] (distributed/_ddp_compat.py): once ``fused`` is confirmed, DDP's reducer
+NOTE [released reducer] (distributed/ddpc.py): once ``fused`` is confirmed, DDP's reducer
 and its bucket buffers (a second copy of every gradient) are destroyed; ``param.grad`` views the
 bucket buffers the compiled backward reduces into, and the reducer is rebuilt only where
 something needs it. Every case here trains eager DDP and ``fused`` side by side on 2 gloo ranks
@@ -72,7 +72,7 @@ def _new_compiled(module: nn.Module) -> Any:
 
 
 def _train(rank: int, world: int, scenario: str) -> dict[str, Any]:
-    from bucketwise.distributed import _ddp_compat
+    from bucketwise._compat import ddp as ddpc
 
     torch.manual_seed(0)
     base = MLP()
@@ -95,13 +95,13 @@ def _train(rank: int, world: int, scenario: str) -> dict[str, Any]:
         if scenario == "logging_data" and step == 2:
             # Reading DDP's logging data rebuilds the released reducer; the next step releases it again.
             assert compiled._bucketwise_ddp._get_ddp_logging_data()["world_size"] == world
-            out["rebuilt_for_logging"] = not _ddp_compat.reducer_released(compiled._bucketwise_ddp)
+            out["rebuilt_for_logging"] = not ddpc.reducer_released(compiled._bucketwise_ddp)
         for k in range(micro):
             x = _batch(rank, step * micro + k)
             for model, ddp in ((ref, ref), (compiled, compiled._bucketwise_ddp)):
                 with ddp.no_sync() if k < micro - 1 else contextlib.nullcontext():
                     _loss(model, x).backward()
-        out["released"].append(_ddp_compat.reducer_released(compiled._bucketwise_ddp))
+        out["released"].append(ddpc.reducer_released(compiled._bucketwise_ddp))
         if scenario == "bucket_views":
             out["storages"].append([len(s) for s in _bucket_storages(compiled)])
         for (name, p), q in zip(ref.module.named_parameters(), cmp_module.parameters()):
@@ -146,7 +146,7 @@ def _join_with_hook(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     import bucketwise
-    from bucketwise.distributed import _ddp_compat
+    from bucketwise._compat import ddp as ddpc
 
     torch.manual_seed(0)
     base = MLP()
@@ -165,7 +165,7 @@ def _join_with_hook(rank: int, world: int) -> dict[str, Any]:
                 records[name].append([p.grad.clone() for p in module.parameters()])
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                states.append(_ddp_compat.reducer_released(ddp)) if name == "cmp" else None
+                states.append(ddpc.reducer_released(ddp)) if name == "cmp" else None
         records[name].append([p.detach().clone() for p in module.parameters()])
     for step, (a, b) in enumerate(zip(records["ref"], records["cmp"])):
         for i, (x, y) in enumerate(zip(a, b)):
@@ -186,16 +186,16 @@ def test_join_rebuilds_released_reducer_with_its_comm_hook(tmp_path):
 def test_release_frees_the_bucket_buffers(single_rank_group):
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from bucketwise.distributed import _ddp_compat
+    from bucketwise._compat import ddp as ddpc
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("build"):
             ddp = DDP(MLP(), bucket_cap_mb=CAP_MB)
         with record_function("release"):
-            freed = _ddp_compat.release_reducer(ddp)
+            freed = ddpc.release_reducer(ddp)
     expected = sum(p.numel() * p.element_size() for p in ddp.parameters())
     assert freed == expected
     released = [e.cpu_memory_usage for e in prof.events() if e.name == "release"]
     assert released == [-expected], released
-    assert _ddp_compat.release_reducer(ddp) == 0  # nothing left to release
+    assert ddpc.release_reducer(ddp) == 0  # nothing left to release
     assert dist.get_world_size() == 1

@@ -24,10 +24,10 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bucketwise.compiler import _dynamo_compat as dc
+from bucketwise._compat import dynamo as dc
 from bucketwise.compiler.progress import Progress
 from bucketwise.compiler.segments import compile_with_fallback
-from bucketwise.distributed import _ddp_compat
+from bucketwise._compat import ddp as ddpc
 from bucketwise.distributed.ddp_optimizer import split_and_compile
 from bucketwise.distributed.plan import BucketCaps, plan_buckets
 from bucketwise.launch.models import GPT, GPTConfig, mlp, synthetic_tokens
@@ -374,7 +374,7 @@ def test_buffers_and_frozen_parameters_not_counted(single_rank_group):
     inner = ddp.module
     x = torch.randn(8, 16)
     gm, ex = capture_one(inner, x)
-    reducer = _ddp_compat.reducer_parameters(ddp)
+    reducer = ddpc.reducer_parameters(ddp)
     # bucketwise's reducer parameter list is DDP's own, in the same order.
     ddp_params, _ = ddp._build_params_for_reducer()
     assert [p for _, p in reducer] == ddp_params
@@ -394,7 +394,7 @@ def test_reducer_parameters_match_ddp_tied_and_ignored(single_rank_group):
     model, _ = tiny_gpt(tied=True)
     DDP._set_params_and_buffers_to_ignore_for_model(model, ["blocks.0.fc.weight", "ln_f.bias"])
     ddp = DDP(model)
-    reducer = _ddp_compat.reducer_parameters(ddp)
+    reducer = ddpc.reducer_parameters(ddp)
     ddp_params, _ = ddp._build_params_for_reducer()
     assert [p for _, p in reducer] == ddp_params
     got = [n for n, _ in reducer]
@@ -466,10 +466,10 @@ def test_plan_predicts_ddp_rebuilt_buckets(single_rank_group):
     ddp = DDP(model, bucket_cap_mb=0.005)  # 5 KiB: every 9 KiB hidden layer closes a bucket
     for step in range(3):
         ddp(torch.randn(8, 16)).square().mean().backward()
-    rebuilt, source = _ddp_compat.reducer_buckets(ddp)
+    rebuilt, source = ddpc.reducer_buckets(ddp)
     assert source == "rebuilt", source
     gm, ex = capture_one(model, torch.randn(8, 16))
-    params = find_graph_params(gm, ex, _ddp_compat.reducer_parameters(ddp))
+    params = find_graph_params(gm, ex, ddpc.reducer_parameters(ddp))
     plan = plan_buckets(ready_order(params), BucketCaps.from_ddp(ddp))
     assert len(plan) >= 3
     assert sorted(sorted(p.reducer_index for p in b) for b in plan) == sorted(sorted(b) for b in rebuilt)

@@ -201,11 +201,11 @@ def _train(rank: int, config: Config, backend: str) -> dict[str, Any]:
 
 def _reducer_buckets(ddp: DDP) -> list[list[tuple[str, tuple[int, ...]]]]:
     """(name, shape) of each parameter of the eager reducer's rebuilt buckets, in bucket order."""
-    from bucketwise.distributed import _ddp_compat
+    from bucketwise._compat import ddp as ddpc
 
-    buckets, source = _ddp_compat.reducer_buckets(ddp)
+    buckets, source = ddpc.reducer_buckets(ddp)
     assert source == "rebuilt", source
-    params = _ddp_compat.reducer_parameters(ddp)
+    params = ddpc.reducer_parameters(ddp)
     return [[(params[i][0], tuple(params[i][1].shape)) for i in b] for b in buckets]
 
 

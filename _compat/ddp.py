@@ -377,41 +377,7 @@ def comm_hook(ddp: DDP) -> tuple[Any, Any] | None:
     return hooks[-1] if hooks else None
 
 
-def comm_hook_kind(ddp: DDP) -> tuple[str, str | None]:
-    """What DDP would do per bucket: ``("reducer", None)`` without a hook; ``("allreduce"|"bf16"|
-    "fp16", None)`` for torch's default hooks; ``("powersgd", None)`` for ``powerSGD_hook``;
-    ``("traceable", name)`` for a ``bucketwise.traceable_comm_hook``; else
-    ``("unsupported", why)``, ``why`` naming the hook."""
-    registered = comm_hook(ddp)
-    if registered is None:
-        builtin = _builtin_hook_name(ddp)
-        if builtin is not None:
-            return "unsupported", f"DDP's built-in comm hook {builtin} runs in its C++ reducer and cannot be traced"
-        return "reducer", None
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-
-    from .comm_hooks import TraceableCommHook
-
-    hook, _state = registered
-    known = {dh.allreduce_hook: "allreduce", dh.bf16_compress_hook: "bf16", dh.fp16_compress_hook: "fp16",
-             ps.powerSGD_hook: "powersgd"}
-    kind = known.get(hook)
-    if kind is not None:
-        return kind, None
-    if isinstance(hook, TraceableCommHook):
-        return "traceable", hook.__qualname__
-    if hook is ps.batched_powerSGD_hook:
-        why = ("batched_powerSGD_hook is not reproduced in the graph" if batched_powersgd_works() else
-               f"torch {torch.__version__}'s batched_powerSGD_hook fails at its first compressed step (its "
-               "_orthogonalize takes only 3-D batches, the hook passes a 2-D matrix)")
-        return "unsupported", why
-    name = getattr(hook, "__qualname__", repr(hook))
-    return "unsupported", (f"comm hook {name} cannot be traced into the graph (wrap a hook written with functional "
-                           "collectives in bucketwise.traceable_comm_hook)")
-
-
-def _builtin_hook_name(ddp: DDP) -> str | None:
+def builtin_hook_name(ddp: DDP) -> str | None:
     """A C++ comm hook registered with ``_register_builtin_comm_hook`` (not in ``_comm_hooks``):
     only DDP's logging data names it. Not read from a released reducer's stand-in, which would
     rebuild it: the reducer is released only after the hook check passed."""

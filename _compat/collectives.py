@@ -6,13 +6,11 @@ Checked on torch 2.11.0 (device machines) and 2.13.0 (CI).
 from __future__ import annotations
 
 import heapq
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .cache_keys import source_key
 
 
 def group_name(pg: Any) -> str:
@@ -212,14 +210,15 @@ def _priority_topo_sort(snodes: list[Any], preds: dict[Any, set[Any]], key: Any)
     return order
 
 
-def comm_overlap_options() -> dict[str, Any]:
-    """Inductor options (applied per compile, never globally) that reorder comm and compute."""
+def comm_overlap_options(key: str) -> dict[str, Any]:
+    """Inductor options (applied per compile, never globally) that reorder comm and compute;
+    ``key``: the cache key of this module's scheduler pass (``cache_keys.comm_pass_key``)."""
     try:
         from torch._inductor import comms
     except ImportError:  # pragma: no cover - very old torch
         return {}
     passes: list[Any] = [name for name in _RAISE_PASSES if hasattr(comms, name)][:1]
-    passes.append(SinkWaitsPass(source_key(sys.modules[__name__])))
+    passes.append(SinkWaitsPass(key))
     return {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": passes}
 
 
@@ -227,7 +226,7 @@ class SinkWaitsPass:
     """:func:`sink_waits_to_consumers` as Inductor's FX graph cache can key it: the cache hashes
     the pickled config, and a plain function pickles as its name only (a changed pass would load
     graphs scheduled by the old one). This object pickles with ``key``, a hash of this file
-    (NOTE [compile cache keys] in ``cache_keys.py``)."""
+    (NOTE [compile cache keys] in ``distributed/cache_keys.py``)."""
 
     def __init__(self, key: str) -> None:
         self.key = key

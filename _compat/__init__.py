@@ -1,0 +1,9 @@
+"""The bottom floor: every private torch API bucketwise uses, one module per concern.
+
+``dynamo`` (Dynamo, AOTAutograd, Inductor, fake tensors), ``ddp`` (DistributedDataParallel's
+private attributes and reducer), ``collectives`` (functional collectives, Inductor's
+comm/compute reordering), ``autograd`` (the autograd engine), ``c10d`` (process-group
+internals). Each names the torch versions it was checked on; nothing outside this folder
+touches ``torch._*`` (tests/test_layers.py checks it), and these modules import nothing of
+bucketwise but each other.
+"""
