@@ -19,9 +19,9 @@ Public API (kept small on purpose):
 # copy of every submodule under the folder's name (or failing where the name is no identifier).
 from bucketwise.compiler.api import compile
 from bucketwise.compiler.freeze import freeze
-from bucketwise.compiler.profiling import profile
-from bucketwise.compiler.report import Report, report
-from bucketwise.compiler.runtime_view import RuntimeView
+from bucketwise.stats.profiling import profile
+from bucketwise.stats.report import Report, report
+from bucketwise.stats.runtime_view import RuntimeView
 from bucketwise.distributed.comm_hooks import traceable_comm_hook
 
 __all__ = ["compile", "report", "freeze", "profile", "traceable_comm_hook", "Report", "RuntimeView"]

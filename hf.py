@@ -46,7 +46,7 @@ import transformers
 from ._compat import dynamo as dc
 from .compiler.api import compile as bucketwise_compile
 from .compiler.config import CompileConfig
-from .compiler.report import report
+from .stats.report import report
 from ._compat import ddp as ddpc
 
 log = logging.getLogger(__name__)

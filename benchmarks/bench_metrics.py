@@ -1,7 +1,7 @@
 """Measurements: step timing, the allreduce bandwidth probe, cross-rank reduction, and the
 communication/compute overlap read from a ``torch.profiler`` chrome trace.
 
-The trace analysis is the package's (``bucketwise.compiler.trace_analysis``, which
+The trace analysis is the package's (``bucketwise.stats.trace_analysis``, which
 ``bucketwise.profile`` and ``bucketwise launch --profile-steps`` use too); the harness places
 each kernel in the CPU-side ``record_function`` range (``bench_step``/``bench_backward``) that
 launched it.
@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from bucketwise.compiler import trace_analysis
-from bucketwise.compiler.trace_analysis import (  # noqa: F401 - the harness's names for them
+from bucketwise.stats import trace_analysis
+from bucketwise.stats.trace_analysis import (  # noqa: F401 - the harness's names for them
     intersection_length, load_trace, merge, overlap_from_events,
 )
 

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-from bucketwise.compiler.runtime_view import plot_timeline, pyplot
+from bucketwise.stats.runtime_view import plot_timeline, pyplot
 
 
 def _pyplot():

@@ -48,7 +48,7 @@ from .._compat import ddp as ddpc
 from .._compat import dynamo as dc
 from .config import CompileConfig
 from .graph_backend import GraphBackend
-from .report import Report
+from ..stats.report import Report
 
 log = logging.getLogger(__name__)
 

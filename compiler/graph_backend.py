@@ -33,12 +33,12 @@ from ..partitioners.param_usage import GraphParam, find_graph_params, higher_ord
 from ..partitioners.split import Segment
 from .._compat import dynamo as dc
 from . import cudagraph_policy, doctor
-from .compile_times import backend_call_times
+from ..stats.compile_times import backend_call_times
 from .config import CompileConfig
 from .cudagraphs import CudaGraphGroup, inner_compile_factory
 from .hook_variants import VariantCompiler
 from .progress import Progress
-from .report import BucketStats, GraphStats, Report, SegmentStats, VariantStats
+from ..stats.report import BucketStats, GraphStats, Report, SegmentStats, VariantStats
 from .segments import CompileOutcome, compile_with_fallback
 
 log = logging.getLogger(__name__)

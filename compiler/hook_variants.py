@@ -13,7 +13,7 @@ from ..distributed.comm_hooks import HookProgram
 from ..distributed.fused import fresh_copy
 from ..partitioners.param_usage import GraphParam
 from .._compat import dynamo as dc
-from .report import Report, VariantStats
+from ..stats.report import Report, VariantStats
 from .segments import CompileOutcome
 
 log = logging.getLogger(__name__)

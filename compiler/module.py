@@ -19,11 +19,11 @@ from ..distributed.fused_policy import why_not_fused
 from ..distributed.fused_runtime import FusedRuntime
 from ..distributed.rank_check import prepare_rank_checks
 from .._compat import dynamo as dc
-from . import profiling
+from ..stats import profiling
 from .config import CompileConfig
 from .freeze import freeze_after_warmup, stance
 from .graph_backend import GraphBackend
-from .report import Report
+from ..stats.report import Report
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ ends with ``destroy_process_group()`` would never exit. Nobody should have to fr
   ``destroy_process_group()`` shuts the groups down one by one, last group name first; the
   release group is created (again, with a new name, if need be) so that it comes before the DDP
   group (``c10c.shuts_down_before``);
-- an ``atexit`` handler releases them at interpreter exit, before torch's own teardown: a script
+- at interpreter exit they are released before torch's own teardown (NOTE [at-exit order]): a script
   that never calls ``destroy_process_group()``, an exception that ends the script, Ctrl-C.
 
 A released recording is gone for good: its runner runs the compiled graph uncaptured from then on
@@ -25,7 +25,6 @@ signal (torchrun stopping a worker group) runs none of this and needs none of it
 
 from __future__ import annotations
 
-import atexit
 import logging
 import weakref
 from typing import Any, Callable
@@ -33,6 +32,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from .._compat import c10d as c10c
+from .at_exit import at_exit
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,6 @@ _MAX_TRIES = 8
 
 # The release groups made for each DDP process group.
 _release_groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-_atexit_registered = False
 
 
 class _Releaser:
@@ -64,12 +63,13 @@ _keep: list[_Releaser] = []
 def on_teardown(release: Callable[[str], None]) -> None:
     """Call ``release(reason)`` (a bound method, held weakly) before the process groups are
     torn down or the interpreter exits."""
-    global _atexit_registered
     releaser = _Releaser(release)
     _keep[:] = [r for r in _keep if r.method() is not None] + [releaser]
-    if not _atexit_registered:
-        atexit.register(release_all, "interpreter exit")
-        _atexit_registered = True
+    at_exit("cuda graphs", _release_at_exit)
+
+
+def _release_at_exit() -> None:
+    release_all("interpreter exit")
 
 
 def release_all(reason: str) -> None:

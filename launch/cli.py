@@ -182,7 +182,7 @@ def _cmd_stats(args: argparse.Namespace, raw: list[str]) -> int:
 
 
 def _single_rank_table(report: dict, merged: dict) -> str:
-    from ..compiler.report import format_table
+    from ..stats.report import format_table
 
     head = f"rank {report['rank']} of {report['world_size']}"
     try:

@@ -27,9 +27,10 @@ import re
 import statistics
 from typing import Any, Callable, Iterable, Sequence
 
-from ..compiler.compile_times import BREAKDOWN_FOOTER, BREAKDOWN_HEADER, breakdown_row
-from ..compiler.job_stats import JOB_FILE
-from ..compiler.report import bucket_table
+from ..stats.compile_times import BREAKDOWN_FOOTER, BREAKDOWN_HEADER, breakdown_row
+from ..stats.job_stats import JOB_FILE
+from ..stats.report import bucket_table
+from ..stats.table import align
 
 MERGED_SCHEMA = 1
 _RANK_FILE = re.compile(r"^rank(\d+)\.json$")
@@ -291,10 +292,8 @@ def format_merged(merged: dict[str, Any]) -> str:
     lines.extend(plan_check_lines(merged))
     times = [breakdown_row(str(t["graph_id"]), t["slowest"]) for t in merged.get("compile_times", [])]
     if times:
-        widths = [max(len(r[i]) for r in (BREAKDOWN_HEADER, *times)) for i in range(len(BREAKDOWN_HEADER))]
         lines.append("")
-        lines += ["  ".join(c.rjust(w) if 0 < i < 8 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-                  for r in (BREAKDOWN_HEADER, *times)]
+        lines.append(align([BREAKDOWN_HEADER, *times], right=range(1, 8)))
         lines.append(BREAKDOWN_FOOTER + "; seconds: the slowest rank's, cache lookups: all ranks'")
     return "\n".join(lines)
 
@@ -330,11 +329,7 @@ def eager_summary(stats_dir: str) -> list[str]:
 
 def _align_merged(rows: list[tuple[str, ...]]) -> str:
     # Numeric columns right-aligned, backend and fallbacks left-aligned.
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(c.rjust(w) if i < 8 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-        for r in rows
-    )
+    return align(rows, right=range(8))
 
 
 def _fallback_cell(segment: dict[str, Any], n_ranks: int) -> str:
@@ -378,7 +373,7 @@ def _span(values: Iterable[int]) -> str:
 def runtime_views(path: str, warn: Callable[[str], None]) -> list[Any]:
     """The ``runtime-rank<R>.json`` views of a run folder, by rank (unreadable ones skipped via
     ``warn``)."""
-    from ..compiler.runtime_view import RuntimeView
+    from ..stats.runtime_view import RuntimeView
 
     if not os.path.isdir(path):
         return []
@@ -398,7 +393,7 @@ def host_bound_lines(path: str, steps: int) -> list[str]:
     """``bucketwise doctor``'s verdict on the host from the runtime views of a run folder (``steps``
     profiled steps were asked for): which ranks' profiled steps the host bounds, and what to try
     (NOTE [saying when the host is the step]); one line when none does or nothing was profiled."""
-    from ..compiler.runtime_view import HOST_BOUND_PREFIX
+    from ..stats.runtime_view import HOST_BOUND_PREFIX
 
     views = runtime_views(path, lambda msg: None)
     if not views:
@@ -416,13 +411,13 @@ def host_bound_lines(path: str, steps: int) -> list[str]:
 
 def runtime_lines(path: str, warn: Callable[[str], None]) -> list[str]:
     """The per-bucket runtime table of every rank's view in a run folder; none without views."""
-    from ..compiler.runtime_view import merged_table
+    from ..stats.runtime_view import merged_table
 
     views = runtime_views(path, warn)
     return ["", merged_table(views)] if views else []
 
 
-# -- the job-wide gather (NOTE [job-wide stats] in compiler/job_stats.py) -------------------
+# -- the job-wide gather (NOTE [job-wide stats] in stats/job_stats.py) -------------------
 
 
 def read_job_file(stats_dir: str) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from bucketwise.compiler.report import GraphStats, Report, SegmentStats, format_table
+from bucketwise.stats.report import GraphStats, Report, SegmentStats, format_table
 from bucketwise.launch import cli, launcher
 
 JOB_TIMEOUT = 300
@@ -131,7 +131,7 @@ def test_stats_compares_planned_buckets(run_dir, capsys):
 
 
 def test_stats_shows_fused_buckets_and_wire_bytes(run_dir, capsys):
-    from bucketwise.compiler.report import BucketStats
+    from bucketwise.stats.report import BucketStats
 
     for rank in (0, 1):
         path = run_dir / f"rank{rank}.json"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bucketwise.compiler.runtime_view import HOST_BOUND_BUSY, RuntimeView, analyze
+from bucketwise.stats.runtime_view import HOST_BOUND_BUSY, RuntimeView, analyze
 
 
 def _kernels(busy_us: float, steps: int, step_us: float) -> list[dict]:
@@ -93,7 +93,7 @@ def test_profile_puts_the_host_bound_note_in_the_report(single_rank_group, tmp_p
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bucketwise
-    from bucketwise.compiler import profiling
+    from bucketwise.stats import profiling
 
     real = profiling.analyze
     monkeypatch.setattr(profiling, "analyze",

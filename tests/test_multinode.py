@@ -27,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
 from _dist import run_distributed
-from bucketwise.compiler import trace_analysis as ta
-from bucketwise.compiler.runtime_view import RuntimeView, analyze
+from bucketwise.stats import trace_analysis as ta
+from bucketwise.stats.runtime_view import RuntimeView, analyze
 
 JOB_TIMEOUT = 300
 VOCAB, DIM = 64, 16
@@ -315,7 +315,7 @@ def test_cpu_trace_host_compute_excludes_waits():
 
 
 def _rank_file(folder, rank: int, world: int) -> None:
-    from bucketwise.compiler.report import GraphStats, Report, SegmentStats
+    from bucketwise.stats.report import GraphStats, Report, SegmentStats
 
     rep = Report(target="DDP(MLP)", strategy="split", backend="aot_eager")
     rep.graphs.append(GraphStats(graph_id=0, compile_id="0/0", strategy="split", strategy_reason=None,

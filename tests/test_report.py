@@ -389,7 +389,7 @@ def test_compile_times_skip_runtime_records():
     and backward) under a frame's compile id, without compile seconds: they are neither a
     second frame nor a backward compile, and the lazy backward between them is still claimed."""
     from bucketwise._compat import dynamo as dc
-    from bucketwise.compiler.compile_times import CompileTimes, CompileTimesTracker, _Tracked
+    from bucketwise.stats.compile_times import CompileTimes, CompileTimesTracker, _Tracked
 
     def rec(forward, start, frame_s=None, backward_s=None, inductor_s=None):
         return dc.CompileRecord(compile_id="0/0", forward=forward, start_us=start, end_us=start + 10, frame_s=frame_s,

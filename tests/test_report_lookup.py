@@ -1,5 +1,5 @@
 """``bucketwise.report(x)`` finds bucketwise's report through every object a user holds
-(NOTE [report finds the compile] in ``compiler/report.py``): what ``torch.compile`` returned,
+(NOTE [report finds the compile] in ``stats/report.py``): what ``torch.compile`` returned,
 the DDP module, the module compiled inside DDP, a framework's wrapper around them. And an object
 bucketwise never compiled raises, naming what was searched.
 

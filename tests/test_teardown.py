@@ -101,3 +101,26 @@ def test_exception_in_the_loop_releases_captured_graphs(tmp_path):
     done = _run_script(tmp_path, fail=True)
     assert done.returncode == 1 and "the training loop failed" in done.stderr, done.stderr[-3000:]
     assert "at interpreter exit" in done.stderr, done.stderr[-3000:]
+
+
+def test_at_exit_parts_run_in_their_order_whatever_the_registration_order(monkeypatch):
+    """NOTE [at-exit order]: profile, reports, job stats, CUDA graphs, however the script made
+    them register; a part that fails does not stop the next."""
+    from bucketwise.distributed import at_exit
+
+    monkeypatch.setattr(at_exit, "_parts", {phase: [] for phase in at_exit.PHASES})
+    ran = []
+
+    def part(name, fail=False):
+        def fn():
+            ran.append(name)
+            if fail:
+                raise RuntimeError(name)
+        return fn
+
+    for phase in reversed(at_exit.PHASES):
+        at_exit.at_exit(phase, part(phase, fail=phase == "reports"))
+    at_exit.run_all()
+    assert ran == list(at_exit.PHASES)
+    with pytest.raises(AssertionError, match="at-exit phase"):
+        at_exit.at_exit("later", part("x"))

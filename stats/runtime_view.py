@@ -2,7 +2,7 @@
 with compute, the exposed rest, and the bytes on the wire, read from a profiler trace.
 
 :func:`analyze` turns a trace of some training steps and a report into a :class:`RuntimeView`;
-``bucketwise.profile`` and ``bucketwise launch --profile-steps`` (``compiler/profiling.py``) make
+``bucketwise.profile`` and ``bucketwise launch --profile-steps`` (``stats/profiling.py``) make
 the trace. The matching of collectives to buckets is NOTE [collectives to buckets] in
 ``trace_analysis.py``.
 """
@@ -14,6 +14,7 @@ import statistics
 from typing import Any, Sequence
 
 from . import trace_analysis as ta
+from .table import align
 
 STEP_MARK = "bucketwise.step"
 """A ``record_function`` range opened and closed at the start of every profiled step."""
@@ -156,9 +157,7 @@ def _mib(n: int | None) -> str:
 
 
 def _align(rows: list[tuple[str, ...]], left: Sequence[int] = ()) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-                     for r in rows)
+    return align(rows, right=lambda i: i not in left)
 
 
 # -- analysis -------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ job's store to rank 0 (NOTE [job-wide stats]), so the launcher prints it for eve
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import socket
@@ -35,7 +34,9 @@ import torch
 
 from . import job_stats
 from . import trace_analysis as ta
-from .report import STATS_DIR_ENV, Report, _atomic_write_json, rank_and_world, report
+from ..distributed.at_exit import at_exit
+from .files import atomic_write_json
+from .report import STATS_DIR_ENV, Report, rank_and_world, report
 from .runtime_view import HOST_BOUND_PREFIX, STEP_MARK, RuntimeView, analyze, plot_timeline
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class Profile:
                 view.notes.append("no timeline plot: matplotlib is not installed (pip install matplotlib)")
         data = view.to_dict()
         name = f"runtime-rank{rank}.json"
-        _atomic_write_json(os.path.join(self.out_dir, name), data)
+        atomic_write_json(os.path.join(self.out_dir, name), data)
         stats_dir = os.environ.get(STATS_DIR_ENV)
         if stats_dir and os.path.abspath(stats_dir) == self.out_dir:
             job_stats.publish(stats_dir, name, data)
@@ -239,7 +240,7 @@ class _AutoProfile:
             self.session, self.done = None, True
             return
         self.first_step = self.calls
-        atexit.register(stop_at_exit)
+        at_exit("profile", stop_at_exit)
 
     def finish(self, *, at_exit: bool = False) -> None:
         session, self.session, self.done = self.session, None, True

@@ -50,6 +50,8 @@ from typing import Any
 import torch.distributed as dist
 
 from .._compat import c10d as c10c
+from ..distributed.at_exit import at_exit
+from .files import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +103,7 @@ def publish(stats_dir: str, relpath: str, data: dict[str, Any]) -> None:
         _publisher = _open(stats_dir)
         if _publisher is None:
             return
-        import atexit
-
-        atexit.register(finish)
+        at_exit("job stats", finish)
     if _publisher.stats_dir != stats_dir or _publisher.finished:
         return
     _publisher.files[relpath.replace(os.sep, "/")] = data
@@ -141,12 +141,9 @@ def finish() -> None:
     pub = _publisher
     if pub is None or pub.finished:
         return
-    from . import profiling
-    from . import report as _report
-
+    # NOTE [at-exit order]: a profile still open and reports not yet written have written their
+    # files (and handed them to publish()) before this runs.
     try:
-        profiling.stop_at_exit()
-        _report._write_unwritten()  # eager-call counts not yet written: they publish too
         pub.finished = True
         pub.send(final=True)
         if pub.broken:
@@ -244,10 +241,8 @@ def _point_at_rank0(pub: _Publisher) -> None:
 
 
 def _write_json(path: str, data: Any) -> None:
-    from .report import _atomic_write_json
-
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        _atomic_write_json(path, data)
+        atomic_write_json(path, data)
     except OSError as exc:
         log.warning("bucketwise: could not write %s: %s", path, exc)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
 import os
@@ -13,6 +12,9 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from . import first_step, job_stats
+from ..distributed.at_exit import at_exit
+from .files import atomic_write_json
+from .table import align
 from .compile_times import (BREAKDOWN_FOOTER, BREAKDOWN_HEADER, POLLS_AFTER_COMPILE, CompileTimes,
                             CompileTimesTracker, breakdown_row, sum_compile_times)
 
@@ -259,7 +261,7 @@ class Report:
         }
 
     def to_json(self, path: str | os.PathLike) -> None:
-        _atomic_write_json(path, self.to_dict())
+        atomic_write_json(path, self.to_dict())
 
     def table(self) -> str:
         return format_table(self.to_dict())
@@ -292,7 +294,7 @@ class Report:
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"rank{rank}.json")
         data = self.to_dict()
-        _atomic_write_json(path, data)
+        atomic_write_json(path, data)
         job_stats.publish(out_dir, os.path.relpath(path, out_dir), data)
 
 
@@ -308,8 +310,7 @@ _unwritten: "weakref.WeakSet[Report]" = weakref.WeakSet()
 
 
 def _write_at_exit(report: Report) -> None:
-    if not _unwritten:
-        atexit.register(_write_unwritten)
+    at_exit("reports", _write_unwritten)
     _unwritten.add(report)
 
 
@@ -317,27 +318,6 @@ def _write_unwritten() -> None:
     for report in list(_unwritten):
         report.write_rank_file()
     _unwritten.clear()
-
-
-def _atomic_write_json(path: str | os.PathLike, data: dict[str, Any]) -> None:
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=False)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; a report is for everyone
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _graph_label(g: dict[str, Any]) -> str:
@@ -469,11 +449,7 @@ def _short_reason(reason: str, limit: int = 160) -> str:
 
 
 def _align(rows: list[tuple[str, ...]], right: Any = range(6)) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for r in rows:
-        out.append("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
-    return "\n".join(out)
+    return align(rows, right=right)
 
 
 WRAPPER_ATTRS = ("_orig_mod", "module", "_forward_module", "_original_module")

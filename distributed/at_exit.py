@@ -1,0 +1,53 @@
+"""bucketwise's one interpreter-exit handler: its parts run in a fixed order.
+
+NOTE [at-exit order]: four things of bucketwise's must happen when a job's interpreter exits, and
+their order matters:
+
+1. ``profile``: a profile started from the environment (``launch --profile-steps``) that is
+   still open stops, writes its view and hands it to the job's stats;
+2. ``reports``: reports with counts not yet written (calls that ran eagerly) write their rank
+   files;
+3. ``job stats``: each rank sends its last entry through the job's store and rank 0 gathers every
+   rank's files (NOTE [job-wide stats]): it must see what 1 and 2 wrote;
+4. ``cuda graphs``: CUDA graphs holding NCCL kernels are released (NOTE [cuda graphs at
+   teardown]), before torch's own teardown of the communicators.
+
+Python runs ``atexit`` handlers last registered first, and each part would register when it is
+first needed, which depends on the script: so only this module registers, once, and runs the
+parts in the order above. A part that fails is logged and the next one still runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+PHASES = ("profile", "reports", "job stats", "cuda graphs")
+
+_parts: dict[str, list[Callable[[], None]]] = {phase: [] for phase in PHASES}
+_registered = False
+
+
+def at_exit(phase: str, fn: Callable[[], None]) -> None:
+    """Run ``fn`` at interpreter exit, in ``phase`` (one of :data:`PHASES`); once per ``fn``."""
+    global _registered
+    if phase not in _parts:
+        raise AssertionError(f"expected an at-exit phase of {PHASES}, got {phase!r}")
+    if fn not in _parts[phase]:
+        _parts[phase].append(fn)
+    if not _registered:
+        atexit.register(run_all)
+        _registered = True
+
+
+def run_all() -> None:
+    """Every part, phase by phase (what the interpreter's exit runs)."""
+    for phase in PHASES:
+        for fn in list(_parts[phase]):
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - at exit: say it, never mask the job's own end
+                log.warning("bucketwise: at exit (%s): %s: %s", phase, type(exc).__name__, exc)
