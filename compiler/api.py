@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from .._compat import ddp as ddpc
-from . import cudagraph_policy
+from ..cudagraphs import policy as cudagraph_policy
 from .config import CompileConfig
 from .module import CompiledModule, compile_function
 
@@ -89,18 +89,19 @@ def compile_with_config(obj: nn.Module | Callable[..., Any], config: CompileConf
         problem = ddpc.process_group_usable(obj)
         if problem is not None:
             raise ValueError(f"obj: cannot compile this DDP module: {problem}")
-    _check_cudagraphs(config)
+    cudagraphs = resolve_cudagraphs(config)
     if isinstance(obj, nn.Module):
-        return CompiledModule(obj, config)
-    return compile_function(obj, config)
+        return CompiledModule(obj, config, cudagraphs=cudagraphs)
+    return compile_function(obj, config, cudagraphs=cudagraphs)
 
 
-def _check_cudagraphs(config: CompileConfig) -> None:
-    """Reject contradictory CUDA-graph requests before anything is built; say so when the
-    request is a no-op on this machine."""
+def resolve_cudagraphs(config: CompileConfig) -> cudagraph_policy.Decision:
+    """Whether this compiled object gets bucketwise's CUDA graphs, decided once and handed to
+    each of its graph backends; says so when a ``cudagraphs=True`` request is a no-op here."""
     decision = cudagraph_policy.resolve(config.cudagraphs, cuda=torch.cuda.is_available(), backend=config.backend,
                                         mode=config.mode, dynamic=config.dynamic)
     if config.cudagraphs is True and not torch.cuda.is_available():
         log.warning("bucketwise: cudagraphs=%r is a no-op without CUDA; compiling without CUDA graphs", config.cudagraphs)
     elif config.cudagraphs is True and not decision.enabled:
         log.warning("bucketwise: cudagraphs=True not applied: %s", decision.reason)
+    return decision

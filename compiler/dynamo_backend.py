@@ -230,7 +230,10 @@ class InsideDDP:
         name = type(dc.uncompiled(ddp.module)).__name__
         self._bucketwise_report = Report(target=f"modules inside DDP({name})", strategy=config.strategy,
                                          backend=config.backend_name)
-        self._bucketwise_backend = backend = GraphBackend(config, self._bucketwise_report, None)
+        from .api import resolve_cudagraphs
+
+        self._bucketwise_backend = backend = GraphBackend(config, self._bucketwise_report, None,
+                                                          cudagraphs=resolve_cudagraphs(config))
         self._bucketwise_report.set_alignment_source(lambda: function_alignment(backend))
         self._bucketwise_report.note(
             "compiled inside the forward of a DDP module through torch.compile(backend='bucketwise'): DDP's "

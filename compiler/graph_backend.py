@@ -32,10 +32,11 @@ from ..distributed.ready_order import FirstIterationOrder, ReadyLast
 from ..partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops, ready_order
 from ..partitioners.split import Segment
 from .._compat import dynamo as dc
-from . import cudagraph_policy, doctor
+from . import doctor
+from ..cudagraphs import policy as cudagraph_policy
 from ..stats.compile_times import backend_call_times
 from .config import CompileConfig
-from .cudagraphs import CudaGraphGroup, inner_compile_factory
+from ..cudagraphs.runner import CudaGraphGroup, inner_compile_factory
 from .hook_variants import VariantCompiler
 from .progress import Progress
 from ..stats.report import BucketStats, GraphStats, Report, SegmentStats, VariantStats
@@ -70,6 +71,7 @@ class GraphBackend:
         report: Report,
         ddp: Any | None,
         *,
+        cudagraphs: cudagraph_policy.Decision,
         fused_runtime: Any | None = None,
         variant: str | None = None,
     ) -> None:
@@ -80,7 +82,7 @@ class GraphBackend:
         self._ddp = weakref.ref(ddp) if ddp is not None else None
         self._checked_layouts: set[tuple[str, ...]] = set()
         self._sparse_noted: set[str] = set()
-        self.cudagraphs = self._cudagraph_group()
+        self.cudagraphs = self._cudagraph_group(cudagraphs)
         self._label = "graph ?"
         self._segment_no = 0
         self._rank_check_s = 0.0
@@ -90,14 +92,11 @@ class GraphBackend:
         # Frames are numbered in the order Dynamo first meets them, i.e. forward order.
         self.param_segments: dict[int, dict[str, int]] = {}
 
-    def _cudagraph_group(self) -> CudaGraphGroup | None:
-        import torch
-
-        cfg = self.config
-        decision = cudagraph_policy.resolve(cfg.cudagraphs, cuda=torch.cuda.is_available(), backend=cfg.backend,
-                                            mode=cfg.mode, dynamic=cfg.dynamic)
-        if decision.reason and cfg.cudagraphs is not False:
-            self.report.note(f"cudagraphs={cfg.cudagraphs!r} not applied: {decision.reason}")
+    def _cudagraph_group(self, decision: cudagraph_policy.Decision) -> CudaGraphGroup | None:
+        """The runners' group of this backend where ``decision`` (resolved once per compiled
+        object) enables CUDA graphs (a test seam: tests pass an emulated group)."""
+        if decision.reason and self.config.cudagraphs is not False:
+            self.report.note(f"cudagraphs={self.config.cudagraphs!r} not applied: {decision.reason}")
         return CudaGraphGroup(self.report.add_cudagraph) if decision.enabled else None
 
     def _make_backend(self, options: dict | None) -> Callable[..., Any]:

@@ -20,6 +20,7 @@ from ..distributed.fused_runtime import FusedRuntime
 from ..distributed.rank_check import prepare_rank_checks
 from .._compat import dynamo as dc
 from ..stats import profiling
+from ..cudagraphs.policy import Decision
 from .config import CompileConfig
 from .freeze import freeze_after_warmup, stance
 from .graph_backend import GraphBackend
@@ -67,7 +68,7 @@ class CompiledModule(nn.Module):
     compiled inner module, so DDP's reducer sees exactly what it sees in eager mode.
     """
 
-    def __init__(self, mod: nn.Module, config: CompileConfig) -> None:
+    def __init__(self, mod: nn.Module, config: CompileConfig, *, cudagraphs: Decision) -> None:
         super().__init__()
         self._orig_mod = mod
         ddp = mod if ddpc.is_ddp(mod) else None
@@ -75,7 +76,7 @@ class CompiledModule(nn.Module):
         report = Report(target=type(inner).__name__ if ddp is None else f"DDP({type(inner).__name__})",
                         strategy=config.strategy, backend=config.backend_name)
         runtime = FusedRuntime(ddp) if ddp is not None and config.strategy in ("fused", "auto") else None
-        backend = GraphBackend(config, report, ddp, fused_runtime=runtime)
+        backend = GraphBackend(config, report, ddp, cudagraphs=cudagraphs, fused_runtime=runtime)
         forward = _inner_forward(inner)
         # Plain attributes, not submodules: keep them out of parameters()/state_dict().
         self.__dict__["_bucketwise_report"] = report
@@ -91,7 +92,8 @@ class CompiledModule(nn.Module):
         if runtime is not None:
             # no_sync() steps and evaluation run a second compiled variant without collectives;
             # Dynamo keeps one cache entry per backend, so switching costs no recompile.
-            nosync = GraphBackend(dataclasses.replace(config, strategy="none"), report, ddp, variant="no_sync")
+            nosync = GraphBackend(dataclasses.replace(config, strategy="none"), report, ddp, cudagraphs=cudagraphs,
+                                  variant="no_sync")
             self.__dict__["_bucketwise_call_nosync"] = _torch_compile(forward, nosync, config)
             prepare_rank_checks(ddpc.process_group(ddp))
             if backend.cudagraphs is not None:
@@ -259,12 +261,12 @@ class CompiledModule(nn.Module):
         return self._orig_mod.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
 
-def compile_function(fn: Callable[..., Any], config: CompileConfig) -> Callable[..., Any]:
+def compile_function(fn: Callable[..., Any], config: CompileConfig, *, cudagraphs: Decision) -> Callable[..., Any]:
     """A compiled function. DDP modules it calls get the split strategy (torch's own
     DDPOptimizer is switched off around each call, see ``torch_ddp_optimizer_disabled``)."""
     report = Report(target=getattr(fn, "__qualname__", type(fn).__name__), strategy=config.strategy,
                     backend=config.backend_name)
-    backend = GraphBackend(config, report, None)
+    backend = GraphBackend(config, report, None, cudagraphs=cudagraphs)
     report.set_alignment_source(lambda: function_alignment(backend))
     compiled = _torch_compile(fn, backend, config)
 

@@ -109,5 +109,5 @@ def guard(pg: Any) -> None:
                 break
         else:
             log.warning("bucketwise: could not place the CUDA-graph release before the DDP process group's "
-                        "teardown; release CUDA graphs (bucketwise.compiler.cudagraphs) before destroy_process_group()")
+                        "teardown; release CUDA graphs (bucketwise.cudagraphs.runner) before destroy_process_group()")
     _release_groups[pg] = made

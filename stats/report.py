@@ -163,7 +163,7 @@ class Report:
         self.backend = backend
         self.graphs: list[GraphStats] = []
         self.cudagraphs: list[Any] = []
-        """:class:`~bucketwise.compiler.cudagraphs.CudaGraphStats` of every wrapped graph (live)."""
+        """:class:`~bucketwise.cudagraphs.runner.CudaGraphStats` of every wrapped graph (live)."""
         self.notes: list[str] = []
         self.graph_runs = 0
         """Calls of this object's compiled graphs (the wrapper every graph is returned in counts)."""

@@ -1,4 +1,4 @@
-"""A CPU stand-in for ``bucketwise.compiler.cudagraphs.CudaGraphs`` (the test seam).
+"""A CPU stand-in for ``bucketwise.cudagraphs.runner.CudaGraphs`` (the test seam).
 
 It keeps the three properties of a real CUDA graph that bucketwise's runner must respect:
 capture runs nothing (inputs are restored, so in-place updates of buffers happen once), a
@@ -57,11 +57,11 @@ def use_emulated_graphs(monkeypatch=None, **kwargs) -> list[EmulatedGraphs]:
     emulated CUDA-graph group, as ``cudagraphs=True`` does on a GPU. Returns the emulators.
     Without ``monkeypatch`` (a spawned worker process) the change lasts for the process."""
     from bucketwise.compiler import graph_backend
-    from bucketwise.compiler.cudagraphs import CudaGraphGroup
+    from bucketwise.cudagraphs.runner import CudaGraphGroup
 
     made: list[EmulatedGraphs] = []
 
-    def group(self):
+    def group(self, decision):
         if self.config.cudagraphs is False:
             return None
         made.append(EmulatedGraphs(**kwargs))

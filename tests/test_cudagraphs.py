@@ -19,8 +19,8 @@ import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import bucketwise
-from bucketwise.compiler import cudagraph_policy as policy
-from bucketwise.compiler.cudagraphs import MAX_RECORDS
+from bucketwise.cudagraphs import policy
+from bucketwise.cudagraphs.runner import MAX_RECORDS
 
 from _cudagraph_emulator import use_emulated_graphs
 from _dist import run_distributed

@@ -397,7 +397,7 @@ def inner_compile_factory(group: CudaGraphGroup, label: Callable[[], str], *, au
     """``make_inner`` for :func:`dc.compile_with_inner`: each graph handed to the
     backend gets an inner compile that compiles with Inductor and wraps the result in a runner
     named after ``label()`` (read once, when the backend is called)."""
-    from .cudagraph_policy import capture_blockers, mutated_placeholders
+    from .policy import capture_blockers, mutated_placeholders
 
     def make_inner() -> Callable[..., Any]:
         name = label()
