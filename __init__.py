@@ -22,7 +22,7 @@ from bucketwise.compiler.freeze import freeze
 from bucketwise.stats.profiling import profile
 from bucketwise.stats.report import Report, report
 from bucketwise.stats.runtime_view import RuntimeView
-from bucketwise.distributed.comm_hooks import traceable_comm_hook
+from bucketwise.distributed.fused.comm_hooks import traceable_comm_hook
 
 __all__ = ["compile", "report", "freeze", "profile", "traceable_comm_hook", "Report", "RuntimeView"]
 __version__ = "0.2.0"

@@ -226,7 +226,7 @@ class SinkWaitsPass:
     """:func:`sink_waits_to_consumers` as Inductor's FX graph cache can key it: the cache hashes
     the pickled config, and a plain function pickles as its name only (a changed pass would load
     graphs scheduled by the old one). This object pickles with ``key``, a hash of this file
-    (NOTE [compile cache keys] in ``distributed/cache_keys.py``)."""
+    (NOTE [compile cache keys] in ``distributed/fused/cache_keys.py``)."""
 
     def __init__(self, key: str) -> None:
         self.key = key

@@ -404,10 +404,6 @@ class SegmentTracing:
         seg_ctx.metadata_per_bucket.append(self.ctx.fw_metadata)
         return True
 
-    @property
-    def fakify_supported(self) -> bool:
-        return self.ctx is not None and hasattr(self.ctx, "fakify_first_call")
-
 
 # --- torch's own DDPOptimizer -------------------------------------------------------------
 
@@ -431,7 +427,7 @@ def active_ddp_module():
     return DistributedDataParallel._get_active_ddp_module()
 
 
-# --- CUDA graphs (compiler/cudagraphs.py) -------------------------------------------------
+# --- CUDA graphs (cudagraphs/runner.py) -------------------------------------------------
 
 
 def compile_with_inner(
@@ -526,3 +522,46 @@ def storage_cdata(t: torch.Tensor) -> int:
 def storage_use_count(cdata: int) -> int:
     """References to a storage (every tensor viewing it holds one)."""
     return int(torch._C._storage_Use_Count(cdata))
+
+
+# --- for the benchmarks (benchmarks/) ---------------------------------------------------------
+# Checked on torch 2.11.0 (device machines) and 2.13.0 (CI).
+
+
+def reset() -> None:
+    """Forget every compiled frame and Dynamo's counters (``torch._dynamo.reset()``), as a new
+    process would start."""
+    torch._dynamo.reset()
+    _dynamo_counters.clear()
+
+
+def graph_counts() -> dict[str, int]:
+    """Graphs Dynamo compiled and graph breaks it made since the last :func:`reset`."""
+    return {"unique_graphs": int(_dynamo_counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(_dynamo_counters["graph_break"].values()))}
+
+
+def optimize_ddp(flag: bool) -> contextlib.AbstractContextManager:
+    """Within the block, frames Dynamo converts use (``True``) or skip (``False``) torch's own
+    DDPOptimizer: Dynamo reads the flag when it converts a frame, so the block must hold the
+    calls that compile, not ``torch.compile()``."""
+    return torch._dynamo.config.patch(optimize_ddp=flag)
+
+
+@contextlib.contextmanager
+def compile_caches(enabled: bool) -> Iterator[None]:
+    """Within the block, Inductor's FX graph cache and the AOTAutograd cache are on or off."""
+    import torch._functorch.config
+
+    with torch._inductor.config.patch(fx_graph_cache=enabled), torch._functorch.config.patch(enable_autograd_cache=enabled):
+        yield
+
+
+def clear_inductor_caches() -> None:
+    """Drop what this process keeps in memory of Inductor's compiled code (a new cache dir is then
+    read as a new process would)."""
+    import torch._inductor.utils
+
+    clear = getattr(torch._inductor.utils, "clear_caches", None) or getattr(torch._inductor.utils, "clear_inductor_caches", None)
+    if clear is not None:
+        clear()

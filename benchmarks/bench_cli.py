@@ -13,9 +13,10 @@ import shlex
 import sys
 from pathlib import Path
 
-import bench_launch
-import bench_models
-from bench_configs import CONFIGS, DEFAULT_CONFIGS, base_name, recipe_for
+from bucketwise.benchmarks import bench_launch
+from bucketwise.benchmarks import bench_models
+from bucketwise.benchmarks.bench_output import RECORD_ENV  # noqa: F401 (ddp_bench reads it here)
+from bucketwise.benchmarks.bench_configs import CONFIGS, DEFAULT_CONFIGS, base_name, recipe_for
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 NETS = ("default", "socket", "2node")
@@ -36,8 +37,6 @@ NO_CACHE_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CAC
 CACHE_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 COMPILE_CACHES = ("off", "on")
 PHASES = ("cold", "warm")
-# Recorded in the meta line (``None`` when unset), never set by the harness.
-RECORD_ENV = ("NCCL_MAX_NCHANNELS", "NCCL_MIN_NCHANNELS", "NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_VISIBLE_DEVICES")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -238,7 +237,7 @@ def relaunch(args: BenchArgs, argv: list[str]) -> None:
     extra = ["--out", args.out, "--device", args.device, "--nproc", str(args.nproc)]
     cache_root = None
     if args.compile_cache == "on":
-        from bench_restart import new_cache_root
+        from bucketwise.benchmarks.bench_restart import new_cache_root
 
         cache_root = args.cache_dir or new_cache_root()
         extra += ["--cache-dir", cache_root]
@@ -251,7 +250,7 @@ def relaunch(args: BenchArgs, argv: list[str]) -> None:
     sys.stderr.flush()
     if cache_root is not None:
         # Compile caches: wait for the job (and its restart), then remove the cache root we made.
-        from bench_restart import run_jobs
+        from bucketwise.benchmarks.bench_restart import run_jobs
 
         sys.exit(run_jobs(job, env, cache_root, restart=args.restart, keep=args.keep_cache or args.cache_dir is not None))
     if len(job) > 1:

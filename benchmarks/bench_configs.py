@@ -4,7 +4,7 @@ A recipe turns a freshly built model into the module a training step calls:
 
 - ``eager``: ``DDP(model)``, no compile.
 - ``torch``: ``torch.compile(DDP(model))`` (torch's DDPOptimizer, default ``optimize_ddp``).
-- ``torch-nosplit``: the same with ``torch._dynamo.config.patch(optimize_ddp=False)`` around every
+- ``torch-nosplit``: the same with ``optimize_ddp=False`` (``bucketwise._compat.dynamo.optimize_ddp``) around every
   training-step call (Dynamo reads the flag per frame when it converts it, so the patch must be
   active while the step runs, not while ``torch.compile()`` is called).
 - ``local``: ``torch.compile(model)`` without DDP: the compute floor, no gradient traffic.
@@ -28,6 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from bucketwise._compat import dynamo as dc
 
 COMPILERS = ("none", "torch", "bucketwise")
 COMM_HOOKS = (None, "bf16", "powersgd")
@@ -56,7 +58,7 @@ class Recipe:
     mode: str | None = None
     """``torch.compile`` mode, e.g. ``reduce-overhead``."""
     optimize_ddp: bool | None = None
-    """``torch._dynamo.config.optimize_ddp`` during the steps (``None``: torch's default)."""
+    """torch's ``optimize_ddp`` (its DDPOptimizer) during the steps (``None``: torch's default)."""
     strategy: str | None = None
     """bucketwise strategy (``split``, ``none``, ...)."""
     cudagraphs: bool | str = False
@@ -126,7 +128,7 @@ class Recipe:
             if self.optimize_ddp is None:
                 return Prepared(module=compiled, step_context=contextlib.nullcontext)
             flag = self.optimize_ddp
-            return Prepared(module=compiled, step_context=lambda: torch._dynamo.config.patch(optimize_ddp=flag))
+            return Prepared(module=compiled, step_context=lambda: dc.optimize_ddp(flag))
         import bucketwise
 
         compiled = bucketwise.compile(

@@ -8,14 +8,16 @@ import os
 import re
 from typing import Any, Sequence
 
-from bench_cli import RECORD_ENV
-from bench_configs import floor_config
+from bucketwise.benchmarks.bench_configs import floor_config
 
 MD_COLUMNS = (
     "config", "median ms", "min ms", "max ms", "p90 ms", "CPU issue ms", "x floor", "first step s",
     "warm first step s", "compile s",
     "peak MiB", "{unit}/s", "NCCL ms/step", "overlapped ms/step", "exposed ms/step", "final loss", "notes",
 )
+
+# Recorded in the meta line (``None`` when unset), never set by the harness.
+RECORD_ENV = ("NCCL_MAX_NCHANNELS", "NCCL_MIN_NCHANNELS", "NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_VISIBLE_DEVICES")
 
 
 def safe_name(config: str) -> str:

@@ -61,7 +61,7 @@ def plot_step_times(rows: Sequence[dict[str, Any]], path: str, title: str) -> bo
 def pick_timeline_config(rows: Sequence[dict[str, Any]], wanted: str | None, timeline_dir: str) -> str | None:
     """``wanted`` if given, else the first successful bucketwise config with a timeline, else the
     first config with one."""
-    from bench_output import safe_name
+    from bucketwise.benchmarks.bench_output import safe_name
 
     have = [r["config"] for r in rows if r.get("status") == "ok"
             and os.path.exists(os.path.join(timeline_dir, safe_name(r["config"]) + ".json"))]
@@ -71,7 +71,7 @@ def pick_timeline_config(rows: Sequence[dict[str, Any]], wanted: str | None, tim
 
 
 def make_plots(out_dir: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]], timeline_config: str | None) -> None:
-    from bench_output import safe_name
+    from bucketwise.benchmarks.bench_output import safe_name
 
     model = meta["model"]["model"]
     title = f"{model} on {meta['world_size']} x {meta['device_name']} ({meta['net']})"

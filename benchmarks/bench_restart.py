@@ -18,14 +18,12 @@ import shutil
 import tempfile
 from typing import Any, Sequence
 
-import torch
-
-import bench_launch
-from bench_output import read_jsonl, safe_name, write_jsonl, write_markdown
+from bucketwise._compat import dynamo as dc
+from bucketwise.benchmarks import bench_launch
+from bucketwise.benchmarks.bench_output import read_jsonl, safe_name, write_jsonl, write_markdown
 
 PHASES = ("cold", "warm")
 CACHE_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
-_COUNTERS = {"fx_graph": ("inductor", "fxgraph_cache"), "aot_autograd": ("aot_autograd", "autograd_cache")}
 
 
 def new_cache_root() -> str:
@@ -45,19 +43,15 @@ def use_config_cache(root: str | None, config: str, *, cold: bool) -> None:
                            "pass an empty --cache-dir (or none: a fresh one is made)")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     os.environ["TRITON_CACHE_DIR"] = os.path.join(path, "triton")
-    import torch._inductor.utils
-
-    clear = getattr(torch._inductor.utils, "clear_caches", None) or getattr(torch._inductor.utils, "clear_inductor_caches", None)
-    if clear is not None:
-        clear()
+    dc.clear_inductor_caches()
 
 
 def cache_counts() -> dict[str, dict[str, int]]:
     """This process's FX-graph-cache and AOTAutograd-cache lookups since the counters were last
     cleared (the harness clears them before each config)."""
-    counters = torch._dynamo.utils.counters
-    return {name: {kind: int(counters[group][f"{prefix}_{kind}"]) for kind in ("hit", "miss", "bypass")}
-            for name, (group, prefix) in _COUNTERS.items()}
+    c = dc.compile_counters()
+    return {name: {kind: c[f"{prefix}_{kind}"] for kind in ("hit", "miss", "bypass")}
+            for name, prefix in (("fx_graph", "fx"), ("aot_autograd", "aot"))}
 
 
 def run_jobs(job: Sequence[bench_launch.Command], env: dict[str, str], root: str, *, restart: bool, keep: bool) -> int:

@@ -5,7 +5,7 @@
 
 Started without torchrun (no ``RANK`` in the environment) it re-executes itself through
 ``python -m torch.distributed.run --standalone --nproc-per-node N``. Every rank then runs the
-configs in turn (fresh model, same seed, ``torch._dynamo.reset()`` between configs); rank 0
+configs in turn (fresh model, same seed, Dynamo reset between configs); rank 0
 writes ``results.jsonl``, ``results.md`` and the plots. See benchmarks/README.md.
 """
 
@@ -30,19 +30,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch._functorch.config
-import torch._inductor.config
 import torch.distributed as dist
+
+from bucketwise._compat import dynamo as dc
 from torch.profiler import record_function
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_metrics as bm  # noqa: E402
-import bench_restart as br  # noqa: E402
-from bench_cli import ALWAYS_ENV, ARGV_ENV, COMMAND_ENV, NO_CACHE_ENV, RECORD_ENV, SOCKET_ENV, BenchArgs, job_env, parse, rank_argv, relaunch  # noqa: E402
-from bench_configs import Prepared, Recipe, recipe_for  # noqa: E402
-from bench_models import ModelSpec, make_spec  # noqa: E402
-from bench_output import add_floor_ratios, safe_name, write_jsonl, write_markdown  # noqa: E402
+from bucketwise.benchmarks import bench_metrics as bm
+from bucketwise.benchmarks import bench_restart as br
+from bucketwise.benchmarks.bench_cli import ALWAYS_ENV, ARGV_ENV, COMMAND_ENV, NO_CACHE_ENV, RECORD_ENV, SOCKET_ENV, BenchArgs, job_env, parse, rank_argv, relaunch
+from bucketwise.benchmarks.bench_configs import Prepared, Recipe, recipe_for
+from bucketwise.benchmarks.bench_models import ModelSpec, make_spec
+from bucketwise.benchmarks.bench_output import add_floor_ratios, safe_name, write_jsonl, write_markdown
 
 LR = 1e-4
 
@@ -76,8 +75,7 @@ def make_step(prepared: Prepared, spec: ModelSpec, opt: torch.optim.Optimizer, b
 
 
 def _fresh_state(device: torch.device) -> None:
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    dc.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -85,9 +83,7 @@ def _fresh_state(device: torch.device) -> None:
 
 
 def _dynamo_counts() -> dict[str, int]:
-    counters = torch._dynamo.utils.counters
-    return {"unique_graphs": int(counters["stats"]["unique_graphs"]),
-            "graph_breaks": int(sum(counters["graph_break"].values()))}
+    return dc.graph_counts()
 
 
 def _profile(args: BenchArgs, config: str, step: Callable[[], Any], device: torch.device, rank: int) -> dict:
@@ -353,7 +349,7 @@ def run_all(args: BenchArgs, device: torch.device) -> None:
             print(_progress(i, len(args.configs), rows[-1]), flush=True)
         dist.barrier()
     if rank == 0:
-        from bench_plots import make_plots
+        from bucketwise.benchmarks.bench_plots import make_plots
 
         make_plots(args.out, meta, rows, args.timeline_config)
         print(f"wrote {os.path.join(args.out, 'results.md')}", flush=True)
@@ -391,16 +387,13 @@ def _prime_compiler(backend: str, device: torch.device) -> None:
     x = torch.ones(8, 8, device=device, requires_grad=True)
     torch.compile(lambda t: torch.relu(t @ t) * 2, backend=backend)(x).sum().backward()
     bm.sync(device)
-    torch._dynamo.reset()
+    dc.reset()
 
 
 def worker(args: BenchArgs) -> int:
     if args.restart and args.phase == "cold" and ARGV_ENV not in os.environ:
         raise SystemExit("ddp_bench.py: error: --restart runs the job twice: start ddp_bench.py itself, not under torchrun")
     os.environ.update(job_env(args))  # NCCL reads these at communicator creation
-    # The environment says the same (job_env), but torch read it when this process imported it.
-    torch._inductor.config.fx_graph_cache = args.compile_cache == "on"
-    torch._functorch.config.enable_autograd_cache = args.compile_cache == "on"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":
         device = torch.device("cuda", local_rank)
@@ -418,9 +411,11 @@ def worker(args: BenchArgs) -> int:
         args = dataclasses.replace(args, cache_dir=os.path.join(tempfile.gettempdir(), "bucketwise-bench-cache-"
                                                                  + os.environ.get("TORCHELASTIC_RUN_ID", "none")))
     try:
-        br.use_config_cache(args.cache_dir, "_prime", cold=args.phase == "cold")
-        _prime_compiler(args.backend, device)
-        (run_restart if args.phase == "warm" else run_all)(args, device)
+        # The environment says the same (job_env), but torch read it when this process imported it.
+        with dc.compile_caches(args.compile_cache == "on"):
+            br.use_config_cache(args.cache_dir, "_prime", cold=args.phase == "cold")
+            _prime_compiler(args.backend, device)
+            (run_restart if args.phase == "warm" else run_all)(args, device)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_cli import ALWAYS_ENV
+from bucketwise.benchmarks.bench_cli import ALWAYS_ENV
 
 CONFIGS = ("fused", "split", "torch_compile", "eager")
 SIZES = {  # name: (hidden, intermediate, layers, heads, vocab, seq, batch per rank)

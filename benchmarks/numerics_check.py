@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bench_metrics import param_spread  # benchmarks/ is sys.path[0] when run as a script
+from bucketwise.benchmarks.bench_metrics import param_spread
 
 NO_REORDER = {"reorder_for_compute_comm_overlap": False}
 VARIANTS = {

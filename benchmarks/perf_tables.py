@@ -27,9 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sweep_table import load_run  # noqa: E402
+from bucketwise.benchmarks.sweep_table import load_run
 
 MAIN = {"model": "gpt", "world_size": 2, "net": "default"}
 """The README's current table: runs of this model, ranks and net, with DDP's default bucket cap."""

@@ -18,7 +18,6 @@ import os
 import sys
 from typing import Any, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DDP_DEFAULT_CAP_MB = 25.0
 SAME_KEYS = ("model", "world_size", "device_name", "net", "compile_backend", "steps", "warmup")
@@ -102,7 +101,7 @@ def markdown(sweep: Sweep, configs: Sequence[str], sources: dict[float, str], me
 
 
 def plot(sweep: Sweep, configs: Sequence[str], path: str, title: str) -> bool:
-    from bench_plots import _pyplot
+    from bucketwise.benchmarks.bench_plots import _pyplot
 
     plt = _pyplot()
     if plt is None:

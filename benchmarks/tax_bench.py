@@ -50,15 +50,14 @@ import time
 from typing import Any, Callable
 
 import torch
-import torch._functorch.config
-import torch._inductor.config
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bucketwise._compat import dynamo as dc
 
-from bench_configs import recipe_for, floor_config  # noqa: E402
-from bench_models import MODELS, make_spec  # noqa: E402
-from ddp_bench import LR, make_step  # noqa: E402
+
+from bucketwise.benchmarks.bench_configs import recipe_for, floor_config
+from bucketwise.benchmarks.bench_models import MODELS, make_spec
+from bucketwise.benchmarks.ddp_bench import LR, make_step
 
 DEFAULT_CONFIGS = "local,local-ro,torch-nosplit,torch,replicate,bw-fused,bw-fused-cg"
 
@@ -268,7 +267,7 @@ def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
     """A child of ``--restarts``: one config's first step and the step after it, over the
     compile caches its environment names (tax_restarts.py)."""
-    import tax_restarts
+    from bucketwise.benchmarks import tax_restarts
 
     entry = build(args.configs[0], make_spec(args.model, {}), device, args.backend, warmup=0)
     _sync()
@@ -302,7 +301,7 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
         rows = _steady(args, entries, failed)
     restarts = None
     if args.restarts:
-        import tax_restarts
+        from bucketwise.benchmarks import tax_restarts
 
         entries.clear()
         gc.collect()
@@ -359,14 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             dist.destroy_process_group()
         return 0
-    # Every config compiles cold: no FX-graph or AOTAutograd cache hit from a config built earlier.
-    torch._inductor.config.fx_graph_cache = False
-    torch._functorch.config.enable_autograd_cache = False
     try:
-        # The process's compiler start-up (imports, workers) before the first config's first step.
-        x = torch.ones(8, 8, device=device, requires_grad=True)
-        torch.compile(lambda t: torch.relu(t @ t) * 2, backend=args.backend)(x).sum().backward()
-        run(args, device)
+        # Every config compiles cold: no FX-graph or AOTAutograd cache hit from a config built earlier.
+        with dc.compile_caches(False):
+            # The process's compiler start-up (imports, workers) before the first config's first step.
+            x = torch.ones(8, 8, device=device, requires_grad=True)
+            torch.compile(lambda t: torch.relu(t @ t) * 2, backend=args.backend)(x).sum().backward()
+            run(args, device)
     finally:
         dist.destroy_process_group()
     return 0

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from zoo_procs import importable, run_ranks
-from zoo_registry import MODELS, select
-from zoo_train import CHECK_CONFIGS, SPEED_CONFIGS
+from bucketwise.benchmarks.zoo_procs import importable, run_ranks
+from bucketwise.benchmarks.zoo_registry import MODELS, select
+from bucketwise.benchmarks.zoo_train import CHECK_CONFIGS, SPEED_CONFIGS
 
 
 MIN_MODEL_S = 45.0

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from zoo_spec import BATCH, CLASSES, IMAGE, SEQ, VOCAB, Built, ZooModel, hf_loss, images, labels, no_dropout, tokens
+from bucketwise.benchmarks.zoo_spec import BATCH, CLASSES, IMAGE, SEQ, VOCAB, Built, ZooModel, hf_loss, images, labels, no_dropout, tokens
 
 DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0, pad_token_id=0,

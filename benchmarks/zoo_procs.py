@@ -32,7 +32,7 @@ def _rank_main(rank: int, nproc: int, name: str, opts: dict[str, Any], store: st
     import torch
     import torch.distributed as dist
 
-    from zoo_train import run_model
+    from bucketwise.benchmarks.zoo_run import run_model
 
     try:
         if opts["device"] == "cuda":

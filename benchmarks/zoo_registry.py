@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from zoo_hf import MODELS as HF_MODELS
-from zoo_spec import ZooModel
-from zoo_vision import MODELS as VISION_MODELS
+from bucketwise.benchmarks.zoo_hf import MODELS as HF_MODELS
+from bucketwise.benchmarks.zoo_spec import ZooModel
+from bucketwise.benchmarks.zoo_vision import MODELS as VISION_MODELS
 
 MODELS: dict[str, ZooModel] = {m.name: m for m in [*HF_MODELS, *VISION_MODELS]}
 

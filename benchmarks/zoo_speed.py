@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 import bucketwise
-from zoo_check import compare, snapshot
-from zoo_spec import Built, ZooModel, forward_kwargs
-from zoo_train import LR, SPEED_CONFIGS, compiled_for, error_record, fresh, report_fields, to_device, warm_up
+from bucketwise.benchmarks.zoo_check import compare, snapshot
+from bucketwise.benchmarks.zoo_spec import Built, ZooModel, forward_kwargs
+from bucketwise.benchmarks.zoo_train import LR, SPEED_CONFIGS, compiled_for, error_record, fresh, report_fields, to_device, warm_up
 
 WARMUP = 3
 GPU_RTOL_SCALE = 10.0

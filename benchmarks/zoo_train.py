@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
-from zoo_check import compare, replica_spread, snapshot
-from zoo_registry import get
-from zoo_spec import Built, ZooModel, forward_kwargs
+from bucketwise.benchmarks.zoo_check import compare, replica_spread, snapshot
+from bucketwise.benchmarks.zoo_registry import get
+from bucketwise.benchmarks.zoo_spec import Built, ZooModel, forward_kwargs
 
 CHECK_CONFIGS = ("torch", "auto", "fused", "split")
 SPEED_CONFIGS = ("local", "torch", "bw-fused", "bw-fused-cg")
@@ -190,20 +190,3 @@ def run_check(spec: ZooModel, rank: int, opts: dict[str, Any]) -> list[dict[str,
         records.append(rec)
         gc.collect()
     return records
-
-
-def run_model(rank: int, world_size: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
-    spec = get(name)
-    if opts["mode"] == "speed":
-        from zoo_speed import run_speed
-
-        configs = run_speed(spec, rank, opts)
-    else:
-        configs = run_check(spec, rank, opts)
-    return {"model": name, "rank": rank, "world_size": world_size, "configs": configs}
-
-
-def worker(rank: int, world_size: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
-    """``run_model`` with the process group's barrier around it (used by tests/_dist.py)."""
-    dist.barrier()
-    return run_model(rank, world_size, name, opts)

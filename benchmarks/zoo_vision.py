@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from zoo_spec import CLASSES, Built, ZooModel, images, labels, logits_loss, no_dropout
+from bucketwise.benchmarks.zoo_spec import CLASSES, Built, ZooModel, images, labels, logits_loss, no_dropout
 
 
 def classifier(make: Callable[[], Any]) -> Callable[[], Built]:

@@ -14,9 +14,8 @@ import torch.nn as nn
 
 from .._compat import ddp as ddpc
 from ..distributed import teardown
-from ..distributed.alignment import measure_alignment
-from ..distributed.fused_policy import why_not_fused
-from ..distributed.fused_runtime import FusedRuntime
+from ..distributed.split.alignment import measure_alignment
+from ..distributed.fused.runtime import FusedRuntime
 from ..distributed.rank_check import prepare_rank_checks
 from .._compat import dynamo as dc
 from ..stats import profiling
@@ -24,6 +23,7 @@ from ..cudagraphs.policy import Decision
 from .config import CompileConfig
 from .freeze import freeze_after_warmup, stance
 from .graph_backend import GraphBackend
+from .strategy import resolve_strategy
 from ..stats.report import Report
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class CompiledModule(nn.Module):
         reducer in charge when the fused strategy cannot reproduce what it would do."""
         self.__dict__["_fused_checked"] = True
         requested = self._bucketwise_backend.config.strategy
-        if why_not_fused(ddp, requested) is None and not ddpc.uses_python_reducer(ddp):
+        if resolve_strategy(requested, ddp, runs_ddp_forward=True).strategy == "fused":
             self.__dict__["_release_wanted"] = True
             return runtime
         runtime.remove_hooks()

@@ -80,7 +80,7 @@ class CompileTimes:
 
 
 def backend_call_times(call_s: float, outcomes: Iterable[Any], rank_check_s: float) -> CompileTimes:
-    """Step 2 of NOTE [compile-time breakdown]: ``call_s`` seconds in bucketwise's backend for one
+    """Step 2 of the breakdown (NOTE [compile-time breakdown]): ``call_s`` seconds in bucketwise's backend for one
     graph, of which ``outcomes`` (``segments.CompileOutcome``) are the compiles it handed on."""
     outcomes = list(outcomes)
     compiled = sum(o.seconds for o in outcomes)

@@ -141,7 +141,7 @@ def finish() -> None:
     pub = _publisher
     if pub is None or pub.finished:
         return
-    # NOTE [at-exit order]: a profile still open and reports not yet written have written their
+    # A profile still open and reports not yet written (NOTE [at-exit order]) have written their
     # files (and handed them to publish()) before this runs.
     try:
         pub.finished = True

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from . import first_step, job_stats
 from ..distributed.at_exit import at_exit
+from ..distributed.result import BucketStats, VariantStats
 from .files import atomic_write_json
 from .table import align
 from .compile_times import (BREAKDOWN_FOOTER, BREAKDOWN_HEADER, POLLS_AFTER_COMPILE, CompileTimes,
@@ -47,52 +48,6 @@ class SegmentStats:
         d = dataclasses.asdict(self)
         d["param_count"] = self.param_count
         return d
-
-
-@dataclasses.dataclass
-class BucketStats:
-    """One planned gradient bucket of a graph."""
-
-    index: int
-    """Gradient-ready order: bucket 0 is reduced first in the backward."""
-    params: list[str]
-    bytes: int
-    segment: int | None
-    """Segment holding every parameter of the bucket (``split``), ``None`` if none does."""
-    issued_at: float | None = None
-    """``fused``: where in the backward its allreduce is issued (fraction of backward nodes)."""
-    comm_dtype: str | None = None
-    """``fused``: dtype on the wire (``bfloat16`` with ``bf16_compress_hook``)."""
-    collective: str | None = None
-    """``fused``: ``all_reduce`` (the bucket), ``all_gather rows`` (an embedding table
-    reduced as the rows each rank looked up, NOTE [embedding rows]), the all-reduces of a
-    ``powerSGD_hook`` bucket (``all_reduce uncompressed + P + Q``), or ``traced hook <name>``."""
-    wire_bytes: int | None = None
-    """``fused``: bytes each rank puts into the collective(s) per step (in the wire dtype; with
-    PowerSGD once it compresses, before ``start_powerSGD_iter`` it sends ``bytes``); ``None``
-    where unknown (a traced user hook)."""
-    wire_parts: dict[str, int] | None = None
-    """``fused`` with PowerSGD: ``wire_bytes`` per all-reduce (``uncompressed``, ``P``, ``Q``)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class VariantStats:
-    """One compile of a graph whose buckets a comm hook reduces (NOTE [powersgd in the graph]):
-    the first is the graph's segment; later ones happen when the hook first needs them
-    (PowerSGD at ``start_powerSGD_iter``, gradients accumulated before a synced step)."""
-
-    name: str
-    compile_seconds: float
-    backend: str
-    fell_back: bool = False
-    reason: str | None = None
-    phases: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass

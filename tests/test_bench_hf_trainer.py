@@ -43,8 +43,7 @@ def test_hf_trainer_bench_tiny(tmp_path):
 def test_split_without_the_entry_point_says_so(tmp_path, monkeypatch, capsys):
     """A source folder on PYTHONPATH (no ``pip install``) has no backend entry point: the split
     config is recorded with the reason and the fix, without starting a job that would fail."""
-    monkeypatch.syspath_prepend(str(BENCH.parent))
-    import hf_trainer_bench as bench
+    from bucketwise.benchmarks import hf_trainer_bench as bench
 
     monkeypatch.setattr(bench, "_backend_entry_point", lambda: False)
     real_run = bench.subprocess.run

@@ -22,9 +22,7 @@ LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_AD
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
-    import bench_cli
-    import bench_metrics
+    from bucketwise.benchmarks import bench_cli, bench_metrics
 
     return bench_cli, bench_metrics
 
@@ -254,7 +252,7 @@ def test_spread(bench):
 
 
 def test_cudagraph_configs(bench):
-    import bench_configs
+    from bucketwise.benchmarks import bench_configs
 
     for config in ("bw-split-cg", "bw-none-cg", "bw-fused-cg", "bw-fused-ro", "local-ro"):
         recipe = bench_configs.recipe_for(config)

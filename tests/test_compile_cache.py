@@ -10,8 +10,8 @@ import torch.fx as fx
 
 from bucketwise._compat import dynamo as dc
 from bucketwise._compat import collectives as cc
-from bucketwise.distributed.cache_keys import comm_pass_key, source_key, traced_call_targets
-from bucketwise.distributed.fused import CommSpec, insert_bucket_syncs
+from bucketwise.distributed.fused.cache_keys import comm_pass_key, source_key, traced_call_targets
+from bucketwise.distributed.fused.sync import CommSpec, insert_bucket_syncs
 from bucketwise.partitioners.param_usage import find_graph_params
 
 

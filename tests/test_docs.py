@@ -36,6 +36,38 @@ def test_every_note_named_in_the_docs_exists_in_the_code():
             assert name in defined, f"{page.name} names NOTE [{name}], which no code file defines"
 
 
+def _definitions() -> dict[str, list[str]]:
+    """NOTE name -> the files defining it (``NOTE [name]:``), tests' own files apart."""
+    out: dict[str, list[str]] = {}
+    for path in _code_files():
+        if path.name.startswith("test_"):
+            continue
+        for name in re.findall(r"NOTE \[([^\]]+)\]:", path.read_text()):
+            out.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    return out
+
+
+def test_every_note_is_defined_once_and_every_reference_resolves():
+    defined = _definitions()
+    twice = {name: files for name, files in defined.items() if len(files) > 1}
+    assert not twice, f"NOTEs defined in more than one place (a reference is written without the colon): {twice}"
+    for path in _code_files():
+        for name in re.findall(r"NOTE \[([^\]]+)\]", path.read_text()):
+            name = re.sub(r"\s*\n\s*#?\s*", " ", name)  # a name wrapped over two lines (of a comment)
+            if name in ("...", "{name}", "name") or "\\" in name:
+                continue
+            assert name in defined, f"{path.relative_to(ROOT)} names NOTE [{name}], which no code file defines"
+
+
+def test_design_md_maps_every_note_to_its_file():
+    rows = dict(re.findall(r"^\| `NOTE \[([^\]]+)\]` \| `([^`]+)` \|", (ROOT / "docs" / "design.md").read_text(), re.M))
+    defined = _definitions()
+    assert set(rows) == set(defined), (f"docs/design.md misses {sorted(set(defined) - set(rows))}, "
+                                       f"lists undefined {sorted(set(rows) - set(defined))}")
+    wrong = {name: (rows[name], files[0]) for name, files in defined.items() if rows[name] != files[0]}
+    assert not wrong, f"docs/design.md names the wrong file (page, code): {wrong}"
+
+
 def test_local_links_and_anchors_resolve():
     for page in PAGES:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):

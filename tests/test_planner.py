@@ -25,10 +25,9 @@ import torch.utils.checkpoint as checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketwise._compat import dynamo as dc
-from bucketwise.compiler.progress import Progress
 from bucketwise.compiler.segments import compile_with_fallback
 from bucketwise._compat import ddp as ddpc
-from bucketwise.distributed.ddp_optimizer import split_and_compile
+from bucketwise.distributed.split.apply import split_and_compile
 from bucketwise.distributed.plan import BucketCaps, plan_buckets
 from bucketwise.launch.models import GPT, GPTConfig, mlp, synthetic_tokens
 from bucketwise.partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops, ready_order
@@ -599,16 +598,14 @@ class SplitBackend:
         params = find_graph_params(gm, ex, self.reducer)
         buckets = plan_buckets(ready_order(params), self.caps)
 
-        def whole(g, e):
-            return compile_with_fallback(g, e, self.backend_fn, backend_name="aot_eager", fallback="raise")
+        def piece(g, e, *, what, segment=0, tracing=None):
+            return compile_with_fallback(g, e, self.backend_fn, backend_name="aot_eager", fallback="raise",
+                                         tracing=tracing)
 
-        result = split_and_compile(
-            gm, ex, params, buckets, whole, self.backend_fn, backend_name="aot_eager", fallback="raise",
-            progress=Progress("test"),
-        )
-        self.segments = [names(s.params) for s in result.segments]
-        assert all(not o.fell_back for o in result.outcomes)
-        return result.compiled
+        compiled, segments, outcomes = split_and_compile(gm, ex, params, buckets, piece)
+        self.segments = [names(s.params) for s in segments]
+        assert all(not o.fell_back for o in outcomes)
+        return compiled
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])

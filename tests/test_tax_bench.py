@@ -20,10 +20,7 @@ RESULTS = BENCH_DIR / "results" / "2026-11-24_1xH100_ddp-tax-one-rank"
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
-    import bench_configs
-    import bench_models
-    import tax_bench
+    from bucketwise.benchmarks import bench_configs, bench_models, tax_bench
 
     return tax_bench, bench_configs, bench_models
 
@@ -106,7 +103,7 @@ def test_restarts_run_cold_then_warm_in_new_processes(bench, monkeypatch):
     """A cold first step in a new process over empty caches, then a warm one over the same
     caches: the warm process loads the fused graph from the AOTAutograd cache, and the report's
     first-step breakdown accounts for the compiled calls."""
-    import tax_restarts
+    from bucketwise.benchmarks import tax_restarts
 
     monkeypatch.setenv("MASTER_PORT", "29633")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -125,7 +122,7 @@ def test_restarts_run_cold_then_warm_in_new_processes(bench, monkeypatch):
 
 
 def test_restart_ratios_are_medians_of_per_round_ratios(bench):
-    import tax_restarts
+    from bucketwise.benchmarks import tax_restarts
 
     run = lambda cold, warm: {"cold": {"first_step_s": cold}, "warm": {"first_step_s": warm}}  # noqa: E731
     runs = {"torch": [run(10.0, 2.0), run(20.0, 2.0), run(10.0, 2.0)],

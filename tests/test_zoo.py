@@ -20,12 +20,11 @@ from _dist import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
-sys.path.insert(0, str(BENCH))
 
-from zoo_check import compare  # noqa: E402
-from zoo_procs import importable  # noqa: E402
-from zoo_registry import SUBSETS, get  # noqa: E402
-from zoo_train import worker  # noqa: E402
+from bucketwise.benchmarks.zoo_check import compare
+from bucketwise.benchmarks.zoo_procs import importable
+from bucketwise.benchmarks.zoo_registry import SUBSETS, get
+from bucketwise.benchmarks.zoo_run import worker
 
 CONFIGS = ("auto", "split")
 """``auto`` is ``fused`` wherever fused applies; ``fused`` is added where ``auto`` picks ``split``."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import bucketwise.distributed.embedding_rows  # noqa: F401  (registers bucketwise::embedding_rows_grad)
+import bucketwise.distributed.fused.embedding_rows  # noqa: F401  (registers bucketwise::embedding_rows_grad)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

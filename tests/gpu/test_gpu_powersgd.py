@@ -39,7 +39,7 @@ def _worker(rank: int, world: int, store: str, cudagraphs: bool, errors) -> None
         _case(rank, cudagraphs)
         import gc
 
-        torch._dynamo.reset()  # NOTE [CUDA graphs and destroy_process_group] (test_gpu_split.py)
+        torch._dynamo.reset()  # frees the recordings early (bucketwise also does, NOTE [cuda graphs at teardown])
         gc.collect()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent

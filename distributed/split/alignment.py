@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .._compat import ddp as ddpc
+from ..._compat import ddp as ddpc
 
 
 def measure_alignment(ddp: Any, param_segments: Mapping[int, Mapping[str, int]]) -> dict[str, Any]:

@@ -38,11 +38,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .._compat import collectives as cc
-from .fused import CommSpec
-from ..partitioners.param_usage import GraphParam
-from ..partitioners.regions import transform_regions
-from ..partitioners.split import LazyGraph
+from ..._compat import collectives as cc
+from .sync import CommSpec
+from ...partitioners.param_usage import GraphParam
+from ...partitioners.regions import transform_regions
+from ...partitioners.split import LazyGraph
 
 log = logging.getLogger(__name__)
 

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from .._compat import collectives as cc
-from .._compat import ddp as ddpc
-from .fused import CommSpec, filled_grads, insert_bucket_syncs, split_like
-from ..partitioners.param_usage import GraphParam
+from ..._compat import collectives as cc
+from ..._compat import ddp as ddpc
+from .sync import CommSpec, filled_grads, insert_bucket_syncs, split_like
+from ...partitioners.param_usage import GraphParam
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._compat import ddp as ddpc
+from ..._compat import ddp as ddpc
 
 
 class FirstIterationOrder:

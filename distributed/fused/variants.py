@@ -1,6 +1,5 @@
 """Compiling a Dynamo graph once per variant its comm hook asks for (NOTE [powersgd in the
-graph] in ``distributed/powersgd.py``, NOTE [comm hooks in the graph] in
-``distributed/comm_hooks.py``)."""
+graph] in ``fused/powersgd.py``, NOTE [comm hooks in the graph] in ``fused/comm_hooks.py``)."""
 
 from __future__ import annotations
 
@@ -9,12 +8,11 @@ from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
-from ..distributed.comm_hooks import HookProgram
-from ..distributed.fused import fresh_copy
-from ..partitioners.param_usage import GraphParam
-from .._compat import dynamo as dc
-from ..stats.report import Report, VariantStats
-from .segments import CompileOutcome
+from ..._compat import dynamo as dc
+from ...partitioners.param_usage import GraphParam
+from ..result import CompileOutcome, VariantStats
+from .comm_hooks import HookProgram
+from .sync import fresh_copy
 
 log = logging.getLogger(__name__)
 
@@ -25,17 +23,18 @@ class VariantCompiler:
     graph with the variant's extra inputs and syncs, compiled against Dynamo's own fake inputs in
     a tracing context of its own (the first variant while Dynamo compiles the frame, later ones
     at the call that first needs them). Every compile is recorded in ``variants``, the list the
-    graph's report entry holds."""
+    graph's report entry holds; ``on_later_variant`` is called after each compile past the first
+    (the report rewrites its rank file)."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], program: HookProgram,
                  buckets: Sequence[Sequence[GraphParam]],
                  compile_fn: Callable[[fx.GraphModule, list[Any], str], tuple[Callable[..., Any], CompileOutcome]],
-                 report: Report, label: str) -> None:
+                 on_later_variant: Callable[[], None], label: str) -> None:
         self.gm = gm  # kept as Dynamo gave it: each variant transforms a copy
         self.inputs = dc.graph_example_inputs(gm, example_inputs)
         self.fake_mode = dc.detect_fake_mode(self.inputs)
         self.program, self.buckets = program, buckets
-        self.compile_fn, self.report, self.label = compile_fn, report, label
+        self.compile_fn, self.on_later_variant, self.label = compile_fn, on_later_variant, label
         self.variants: list[VariantStats] = []
         self._first: CompileOutcome | None = None
 
@@ -53,7 +52,7 @@ class VariantCompiler:
             self._first = outcome
         else:
             log.info("bucketwise: %s: compiled the %s variant (%.2f s)", self.label, name, outcome.seconds)
-            self.report.write_rank_file()
+            self.on_later_variant()
         return compiled
 
     def first_outcome(self) -> CompileOutcome:

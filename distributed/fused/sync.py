@@ -24,10 +24,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .._compat import collectives as cc
-from ..partitioners.param_usage import GraphParam
-from ..partitioners.split import LazyGraph
-from ..partitioners.regions import outside_regions, transform_regions
+from ..._compat import collectives as cc
+from ...partitioners.param_usage import GraphParam
+from ...partitioners.split import LazyGraph
+from ...partitioners.regions import outside_regions, transform_regions
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,9 @@ class BucketSync(torch.autograd.Function):
         # values as scaling the flat bucket): Inductor then writes the scaled gradients straight
         # into the one flat buffer the all-reduce works on in place, instead of a flat copy and a
         # scaled flat copy of it.
-        wire = torch.cat([_scaled(g.reshape(-1), spec) for g in full])
+        # Autocast (the forward's, traced into the backward) rejects a cat of fp16 under bf16 on CPU.
+        with torch.autocast(full[0].device.type, enabled=False):
+            wire = torch.cat([_scaled(g.reshape(-1), spec) for g in full])
         reduced = cc.all_reduce_sum(wire, spec.group)
         if spec.comm_dtype is not None:
             reduced = reduced.to(full[0].dtype)

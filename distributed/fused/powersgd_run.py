@@ -12,9 +12,9 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from .comm_hooks import PLAIN, HookedGraph, HookProgram, InputSpec, bucket_input_spec, has_grads, take_grads
-from .fused import CommSpec, insert_bucket_syncs
+from .sync import CommSpec, insert_bucket_syncs
 from .powersgd import BucketPlan, PowerSGDConfig, plan_bucket, powersgd_sync, state_layout
-from ..partitioners.param_usage import GraphParam
+from ...partitioners.param_usage import GraphParam
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._compat import ddp as ddpc
+from ..._compat import ddp as ddpc
 from .comm_hooks import comm_hook_kind
 
 

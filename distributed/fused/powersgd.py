@@ -78,9 +78,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .._compat import collectives as cc
-from .._compat import ddp as ddpc
-from .fused import filled_grads, split_like
+from ..._compat import collectives as cc
+from ..._compat import ddp as ddpc
+from .sync import filled_grads, split_like
 
 log = logging.getLogger(__name__)
 

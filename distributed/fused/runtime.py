@@ -34,8 +34,8 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from .._compat import autograd as agc
-from .._compat import ddp as ddpc
+from ..._compat import autograd as agc
+from ..._compat import ddp as ddpc
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ graph calls. What bucketwise adds must take part in that key, or the cache is by
 restart pays AOTAutograd's trace and partition again) or, worse, a stale entry is loaded after
 bucketwise's code changed:
 
-- the fused graph pass inserts calls of ``fused.bucket_sync`` and ``embedding_rows.embedding_rows``
+- the fused graph pass inserts calls of ``fused/sync.bucket_sync`` and ``fused/embedding_rows.embedding_rows``
   (autograd.Functions AOTAutograd traces into the forward and backward). AOTAutograd's cache
   accepts only call targets it knows to be safe; these are declared safe through Inductor's
   ``unsafe_marked_cacheable_functions`` option, scoped to bucketwise's own compiles, with a key
@@ -53,15 +53,15 @@ def source_key(*modules: ModuleType) -> str:
 def traced_call_targets() -> dict[str, str]:
     """``module.function`` name -> cache key of every function the fused graph passes insert as a
     ``call_function`` target (the names AOTAutograd's cache checks a graph's calls against)."""
-    from .._compat import collectives as cc
-    from . import embedding_rows, fused
+    from ..._compat import collectives as cc
+    from . import embedding_rows, sync
 
-    key = source_key(fused, embedding_rows, cc)
-    return {f"{fn.__module__}.{fn.__name__}": key for fn in (fused.bucket_sync, embedding_rows.embedding_rows)}
+    key = source_key(sync, embedding_rows, cc)
+    return {f"{fn.__module__}.{fn.__name__}": key for fn in (sync.bucket_sync, embedding_rows.embedding_rows)}
 
 
 def comm_pass_key() -> str:
     """The cache key of the comm scheduler pass (``_compat/collectives.py``) handed to Inductor."""
-    from .._compat import collectives as cc
+    from ..._compat import collectives as cc
 
     return source_key(cc)

@@ -1,0 +1,26 @@
+"""One zoo model on this rank: its check (``zoo_train``) or its speed run (``zoo_speed``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from bucketwise.benchmarks.zoo_registry import get
+from bucketwise.benchmarks.zoo_speed import run_speed
+from bucketwise.benchmarks.zoo_train import run_check
+
+
+def run_model(rank: int, world_size: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
+    spec = get(name)
+    if opts["mode"] == "speed":
+        configs = run_speed(spec, rank, opts)
+    else:
+        configs = run_check(spec, rank, opts)
+    return {"model": name, "rank": rank, "world_size": world_size, "configs": configs}
+
+
+def worker(rank: int, world_size: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """``run_model`` with the process group's barrier around it (used by tests/_dist.py)."""
+    dist.barrier()
+    return run_model(rank, world_size, name, opts)

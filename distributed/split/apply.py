@@ -1,0 +1,173 @@
+"""The split strategy: cut each Dynamo graph at gradient-bucket boundaries.
+
+NOTE [split strategy]: DDP's reducer launches a bucket's allreduce as soon as the last gradient
+of the bucket is accumulated. A compiled graph produces all of its gradients only when its whole
+backward has run, so a single compiled graph delays every allreduce to the end of the backward.
+Cutting the graph so that each bucket's parameters are first used in their own segment lets each
+segment's backward finish a bucket, and NCCL reduces it while earlier segments still compute.
+The plan uses the reducer's own assignment routine and caps, so once the reducer has rebuilt its
+buckets from the real gradient-ready order they coincide with the segments (``alignment``).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..._compat import ddp as ddpc
+from ..._compat import dynamo as dc
+from ...partitioners.param_usage import GraphParam, ready_order
+from ...partitioners.split import Segment, bucket_boundaries, split_graph
+from ..plan import BucketCaps, buckets_from_reducer, plan_buckets
+from ..result import CompileOutcome, CompilePiece, StrategyResult, bucket_stats, op_count
+from ..whole import apply_whole
+
+log = logging.getLogger(__name__)
+
+
+def apply_split(*, gm: fx.GraphModule, example_inputs: Sequence[Any], ddp: Any, params: Sequence[GraphParam],
+                earlier_names: set[str], caps: BucketCaps, compile_piece: CompilePiece, fallback: str) -> StrategyResult:
+    """Plan ``gm``'s buckets, cut it at them and compile each segment (``compile_piece``). A
+    parameter an earlier graph also reads (``earlier_names``: used on both sides of a graph
+    break) gets its gradient completed by that earlier graph's backward: planned there only.
+    Where the graph cannot be cut, it is compiled whole and DDP's reducer reduces it after its
+    backward (``fallback="raise"`` re-raises)."""
+    params = [p for p in params if p.name not in earlier_names]
+    notes = []
+    if not caps.matches_ddp(ddp):
+        notes.append(f"bucket caps {caps.limits()} differ from the DDP module's own: its reducer keeps "
+                     "its buckets, so they will not coincide with the segments (see alignment)")
+    buckets, source = plan_for_graph(ddp, params, caps)
+    try:
+        fn, segments, outcomes = split_and_compile(gm, example_inputs, params, buckets, compile_piece)
+    except Exception as exc:
+        if fallback == "raise" or dc.functorch_depth() or dc.is_dynamo_control_flow(exc):
+            raise
+        # Splitting itself failed (an op torch.fx's splitter cannot carry across a cut).
+        log.warning("bucketwise: could not split graph, compiling it whole: %s", exc)
+        whole = apply_whole(gm=gm, example_inputs=example_inputs, params=params, compile_piece=compile_piece)
+        whole.notes[:0] = [*notes, f"a graph could not be split and was compiled whole: {type(exc).__name__}: {exc}"[:300]]
+        return whole
+    seg_of = {p.name: seg.index for seg in segments for p in seg.params}
+    stats = [bucket_stats(i, b, seg_of) for i, b in enumerate(buckets)]
+    return StrategyResult(fn=fn, segments=segments, outcomes=outcomes, buckets=stats, plan_source=source, notes=notes)
+
+
+def plan_for_graph(ddp: Any, params: Sequence[GraphParam], caps: BucketCaps) -> tuple[list[list[GraphParam]], str]:
+    """Buckets for one graph and where they come from.
+
+    ``"reducer"``: DDP's buckets are already final (``find_unused_parameters=True`` never
+    rebuilds; or the reducer has rebuilt before this graph was compiled) and the caps are DDP's:
+    follow them. ``"predicted"``: DDP's assignment routine over the predicted ready order; the
+    reducer will rebuild to the same buckets (NOTE [first-iteration gradient order]).
+    """
+    if caps.matches_ddp(ddp):
+        known = ddpc.fixed_buckets(ddp)
+        if known is not None:
+            return buckets_from_reducer(params, known), "reducer"
+    return plan_buckets(ready_order(params), caps), "predicted"
+
+
+def split_and_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], params: Sequence[GraphParam],
+                      buckets: Sequence[Sequence[GraphParam]], compile_piece: CompilePiece,
+                      ) -> tuple[Callable[..., Any], list[Segment], list[CompileOutcome]]:
+    """Split ``gm`` at ``buckets`` (gradient-ready order) and compile each segment; a graph
+    whose parameters fit in one bucket is compiled whole (one segment)."""
+    log.debug("bucket plan: %s", [[p.name for p in b] for b in buckets])
+    used = [p for p in params if p.first_use >= 0]
+    if len(buckets) <= 1:
+        compiled, outcome = compile_piece(gm, example_inputs, what="segment 1/1")
+        return compiled, [Segment(index=0, submodule="", params=list(used), op_count=op_count(gm))], [outcome]
+    segment_of = bucket_boundaries(gm, buckets)
+    split_gm, segments = split_graph(gm, segment_of, used)
+    outcomes = compile_segments(split_gm, example_inputs, compile_piece)
+    if len(outcomes) != len(segments):
+        raise AssertionError(f"expected {len(segments)} compiled segments, got {len(outcomes)}")
+    return split_gm, segments, outcomes
+
+
+class _SegmentCall(torch.nn.Module):
+    """Holds a compiled segment in the split GraphModule; unwraps the 1-tuple AOT needs."""
+
+    def __init__(self, fn: Callable[..., Any], unwrap: bool) -> None:
+        super().__init__()
+        self.fn = fn
+        self.unwrap = unwrap
+
+    def forward(self, *args: Any) -> Any:
+        out = self.fn(*args)
+        if self.unwrap and isinstance(out, (tuple, list)):
+            return out[0]
+        return out
+
+
+def _force_tuple_output(gm: fx.GraphModule) -> bool:
+    """AOTAutograd-based backends need a tuple output; returns whether one was added."""
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    if isinstance(out.args[0], (tuple, list)):
+        return False
+    out.args = ((out.args[0],),)
+    gm.recompile()
+    return True
+
+
+def compile_segments(split_gm: fx.GraphModule, example_inputs: Sequence[Any], compile_piece: CompilePiece) -> list[CompileOutcome]:
+    """Compile every ``submod_*`` of ``split_gm`` in forward order, replacing it in place.
+
+    Each segment is compiled against fake inputs that carry the strides the previous compiled
+    segment really produces (see NOTE [several AOT graphs per Dynamo graph] in
+    ``_compat/dynamo.py``).
+    """
+    fake_mode = dc.detect_fake_mode(example_inputs)
+    tracing = dc.SegmentTracing()
+    env: dict[fx.Node, Any] = {}
+    placeholders = iter(example_inputs)
+    outcomes: list[CompileOutcome] = []
+    calls = [n for n in split_gm.graph.nodes if n.op == "call_module"]
+
+    def load(arg: Any) -> Any:
+        return fx.node.map_arg(arg, lambda n: env[n])
+
+    with dc.saved_tensor_hooks_disabled():
+        for node in split_gm.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = dc.to_fake(next(placeholders), fake_mode)
+            elif node.op == "call_module":
+                env[node] = _compile_segment(split_gm, node, tuple(dc.to_fake(a, fake_mode) for a in load(node.args)),
+                                             compile_piece, tracing, fake_mode, outcomes, len(calls))
+            elif node.op == "call_function":
+                if node.target is not operator.getitem:
+                    raise AssertionError(f"expected only getitem between segments, got {node.format_node()}")
+                env[node] = node.target(*load(node.args))
+    split_gm.recompile()
+    # Drop the uncompiled pieces (still reachable through compiled wrappers if they fell back).
+    for node in calls:
+        original = str(node.target).removeprefix("compiled_")
+        if hasattr(split_gm, original):
+            split_gm.delete_submodule(original)
+    return outcomes
+
+
+def _compile_segment(split_gm: fx.GraphModule, node: fx.Node, args: tuple, compile_piece: CompilePiece, tracing: Any,
+                     fake_mode: Any, outcomes: list[CompileOutcome], total: int) -> Any:
+    """Compile one segment, put it in place of ``node``, and return its (fake) outputs for the
+    segments after it."""
+    submod = getattr(split_gm, str(node.target))
+    unwrap = _force_tuple_output(submod)
+    aot_before = dc.aot_autograd_count()
+    compiled, outcome = compile_piece(submod, args, what=f"segment {len(outcomes) + 1}/{total}",
+                                      segment=len(outcomes), tracing=tracing)
+    outcomes.append(outcome)
+    wrapper = _SegmentCall(compiled, unwrap)
+    name = f"compiled_{node.target}"
+    split_gm.add_submodule(name, wrapper)
+    node.target = name
+    with dc.allow_real_inputs(fake_mode):
+        if not outcome.fell_back and dc.aot_autograd_count() != aot_before and tracing.record_segment_metadata():
+            return wrapper(*args)
+        out = submod(*args)
+        return out[0] if unwrap else out
