@@ -19,10 +19,10 @@ Public API (kept small on purpose):
 # copy of every submodule under the folder's name (or failing where the name is no identifier).
 from bucketwise.compiler.api import compile
 from bucketwise.compiler.freeze import freeze
+from bucketwise.distributed.fused.comm_hooks import traceable_comm_hook
 from bucketwise.stats.profiling import profile
 from bucketwise.stats.report import Report, report
 from bucketwise.stats.runtime_view import RuntimeView
-from bucketwise.distributed.fused.comm_hooks import traceable_comm_hook
 
 __all__ = ["compile", "report", "freeze", "profile", "traceable_comm_hook", "Report", "RuntimeView"]
 __version__ = "0.2.0"

@@ -43,11 +43,11 @@ from typing import Any
 import torch
 import transformers
 
+from ._compat import ddp as ddpc
 from ._compat import dynamo as dc
 from .compiler.api import compile as bucketwise_compile
 from .compiler.config import CompileConfig
 from .stats.report import report
-from ._compat import ddp as ddpc
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,9 @@ def check_options(options: dict[str, Any] | None) -> dict[str, Any]:
     if options is None:
         return {}
     if not isinstance(options, dict):
-        raise TypeError(f"bucketwise_options must be a dict of bucketwise.compile arguments, got {type(options).__name__}")
+        raise TypeError(
+            f"bucketwise_options must be a dict of bucketwise.compile arguments, got {type(options).__name__}"
+        )
     bad = sorted(set(options) - set(OPTION_NAMES))
     if bad:
         raise ValueError(f"bucketwise_options: unknown key(s) {bad}; accepted: {list(OPTION_NAMES)}")
@@ -108,13 +110,17 @@ class BucketwiseTrainerMixin:
         if self.args.world_size > 1:
             if training:
                 self._bucketwise_say(
-                    "not-ddp", logging.WARNING,
+                    "not-ddp",
+                    logging.WARNING,
                     f"bucketwise: the Trainer trains a {type(model).__name__}, not a DistributedDataParallel module "
-                    "(FSDP, DeepSpeed?); it runs uncompiled: bucketwise compiles DDP modules")
+                    "(FSDP, DeepSpeed?); it runs uncompiled: bucketwise compiles DDP modules",
+                )
             else:
                 self._bucketwise_say(
-                    "eval", logging.INFO,
-                    "bucketwise: the Trainer evaluates the model outside DDP; evaluation runs uncompiled")
+                    "eval",
+                    logging.INFO,
+                    "bucketwise: the Trainer evaluates the model outside DDP; evaluation runs uncompiled",
+                )
             return model
         return self._bucketwise_single(model)
 
@@ -125,33 +131,45 @@ class BucketwiseTrainerMixin:
             options["strategy"] = "fused"
         compiled = bucketwise_compile(ddp, **options)
         rep = compiled._bucketwise_report
-        rep.note(f"compiled by bucketwise.hf.{type(self).__name__}: bucketwise runs this DDP module's forward "
-                 "from the first step on (NOTE [HF Trainer on fused])")
+        rep.note(
+            f"compiled by bucketwise.hf.{type(self).__name__}: bucketwise runs this DDP module's forward "
+            "from the first step on (NOTE [HF Trainer on fused])"
+        )
         if chosen and ddpc.find_unused_parameters(ddp):
-            rep.note("strategy 'fused' although the Trainer asked DDP for find_unused_parameters=True (its default "
-                     "without gradient checkpointing): ranks whose graphs read different parameters raise "
-                     "RankMismatchError; set ddp_find_unused_parameters=True yourself to get 'auto' (split)")
+            rep.note(
+                "strategy 'fused' although the Trainer asked DDP for find_unused_parameters=True (its default "
+                "without gradient checkpointing): ranks whose graphs read different parameters raise "
+                "RankMismatchError; set ddp_find_unused_parameters=True yourself to get 'auto' (split)"
+            )
         ddpc.route_forward(ddp, compiled)
         ddpc.set_owner(ddp.module, compiled)  # report(trainer.model) finds it
-        log.info("bucketwise: %s compiled by %s (strategy %s)", rep.target, type(self).__name__,
-                 options.get("strategy", "auto"))
+        log.info(
+            "bucketwise: %s compiled by %s (strategy %s)",
+            rep.target,
+            type(self).__name__,
+            options.get("strategy", "auto"),
+        )
 
     def _bucketwise_single(self, model: Any) -> Any:
         """One process, no DDP module: the model compiled with the inner backend alone."""
         if self.label_smoother is not None:
             self._bucketwise_say(
-                "smoothing", logging.WARNING,
+                "smoothing",
+                logging.WARNING,
                 "bucketwise: one process with label_smoothing_factor: the model runs uncompiled (the Trainer "
-                "picks its label smoothing by the model's class name)")
+                "picks its label smoothing by the model's class name)",
+            )
             return model
         if self._bucketwise_plain is None or self._bucketwise_plain[0] is not model:
             options = dict(self._bucketwise_options)
             options.setdefault("strategy", "auto")
             self._bucketwise_plain = (model, bucketwise_compile(model, **options))
             self._bucketwise_say(
-                "single", logging.INFO,
+                "single",
+                logging.INFO,
                 f"bucketwise: one process, no DDP module: {type(model).__name__} compiled with backend "
-                f"{options.get('backend', 'inductor')!r} alone (no gradient buckets)")
+                f"{options.get('backend', 'inductor')!r} alone (no gradient buckets)",
+            )
         return self._bucketwise_plain[1]
 
     def _bucketwise_say(self, key: str, level: int, text: str) -> None:

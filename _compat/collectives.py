@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 
-
 def group_name(pg: Any) -> str:
     """The name functional collectives use to find a process group."""
     from torch.distributed import _functional_collectives as fcol

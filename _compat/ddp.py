@@ -190,9 +190,7 @@ def initial_buckets(ddp: DDP) -> list[list[int]]:
     return [list(b) for b in reversed(indices)]
 
 
-def compute_bucket_assignment(
-    tensors: list[torch.Tensor], limits: list[int], order: list[int]
-) -> list[list[int]]:
+def compute_bucket_assignment(tensors: list[torch.Tensor], limits: list[int], order: list[int]) -> list[list[int]]:
     """DDP's own bucket assignment routine (``dist._compute_bucket_assignment_by_size``) over
     ``tensors`` given in gradient-ready order, ``order`` being their indices. Buckets are keyed
     by dtype and device like DDP's, closed once their size reaches the current limit."""
@@ -406,6 +404,7 @@ def powersgd_gram_schmidt_(matrices: torch.Tensor, epsilon: float) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
     ps._orthogonalize_gram_schmidt(matrices, epsilon=epsilon)
+
 
 # --- join() for uneven inputs --------------------------------------------------------------
 

@@ -18,7 +18,6 @@ import torch._guards
 import torch._inductor.config
 from torch._dynamo.utils import counters as _dynamo_counters
 
-
 # --- backends ---------------------------------------------------------------------------
 
 
@@ -270,16 +269,28 @@ def compile_records() -> list[CompileRecord]:
         cid, start = getattr(m, "compile_id", None), getattr(m, "start_time_us", None)
         if cid is None or start is None:
             continue
-        backward_us, inductor_us = getattr(m, "backward_cumulative_compile_time_us", None), getattr(m, "inductor_cumulative_compile_time_us", None)
-        out.append(CompileRecord(
-            compile_id=str(cid), forward=getattr(m, "is_forward", None) is not False, start_us=int(start),
-            end_us=getattr(m, "end_time_us", None), frame_s=getattr(m, "entire_frame_compile_time_s", None),
-            backend_s=getattr(m, "backend_compile_time_s", None),
-            backward_s=None if backward_us is None else backward_us / 1e6,
-            inductor_s=None if inductor_us is None else inductor_us / 1e6,
-            fx_hit=sum(int(getattr(m, f"inductor_fx_{where}_cache_hit_count", 0) or 0) for where in ("local", "remote")),
-            fx_miss=sum(int(getattr(m, f"inductor_fx_{where}_cache_miss_count", 0) or 0) for where in ("local", "remote")),
-        ))
+        backward_us, inductor_us = (
+            getattr(m, "backward_cumulative_compile_time_us", None),
+            getattr(m, "inductor_cumulative_compile_time_us", None),
+        )
+        out.append(
+            CompileRecord(
+                compile_id=str(cid),
+                forward=getattr(m, "is_forward", None) is not False,
+                start_us=int(start),
+                end_us=getattr(m, "end_time_us", None),
+                frame_s=getattr(m, "entire_frame_compile_time_s", None),
+                backend_s=getattr(m, "backend_compile_time_s", None),
+                backward_s=None if backward_us is None else backward_us / 1e6,
+                inductor_s=None if inductor_us is None else inductor_us / 1e6,
+                fx_hit=sum(
+                    int(getattr(m, f"inductor_fx_{where}_cache_hit_count", 0) or 0) for where in ("local", "remote")
+                ),
+                fx_miss=sum(
+                    int(getattr(m, f"inductor_fx_{where}_cache_miss_count", 0) or 0) for where in ("local", "remote")
+                ),
+            )
+        )
     return out
 
 
@@ -537,8 +548,10 @@ def reset() -> None:
 
 def graph_counts() -> dict[str, int]:
     """Graphs Dynamo compiled and graph breaks it made since the last :func:`reset`."""
-    return {"unique_graphs": int(_dynamo_counters["stats"]["unique_graphs"]),
-            "graph_breaks": int(sum(_dynamo_counters["graph_break"].values()))}
+    return {
+        "unique_graphs": int(_dynamo_counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(_dynamo_counters["graph_break"].values())),
+    }
 
 
 def optimize_ddp(flag: bool) -> contextlib.AbstractContextManager:
@@ -553,7 +566,10 @@ def compile_caches(enabled: bool) -> Iterator[None]:
     """Within the block, Inductor's FX graph cache and the AOTAutograd cache are on or off."""
     import torch._functorch.config
 
-    with torch._inductor.config.patch(fx_graph_cache=enabled), torch._functorch.config.patch(enable_autograd_cache=enabled):
+    with (
+        torch._inductor.config.patch(fx_graph_cache=enabled),
+        torch._functorch.config.patch(enable_autograd_cache=enabled),
+    ):
         yield
 
 
@@ -562,6 +578,8 @@ def clear_inductor_caches() -> None:
     read as a new process would)."""
     import torch._inductor.utils
 
-    clear = getattr(torch._inductor.utils, "clear_caches", None) or getattr(torch._inductor.utils, "clear_inductor_caches", None)
+    clear = getattr(torch._inductor.utils, "clear_caches", None) or getattr(
+        torch._inductor.utils, "clear_inductor_caches", None
+    )
     if clear is not None:
         clear()

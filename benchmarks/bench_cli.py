@@ -13,10 +13,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from bucketwise.benchmarks import bench_launch
-from bucketwise.benchmarks import bench_models
-from bucketwise.benchmarks.bench_output import RECORD_ENV  # noqa: F401 (ddp_bench reads it here)
+from bucketwise.benchmarks import bench_launch, bench_models
 from bucketwise.benchmarks.bench_configs import CONFIGS, DEFAULT_CONFIGS, base_name, recipe_for
+from bucketwise.benchmarks.bench_output import RECORD_ENV  # noqa: F401 (ddp_bench reads it here)
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 NETS = ("default", "socket", "2node")
@@ -78,7 +77,9 @@ class BenchArgs:
         if self.net not in NETS:
             raise ValueError(f"unknown --net {self.net!r}; use one of {', '.join(NETS)}")
         if self.net == "2node" and self.nproc != 2:
-            raise ValueError(f"--net 2node runs 2 ranks, one per node: drop --nproc or pass --nproc 2, got {self.nproc}")
+            raise ValueError(
+                f"--net 2node runs 2 ranks, one per node: drop --nproc or pass --nproc 2, got {self.nproc}"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"unknown --device {self.device!r}; use one of {', '.join(DEVICES)}")
         if self.compile_cache not in COMPILE_CACHES:
@@ -112,32 +113,53 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs on this host, or 2 on CPU)")
     p.add_argument("--model", default="gpt", help=f"one of {', '.join(bench_models.MODELS)} (default gpt)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated config names")
-    p.add_argument("--repeat", action="append", default=[], metavar="CONFIG",
-                   help="run CONFIG a second time at the end, as CONFIG#2 (run-to-run spread); repeatable")
+    p.add_argument(
+        "--repeat",
+        action="append",
+        default=[],
+        metavar="CONFIG",
+        help="run CONFIG a second time at the end, as CONFIG#2 (run-to-run spread); repeatable",
+    )
     p.add_argument("--steps", type=int, default=30, help="timed steps (default 30; use >= 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps after the first (compiling) step")
     p.add_argument("--out", default=None, help="output directory (default benchmarks/results/<date>-<model>-<net>)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager for CPU smoke tests)")
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket_cap_mb (default: DDP's 25)")
-    p.add_argument("--net", default="default",
-                   help="default; socket (NCCL over TCP on loopback); 2node (two bucketwise launch agents, one GPU "
-                        "each, c10d rendezvous and NCCL over TCP on loopback: two nodes on Ethernet)")
+    p.add_argument(
+        "--net",
+        default="default",
+        help="default; socket (NCCL over TCP on loopback); 2node (two bucketwise launch agents, one GPU "
+        "each, c10d rendezvous and NCCL over TCP on loopback: two nodes on Ethernet)",
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cuda or cpu")
     for flag in bench_models.SIZE_FLAGS:
         p.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help="model size override")
     p.add_argument("--profile-steps", type=int, default=3, help="steps traced by torch.profiler (CUDA; 0: off)")
-    p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
-                   help="after timing, cProfile this many steps on rank 0 into OUT/host_profile/<config>.txt (0: off)")
+    p.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="after timing, cProfile this many steps on rank 0 into OUT/host_profile/<config>.txt (0: off)",
+    )
     p.add_argument("--probe-iters", type=int, default=5, help="allreduce bandwidth probe iterations")
     p.add_argument("--timeline-config", default=None, help="config of timeline.png (default: first bw config)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-traces", action="store_true", help="keep the raw profiler traces under OUT/traces")
-    p.add_argument("--compile-cache", default=None,
-                   help="off (default): no Inductor FX-graph/AOTAutograd cache; on (default with --restart): both "
-                        "caches, in a fresh dir per job and config (first steps are cold)")
-    p.add_argument("--restart", action="store_true",
-                   help="then run the job again over the same compile caches: warm_first_step_s per config")
-    p.add_argument("--cache-dir", default=None, help="compile-cache root (--compile-cache on; default: a fresh temporary dir)")
+    p.add_argument(
+        "--compile-cache",
+        default=None,
+        help="off (default): no Inductor FX-graph/AOTAutograd cache; on (default with --restart): both "
+        "caches, in a fresh dir per job and config (first steps are cold)",
+    )
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="then run the job again over the same compile caches: warm_first_step_s per config",
+    )
+    p.add_argument(
+        "--cache-dir", default=None, help="compile-cache root (--compile-cache on; default: a fresh temporary dir)"
+    )
     p.add_argument("--keep-cache", action="store_true", help="keep the compile-cache root after the job")
     p.add_argument("--phase", default="cold", help=argparse.SUPPRESS)
     p.add_argument("--timeout-min", type=float, default=15.0, help="process-group timeout in minutes")
@@ -161,13 +183,29 @@ def parse(argv: list[str]) -> BenchArgs:
     out = ns.out or default_out(ns.model, ns.net)
     try:
         return BenchArgs(
-            nproc=nproc, model=ns.model, configs=tuple(configs), steps=ns.steps, warmup=ns.warmup,
-            out=os.path.abspath(out), backend=ns.backend, bucket_cap_mb=ns.bucket_cap_mb, net=ns.net,
-            device=device, sizes={f: getattr(ns, f) for f in bench_models.SIZE_FLAGS},
-            profile_steps=ns.profile_steps, host_profile=ns.host_profile, probe_iters=ns.probe_iters, timeline_config=ns.timeline_config,
-            seed=ns.seed, keep_traces=ns.keep_traces, timeout_min=ns.timeout_min,
-            compile_cache=ns.compile_cache or ("on" if ns.restart else "off"), restart=ns.restart, phase=ns.phase,
-            cache_dir=os.path.abspath(ns.cache_dir) if ns.cache_dir else None, keep_cache=ns.keep_cache,
+            nproc=nproc,
+            model=ns.model,
+            configs=tuple(configs),
+            steps=ns.steps,
+            warmup=ns.warmup,
+            out=os.path.abspath(out),
+            backend=ns.backend,
+            bucket_cap_mb=ns.bucket_cap_mb,
+            net=ns.net,
+            device=device,
+            sizes={f: getattr(ns, f) for f in bench_models.SIZE_FLAGS},
+            profile_steps=ns.profile_steps,
+            host_profile=ns.host_profile,
+            probe_iters=ns.probe_iters,
+            timeline_config=ns.timeline_config,
+            seed=ns.seed,
+            keep_traces=ns.keep_traces,
+            timeout_min=ns.timeout_min,
+            compile_cache=ns.compile_cache or ("on" if ns.restart else "off"),
+            restart=ns.restart,
+            phase=ns.phase,
+            cache_dir=os.path.abspath(ns.cache_dir) if ns.cache_dir else None,
+            keep_cache=ns.keep_cache,
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -213,7 +251,8 @@ def check_launch(args: BenchArgs) -> None:
             raise SystemExit("ddp_bench.py: error: --device cuda but CUDA is not available")
         if args.nproc > torch.cuda.device_count():
             raise SystemExit(
-                f"ddp_bench.py: error: --nproc {args.nproc} > {torch.cuda.device_count()} visible GPUs (one GPU per rank)"
+                f"ddp_bench.py: error: --nproc {args.nproc} > {torch.cuda.device_count()} visible GPUs "
+                "(one GPU per rank)"
             )
     known = sorted(torch.compiler.list_backends(exclude_tags=()))
     if args.backend not in known:
@@ -252,7 +291,9 @@ def relaunch(args: BenchArgs, argv: list[str]) -> None:
         # Compile caches: wait for the job (and its restart), then remove the cache root we made.
         from bucketwise.benchmarks.bench_restart import run_jobs
 
-        sys.exit(run_jobs(job, env, cache_root, restart=args.restart, keep=args.keep_cache or args.cache_dir is not None))
+        sys.exit(
+            run_jobs(job, env, cache_root, restart=args.restart, keep=args.keep_cache or args.cache_dir is not None)
+        )
     if len(job) > 1:
         sys.exit(bench_launch.run(job, env))
     os.execve(sys.executable, job[0][0], env)

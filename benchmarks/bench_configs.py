@@ -132,7 +132,11 @@ class Recipe:
         import bucketwise
 
         compiled = bucketwise.compile(
-            wrapped, backend=backend, strategy=self.strategy, mode=self.mode, cudagraphs=self.cudagraphs,
+            wrapped,
+            backend=backend,
+            strategy=self.strategy,
+            mode=self.mode,
+            cudagraphs=self.cudagraphs,
             gather_embedding_rows=self.gather_embedding_rows,
         )
         return Prepared(module=compiled, step_context=contextlib.nullcontext, report=bucketwise.report(compiled))

@@ -23,17 +23,39 @@ Command = tuple[list[str], dict[str, str]]
 def commands(script: str, *, nproc: int, net: str, out: str, device: str) -> list[Command]:
     """The launcher processes of one job."""
     if net != "2node":
-        return [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                  script], {})]
+        return [
+            (
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), script],
+                {},
+            )
+        ]
     if nproc != 2:
         raise ValueError(f"--net 2node runs 2 ranks (one per node), got --nproc {nproc}")
     port = _free_port()
     gpus = _node_gpus(device)
     return [
-        ([sys.executable, "-m", "bucketwise.launch.cli", "launch", "--nnodes", "2", "--nproc-per-node", "1",
-          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"ddp-bench-{port}",
-          "--stats-dir", os.path.join(out, f"stats-node{node}"), script],
-         {"CUDA_VISIBLE_DEVICES": gpus[node]} if gpus[node] is not None else {})
+        (
+            [
+                sys.executable,
+                "-m",
+                "bucketwise.launch.cli",
+                "launch",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                f"ddp-bench-{port}",
+                "--stats-dir",
+                os.path.join(out, f"stats-node{node}"),
+                script,
+            ],
+            {"CUDA_VISIBLE_DEVICES": gpus[node]} if gpus[node] is not None else {},
+        )
         for node in range(2)
     ]
 

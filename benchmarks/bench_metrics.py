@@ -20,7 +20,10 @@ import torch.distributed as dist
 
 from bucketwise.stats import trace_analysis
 from bucketwise.stats.trace_analysis import (  # noqa: F401 - the harness's names for them
-    intersection_length, load_trace, merge, overlap_from_events,
+    intersection_length,
+    load_trace,
+    merge,
+    overlap_from_events,
 )
 
 STEP_RANGE = "bench_step"
@@ -105,8 +108,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def spread(per_step_ms: Sequence[float]) -> dict[str, float]:
     """p10/p50/p90 and the (population) standard deviation of per-step times, in ms."""
-    return {**{f"p{q}_ms": percentile(per_step_ms, q) for q in (10, 50, 90)},
-            "std_ms": statistics.pstdev(per_step_ms)}
+    return {**{f"p{q}_ms": percentile(per_step_ms, q) for q in (10, 50, 90)}, "std_ms": statistics.pstdev(per_step_ms)}
 
 
 def gather(obj: Any) -> list[Any]:
@@ -140,8 +142,14 @@ def allreduce_probe(numel: int, device: torch.device, iters: int) -> dict[str, A
     world = dist.get_world_size()
     nbytes = numel * 4
     busbw = 2 * (world - 1) / world * nbytes / (ms / 1e3) / 1e9 if world > 1 else None
-    return {"bytes": nbytes, "iters": iters, "median_ms": ms, "min_ms": min(slowest.tolist()),
-            "algbw_gbps": nbytes / (ms / 1e3) / 1e9, "busbw_gbps": busbw}
+    return {
+        "bytes": nbytes,
+        "iters": iters,
+        "median_ms": ms,
+        "min_ms": min(slowest.tolist()),
+        "algbw_gbps": nbytes / (ms / 1e3) / 1e9,
+        "busbw_gbps": busbw,
+    }
 
 
 # -- chrome trace -------------------------------------------------------------------------

@@ -21,12 +21,27 @@ from bucketwise.launch.models import GPT, GPTConfig, mlp, param_count, synthetic
 SIZE_FLAGS = ("layers", "d_model", "heads", "seq", "batch", "vocab")
 
 SIZE_MEANING = {
-    "gpt": {"layers": "transformer blocks", "d_model": "model width", "heads": "attention heads",
-            "seq": "context length", "batch": "sequences per rank", "vocab": "vocabulary size"},
-    "convnet": {"layers": "residual blocks per stage (3 stages)", "d_model": "width of the first stage",
-                "seq": "image side in pixels", "batch": "images per rank", "vocab": "classes"},
-    "mlp": {"layers": "linear layers (depth)", "d_model": "hidden width", "batch": "samples per rank",
-            "vocab": "output classes"},
+    "gpt": {
+        "layers": "transformer blocks",
+        "d_model": "model width",
+        "heads": "attention heads",
+        "seq": "context length",
+        "batch": "sequences per rank",
+        "vocab": "vocabulary size",
+    },
+    "convnet": {
+        "layers": "residual blocks per stage (3 stages)",
+        "d_model": "width of the first stage",
+        "seq": "image side in pixels",
+        "batch": "images per rank",
+        "vocab": "classes",
+    },
+    "mlp": {
+        "layers": "linear layers (depth)",
+        "d_model": "hidden width",
+        "batch": "samples per rank",
+        "vocab": "output classes",
+    },
 }
 SIZE_MEANING["gpt-tiny"] = SIZE_MEANING["gpt-medium"] = SIZE_MEANING["llama"] = SIZE_MEANING["gpt"]
 
@@ -107,9 +122,15 @@ class ModelSpec:
     def describe(self) -> dict[str, Any]:
         with torch.device("meta"):
             params = param_count(self.build())
-        return {"model": self.name, **self.sizes, "params": params, "items_per_rank_step": self.items_per_batch,
-                "unit": self.unit, "bf16_autocast_on_cuda": self.bf16_autocast,
-                "size_meaning": SIZE_MEANING[self.name]}
+        return {
+            "model": self.name,
+            **self.sizes,
+            "params": params,
+            "items_per_rank_step": self.items_per_batch,
+            "unit": self.unit,
+            "bf16_autocast_on_cuda": self.bf16_autocast,
+            "size_meaning": SIZE_MEANING[self.name],
+        }
 
 
 def _classifier_loss(module: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -130,10 +151,14 @@ def _random_batch(shape: tuple[int, ...], classes: int, batch: int):
 def _gpt_spec(name: str, s: dict[str, int]) -> ModelSpec:
     cfg = GPTConfig(vocab=s["vocab"], seq=s["seq"], layers=s["layers"], d_model=s["d_model"], heads=s["heads"])
     return ModelSpec(
-        name=name, sizes=s, build=lambda: GPT(cfg),
+        name=name,
+        sizes=s,
+        build=lambda: GPT(cfg),
         make_batch=lambda seed, device: synthetic_tokens(cfg, s["batch"], seed=seed, device=device),
         loss=lambda module, batch: module(*batch),
-        items_per_batch=s["batch"] * s["seq"], unit="tokens", bf16_autocast=True,
+        items_per_batch=s["batch"] * s["seq"],
+        unit="tokens",
+        bf16_autocast=True,
     )
 
 
@@ -143,9 +168,15 @@ def _llama_spec(s: dict[str, int]) -> ModelSpec:
     def build() -> nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["d_model"], intermediate_size=s["d_model"] * 11 // 4,
-                          num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                          max_position_embeddings=s["seq"], attn_implementation="sdpa")
+        cfg = LlamaConfig(
+            vocab_size=s["vocab"],
+            hidden_size=s["d_model"],
+            intermediate_size=s["d_model"] * 11 // 4,
+            num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"],
+            max_position_embeddings=s["seq"],
+            attn_implementation="sdpa",
+        )
         return LlamaForCausalLM(cfg)
 
     def loss(module: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -159,24 +190,40 @@ def _llama_spec(s: dict[str, int]) -> ModelSpec:
         return data[:, :-1].to(device), data[:, 1:].to(device)
 
     return ModelSpec(
-        name="llama", sizes=s, build=build, make_batch=make_batch,
-        loss=loss, items_per_batch=s["batch"] * s["seq"], unit="tokens", bf16_autocast=True,
+        name="llama",
+        sizes=s,
+        build=build,
+        make_batch=make_batch,
+        loss=loss,
+        items_per_batch=s["batch"] * s["seq"],
+        unit="tokens",
+        bf16_autocast=True,
     )
 
 
 def _convnet_spec(s: dict[str, int]) -> ModelSpec:
     return ModelSpec(
-        name="convnet", sizes=s, build=lambda: ConvNet(width=s["d_model"], blocks=s["layers"], classes=s["vocab"]),
-        make_batch=_random_batch((3, s["seq"], s["seq"]), s["vocab"], s["batch"]), loss=_classifier_loss,
-        items_per_batch=s["batch"], unit="samples", bf16_autocast=False,
+        name="convnet",
+        sizes=s,
+        build=lambda: ConvNet(width=s["d_model"], blocks=s["layers"], classes=s["vocab"]),
+        make_batch=_random_batch((3, s["seq"], s["seq"]), s["vocab"], s["batch"]),
+        loss=_classifier_loss,
+        items_per_batch=s["batch"],
+        unit="samples",
+        bf16_autocast=False,
     )
 
 
 def _mlp_spec(s: dict[str, int]) -> ModelSpec:
     return ModelSpec(
-        name="mlp", sizes=s, build=lambda: mlp(width=s["d_model"], depth=s["layers"], d_in=MLP_INPUTS, d_out=s["vocab"]),
-        make_batch=_random_batch((MLP_INPUTS,), s["vocab"], s["batch"]), loss=_classifier_loss,
-        items_per_batch=s["batch"], unit="samples", bf16_autocast=False,
+        name="mlp",
+        sizes=s,
+        build=lambda: mlp(width=s["d_model"], depth=s["layers"], d_in=MLP_INPUTS, d_out=s["vocab"]),
+        make_batch=_random_batch((MLP_INPUTS,), s["vocab"], s["batch"]),
+        loss=_classifier_loss,
+        items_per_batch=s["batch"],
+        unit="samples",
+        bf16_autocast=False,
     )
 
 

@@ -11,13 +11,34 @@ from typing import Any, Sequence
 from bucketwise.benchmarks.bench_configs import floor_config
 
 MD_COLUMNS = (
-    "config", "median ms", "min ms", "max ms", "p90 ms", "CPU issue ms", "x floor", "first step s",
-    "warm first step s", "compile s",
-    "peak MiB", "{unit}/s", "NCCL ms/step", "overlapped ms/step", "exposed ms/step", "final loss", "notes",
+    "config",
+    "median ms",
+    "min ms",
+    "max ms",
+    "p90 ms",
+    "CPU issue ms",
+    "x floor",
+    "first step s",
+    "warm first step s",
+    "compile s",
+    "peak MiB",
+    "{unit}/s",
+    "NCCL ms/step",
+    "overlapped ms/step",
+    "exposed ms/step",
+    "final loss",
+    "notes",
 )
 
 # Recorded in the meta line (``None`` when unset), never set by the harness.
-RECORD_ENV = ("NCCL_MAX_NCHANNELS", "NCCL_MIN_NCHANNELS", "NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_VISIBLE_DEVICES")
+RECORD_ENV = (
+    "NCCL_MAX_NCHANNELS",
+    "NCCL_MIN_NCHANNELS",
+    "NCCL_MAX_CTAS",
+    "NCCL_MIN_CTAS",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "CUDA_VISIBLE_DEVICES",
+)
 
 
 def safe_name(config: str) -> str:
@@ -85,12 +106,21 @@ def _md_row(r: dict[str, Any]) -> list[str]:
     ratio = r.get("floor_ratio")
     issue = r.get("per_rank", {}).get("cpu_issue_ms")
     return [
-        name, _fmt(r["median_ms"]), _fmt(r["min_ms"]), _fmt(r["max_ms"]), _fmt(r.get("spread", {}).get("p90_ms")),
+        name,
+        _fmt(r["median_ms"]),
+        _fmt(r["min_ms"]),
+        _fmt(r["max_ms"]),
+        _fmt(r.get("spread", {}).get("p90_ms")),
         _fmt(max(d["median"] for d in issue) if issue else None),
         "-" if ratio is None else f"{ratio:.2f}",
-        _fmt(r["first_step_s"]), _fmt(r.get("warm_first_step_s")), _fmt(r.get("compile_s")), _fmt(r.get("peak_mib"), 0),
-        _fmt(r.get("throughput_per_s"), 0), _fmt(r.get("nccl_ms_per_step")),
-        _fmt(r.get("overlapped_ms_per_step")), _fmt(r.get("exposed_ms_per_step")),
+        _fmt(r["first_step_s"]),
+        _fmt(r.get("warm_first_step_s")),
+        _fmt(r.get("compile_s")),
+        _fmt(r.get("peak_mib"), 0),
+        _fmt(r.get("throughput_per_s"), 0),
+        _fmt(r.get("nccl_ms_per_step")),
+        _fmt(r.get("overlapped_ms_per_step")),
+        _fmt(r.get("exposed_ms_per_step")),
         _fmt(r.get("losses", {}).get("final_loss"), 4),
         _one_line("; ".join(r.get("notes", [])), 200) or "-",
     ]
@@ -109,7 +139,8 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
         f"- date: {meta['date']}",
         f"- command: `{meta['command']}`",
         f"- device: {meta['device_name']} x {meta['world_size']} ranks ({meta['dist_backend']}), net: {meta['net']}",
-        f"- torch {meta['torch']}" + (f", triton {meta['triton']}" if meta.get("triton") else "")
+        f"- torch {meta['torch']}"
+        + (f", triton {meta['triton']}" if meta.get("triton") else "")
         + f", compile backend: {meta['compile_backend']}, bucket cap: "
         + (f"{meta['bucket_cap_mb']} MiB" if meta["bucket_cap_mb"] else "DDP default (25 MiB)"),
         f"- model: {model['model']} ({sizes}), {model['params']:,} parameters",
@@ -118,9 +149,15 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
     ]
     cache = meta.get("compile_cache")
     if cache:
-        lines.append("- compile caches (FX graph, AOTAutograd): " + (
-            "off" if cache == "off" else "on, a fresh dir per job and config"
-            + (", then the job again over them (warm first step)" if meta.get("restart") else "")))
+        lines.append(
+            "- compile caches (FX graph, AOTAutograd): "
+            + (
+                "off"
+                if cache == "off"
+                else "on, a fresh dir per job and config"
+                + (", then the job again over them (warm first step)" if meta.get("restart") else "")
+            )
+        )
     env = {k: v for k, v in (meta.get("env") or {}).items() if k in RECORD_ENV and v is not None}
     if env:
         lines.append("- environment: " + " ".join(f"`{k}={v}`" for k, v in env.items()))
@@ -170,7 +207,16 @@ def _cache_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
         return "-" if not caches else "{hit}/{miss}/{bypass}".format(**caches[name])
 
     lines = ["| config | FX graph cache h/m/b | warm | AOTAutograd cache h/m/b | warm |", "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['config']} | {c(r['compile_caches'], 'fx_graph')} | {c(r.get('warm_compile_caches'), 'fx_graph')} | "
-              f"{c(r['compile_caches'], 'aot_autograd')} | {c(r.get('warm_compile_caches'), 'aot_autograd')} |" for r in rows]
-    return ["", *lines, "", "h/m/b: compile-cache hits/misses/bypasses of rank 0 in the first step and warm-up steps; "
-            "warm: the same in the restarted job.", ""]
+    lines += [
+        f"| {r['config']} | {c(r['compile_caches'], 'fx_graph')} | {c(r.get('warm_compile_caches'), 'fx_graph')} | "
+        f"{c(r['compile_caches'], 'aot_autograd')} | {c(r.get('warm_compile_caches'), 'aot_autograd')} |"
+        for r in rows
+    ]
+    return [
+        "",
+        *lines,
+        "",
+        "h/m/b: compile-cache hits/misses/bypasses of rank 0 in the first step and warm-up steps; "
+        "warm: the same in the restarted job.",
+        "",
+    ]

@@ -41,8 +41,15 @@ def plot_step_times(rows: Sequence[dict[str, Any]], path: str, title: str) -> bo
     err = [[m - r["min_ms"] for m, r in zip(medians, ok)], [r["max_ms"] - m for m, r in zip(medians, ok)]]
     ax.bar(xs, medians, yerr=err, color=[_color(r["config"]) for r in ok], capsize=3)
     for x, m, r in zip(xs, medians, ok):
-        ax.annotate(f"{m:.1f}", (x, r["max_ms"]), ha="center", va="bottom", fontsize=8, xytext=(0, 2),
-                    textcoords="offset points")
+        ax.annotate(
+            f"{m:.1f}",
+            (x, r["max_ms"]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            xytext=(0, 2),
+            textcoords="offset points",
+        )
     for name, style in (("local", "--"), ("local-ro", ":")):
         floor = next((r["median_ms"] for r in ok if r["config"] == name), None)
         if floor is not None:
@@ -63,8 +70,11 @@ def pick_timeline_config(rows: Sequence[dict[str, Any]], wanted: str | None, tim
     first config with one."""
     from bucketwise.benchmarks.bench_output import safe_name
 
-    have = [r["config"] for r in rows if r.get("status") == "ok"
-            and os.path.exists(os.path.join(timeline_dir, safe_name(r["config"]) + ".json"))]
+    have = [
+        r["config"]
+        for r in rows
+        if r.get("status") == "ok" and os.path.exists(os.path.join(timeline_dir, safe_name(r["config"]) + ".json"))
+    ]
     if wanted is not None:
         return wanted if wanted in have else None
     return next((c for c in have if c.startswith("bw-")), have[0] if have else None)

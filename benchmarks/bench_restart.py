@@ -39,8 +39,10 @@ def use_config_cache(root: str | None, config: str, *, cold: bool) -> None:
         return
     path = os.path.join(root, safe_name(config))
     if cold and os.path.isdir(path) and os.listdir(path):
-        raise RuntimeError(f"compile cache {path} is not empty, so the first step of {config} would not be cold: "
-                           "pass an empty --cache-dir (or none: a fresh one is made)")
+        raise RuntimeError(
+            f"compile cache {path} is not empty, so the first step of {config} would not be cold: "
+            "pass an empty --cache-dir (or none: a fresh one is made)"
+        )
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     os.environ["TRITON_CACHE_DIR"] = os.path.join(path, "triton")
     dc.clear_inductor_caches()
@@ -50,8 +52,10 @@ def cache_counts() -> dict[str, dict[str, int]]:
     """This process's FX-graph-cache and AOTAutograd-cache lookups since the counters were last
     cleared (the harness clears them before each config)."""
     c = dc.compile_counters()
-    return {name: {kind: c[f"{prefix}_{kind}"] for kind in ("hit", "miss", "bypass")}
-            for name, prefix in (("fx_graph", "fx"), ("aot_autograd", "aot"))}
+    return {
+        name: {kind: c[f"{prefix}_{kind}"] for kind in ("hit", "miss", "bypass")}
+        for name, prefix in (("fx_graph", "fx"), ("aot_autograd", "aot"))
+    }
 
 
 def run_jobs(job: Sequence[bench_launch.Command], env: dict[str, str], root: str, *, restart: bool, keep: bool) -> int:
@@ -65,7 +69,9 @@ def run_jobs(job: Sequence[bench_launch.Command], env: dict[str, str], root: str
             print(f"ddp_bench.py: the first job failed (exit {code}); no restart", flush=True)
             return code
         print(f"restart: the same job again over the compile caches in {root}", flush=True)
-        warm_env = dict(env, **{"BUCKETWISE_BENCH_ARGV": json.dumps([*json.loads(env["BUCKETWISE_BENCH_ARGV"]), "--phase", "warm"])})
+        warm_env = dict(
+            env, **{"BUCKETWISE_BENCH_ARGV": json.dumps([*json.loads(env["BUCKETWISE_BENCH_ARGV"]), "--phase", "warm"])}
+        )
         return bench_launch.run(job, warm_env)
     finally:
         if keep:
@@ -102,5 +108,9 @@ def merge_warm_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     errors = [d["error"] for d in ranks if "error" in d]
     if errors:
         return {"error": errors[0].strip().splitlines()[-1]}
-    return {"first_step_s": max(d["first_step_s"] for d in ranks), "compile_caches": ranks[0]["compile_caches"],
-            "compile_times": ranks[0].get("compile_times"), "per_rank_first_step_s": [d["first_step_s"] for d in ranks]}
+    return {
+        "first_step_s": max(d["first_step_s"] for d in ranks),
+        "compile_caches": ranks[0]["compile_caches"],
+        "compile_times": ranks[0].get("compile_times"),
+        "per_rank_first_step_s": [d["first_step_s"] for d in ranks],
+    }

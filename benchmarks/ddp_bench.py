@@ -31,14 +31,24 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-
-from bucketwise._compat import dynamo as dc
 from torch.profiler import record_function
 
-
+from bucketwise._compat import dynamo as dc
 from bucketwise.benchmarks import bench_metrics as bm
 from bucketwise.benchmarks import bench_restart as br
-from bucketwise.benchmarks.bench_cli import ALWAYS_ENV, ARGV_ENV, COMMAND_ENV, NO_CACHE_ENV, RECORD_ENV, SOCKET_ENV, BenchArgs, job_env, parse, rank_argv, relaunch
+from bucketwise.benchmarks.bench_cli import (
+    ALWAYS_ENV,
+    ARGV_ENV,
+    COMMAND_ENV,
+    NO_CACHE_ENV,
+    RECORD_ENV,
+    SOCKET_ENV,
+    BenchArgs,
+    job_env,
+    parse,
+    rank_argv,
+    relaunch,
+)
 from bucketwise.benchmarks.bench_configs import Prepared, Recipe, recipe_for
 from bucketwise.benchmarks.bench_models import ModelSpec, make_spec
 from bucketwise.benchmarks.bench_output import add_floor_ratios, safe_name, write_jsonl, write_markdown
@@ -46,8 +56,16 @@ from bucketwise.benchmarks.bench_output import add_floor_ratios, safe_name, writ
 LR = 1e-4
 
 
-def make_step(prepared: Prepared, spec: ModelSpec, opt: torch.optim.Optimizer, batch: tuple, device: torch.device,
-              *, mark_cudagraph_step: bool, annotate: bool) -> Callable[[], torch.Tensor]:
+def make_step(
+    prepared: Prepared,
+    spec: ModelSpec,
+    opt: torch.optim.Optimizer,
+    batch: tuple,
+    device: torch.device,
+    *,
+    mark_cudagraph_step: bool,
+    annotate: bool,
+) -> Callable[[], torch.Tensor]:
     """One training step: forward (bf16 autocast for gpt on CUDA) + backward + optimizer step
     + ``zero_grad(set_to_none=True)``; ``annotate`` adds the profiler ranges the trace parser uses.
     Returns a copy of the loss, not read (no host sync): a CUDA-graph output is overwritten by
@@ -111,9 +129,15 @@ def _train_and_time(args: BenchArgs, step: Callable[[], torch.Tensor], device: t
     warm = [step() for _ in range(args.warmup)]
     timed = bm.time_steps(step, args.steps, device)
     issue = timed.cpu_issue_ms
-    return {**bm.summarize(timed.per_step_ms), "mean_ms": timed.mean_ms, "first_step_s": first_s, "notes": [],
-            "per_step_ms": timed.per_step_ms, "cpu_issue_ms": {"median": statistics.median(issue), "max": max(issue)},
-            "losses": bm.read_scalars([first_loss, *warm, *timed.outputs])}
+    return {
+        **bm.summarize(timed.per_step_ms),
+        "mean_ms": timed.mean_ms,
+        "first_step_s": first_s,
+        "notes": [],
+        "per_step_ms": timed.per_step_ms,
+        "cpu_issue_ms": {"median": statistics.median(issue), "max": max(issue)},
+        "losses": bm.read_scalars([first_loss, *warm, *timed.outputs]),
+    }
 
 
 def _setup(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, device: torch.device, rank: int):
@@ -158,11 +182,15 @@ def measure(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, devic
     return out
 
 
-def measure_restart(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, device: torch.device, rank: int) -> dict:
+def measure_restart(
+    args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, device: torch.device, rank: int
+) -> dict:
     """The restarted job (``--phase warm``): one config's first step and warm-up steps over the
     compile caches the first job filled (raises on failure)."""
     _, prepared, opt, batch = _setup(args, config, recipe, spec, device, rank)
-    step = make_step(prepared, spec, opt, batch, device, annotate=False, mark_cudagraph_step=recipe.mode == "reduce-overhead")
+    step = make_step(
+        prepared, spec, opt, batch, device, annotate=False, mark_cudagraph_step=recipe.mode == "reduce-overhead"
+    )
     first_s, _ = bm.time_first_step(step, device)
     for _ in range(args.warmup):
         step()
@@ -175,9 +203,15 @@ def _notes(recipe: Recipe, first: dict) -> list[str]:
     notes = list(first["notes"])
     bw, dyn = first.get("bucketwise"), first.get("dynamo")
     if bw:
-        notes += [f"{bw[k]} {label}" for k, label in
-                  (("fallbacks", "segment(s) fell back to eager"), ("graph_breaks", "graph break(s)"),
-                   ("recompiles", "recompile(s)")) if bw.get(k)]
+        notes += [
+            f"{bw[k]} {label}"
+            for k, label in (
+                ("fallbacks", "segment(s) fell back to eager"),
+                ("graph_breaks", "graph break(s)"),
+                ("recompiles", "recompile(s)"),
+            )
+            if bw.get(k)
+        ]
         notes.append(f"{bw['graphs']} graph(s), {bw['segments']} segment(s)")
     if dyn and recipe.compiler != "none":
         if dyn["unique_graphs"] == 0:
@@ -193,8 +227,13 @@ def loss_summary(per_rank: list[list[float]], keep: int = 5) -> dict[str, Any]:
     the last timed step, computed after ``steps_total - 1`` optimizer steps) and each rank's own
     final loss."""
     mean = [sum(v) / len(v) for v in zip(*per_rank)]
-    return {"steps_total": len(mean), "first": mean[:keep], "last": mean[-keep:],
-            "final_loss": mean[-1], "per_rank_final": [r[-1] for r in per_rank]}
+    return {
+        "steps_total": len(mean),
+        "first": mean[:keep],
+        "last": mean[-keep:],
+        "final_loss": mean[-1],
+        "per_rank_final": [r[-1] for r in per_rank],
+    }
 
 
 def _error_row(row: dict[str, Any], errors: list[tuple[int, str]]) -> dict[str, Any]:
@@ -212,8 +251,10 @@ def _per_rank(ranks: list[dict], slow: int) -> dict[str, Any]:
         "slowest_rank": slow,
         "median_ms": [d["median_ms"] for d in ranks],
         "first_step_s": [d["first_step_s"] for d in ranks],
-        **{k: [d["overlap"][k] if d["overlap"] else None for d in ranks]
-           for k in ("nccl_ms_per_step", "exposed_ms_per_step")},
+        **{
+            k: [d["overlap"][k] if d["overlap"] else None for d in ranks]
+            for k in ("nccl_ms_per_step", "exposed_ms_per_step")
+        },
         "cpu_issue_ms": [{k: round(v, 3) for k, v in d["cpu_issue_ms"].items()} for d in ranks],
         "compile_caches": [d["compile_caches"] for d in ranks],
         "per_step_ms": [[round(t, 3) for t in d["per_step_ms"]] for d in ranks],
@@ -232,7 +273,9 @@ def merge_ranks(config: str, recipe: Recipe, ranks: list[dict], spec: ModelSpec)
     slow = max(range(len(ranks)), key=lambda r: ranks[r]["median_ms"])
     s = ranks[slow]
     world = len(ranks)
-    row.update(status="ok", timed_steps=s["timed_steps"], **{k: s[k] for k in ("median_ms", "min_ms", "max_ms", "mean_ms")})
+    row.update(
+        status="ok", timed_steps=s["timed_steps"], **{k: s[k] for k in ("median_ms", "min_ms", "max_ms", "mean_ms")}
+    )
     row["first_step_s"] = max(d["first_step_s"] for d in ranks)
     row["warm_first_step_s"] = None  # the restarted job's (--restart)
     row["compile_caches"] = ranks[0]["compile_caches"]
@@ -263,7 +306,12 @@ def run_config(args: BenchArgs, config: str, spec: ModelSpec, device: torch.devi
     caught per rank and becomes an ``error`` row; all ranks still meet at the gather."""
     recipe = recipe_for(config)
     if recipe.needs_cuda and device.type != "cuda":
-        return {"type": "result", "config": config, "status": "skipped", "skipped": f"{recipe.needs_cuda}; not run on CPU"}
+        return {
+            "type": "result",
+            "config": config,
+            "status": "skipped",
+            "skipped": f"{recipe.needs_cuda}; not run on CPU",
+        }
     try:
         local = measure(args, config, recipe, spec, device, rank)
         local["timed_steps"] = args.steps
@@ -277,10 +325,12 @@ def run_config(args: BenchArgs, config: str, spec: ModelSpec, device: torch.devi
 def _git_revision() -> str | None:
     root = Path(__file__).resolve().parent.parent
     try:
-        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return (rev + ("-dirty" if dirty else "")) or None
@@ -298,19 +348,35 @@ def build_meta(args: BenchArgs, spec: ModelSpec, device: torch.device, probe: di
     command = os.environ.get(COMMAND_ENV) or shlex.join(getattr(sys, "orig_argv", sys.argv)) + "  # under torchrun"
     cuda = device.type == "cuda"
     return {
-        "type": "meta", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": command, "device": device.type,
+        "type": "meta",
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command,
+        "device": device.type,
         "device_name": torch.cuda.get_device_name(device) if cuda else (platform.processor() or "cpu"),
-        "gpu": torch.cuda.get_device_name(device) if cuda else None, "world_size": dist.get_world_size(),
-        "dist_backend": dist.get_backend(), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "triton": triton_version, "python": platform.python_version(), "host": socket.gethostname(),
-        "bucketwise": bucketwise.__version__, "git": _git_revision(), "net": args.net,
+        "gpu": torch.cuda.get_device_name(device) if cuda else None,
+        "world_size": dist.get_world_size(),
+        "dist_backend": dist.get_backend(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "host": socket.gethostname(),
+        "bucketwise": bucketwise.__version__,
+        "git": _git_revision(),
+        "net": args.net,
         "env": {k: os.environ.get(k) for k in (*ALWAYS_ENV, *SOCKET_ENV, *NO_CACHE_ENV, *RECORD_ENV)},
-        "compile_cache": args.compile_cache, "restart": False,
-        "compile_backend": args.backend, "bucket_cap_mb": args.bucket_cap_mb,
+        "compile_cache": args.compile_cache,
+        "restart": False,
+        "compile_backend": args.backend,
+        "bucket_cap_mb": args.bucket_cap_mb,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "steps": args.steps, "warmup": args.warmup, "profile_steps": args.profile_steps if cuda else 0,
-        "seed": args.seed, "configs": list(args.configs), "model": spec.describe(), "allreduce_probe": probe,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "profile_steps": args.profile_steps if cuda else 0,
+        "seed": args.seed,
+        "configs": list(args.configs),
+        "model": spec.describe(),
+        "allreduce_probe": probe,
     }
 
 
@@ -318,8 +384,10 @@ def _progress(i: int, n: int, row: dict) -> str:
     head = f"[{i}/{n}] {row['config']}"
     if row["status"] != "ok":
         return f"{head}: {row['status']}: {row.get('error') or row.get('skipped')}"
-    text = f"{head}: median {row['median_ms']:.2f} ms (min {row['min_ms']:.2f}, max {row['max_ms']:.2f}), " \
-           f"first step {row['first_step_s']:.1f} s"
+    text = (
+        f"{head}: median {row['median_ms']:.2f} ms (min {row['min_ms']:.2f}, max {row['max_ms']:.2f}), "
+        f"first step {row['first_step_s']:.1f} s"
+    )
     if row.get("compile_s") is not None:
         text += f", compile {row['compile_s']:.1f} s"
     if row.get("exposed_ms_per_step") is not None:
@@ -335,8 +403,11 @@ def run_all(args: BenchArgs, device: torch.device) -> None:
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         write_jsonl(os.path.join(args.out, "results.jsonl"), meta, [])
-        print(f"{meta['model']['model']}: {meta['model']['params']:,} params, {meta['world_size']} x "
-              f"{meta['device_name']}; allreduce probe {probe['median_ms']:.2f} ms; results -> {args.out}", flush=True)
+        print(
+            f"{meta['model']['model']}: {meta['model']['params']:,} params, {meta['world_size']} x "
+            f"{meta['device_name']}; allreduce probe {probe['median_ms']:.2f} ms; results -> {args.out}",
+            flush=True,
+        )
     rows: list[dict] = []
     for i, config in enumerate(args.configs, 1):
         if rank == 0:
@@ -374,8 +445,15 @@ def run_restart(args: BenchArgs, device: torch.device) -> None:
         warm[config] = br.merge_warm_ranks(bm.gather(local))
         if rank == 0:
             w = warm[config]
-            print(f"[{i}/{len(args.configs)}] {config} restarted: " + (f"error: {w['error']}" if "error" in w else
-                  f"first step {w['first_step_s']:.1f} s, caches {w['compile_caches']}"), flush=True)
+            print(
+                f"[{i}/{len(args.configs)}] {config} restarted: "
+                + (
+                    f"error: {w['error']}"
+                    if "error" in w
+                    else f"first step {w['first_step_s']:.1f} s, caches {w['compile_caches']}"
+                ),
+                flush=True,
+            )
     if rank == 0:
         br.merge_warm(args.out, warm)
         print(f"wrote {os.path.join(args.out, 'results.md')} (with the restart)", flush=True)
@@ -392,7 +470,9 @@ def _prime_compiler(backend: str, device: torch.device) -> None:
 
 def worker(args: BenchArgs) -> int:
     if args.restart and args.phase == "cold" and ARGV_ENV not in os.environ:
-        raise SystemExit("ddp_bench.py: error: --restart runs the job twice: start ddp_bench.py itself, not under torchrun")
+        raise SystemExit(
+            "ddp_bench.py: error: --restart runs the job twice: start ddp_bench.py itself, not under torchrun"
+        )
     os.environ.update(job_env(args))  # NCCL reads these at communicator creation
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":
@@ -408,8 +488,12 @@ def worker(args: BenchArgs) -> int:
     )
     own_cache = args.compile_cache == "on" and args.cache_dir is None
     if own_cache:  # started under torchrun directly: one fresh root per job, removed at the end
-        args = dataclasses.replace(args, cache_dir=os.path.join(tempfile.gettempdir(), "bucketwise-bench-cache-"
-                                                                 + os.environ.get("TORCHELASTIC_RUN_ID", "none")))
+        args = dataclasses.replace(
+            args,
+            cache_dir=os.path.join(
+                tempfile.gettempdir(), "bucketwise-bench-cache-" + os.environ.get("TORCHELASTIC_RUN_ID", "none")
+            ),
+        )
     try:
         # The environment says the same (job_env), but torch read it when this process imported it.
         with dc.compile_caches(args.compile_cache == "on"):

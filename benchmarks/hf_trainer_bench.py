@@ -107,9 +107,17 @@ def worker(args: argparse.Namespace) -> None:
             self.times.append(time.perf_counter() - self._t0)
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max(seq, 64)))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            max_position_embeddings=max(seq, 64),
+        )
+    )
     extra: dict = {}
     if config_name == "split":
         model = torch.compile(model, backend="bucketwise", options={"inner_backend": args.inner_backend})
@@ -118,11 +126,24 @@ def worker(args: argparse.Namespace) -> None:
         extra.update(torch_compile=True, torch_compile_backend=args.compile_backend)
     out_dir = Path(args.out).parent
     targs = TrainingArguments(
-        output_dir=str(out_dir / f"trainer-{config_name}"), per_device_train_batch_size=batch,
-        max_steps=args.steps, learning_rate=3e-4, lr_scheduler_type="constant", logging_steps=1,
-        save_strategy="no", report_to=[], seed=0, data_seed=0, disable_tqdm=True,
-        bf16=cuda, use_cpu=not cuda, ddp_backend="nccl" if cuda else "gloo",
-        ddp_find_unused_parameters=args.find_unused, dataloader_num_workers=0, **extra)
+        output_dir=str(out_dir / f"trainer-{config_name}"),
+        per_device_train_batch_size=batch,
+        max_steps=args.steps,
+        learning_rate=3e-4,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+        bf16=cuda,
+        use_cpu=not cuda,
+        ddp_backend="nccl" if cuda else "gloo",
+        ddp_find_unused_parameters=args.find_unused,
+        dataloader_num_workers=0,
+        **extra,
+    )
     timer = StepTimes()
     trainer_class = Trainer
     kwargs: dict = {}
@@ -134,7 +155,7 @@ def worker(args: argparse.Namespace) -> None:
     metrics = trainer.train().metrics
     if trainer.args.process_index != 0:
         return
-    measured = timer.times[args.warmup:]
+    measured = timer.times[args.warmup :]
     result = {
         "config": config_name,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
@@ -143,12 +164,14 @@ def worker(args: argparse.Namespace) -> None:
         "mean_step_ms": round(1000 * statistics.fmean(measured), 3),
         "steps_per_second": round(1 / statistics.fmean(measured), 3),
         "trainer_steps_per_second": metrics.get("train_steps_per_second"),
-        "warmup_s": round(sum(timer.times[:args.warmup]), 3),
+        "warmup_s": round(sum(timer.times[: args.warmup]), 3),
         "world_size": trainer.args.world_size,
-        "compile": {"fused": f"BucketwiseTrainer(..., bucketwise_options={{'backend': '{args.inner_backend}'}})",
-                    "split": f"torch.compile(model, backend='bucketwise', options={{'inner_backend': '{args.inner_backend}'}})",
-                    "torch_compile": f"TrainingArguments(torch_compile=True, torch_compile_backend='{args.compile_backend}')",
-                    "eager": None}[config_name],
+        "compile": {
+            "fused": f"BucketwiseTrainer(..., bucketwise_options={{'backend': '{args.inner_backend}'}})",
+            "split": f"torch.compile(model, backend='bucketwise', options={{'inner_backend': '{args.inner_backend}'}})",
+            "torch_compile": f"TrainingArguments(torch_compile=True, torch_compile_backend='{args.compile_backend}')",
+            "eager": None,
+        }[config_name],
     }
     if config_name in ("fused", "split"):
         result["bucketwise"] = _bucketwise_summary(trainer, config_name)
@@ -188,10 +211,23 @@ def meta(args: argparse.Namespace, argv: list[str]) -> dict:
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
         "device": "cuda" if cuda else (platform.processor() or "cpu"),
         "nproc": args.nproc,
-        "torch": torch.__version__, "transformers": transformers.__version__, "accelerate": accelerate_version,
-        "model": {"arch": "LlamaForCausalLM", "hidden": hidden, "intermediate": inter, "layers": layers,
-                  "heads": heads, "vocab": vocab, "seq": seq, "batch_per_rank": batch},
-        "steps": args.steps, "warmup": args.warmup, "bf16": cuda, "find_unused_parameters": args.find_unused,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate_version,
+        "model": {
+            "arch": "LlamaForCausalLM",
+            "hidden": hidden,
+            "intermediate": inter,
+            "layers": layers,
+            "heads": heads,
+            "vocab": vocab,
+            "seq": seq,
+            "batch_per_rank": batch,
+        },
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "bf16": cuda,
+        "find_unused_parameters": args.find_unused,
         "env": dict(ALWAYS_ENV),
     }
 
@@ -210,8 +246,10 @@ def _worker_argv(argv: list[str]) -> list[str]:
     return out
 
 
-NO_ENTRY_POINT = ("backend='bucketwise' is found through the installed package's torch_dynamo_backends entry "
-                  "point, and no installed distribution declares it: run `pip install -e .` (or install the wheel) first")
+NO_ENTRY_POINT = (
+    "backend='bucketwise' is found through the installed package's torch_dynamo_backends entry "
+    "point, and no installed distribution declares it: run `pip install -e .` (or install the wheel) first"
+)
 
 
 def _backend_entry_point() -> bool:
@@ -233,16 +271,29 @@ def drive(args: argparse.Namespace, argv: list[str]) -> dict:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             worker_out = f.name
         env = {**os.environ, **ALWAYS_ENV, "HF_BENCH_WORKER_OUT": worker_out, "HF_HUB_OFFLINE": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-               str(Path(__file__).resolve()), *_worker_argv(argv), "--worker", name]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(args.nproc),
+            str(Path(__file__).resolve()),
+            *_worker_argv(argv),
+            "--worker",
+            name,
+        ]
         print(f"[hf_trainer_bench] {name}: {shlex.join(cmd)}", flush=True)
         proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
         sys.stderr.write(proc.stderr[-20000:])
         text = Path(worker_out).read_text() if os.path.getsize(worker_out) else ""
         os.unlink(worker_out)
         # A config that fails (e.g. Dynamo stopping in DDP's forward) is recorded, the others still run.
-        report["configs"][name] = json.loads(text) if proc.returncode == 0 and text else {
-            "config": name, "error": f"exit code {proc.returncode}", "stderr_tail": proc.stderr[-4000:]}
+        report["configs"][name] = (
+            json.loads(text)
+            if proc.returncode == 0 and text
+            else {"config": name, "error": f"exit code {proc.returncode}", "stderr_tail": proc.stderr[-4000:]}
+        )
         out.write_text(json.dumps(report, indent=1))
     eager = report["configs"].get("eager")
     for name, result in report["configs"].items():
@@ -252,9 +303,12 @@ def drive(args: argparse.Namespace, argv: list[str]) -> dict:
         if eager is not None and "error" not in eager and name != "eager":
             diffs = [abs(a - b) for a, b in zip(result["losses"], eager["losses"])]
             result["max_abs_loss_diff_vs_eager"] = max(diffs) if diffs else None
-        print(f"[hf_trainer_bench] {name}: median step {result['median_step_ms']} ms, "
-              f"{result['steps_per_second']} steps/s after warm-up, "
-              f"warm-up {result['warmup_s']} s, final loss {result['losses'][-1]:.4f}", flush=True)
+        print(
+            f"[hf_trainer_bench] {name}: median step {result['median_step_ms']} ms, "
+            f"{result['steps_per_second']} steps/s after warm-up, "
+            f"warm-up {result['warmup_s']} s, final loss {result['losses'][-1]:.4f}",
+            flush=True,
+        )
     out.write_text(json.dumps(report, indent=1))
     return report
 

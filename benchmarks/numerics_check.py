@@ -63,7 +63,9 @@ def _worker(rank, world, store, args):
     torch.manual_seed(0)
     base = GPT(cfg).to(dev)
     batch = synthetic_tokens(cfg, args.batch, seed=1000 + rank, device=dev)
-    ref_losses, ref_grads = _train(DDP(copy.deepcopy(base), device_ids=[rank] if cuda else None), args.steps, batch, not args.fp32)
+    ref_losses, ref_grads = _train(
+        DDP(copy.deepcopy(base), device_ids=[rank] if cuda else None), args.steps, batch, not args.fp32
+    )
     for name in args.variants.split(","):
         kw = dict(VARIANTS[name])
         kw.setdefault("backend", "inductor")
@@ -71,15 +73,29 @@ def _worker(rank, world, store, args):
         losses, grads = _train(model, args.steps, batch, not args.fp32)
         worst = max(grads, key=lambda n: (grads[n] - ref_grads[n]).abs().max().item())
         diff = (grads[worst] - ref_grads[worst]).abs().max().item()
-        rel = max(((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-30)).item()
-                  for n in grads)
+        rel = max(
+            ((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-30)).item() for n in grads
+        )
         spread = param_spread(model.parameters())
         gap = max(abs(a - b) for a, b in zip(losses, ref_losses))
         if rank == 0:
-            print(json.dumps({"variant": name, "grad_absdiff_step1": diff, "worst_param": worst, "grad_reldiff_step1": rel,
-                              "loss_gap_max": gap, "final_loss": losses[-1], "eager_final_loss": ref_losses[-1],
-                              "param_spread_across_ranks": spread, "losses": [round(x, 5) for x in losses],
-                              "eager_losses": [round(x, 5) for x in ref_losses]}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "variant": name,
+                        "grad_absdiff_step1": diff,
+                        "worst_param": worst,
+                        "grad_reldiff_step1": rel,
+                        "loss_gap_max": gap,
+                        "final_loss": losses[-1],
+                        "eager_final_loss": ref_losses[-1],
+                        "param_spread_across_ranks": spread,
+                        "losses": [round(x, 5) for x in losses],
+                        "eager_losses": [round(x, 5) for x in ref_losses],
+                    }
+                ),
+                flush=True,
+            )
         del model
         torch.compiler.reset()
     import gc

@@ -22,11 +22,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
-
 
 from bucketwise.benchmarks.sweep_table import load_run
 
@@ -89,8 +87,10 @@ def collect(results: Path) -> list[Folder]:
         runs.sort(key=lambda r: (r.meta["date"], r.label))
         differ = [k for k in (*SAME, "model") if any(_field(r.meta, k) != _field(runs[0].meta, k) for r in runs)]
         if differ:
-            raise SystemExit(f"perf_tables.py: error: the runs of {folder} differ in {', '.join(differ)}; "
-                             "put runs of other hardware, software, model or net in a folder of their own")
+            raise SystemExit(
+                f"perf_tables.py: error: the runs of {folder} differ in {', '.join(differ)}; "
+                "put runs of other hardware, software, model or net in a folder of their own"
+            )
         folders.append(Folder(folder.name, _title(folder), runs))
     return folders
 
@@ -148,8 +148,12 @@ def folder_table(folder: Folder, link: str) -> list[str]:
         f"{'/'.join(map(str, steps))} timed steps"
     )
     single = len(folder.runs) == 1
-    lines = [caption, "", "| config | " + " | ".join(_run_header(r, single) for r in folder.runs) + " |",
-             "| --- |" + " ---: |" * len(folder.runs)]
+    lines = [
+        caption,
+        "",
+        "| config | " + " | ".join(_run_header(r, single) for r in folder.runs) + " |",
+        "| --- |" + " ---: |" * len(folder.runs),
+    ]
     for config in _configs(folder.runs):
         cells = [_cell(next((r for r in run.rows if r["config"] == config), None)) for run in folder.runs]
         lines.append(f"| `{config}` | " + " | ".join(cells) + " |")
@@ -170,13 +174,16 @@ def all_tables(folders: Sequence[Folder], link_root: str) -> str:
         dates = sorted({f.newest[:10] for f in group}, reverse=True)
         for date in dates:
             lines += [f"#### {hardware}, {date}", ""]
-            for f in sorted((f for f in group if f.newest[:10] == date), key=lambda f: (f.newest, f.name), reverse=True):
+            for f in sorted(
+                (f for f in group if f.newest[:10] == date), key=lambda f: (f.newest, f.name), reverse=True
+            ):
                 lines += folder_table(f, f"{link_root}{f.name}/") + [""]
     return "\n".join(lines).rstrip("\n")
 
 
 def current_folder(folders: Sequence[Folder]) -> Folder | None:
     """The newest folder of ``MAIN`` with the default bucket cap that ran ``MAIN_CONFIGS``."""
+
     def main(f: Folder) -> bool:
         return (
             all(_field(f.meta, k) == v for k, v in MAIN.items())
@@ -209,11 +216,16 @@ def tax_tables(results: Path, link_root: str) -> str:
         if not runs:
             continue
         meta = runs[0]["meta"]
-        out += [f"### [{folder.name}]({link_root}{folder.name}/)", "",
-                f"{meta['gpu'] or meta['device']}, world size {meta['world_size']}, torch {meta['torch']}; "
-                f"configs side by side in one process, {meta['pairs']} interleaved rounds.", "",
-                "| model | config | floor | peak MiB | peak x floor | CPU issue ms | issue x floor | GPU ms | GPU x floor | host us/launch |",
-                "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        out += [
+            f"### [{folder.name}]({link_root}{folder.name}/)",
+            "",
+            f"{meta['gpu'] or meta['device']}, world size {meta['world_size']}, torch {meta['torch']}; "
+            f"configs side by side in one process, {meta['pairs']} interleaved rounds.",
+            "",
+            "| model | config | floor | peak MiB | peak x floor | CPU issue ms | issue x floor | GPU ms | GPU x floor "
+            "| host us/launch |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for run in runs:
             rows = [r for r in run["rows"] if "error" not in r]
             peaks = {r["config"]: r["first_peak_mib"] for r in rows}
@@ -221,9 +233,11 @@ def tax_tables(results: Path, link_root: str) -> str:
                 peak_ratio = r["first_peak_mib"] / peaks[r["floor"]] if peaks.get(r["floor"]) else None
                 gpu = "-" if r.get("gpu_ms") is None else f"{r['gpu_ms']:.2f}"
                 launch = "-" if r.get("host_us_per_launch") is None else f"{r['host_us_per_launch']:.1f}"
-                out.append(f"| {run['meta']['model']} | `{r['config']}` | `{r['floor']}` | {r['first_peak_mib']:,.0f} "
-                           f"| {_ratio(peak_ratio)} | {r['issue_ms_median']:.2f} | {_ratio(r.get('issue_ratio'))} "
-                           f"| {gpu} | {_ratio(r.get('gpu_ratio'))} | {launch} |")
+                out.append(
+                    f"| {run['meta']['model']} | `{r['config']}` | `{r['floor']}` | {r['first_peak_mib']:,.0f} "
+                    f"| {_ratio(peak_ratio)} | {r['issue_ms_median']:.2f} | {_ratio(r.get('issue_ratio'))} "
+                    f"| {gpu} | {_ratio(r.get('gpu_ratio'))} | {launch} |"
+                )
             for r in run["rows"]:
                 if "error" in r:
                     out.append(f"| {run['meta']['model']} | `{r['config']}` | failed | | | | | | | |")
@@ -258,8 +272,11 @@ def generated(root: Path) -> dict[Path, str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0].replace("``", ""))
     p.add_argument("--check", action="store_true", help="exit 1 if a generated section is not current; write nothing")
-    p.add_argument("--root", default=str(Path(__file__).resolve().parent.parent),
-                   help="repository root (default: the one holding this script)")
+    p.add_argument(
+        "--root",
+        default=str(Path(__file__).resolve().parent.parent),
+        help="repository root (default: the one holding this script)",
+    )
     args = p.parse_args(argv)
     stale = []
     for path, text in generated(Path(args.root)).items():
@@ -270,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {path}")
     if args.check and stale:
-        print("perf_tables.py: not current: " + ", ".join(map(str, stale))
-              + "; run python3 benchmarks/perf_tables.py", file=sys.stderr)
+        print(
+            "perf_tables.py: not current: " + ", ".join(map(str, stale)) + "; run python3 benchmarks/perf_tables.py",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

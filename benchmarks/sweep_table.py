@@ -18,7 +18,6 @@ import os
 import sys
 from typing import Any, Sequence
 
-
 DDP_DEFAULT_CAP_MB = 25.0
 SAME_KEYS = ("model", "world_size", "device_name", "net", "compile_backend", "steps", "warmup")
 """Meta fields that should agree between the runs of one sweep."""

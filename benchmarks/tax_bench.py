@@ -53,9 +53,7 @@ import torch
 import torch.distributed as dist
 
 from bucketwise._compat import dynamo as dc
-
-
-from bucketwise.benchmarks.bench_configs import recipe_for, floor_config
+from bucketwise.benchmarks.bench_configs import floor_config, recipe_for
 from bucketwise.benchmarks.bench_models import MODELS, make_spec
 from bucketwise.benchmarks.ddp_bench import LR, make_step
 
@@ -71,14 +69,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--backend", default="inductor")
-    p.add_argument("--restarts", type=int, default=0, metavar="N",
-                   help="then N interleaved rounds of cold and warm first steps, each in a new process "
-                        "(benchmarks/tax_restarts.py)")
+    p.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then N interleaved rounds of cold and warm first steps, each in a new process "
+        "(benchmarks/tax_restarts.py)",
+    )
     p.add_argument("--first-step-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", required=True)
     ns = p.parse_args(argv)
     if ns.pairs < 3 and not (ns.pairs == 0 and ns.restarts):
-        p.error(f"--pairs must be >= 3 for a median of per-pair ratios (0 with --restarts: restarts only), got {ns.pairs}")
+        p.error(
+            f"--pairs must be >= 3 for a median of per-pair ratios (0 with --restarts: restarts only), got {ns.pairs}"
+        )
     if ns.restarts < 0:
         p.error(f"--restarts must be 0 or more, got {ns.restarts}")
     ns.configs = ns.configs.split(",")
@@ -116,8 +121,15 @@ def build(config: str, spec: Any, device: torch.device, backend: str, warmup: in
     model = spec.build().to(device)
     prepared = recipe.prepare(model, device=device, backend=backend, bucket_cap_mb=None)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True if device.type == "cuda" else None)
-    step = make_step(prepared, spec, opt, spec.make_batch(1, device), device,
-                     mark_cudagraph_step=recipe.mode == "reduce-overhead", annotate=False)
+    step = make_step(
+        prepared,
+        spec,
+        opt,
+        spec.make_batch(1, device),
+        device,
+        mark_cudagraph_step=recipe.mode == "reduce-overhead",
+        annotate=False,
+    )
     _sync()
     t0 = time.perf_counter()
     step()
@@ -128,10 +140,19 @@ def build(config: str, spec: Any, device: torch.device, backend: str, warmup: in
     rest = _allocated() - before
     report = prepared.report
     totals = report.totals if report is not None else {}
-    return {"config": config, "step": step, "first_step_s": first_s, "rest_bytes": rest,
-            "first_peak_bytes": _peak() - before, "peak_bytes": 0,
-            "compile_s": totals.get("compile_seconds"), "compile_breakdown": totals.get("compile_times"),
-            "first_step_breakdown": totals.get("first_step"), "issue_ms": [], "step_ms": []}
+    return {
+        "config": config,
+        "step": step,
+        "first_step_s": first_s,
+        "rest_bytes": rest,
+        "first_peak_bytes": _peak() - before,
+        "peak_bytes": 0,
+        "compile_s": totals.get("compile_seconds"),
+        "compile_breakdown": totals.get("compile_times"),
+        "first_step_breakdown": totals.get("first_step"),
+        "issue_ms": [],
+        "step_ms": [],
+    }
 
 
 def timed_block(entry: dict[str, Any], steps: int, others_at_rest: int) -> None:
@@ -179,15 +200,34 @@ def summarize(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for config, e in entries.items():
         floor = floor_config(config)
-        row = {k: e.get(k) for k in ("config", "first_step_s", "compile_s", "compile_breakdown", "first_step_breakdown",
-                                     "issue_ms", "step_ms", "kernels", "gpu_ms")}
+        row = {
+            k: e.get(k)
+            for k in (
+                "config",
+                "first_step_s",
+                "compile_s",
+                "compile_breakdown",
+                "first_step_breakdown",
+                "issue_ms",
+                "step_ms",
+                "kernels",
+                "gpu_ms",
+            )
+        }
         times, first = e.get("compile_breakdown"), e.get("first_step_breakdown")
         row["compile_accounted"] = times["total_s"] / e["first_step_s"] if times and e["first_step_s"] else None
         # The report's first-step breakdown: compile + Triton autotuning + other first-call work.
-        row["first_step_accounted"] = first["compiled_calls_s"] / e["first_step_s"] if first and e["first_step_s"] else None
-        row.update(floor=floor, rest_mib=e["rest_bytes"] / 2**20, peak_mib=e["peak_bytes"] / 2**20,
-                   first_peak_mib=e["first_peak_bytes"] / 2**20,
-                   issue_ms_median=statistics.median(e["issue_ms"]), step_ms_median=statistics.median(e["step_ms"]))
+        row["first_step_accounted"] = (
+            first["compiled_calls_s"] / e["first_step_s"] if first and e["first_step_s"] else None
+        )
+        row.update(
+            floor=floor,
+            rest_mib=e["rest_bytes"] / 2**20,
+            peak_mib=e["peak_bytes"] / 2**20,
+            first_peak_mib=e["first_peak_bytes"] / 2**20,
+            issue_ms_median=statistics.median(e["issue_ms"]),
+            step_ms_median=statistics.median(e["step_ms"]),
+        )
         row["host_us_per_launch"] = (row["issue_ms_median"] * 1e3 / e["kernels"]) if e.get("kernels") else None
         base = entries.get(floor)
         if base is not None:
@@ -204,27 +244,48 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], restarts: dict[str, Any] | None = None) -> str:
-    lines = [_steady_markdown(meta, rows)] if rows else [f"# {meta['model']}", "",
-                                                         f"{meta['gpu'] or meta['device']}, world size "
-                                                         f"{meta['world_size']}, torch {meta['torch']}, {meta['date']}",
-                                                         "", f"`{meta['command']}`", ""]
+    lines = (
+        [_steady_markdown(meta, rows)]
+        if rows
+        else [
+            f"# {meta['model']}",
+            "",
+            f"{meta['gpu'] or meta['device']}, world size {meta['world_size']}, torch {meta['torch']}, {meta['date']}",
+            "",
+            f"`{meta['command']}`",
+            "",
+        ]
+    )
     if restarts:
         lines.append(_restarts_markdown(restarts))
     return "\n".join(lines)
 
 
 def _restarts_markdown(restarts: dict[str, Any]) -> str:
-    head = ("| config | cold first step s | x `torch` | warm first step s | x non-graphed | first step accounted |"
-            "\n| --- | ---: | ---: | ---: | ---: | ---: |")
-    rows = [f"| `{c}` | {_fmt(r['cold_s'], '.2f')} | {_fmt(r.get('cold_over_torch'), '.3f')} | {_fmt(r['warm_s'], '.2f')} "
-            f"| {_fmt(r.get('warm_over_uncaptured'), '.3f')} | {_fmt(r.get('first_step_accounted'), '.1%')} |"
-            for c, r in restarts["summary"].items()]
-    return "\n".join([f"## First steps in new processes, {restarts['rounds']} interleaved rounds", "", head, *rows, "",
-                      "cold: a new process over empty compile caches; warm: another over the same caches (a restart). "
-                      "x `torch`: median over rounds of the cold first step over torch's DDPOptimizer's; x non-graphed: "
-                      "the warm first step of a CUDA-graph config over its twin's without graphs. first step accounted: "
-                      "the report's first-step breakdown (compile, Triton autotuning, other first-call work) over the "
-                      "cold first step's wall time. Every run is in results.json.", ""])
+    head = (
+        "| config | cold first step s | x `torch` | warm first step s | x non-graphed | first step accounted |"
+        "\n| --- | ---: | ---: | ---: | ---: | ---: |"
+    )
+    rows = [
+        f"| `{c}` | {_fmt(r['cold_s'], '.2f')} | {_fmt(r.get('cold_over_torch'), '.3f')} | {_fmt(r['warm_s'], '.2f')} "
+        f"| {_fmt(r.get('warm_over_uncaptured'), '.3f')} | {_fmt(r.get('first_step_accounted'), '.1%')} |"
+        for c, r in restarts["summary"].items()
+    ]
+    return "\n".join(
+        [
+            f"## First steps in new processes, {restarts['rounds']} interleaved rounds",
+            "",
+            head,
+            *rows,
+            "",
+            "cold: a new process over empty compile caches; warm: another over the same caches (a restart). "
+            "x `torch`: median over rounds of the cold first step over torch's DDPOptimizer's; x non-graphed: "
+            "the warm first step of a CUDA-graph config over its twin's without graphs. first step accounted: "
+            "the report's first-step breakdown (compile, Triton autotuning, other first-call work) over the "
+            "cold first step's wall time. Every run is in results.json.",
+            "",
+        ]
+    )
 
 
 def _steady_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -232,36 +293,73 @@ def _steady_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     for r in rows:
         if "error" not in r and first_peak.get(r["floor"]):
             r["peak_ratio"] = r["first_peak_mib"] / first_peak[r["floor"]]
-    head = ("| config | floor | peak MiB | x floor | at rest MiB | CPU issue ms | x floor | step ms | x floor "
-            "| GPU ms | x floor | kernels | host us/launch |")
-    lines = [f"# {meta['model']}: configs side by side, {meta['pairs']} interleaved rounds", "",
-             f"{meta['gpu'] or meta['device']}, world size {meta['world_size']}, torch {meta['torch']}, {meta['date']}",
-             "", f"`{meta['command']}`", "", head, "|" + " --- |" * 13]
+    head = (
+        "| config | floor | peak MiB | x floor | at rest MiB | CPU issue ms | x floor | step ms | x floor "
+        "| GPU ms | x floor | kernels | host us/launch |"
+    )
+    lines = [
+        f"# {meta['model']}: configs side by side, {meta['pairs']} interleaved rounds",
+        "",
+        f"{meta['gpu'] or meta['device']}, world size {meta['world_size']}, torch {meta['torch']}, {meta['date']}",
+        "",
+        f"`{meta['command']}`",
+        "",
+        head,
+        "|" + " --- |" * 13,
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| `{r['config']}` | failed: {r['error'].splitlines()[0][:200]} |" + " |" * 11)
             continue
-        lines.append("| " + " | ".join([
-            f"`{r['config']}`", f"`{r['floor']}`", _fmt(r["first_peak_mib"], ",.0f"), _fmt(r.get("peak_ratio"), ".2f"),
-            _fmt(r["rest_mib"], ",.0f"), _fmt(r["issue_ms_median"], ".2f"), _fmt(r.get("issue_ratio"), ".3f"),
-            _fmt(r["step_ms_median"], ".2f"), _fmt(r.get("step_ratio"), ".3f"), _fmt(r.get("gpu_ms"), ".2f"),
-            _fmt(r.get("gpu_ratio"), ".3f"), _fmt(r.get("kernels"), ".0f"), _fmt(r.get("host_us_per_launch"), ".1f")]) + " |")
-    lines += ["", "peak MiB: the config's peak over its first step and warm-up steps (compile and CUDA-graph "
-              "capture included), above what was allocated before it was built. x floor: CPU issue and step, the "
-              "median over rounds of the per-round ratio to the floor; peak and GPU time, the ratio of the "
-              "figures. GPU ms: kernel time per step from the profiler. Per-round figures are in results.json."]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"`{r['config']}`",
+                    f"`{r['floor']}`",
+                    _fmt(r["first_peak_mib"], ",.0f"),
+                    _fmt(r.get("peak_ratio"), ".2f"),
+                    _fmt(r["rest_mib"], ",.0f"),
+                    _fmt(r["issue_ms_median"], ".2f"),
+                    _fmt(r.get("issue_ratio"), ".3f"),
+                    _fmt(r["step_ms_median"], ".2f"),
+                    _fmt(r.get("step_ratio"), ".3f"),
+                    _fmt(r.get("gpu_ms"), ".2f"),
+                    _fmt(r.get("gpu_ratio"), ".3f"),
+                    _fmt(r.get("kernels"), ".0f"),
+                    _fmt(r.get("host_us_per_launch"), ".1f"),
+                ]
+            )
+            + " |"
+        )
+    lines += [
+        "",
+        "peak MiB: the config's peak over its first step and warm-up steps (compile and CUDA-graph "
+        "capture included), above what was allocated before it was built. x floor: CPU issue and step, the "
+        "median over rounds of the per-round ratio to the floor; peak and GPU time, the ratio of the "
+        "figures. GPU ms: kernel time per step from the profiler. Per-round figures are in results.json.",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     cuda = device.type == "cuda"
-    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": shlex.join(["python3", "benchmarks/tax_bench.py", *sys.argv[1:]]),
-            "model": args.model, "sizes": make_spec(args.model, {}).sizes, "configs": args.configs,
-            "pairs": args.pairs, "steps": args.steps, "warmup": args.warmup, "backend": args.backend,
-            "device": device.type, "gpu": torch.cuda.get_device_name(device) if cuda else None,
-            "world_size": dist.get_world_size(), "torch": torch.__version__,
-            "python": platform.python_version()}
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join(["python3", "benchmarks/tax_bench.py", *sys.argv[1:]]),
+        "model": args.model,
+        "sizes": make_spec(args.model, {}).sizes,
+        "configs": args.configs,
+        "pairs": args.pairs,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "backend": args.backend,
+        "device": device.type,
+        "gpu": torch.cuda.get_device_name(device) if cuda else None,
+        "world_size": dist.get_world_size(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
@@ -274,9 +372,15 @@ def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
     t0 = time.perf_counter()
     entry["step"]()
     _sync()
-    tax_restarts.print_result({"config": args.configs[0], "first_step_s": entry["first_step_s"],
-                               "second_step_s": time.perf_counter() - t0, "compile_times": entry["compile_breakdown"],
-                               "first_step": entry["first_step_breakdown"]})
+    tax_restarts.print_result(
+        {
+            "config": args.configs[0],
+            "first_step_s": entry["first_step_s"],
+            "second_step_s": time.perf_counter() - t0,
+            "compile_times": entry["compile_breakdown"],
+            "first_step": entry["first_step_breakdown"],
+        }
+    )
 
 
 def run(args: argparse.Namespace, device: torch.device) -> None:
@@ -293,8 +397,11 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
             gc.collect()
             continue
         e = entries[config]
-        print(f"    first step {e['first_step_s']:.1f} s, at rest {e['rest_bytes'] / 2**20:,.0f} MiB, "
-              f"first-steps peak {e['first_peak_bytes'] / 2**20:,.0f} MiB", flush=True)
+        print(
+            f"    first step {e['first_step_s']:.1f} s, at rest {e['rest_bytes'] / 2**20:,.0f} MiB, "
+            f"first-steps peak {e['first_peak_bytes'] / 2**20:,.0f} MiB",
+            flush=True,
+        )
     if not entries and not failed:
         rows: list[dict[str, Any]] = []
     else:
@@ -318,7 +425,9 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
         print(markdown(meta, rows, restarts), flush=True)
 
 
-def _steady(args: argparse.Namespace, entries: dict[str, dict[str, Any]], failed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _steady(
+    args: argparse.Namespace, entries: dict[str, dict[str, Any]], failed: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """The interleaved rounds and the kernel profiles of the configs built in this process."""
     at_rest = _allocated()
     built = list(entries)
@@ -326,8 +435,12 @@ def _steady(args: argparse.Namespace, entries: dict[str, dict[str, Any]], failed
         order = built if r % 2 == 0 else built[::-1]
         for config in order:
             timed_block(entries[config], args.steps, at_rest - entries[config]["rest_bytes"])
-        print(f"round {r + 1}/{args.pairs}: " + ", ".join(f"{c} {entries[c]['issue_ms'][-1]:.1f}" for c in built)
-              + " ms issue", flush=True)
+        print(
+            f"round {r + 1}/{args.pairs}: "
+            + ", ".join(f"{c} {entries[c]['issue_ms'][-1]:.1f}" for c in built)
+            + " ms issue",
+            flush=True,
+        )
     for config in built:
         kernel_profile(entries[config], args.profile_steps)
     return summarize(entries) + failed
@@ -343,8 +456,13 @@ def rewrite_markdown(out: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"),
-                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+    for key, value in (
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29517"),
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_RANK", "0"),
+    ):
         os.environ.setdefault(key, value)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")

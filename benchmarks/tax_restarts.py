@@ -32,26 +32,45 @@ def child_env(cache_dir: str) -> dict[str, str]:
     """The environment of a child process: its compile caches on, under ``cache_dir`` only."""
     # Its own rendezvous port: the parent's process group still holds the parent's.
     port = str(int(os.environ.get("MASTER_PORT", "29517")) + 1)
-    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
-            "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1", "BUCKETWISE_PROGRESS": "0",
-            "MASTER_PORT": port}
+    return {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+        "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+        "BUCKETWISE_PROGRESS": "0",
+        "MASTER_PORT": port,
+    }
 
 
 def run_child(model: str, config: str, backend: str, cache_dir: str, timeout_s: float) -> dict[str, Any]:
     """One new process: ``config``'s first step over ``cache_dir``; its JSON line, or the error."""
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tax_bench.py"), "--model", model,
-           "--configs", config, "--backend", backend, "--first-step-only", "--out", cache_dir]
+    cmd = [
+        sys.executable,
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "tax_bench.py"),
+        "--model",
+        model,
+        "--configs",
+        config,
+        "--backend",
+        backend,
+        "--first-step-only",
+        "--out",
+        cache_dir,
+    ]
     try:
         proc = subprocess.run(cmd, env=child_env(cache_dir), capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):])
+            return json.loads(line[len(RESULT_MARK) :])
     return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
 
 
-def run_restarts(model: str, configs: list[str], backend: str, rounds: int, *, timeout_s: float = 900.0) -> dict[str, Any]:
+def run_restarts(
+    model: str, configs: list[str], backend: str, rounds: int, *, timeout_s: float = 900.0
+) -> dict[str, Any]:
     """``rounds`` interleaved rounds of a cold and a warm first step per config."""
     root = tempfile.mkdtemp(prefix="bucketwise-restarts-")
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
@@ -91,8 +110,13 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
     out = {}
     for config, rs in runs.items():
         cold, warm = _first(rs, "cold"), _first(rs, "warm")
-        row = {"cold_s": _median(cold), "warm_s": _median(warm), "cold_runs": cold, "warm_runs": warm,
-               "first_step_accounted": _median([_accounted(r["cold"]) for r in rs])}
+        row = {
+            "cold_s": _median(cold),
+            "warm_s": _median(warm),
+            "cold_runs": cold,
+            "warm_runs": warm,
+            "first_step_accounted": _median([_accounted(r["cold"]) for r in rs]),
+        }
         if "torch" in runs and config != "torch":
             row["cold_over_torch"] = median_ratio(cold, _first(runs["torch"], "cold"))
         twin = config.removesuffix("-cg")

@@ -35,7 +35,6 @@ from bucketwise.benchmarks.zoo_procs import importable, run_ranks
 from bucketwise.benchmarks.zoo_registry import MODELS, select
 from bucketwise.benchmarks.zoo_train import CHECK_CONFIGS, SPEED_CONFIGS
 
-
 MIN_MODEL_S = 45.0
 """A model is not started with less of ``--budget-s`` left than this."""
 
@@ -71,29 +70,56 @@ class ZooArgs:
 
 def parse(argv: list[str] | None) -> ZooArgs:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default=None, help="all (default on cpu), a subset (ci; gpu, the default on cuda) or "
-                   "comma-separated names: " + ", ".join(MODELS))
+    p.add_argument(
+        "--models",
+        default=None,
+        help="all (default on cpu), a subset (ci; gpu, the default on cuda) or "
+        "comma-separated names: " + ", ".join(MODELS),
+    )
     p.add_argument("--device", default="cpu", help="cpu (gloo ranks) or cuda (NCCL, one GPU per rank)")
-    p.add_argument("--mode", default=None, help="check (against eager DDP: torch, auto, fused, split; default on cpu) or "
-                   "speed (step time and peak memory: local, torch, bw-fused, bw-fused-cg; default on cuda)")
+    p.add_argument(
+        "--mode",
+        default=None,
+        help="check (against eager DDP: torch, auto, fused, split; default on cpu) or "
+        "speed (step time and peak memory: local, torch, bw-fused, bw-fused-cg; default on cuda)",
+    )
     p.add_argument("--out", required=True, help="output folder (zoo.json)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="training steps (default: 3 with --mode check; 10 timed after 3 warm-up with --mode speed)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="training steps (default: 3 with --mode check; 10 timed after 3 warm-up with --mode speed)",
+    )
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: 2 on cpu, 1 on cuda)")
     p.add_argument("--backend", default=None, help="default: aot_eager on cpu, inductor on cuda")
     p.add_argument("--configs", default=None, help="comma-separated subset of the configs")
-    p.add_argument("--timeout-s", type=float, default=None,
-                   help="per model; a model past it is killed and recorded (default: 900 on cpu, 150 on cuda)")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="whole run; models not started in time are recorded as not run (default: none on cpu, 420 on cuda)")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=None,
+        help="per model; a model past it is killed and recorded (default: 900 on cpu, 150 on cuda)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="whole run; models not started in time are recorded as not run (default: none on cpu, 420 on cuda)",
+    )
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
     mode = a.mode or ("speed" if cuda else "check")
-    return ZooArgs(models=a.models or ("gpu" if cuda else "all"), device=a.device, mode=mode, out=Path(a.out), steps=a.steps or (10 if mode == "speed" else 3),
-                   nproc=a.nproc or (1 if cuda else 2), backend=a.backend or ("inductor" if cuda else "aot_eager"),
-                   timeout_s=a.timeout_s or (150.0 if cuda else 900.0),
-                   budget_s=a.budget_s if a.budget_s is not None else (420.0 if cuda else None),
-                   configs=tuple(a.configs.split(",")) if a.configs else None)
+    return ZooArgs(
+        models=a.models or ("gpu" if cuda else "all"),
+        device=a.device,
+        mode=mode,
+        out=Path(a.out),
+        steps=a.steps or (10 if mode == "speed" else 3),
+        nproc=a.nproc or (1 if cuda else 2),
+        backend=a.backend or ("inductor" if cuda else "aot_eager"),
+        timeout_s=a.timeout_s or (150.0 if cuda else 900.0),
+        budget_s=a.budget_s if a.budget_s is not None else (420.0 if cuda else None),
+        configs=tuple(a.configs.split(",")) if a.configs else None,
+    )
 
 
 def versions() -> dict[str, str | None]:
@@ -113,19 +139,34 @@ def meta(args: ZooArgs) -> dict[str, Any]:
         machine = f"{args.nproc} x {torch.cuda.get_device_name(0)}, NCCL"
     else:
         machine = f"CPU ({os.cpu_count()} cores, {platform.machine()}), {args.nproc} gloo ranks"
-    return {"type": "zoo", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine, "device": args.device, "world_size": args.nproc, "backend": args.backend,
-            "steps": args.steps, "mode": args.mode,
-            "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv), "git": git_revision(),
-            "versions": versions()}
+    return {
+        "type": "zoo",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine,
+        "device": args.device,
+        "world_size": args.nproc,
+        "backend": args.backend,
+        "steps": args.steps,
+        "mode": args.mode,
+        "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
+        "git": git_revision(),
+        "versions": versions(),
+    }
 
 
 def git_revision() -> str | None:
     here = Path(__file__).resolve().parent
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=30)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True,
-                               text=True, timeout=30)
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=30
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except OSError:
         return None
     return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if rev.returncode == 0 else None
@@ -136,10 +177,18 @@ def run_one(model: Any, args: ZooArgs, work: Path, *, timeout_s: float) -> dict[
         return {"model": model.name, "status": "gpu only", "reason": model.gpu_only}
     broken = {p: importable(p) for p in model.needs if importable(p)}
     if broken:
-        return {"model": model.name, "status": "skipped",
-                "reason": "; ".join(f"import {p} failed: {why}" for p, why in broken.items())}
-    opts = {"mode": args.mode, "device": args.device, "backend": args.backend,
-            "steps": args.steps, "configs": args.configs}
+        return {
+            "model": model.name,
+            "status": "skipped",
+            "reason": "; ".join(f"import {p} failed: {why}" for p, why in broken.items()),
+        }
+    opts = {
+        "mode": args.mode,
+        "device": args.device,
+        "backend": args.backend,
+        "steps": args.steps,
+        "configs": args.configs,
+    }
     t0 = time.perf_counter()
     outcome = run_ranks(model.name, opts, nproc=args.nproc, device=args.device, work=work, timeout_s=timeout_s)
     outcome["seconds"] = round(time.perf_counter() - t0, 1)
@@ -155,10 +204,16 @@ def main(argv: list[str] | None = None) -> int:
         for model in select(args.models):
             left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - start)
             if left is not None and left < MIN_MODEL_S:
-                result = {"model": model.name, "status": "not run", "reason": f"past the --budget-s of {args.budget_s:g} s"}
+                result = {
+                    "model": model.name,
+                    "status": "not run",
+                    "reason": f"past the --budget-s of {args.budget_s:g} s",
+                }
             else:
                 print(f"zoo: {model.name} ...", flush=True)
-                result = run_one(model, args, Path(work), timeout_s=args.timeout_s if left is None else min(args.timeout_s, left))
+                result = run_one(
+                    model, args, Path(work), timeout_s=args.timeout_s if left is None else min(args.timeout_s, left)
+                )
             result = {"model": model.name, "family": model.family, "source": model.source, **result}
             record["models"].append(result)
             print(f"zoo: {model.name}: {summary(result)}", flush=True)

@@ -34,8 +34,13 @@ def snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
-def compare(init: dict[str, torch.Tensor], eager: dict[str, torch.Tensor], compiled: dict[str, torch.Tensor],
-            *, rtol_scale: float = 1.0) -> dict[str, Any]:
+def compare(
+    init: dict[str, torch.Tensor],
+    eager: dict[str, torch.Tensor],
+    compiled: dict[str, torch.Tensor],
+    *,
+    rtol_scale: float = 1.0,
+) -> dict[str, Any]:
     """Worst tensor of ``compiled`` against ``eager`` (both trained from ``init``).
 
     Returns ``ok``, ``worst`` (the tensor with the largest error relative to its tolerance),

@@ -21,8 +21,14 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
-              "BUCKETWISE_PROGRESS": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TORCHINDUCTOR_COMPILE_THREADS": "1",
+    "BUCKETWISE_PROGRESS": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 """On CPU; on CUDA only the last three (Inductor compiles with its worker pool)."""
 GRACE_S = 20.0
 ORDER = {"pass": 0, "fallback": 1, "mismatch": 2, "error": 3}
@@ -41,8 +47,9 @@ def _rank_main(rank: int, nproc: int, name: str, opts: dict[str, Any], store: st
         else:
             torch.set_num_threads(1)
             backend = "gloo"
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=nproc,
-                                timeout=datetime.timedelta(seconds=600))
+        dist.init_process_group(
+            backend, init_method=f"file://{store}", rank=rank, world_size=nproc, timeout=datetime.timedelta(seconds=600)
+        )
         try:
             result = run_model(rank, nproc, name, opts)
         finally:
@@ -50,7 +57,7 @@ def _rank_main(rank: int, nproc: int, name: str, opts: dict[str, Any], store: st
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         Path(out, f"rank{rank}.error").write_text(traceback.format_exc())
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 @functools.cache
@@ -63,24 +70,40 @@ def importable(package: str) -> str | None:
     return lines[-1][:300] if lines else f"exit code {proc.returncode}"
 
 
-def run_ranks(name: str, opts: dict[str, Any], *, nproc: int, device: str, work: Path, timeout_s: float) -> dict[str, Any]:
+def run_ranks(
+    name: str, opts: dict[str, Any], *, nproc: int, device: str, work: Path, timeout_s: float
+) -> dict[str, Any]:
     run_dir = Path(work) / f"{name}-{time.monotonic_ns()}"
     run_dir.mkdir(parents=True)
-    env = WORKER_ENV if device == "cpu" else {k: WORKER_ENV[k] for k in ("BUCKETWISE_PROGRESS", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM")}
+    env = (
+        WORKER_ENV
+        if device == "cpu"
+        else {k: WORKER_ENV[k] for k in ("BUCKETWISE_PROGRESS", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM")}
+    )
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     ctx = mp.get_context("spawn")
     try:
-        procs = [ctx.Process(target=_rank_main, args=(r, nproc, name, opts, str(run_dir / "store"), str(run_dir)), daemon=True)
-                 for r in range(nproc)]
+        procs = [
+            ctx.Process(
+                target=_rank_main, args=(r, nproc, name, opts, str(run_dir / "store"), str(run_dir)), daemon=True
+            )
+            for r in range(nproc)
+        ]
         for p in procs:
             p.start()
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     timed_out = _wait(procs, run_dir, timeout_s)
-    errors = {r: (run_dir / f"rank{r}.error").read_text() for r in range(nproc) if (run_dir / f"rank{r}.error").exists()}
-    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(nproc) if (run_dir / f"rank{r}.json").exists()]
+    errors = {
+        r: (run_dir / f"rank{r}.error").read_text() for r in range(nproc) if (run_dir / f"rank{r}.error").exists()
+    }
+    ranks = [
+        json.loads((run_dir / f"rank{r}.json").read_text())
+        for r in range(nproc)
+        if (run_dir / f"rank{r}.json").exists()
+    ]
     if len(ranks) == nproc:
         return {"model": name, "status": "ran", **merge(ranks)}
     why = f"timed out after {timeout_s:g} s" if timed_out else "a rank failed"
@@ -93,7 +116,9 @@ def _wait(procs: list[Any], run_dir: Path, timeout_s: float) -> bool:
     deadline, failed_at, timed_out = time.monotonic() + timeout_s, None, False
     while any(p.is_alive() for p in procs):
         now = time.monotonic()
-        if failed_at is None and (any(not p.is_alive() and p.exitcode != 0 for p in procs) or any(run_dir.glob("*.error"))):
+        if failed_at is None and (
+            any(not p.is_alive() and p.exitcode != 0 for p in procs) or any(run_dir.glob("*.error"))
+        ):
             failed_at = now
         if now > deadline:
             timed_out = True

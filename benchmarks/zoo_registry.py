@@ -13,9 +13,24 @@ SUBSETS = {
     # experts with find_unused_parameters, BatchNorm buffers, frozen weights (LoRA)
     "ci": ("llama-dynamic-seq", "bert", "qwen2-moe", "mobilenet-v3", "llama-lora"),
     # benchmarks/zoo.py --device cuda: the one-GPU speed and memory run, most wanted first
-    "gpu": ("llama", "gpt2", "bert", "vit", "t5", "mobilenet-v3", "llama-lora", "batchnorm-cudagraphs",
-            "llama-checkpointing", "mixtral", "llama-flex-attention", "resnet50", "whisper", "convnext", "timm-vit",
-            "llama-max-autotune"),
+    "gpu": (
+        "llama",
+        "gpt2",
+        "bert",
+        "vit",
+        "t5",
+        "mobilenet-v3",
+        "llama-lora",
+        "batchnorm-cudagraphs",
+        "llama-checkpointing",
+        "mixtral",
+        "llama-flex-attention",
+        "resnet50",
+        "whisper",
+        "convnext",
+        "timm-vit",
+        "llama-max-autotune",
+    ),
 }
 
 
@@ -32,4 +47,3 @@ def select(spec: str) -> list[ZooModel]:
     if spec in SUBSETS:
         return [get(n) for n in SUBSETS[spec]]
     return [get(n.strip()) for n in spec.split(",") if n.strip()]
-

@@ -74,7 +74,9 @@ class ZooModel:
         if self.accumulate < 1:
             raise ValueError(f"ZooModel.accumulate of {self.name} must be at least 1, got {self.accumulate}")
         if self.autocast not in (None, "bfloat16", "float16"):
-            raise ValueError(f"ZooModel.autocast of {self.name} must be None, 'bfloat16' or 'float16', got {self.autocast!r}")
+            raise ValueError(
+                f"ZooModel.autocast of {self.name} must be None, 'bfloat16' or 'float16', got {self.autocast!r}"
+            )
 
 
 def tokens(rank: int, step: int, *, seq: int = SEQ, vocab: int = VOCAB, batch: int = BATCH) -> torch.Tensor:

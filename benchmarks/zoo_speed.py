@@ -19,7 +19,16 @@ import torch
 import bucketwise
 from bucketwise.benchmarks.zoo_check import compare, snapshot
 from bucketwise.benchmarks.zoo_spec import Built, ZooModel, forward_kwargs
-from bucketwise.benchmarks.zoo_train import LR, SPEED_CONFIGS, compiled_for, error_record, fresh, report_fields, to_device, warm_up
+from bucketwise.benchmarks.zoo_train import (
+    LR,
+    SPEED_CONFIGS,
+    compiled_for,
+    error_record,
+    fresh,
+    report_fields,
+    to_device,
+    warm_up,
+)
 
 WARMUP = 3
 GPU_RTOL_SCALE = 10.0
@@ -41,7 +50,9 @@ def device_of(opts: dict[str, Any]) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if opts["device"] == "cuda" else torch.device("cpu")
 
 
-def timed(config: str, spec: ZooModel, rank: int, opts: dict[str, Any], init: dict) -> tuple[dict[str, Any], Built, Any]:
+def timed(
+    config: str, spec: ZooModel, rank: int, opts: dict[str, Any], init: dict
+) -> tuple[dict[str, Any], Built, Any]:
     """On CUDA with events and peak memory; on CPU (a dry run of this path) with the host clock."""
     device = device_of(opts)
     cuda = device.type == "cuda"
@@ -63,8 +74,14 @@ def timed(config: str, spec: ZooModel, rank: int, opts: dict[str, Any], init: di
         step(i)
     ms = timed_steps(step, range(WARMUP, WARMUP + steps), cuda)
     peak = round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None
-    rec = {"config": config, "status": "pass", "first_step_s": round(first, 3), "median_ms": round(statistics.median(ms), 3),
-           "min_ms": round(min(ms), 3), "peak_mib": peak}
+    rec = {
+        "config": config,
+        "status": "pass",
+        "first_step_s": round(first, 3),
+        "median_ms": round(statistics.median(ms), 3),
+        "min_ms": round(min(ms), 3),
+        "peak_mib": peak,
+    }
     return rec, built, call
 
 
@@ -122,6 +139,10 @@ def cuda_graph_fields(call: Any) -> dict[str, int] | None:
     graphs = bucketwise.report(call).to_dict()["cudagraphs"]
     if not graphs:
         return None
-    return {"graphs": len(graphs), "captured": sum(1 for g in graphs if g["captured"]),
-            "replays": sum(g["replays"] for g in graphs), "uncaptured_runs": sum(g["uncaptured_runs"] for g in graphs),
-            "not_captured": {g["name"]: g["reason"] for g in graphs if not g["captured"]}}
+    return {
+        "graphs": len(graphs),
+        "captured": sum(1 for g in graphs if g["captured"]),
+        "replays": sum(g["replays"] for g in graphs),
+        "uncaptured_runs": sum(g["uncaptured_runs"] for g in graphs),
+        "not_captured": {g["name"]: g["reason"] for g in graphs if not g["captured"]},
+    }

@@ -20,8 +20,13 @@ from typing import Any
 DOC = "docs/models.md"
 CHECK_CONFIGS = ("torch", "auto", "fused", "split")
 SPEED_CONFIGS = ("eager", "local", "torch", "bw-fused", "bw-fused-cg")
-FAMILIES = {"transformers": "Hugging Face transformers", "peft": "peft", "torchvision": "torchvision", "timm": "timm",
-            "case": "Cases users report"}
+FAMILIES = {
+    "transformers": "Hugging Face transformers",
+    "peft": "peft",
+    "torchvision": "torchvision",
+    "timm": "timm",
+    "case": "Cases users report",
+}
 
 INTRO = """# Models: does it work on mine?
 
@@ -50,15 +55,21 @@ first: pip may otherwise replace torch); this page is generated from the results
 
 
 GPU_COMMAND = "python3 benchmarks/zoo.py --device cuda --out DIR"
-NO_GPU_RUN = (f"No one-GPU run is recorded yet. `{GPU_COMMAND}` measures, on one GPU with Inductor, step time "
-              "and peak memory of `local` (the model compiled without DDP), `torch`, `bw-fused` and `bw-fused-cg` "
-              "for the models above that fit its time budget, and runs the GPU-only cases.")
+NO_GPU_RUN = (
+    f"No one-GPU run is recorded yet. `{GPU_COMMAND}` measures, on one GPU with Inductor, step time "
+    "and peak memory of `local` (the model compiled without DDP), `torch`, `bw-fused` and `bw-fused-cg` "
+    "for the models above that fit its time budget, and runs the GPU-only cases."
+)
 
 
 def worst_error(run: dict[str, Any]) -> str:
     """The largest relative error of a passing config, rounded up to one significant digit."""
-    errs = [c["check"]["rel_err"] for m in run["models"] for c in m.get("configs", [])
-            if c["status"] == "pass" and (c.get("check") or {}).get("rel_err") is not None]
+    errs = [
+        c["check"]["rel_err"]
+        for m in run["models"]
+        for c in m.get("configs", [])
+        if c["status"] == "pass" and (c.get("check") or {}).get("rel_err") is not None
+    ]
     if not errs:
         return "n/a"
     worst = max(errs)
@@ -108,22 +119,33 @@ def summary(name: str, run: dict[str, Any]) -> list[str]:
         if "configs" not in m:
             others[cell(m, "auto")] = others.get(cell(m, "auto"), 0) + 1
     rest = "".join(f", {n} {status}" for status, n in sorted(others.items()))
-    lines = [f"## Coverage: {len(models)} models, {len(ran)} run on CPU{rest}", "",
-             f"[CPU run](../benchmarks/results/{name}/): {run['machine']}, torch {run['versions']['torch']}, backend "
-             f"`{run['backend']}`, {run['steps']} SGD steps, {run['date'][:10]}.", "",
-             "| | models equal to eager DDP (pass) |", "| --- | ---: |"]
+    lines = [
+        f"## Coverage: {len(models)} models, {len(ran)} run on CPU{rest}",
+        "",
+        f"[CPU run](../benchmarks/results/{name}/): {run['machine']}, torch {run['versions']['torch']}, backend "
+        f"`{run['backend']}`, {run['steps']} SGD steps, {run['date'][:10]}.",
+        "",
+        "| | models equal to eager DDP (pass) |",
+        "| --- | ---: |",
+    ]
     for config in CHECK_CONFIGS:
-        label = "`torch.compile(DDP(model))`" if config == "torch" else f"bucketwise `strategy=\"{config}\"`"
+        label = "`torch.compile(DDP(model))`" if config == "torch" else f'bucketwise `strategy="{config}"`'
         lines.append(f"| {label} | {len(passes(ran, config))} of {len(ran)} |")
-    lines += ["", f"Where `torch.compile(DDP(model))` passes ({len(torch_ok)} models), bucketwise `auto` passes on "
-              f"{len(torch_ok & auto_ok)}; `auto` passes on {len(auto_ok - torch_ok)} model(s) where it does not"
-              + (f" ({', '.join(sorted(auto_ok - torch_ok))})" if auto_ok - torch_ok else "") + "."]
+    lines += [
+        "",
+        f"Where `torch.compile(DDP(model))` passes ({len(torch_ok)} models), bucketwise `auto` passes on "
+        f"{len(torch_ok & auto_ok)}; `auto` passes on {len(auto_ok - torch_ok)} model(s) where it does not"
+        + (f" ({', '.join(sorted(auto_ok - torch_ok))})" if auto_ok - torch_ok else "")
+        + ".",
+    ]
     return lines
 
 
 def coverage_table(run: dict[str, Any]) -> list[str]:
-    head = ("| model | built from | params | `torch` | `auto` | `fused` | `split` | `auto` strategy | graphs / breaks "
-            "| segments `split` | worst rel. error `auto` | compile s `auto` |")
+    head = (
+        "| model | built from | params | `torch` | `auto` | `fused` | `split` | `auto` strategy | graphs / breaks "
+        "| segments `split` | worst rel. error `auto` | compile s `auto` |"
+    )
     lines = []
     for family, title in FAMILIES.items():
         rows = [m for m in run["models"] if m.get("family") == family]
@@ -147,31 +169,64 @@ def row(m: dict[str, Any]) -> str:
     check = auto.get("check") or {}
     rel = "-" if check.get("rel_err") is None else f"{check['rel_err']:.1e}"
     comp = f"{auto['compile_s']:.2f}" if "compile_s" in auto else "-"
-    cells = [f"`{m['model']}`", m["source"], params, *(cell(m, c) for c in CHECK_CONFIGS), strategy, graphs, seg, rel, comp]
+    cells = [
+        f"`{m['model']}`",
+        m["source"],
+        params,
+        *(cell(m, c) for c in CHECK_CONFIGS),
+        strategy,
+        graphs,
+        seg,
+        rel,
+        comp,
+    ]
     return "| " + " | ".join(cells) + " |"
 
 
 def detail_table(run: dict[str, Any]) -> list[str]:
     """Every model and config: what the report counted (the ``torch`` anchor has no report:
     its first step, compile included, is the comparable figure)."""
-    lines = ["", "## Every strategy in detail", "",
-             "From `bucketwise.report(compiled).totals` on rank 0 (`torch.compile` keeps no such report: `n/a`); "
-             "first step s: the first training step, compiling included (on a shared CPU: indicative only); worst rel. "
-             "error: the largest difference from eager DDP's update over that tensor's largest update, over both "
-             "ranks.", "",
-             "| model | config | outcome | strategy | graphs | breaks | segments | fallbacks | compile s | first step s "
-             "| worst rel. error |", "| --- | --- | --- | --- |" + " ---: |" * 7]
+    lines = [
+        "",
+        "## Every strategy in detail",
+        "",
+        "From `bucketwise.report(compiled).totals` on rank 0 (`torch.compile` keeps no such report: `n/a`); "
+        "first step s: the first training step, compiling included (on a shared CPU: indicative only); worst rel. "
+        "error: the largest difference from eager DDP's update over that tensor's largest update, over both "
+        "ranks.",
+        "",
+        "| model | config | outcome | strategy | graphs | breaks | segments | fallbacks | compile s | first step s "
+        "| worst rel. error |",
+        "| --- | --- | --- | --- |" + " ---: |" * 7,
+    ]
     for m in run["models"]:
         for c in m.get("configs", [])[1:]:
-            def num(key: str, fmt: str = "{}") -> str:
+
+            def num(key: str, fmt: str = "{}", c: dict = c) -> str:
                 if c["config"] == "torch" and key not in ("first_step_s",):
                     return "n/a"
                 return "-" if c.get(key) is None else fmt.format(c[key])
+
             rel = (c.get("check") or {}).get("rel_err")
-            lines.append("| " + " | ".join([
-                f"`{m['model']}`", f"`{c['config']}`", c["status"], ", ".join(c.get("strategies", [])) or "-",
-                num("graphs"), num("graph_breaks"), num("segments"), num("fallbacks"), num("compile_s", "{:.2f}"),
-                num("first_step_s", "{:.2f}"), "-" if rel is None else f"{rel:.1e}"]) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        f"`{m['model']}`",
+                        f"`{c['config']}`",
+                        c["status"],
+                        ", ".join(c.get("strategies", [])) or "-",
+                        num("graphs"),
+                        num("graph_breaks"),
+                        num("segments"),
+                        num("fallbacks"),
+                        num("compile_s", "{:.2f}"),
+                        num("first_step_s", "{:.2f}"),
+                        "-" if rel is None else f"{rel:.1e}",
+                    ]
+                )
+                + " |"
+            )
     return lines
 
 
@@ -195,8 +250,11 @@ def note_of(c: dict[str, Any]) -> str | None:
         parts.append(f"error: `{c['error']}`")
     if c["status"] == "mismatch":
         chk = c.get("check") or {}
-        parts.append(f"not equal to eager DDP: worst tensor `{chk.get('worst')}`, error {chk.get('ratio', 0):.3g} x the tolerance, "
-                     f"replica spread {c.get('replica_spread')}")
+        parts.append(
+            f"not equal to eager DDP: worst tensor `{chk.get('worst')}`, "
+            f"error {chk.get('ratio', 0):.3g} x the tolerance, "
+            f"replica spread {c.get('replica_spread')}"
+        )
     if c.get("fallback_reasons"):
         parts.append("fell back: " + "; ".join(f"`{r.splitlines()[0][:200]}`" for r in c["fallback_reasons"]))
     if c.get("eager_calls"):
@@ -207,14 +265,20 @@ def note_of(c: dict[str, Any]) -> str | None:
 
 
 def speed_section(name: str, run: dict[str, Any]) -> list[str]:
-    lines = ["", "## Step time and peak memory, one GPU", "",
-             f"[GPU run](../benchmarks/results/{name}/): {run['machine']}, torch {run['versions']['torch']}, backend "
-             f"`{run['backend']}`, one rank (world size 1: no gradient traffic), the same small models, "
-             f"median of {run['steps']} timed steps in ms / peak MiB (`torch.cuda.max_memory_allocated`), "
-             f"{run['date'][:10]}. `local`: the model compiled without DDP; `torch`: `torch.compile(DDP(model))`; "
-             "`bw-fused`: `strategy=\"fused\"`; `-cg`: `cudagraphs=True`; each checked against eager DDP at ten "
-             f"times the CPU tolerance (Inductor reorders float math). Reproduce with `{GPU_COMMAND}`.", "",
-             "| model | " + " | ".join(f"`{c}`" for c in SPEED_CONFIGS) + " |", "| --- |" + " ---: |" * len(SPEED_CONFIGS)]
+    lines = [
+        "",
+        "## Step time and peak memory, one GPU",
+        "",
+        f"[GPU run](../benchmarks/results/{name}/): {run['machine']}, torch {run['versions']['torch']}, backend "
+        f"`{run['backend']}`, one rank (world size 1: no gradient traffic), the same small models, "
+        f"median of {run['steps']} timed steps in ms / peak MiB (`torch.cuda.max_memory_allocated`), "
+        f"{run['date'][:10]}. `local`: the model compiled without DDP; `torch`: `torch.compile(DDP(model))`; "
+        '`bw-fused`: `strategy="fused"`; `-cg`: `cudagraphs=True`; each checked against eager DDP at ten '
+        f"times the CPU tolerance (Inductor reorders float math). Reproduce with `{GPU_COMMAND}`.",
+        "",
+        "| model | " + " | ".join(f"`{c}`" for c in SPEED_CONFIGS) + " |",
+        "| --- |" + " ---: |" * len(SPEED_CONFIGS),
+    ]
     for m in run["models"]:
         if "configs" not in m:
             lines.append(f"| `{m['model']}` | " + " | ".join([m["status"]] * len(SPEED_CONFIGS)) + " |")
@@ -233,8 +297,12 @@ def speed_section(name: str, run: dict[str, Any]) -> list[str]:
                 cells.append(r["status"])
         lines.append(f"| `{m['model']}` | " + " | ".join(cells) + " |")
     gpu_notes = [f"- `{m['model']}`: {m['status']}: {m.get('reason', '')}" for m in run["models"] if "configs" not in m]
-    gpu_notes += [f"- `{m['model']}`, `{c['config']}`: {note_of(c)}" for m in run["models"] for c in m.get("configs", [])
-                  if note_of(c)]
+    gpu_notes += [
+        f"- `{m['model']}`, `{c['config']}`: {note_of(c)}"
+        for m in run["models"]
+        for c in m.get("configs", [])
+        if note_of(c)
+    ]
     gpu_notes += [f"- {n}" for n in run.get("notes", [])]  # what the run folder's README records since
     return lines + (["", *gpu_notes] if gpu_notes else [])
 

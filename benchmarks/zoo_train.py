@@ -16,12 +16,10 @@ from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
 from bucketwise.benchmarks.zoo_check import compare, replica_spread, snapshot
-from bucketwise.benchmarks.zoo_registry import get
 from bucketwise.benchmarks.zoo_spec import Built, ZooModel, forward_kwargs
 
 CHECK_CONFIGS = ("torch", "auto", "fused", "split")
@@ -59,8 +57,12 @@ def compiled_for(config: str, built: Built, spec: ZooModel, device: torch.device
 
 def make_ddp(built: Built, spec: ZooModel, device: torch.device, *, min_cap_mb: float = 0.0) -> DDP:
     ids = [device.index] if device.type == "cuda" else None
-    return DDP(built.module, device_ids=ids, find_unused_parameters=spec.find_unused_parameters,
-               bucket_cap_mb=max(bucket_cap_mb(built.module), min_cap_mb))
+    return DDP(
+        built.module,
+        device_ids=ids,
+        find_unused_parameters=spec.find_unused_parameters,
+        bucket_cap_mb=max(bucket_cap_mb(built.module), min_cap_mb),
+    )
 
 
 def bucket_cap_mb(module: torch.nn.Module) -> float:
@@ -80,8 +82,16 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def train(call: Callable, built: Built, spec: ZooModel, rank: int, steps: range, device: torch.device,
-          opt: torch.optim.Optimizer, perturb: bool = False) -> tuple[list[float], float | None]:
+def train(
+    call: Callable,
+    built: Built,
+    spec: ZooModel,
+    rank: int,
+    steps: range,
+    device: torch.device,
+    opt: torch.optim.Optimizer,
+    perturb: bool = False,
+) -> tuple[list[float], float | None]:
     losses, first = [], None
     t0 = time.perf_counter()
     for step in steps:
@@ -116,25 +126,37 @@ def report_fields(compiled: Any) -> dict[str, Any]:
     graphs = [g for g in d["graphs"] if g.get("variant") is None]
     reasons = [s["reason"] for g in d["graphs"] for s in g["segments"] if s["fell_back"]]
     return {
-        "graphs": t["graphs"], "graph_breaks": t["graph_breaks"], "recompiles": t["recompiles"],
-        "segments": t["segments"], "fallbacks": t["fallbacks"], "compile_s": round(t["compile_seconds"], 3),
-        "eager_calls": t["eager_calls"], "strategies": sorted({g["strategy"] for g in graphs}),
+        "graphs": t["graphs"],
+        "graph_breaks": t["graph_breaks"],
+        "recompiles": t["recompiles"],
+        "segments": t["segments"],
+        "fallbacks": t["fallbacks"],
+        "compile_s": round(t["compile_seconds"], 3),
+        "eager_calls": t["eager_calls"],
+        "strategies": sorted({g["strategy"] for g in graphs}),
         "strategy_reasons": sorted({g["strategy_reason"] for g in graphs if g["strategy_reason"]}),
         "fallback_reasons": sorted({(r or "")[:300] for r in reasons}),
         "break_reasons": sorted({r[:200] for g in graphs for r in g["graph_break_reasons"]})[:5],
     }
 
 
-def check_config(config: str, spec: ZooModel, rank: int, opts: dict[str, Any], init: dict, init_snap: dict,
-                 eager: dict) -> dict[str, Any]:
+def check_config(
+    config: str, spec: ZooModel, rank: int, opts: dict[str, Any], init: dict, init_snap: dict, eager: dict
+) -> dict[str, Any]:
     device = torch.device(opts["device"])
     built = fresh(spec, device, init)
     t0 = time.perf_counter()
     call, ddp = compiled_for(config, built, spec, device, opts["backend"])
     opt = torch.optim.SGD(built.module.parameters(), lr=LR)
-    losses, first = train(call, built, spec, rank, range(opts["steps"]), device, opt, perturb=opts.get("perturb") == config)
-    rec: dict[str, Any] = {"config": config, "seconds": round(time.perf_counter() - t0, 2), "losses": losses,
-                           "first_step_s": round(first, 3)}
+    losses, first = train(
+        call, built, spec, rank, range(opts["steps"]), device, opt, perturb=opts.get("perturb") == config
+    )
+    rec: dict[str, Any] = {
+        "config": config,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "losses": losses,
+        "first_step_s": round(first, 3),
+    }
     rec["check"] = compare(init_snap, eager, snapshot(built.module))
     rec["replica_spread"] = replica_spread(built.module)
     if config != "torch":
@@ -153,8 +175,12 @@ def status_of(rec: dict[str, Any]) -> str:
 
 def error_record(config: str, exc: BaseException) -> dict[str, Any]:
     lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-    return {"config": config, "status": "error", "error": f"{type(exc).__name__}: {lines[0] if lines else ''}"[:400],
-            "traceback": traceback.format_exc()[-4000:]}
+    return {
+        "config": config,
+        "status": "error",
+        "error": f"{type(exc).__name__}: {lines[0] if lines else ''}"[:400],
+        "traceback": traceback.format_exc()[-4000:],
+    }
 
 
 def warm_up(backend: str, device: torch.device) -> None:
@@ -175,10 +201,18 @@ def run_check(spec: ZooModel, rank: int, opts: dict[str, Any]) -> list[dict[str,
     warm_up(opts["backend"], device)
     t0 = time.perf_counter()
     losses, first = train(call, built, spec, rank, range(opts["steps"]), device, opt)
-    records = [{"config": "eager", "status": "pass", "seconds": round(time.perf_counter() - t0, 2), "losses": losses,
-                "first_step_s": round(first, 3), "bucket_cap_mb": bucket_cap_mb(built.module),
-                "params": sum(p.numel() for p in built.module.parameters()),
-                "trainable": sum(p.numel() for p in built.module.parameters() if p.requires_grad)}]
+    records = [
+        {
+            "config": "eager",
+            "status": "pass",
+            "seconds": round(time.perf_counter() - t0, 2),
+            "losses": losses,
+            "first_step_s": round(first, 3),
+            "bucket_cap_mb": bucket_cap_mb(built.module),
+            "params": sum(p.numel() for p in built.module.parameters()),
+            "trainable": sum(p.numel() for p in built.module.parameters() if p.requires_grad),
+        }
+    ]
     eager = snapshot(built.module)
     del call, built, opt
     for config in opts.get("configs") or CHECK_CONFIGS:

@@ -47,8 +47,15 @@ def efficientnet() -> Any:
 def swin() -> Any:
     from torchvision.models.swin_transformer import SwinTransformer
 
-    return SwinTransformer(patch_size=[4, 4], embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8],
-                           window_size=[2, 2], stochastic_depth_prob=0.0, num_classes=CLASSES)
+    return SwinTransformer(
+        patch_size=[4, 4],
+        embed_dim=32,
+        depths=[1, 1, 1, 1],
+        num_heads=[1, 2, 4, 8],
+        window_size=[2, 2],
+        stochastic_depth_prob=0.0,
+        num_classes=CLASSES,
+    )
 
 
 def mobilenet() -> Any:
@@ -77,10 +84,26 @@ MODELS = [
     _tvm("efficientnet-b0", "efficientnet_b0(num_classes=10)", efficientnet),
     _tvm("swin", "SwinTransformer, embed 32, depths 1-1-1-1, window 2", swin),
     _tvm("mobilenet-v3", "mobilenet_v3_small(num_classes=10)", mobilenet),
-    ZooModel(name="timm-vit", family="timm", source="timm vit_tiny_patch16_224 (img_size 32, patch 8, depth 2)",
-             build=classifier(timm_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2)), needs=("timm",)),
-    ZooModel(name="timm-regnety", family="timm", source="timm regnety_002", build=classifier(timm_model("regnety_002")),
-             needs=("timm",)),
-    ZooModel(name="batchnorm-cudagraphs", family="case", source="resnet18(num_classes=10), cudagraphs=True",
-             build=classifier(resnet18), needs=TV, gpu_only="CUDA graphs need a GPU"),
+    ZooModel(
+        name="timm-vit",
+        family="timm",
+        source="timm vit_tiny_patch16_224 (img_size 32, patch 8, depth 2)",
+        build=classifier(timm_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2)),
+        needs=("timm",),
+    ),
+    ZooModel(
+        name="timm-regnety",
+        family="timm",
+        source="timm regnety_002",
+        build=classifier(timm_model("regnety_002")),
+        needs=("timm",),
+    ),
+    ZooModel(
+        name="batchnorm-cudagraphs",
+        family="case",
+        source="resnet18(num_classes=10), cudagraphs=True",
+        build=classifier(resnet18),
+        needs=TV,
+        gpu_only="CUDA graphs need a GPU",
+    ),
 ]

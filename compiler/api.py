@@ -98,10 +98,17 @@ def compile_with_config(obj: nn.Module | Callable[..., Any], config: CompileConf
 def resolve_cudagraphs(config: CompileConfig) -> cudagraph_policy.Decision:
     """Whether this compiled object gets bucketwise's CUDA graphs, decided once and handed to
     each of its graph backends; says so when a ``cudagraphs=True`` request is a no-op here."""
-    decision = cudagraph_policy.resolve(config.cudagraphs, cuda=torch.cuda.is_available(), backend=config.backend,
-                                        mode=config.mode, dynamic=config.dynamic)
+    decision = cudagraph_policy.resolve(
+        config.cudagraphs,
+        cuda=torch.cuda.is_available(),
+        backend=config.backend,
+        mode=config.mode,
+        dynamic=config.dynamic,
+    )
     if config.cudagraphs is True and not torch.cuda.is_available():
-        log.warning("bucketwise: cudagraphs=%r is a no-op without CUDA; compiling without CUDA graphs", config.cudagraphs)
+        log.warning(
+            "bucketwise: cudagraphs=%r is a no-op without CUDA; compiling without CUDA graphs", config.cudagraphs
+        )
     elif config.cudagraphs is True and not decision.enabled:
         log.warning("bucketwise: cudagraphs=True not applied: %s", decision.reason)
     return decision

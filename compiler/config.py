@@ -78,17 +78,11 @@ class CompileConfig:
         if isinstance(self.backend, str):
             known = _known_backends()
             if self.backend not in known:
-                raise ValueError(
-                    f"unknown backend {self.backend!r}; use a callable or one of {known}"
-                )
+                raise ValueError(f"unknown backend {self.backend!r}; use a callable or one of {known}")
         elif not callable(self.backend):
-            raise TypeError(
-                f"backend must be a backend name or a callable, got {type(self.backend).__name__}"
-            )
+            raise TypeError(f"backend must be a backend name or a callable, got {type(self.backend).__name__}")
         if self.strategy not in STRATEGIES:
-            raise ValueError(
-                f"unknown strategy {self.strategy!r}; use 'split', 'fused', 'none' or 'auto'"
-            )
+            raise ValueError(f"unknown strategy {self.strategy!r}; use 'split', 'fused', 'none' or 'auto'")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"unknown fallback {self.fallback!r}; use 'eager' or 'raise'")
         if self.mode is not None and not isinstance(self.mode, str):
@@ -97,8 +91,10 @@ class CompileConfig:
             raise ValueError("mode and options cannot both be set (as in torch.compile)")
         if self.options is not None and not isinstance(self.options, dict):
             raise TypeError(f"options must be a dict or None, got {type(self.options).__name__}")
-        if self.cudagraphs not in CUDAGRAPHS or isinstance(self.cudagraphs, int) and not isinstance(
-            self.cudagraphs, bool
+        if (
+            self.cudagraphs not in CUDAGRAPHS
+            or isinstance(self.cudagraphs, int)
+            and not isinstance(self.cudagraphs, bool)
         ):
             raise ValueError(f"cudagraphs must be True, False or 'auto', got {self.cudagraphs!r}")
         if not isinstance(self.gather_embedding_rows, bool):

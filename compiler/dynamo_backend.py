@@ -46,9 +46,9 @@ import torch
 
 from .._compat import ddp as ddpc
 from .._compat import dynamo as dc
+from ..stats.report import Report
 from .config import CompileConfig
 from .graph_backend import GraphBackend
-from ..stats.report import Report
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +80,18 @@ def config_from_options(mode: str | None, options: dict[str, Any] | None, dynami
     own = {k: rest.pop(k) for k in OWN_OPTIONS if k in rest}
     inner = own.pop("inner_backend", "inductor")
     if inner == BACKEND_NAME:
-        raise ValueError("torch.compile(backend='bucketwise'): inner_backend cannot be 'bucketwise'; use e.g. 'inductor'")
+        raise ValueError(
+            "torch.compile(backend='bucketwise'): inner_backend cannot be 'bucketwise'; use e.g. 'inductor'"
+        )
     if rest:
         known = set(dc.inductor_option_names()) if inner == "inductor" else set()
         bad = sorted(k for k in rest if k not in known)
         if bad:
-            others = ("and Inductor's options (torch._inductor.list_options())" if inner == "inductor"
-                      else f"(inner_backend={inner!r} takes no other options)")
+            others = (
+                "and Inductor's options (torch._inductor.list_options())"
+                if inner == "inductor"
+                else f"(inner_backend={inner!r} takes no other options)"
+            )
             raise ValueError(
                 f"torch.compile(backend='bucketwise'): unknown option(s) {bad}; accepted: {list(OWN_OPTIONS)} {others}"
             )
@@ -176,8 +181,12 @@ def attach(ddp: Any, config: CompileConfig) -> Any:
     # report() accepts the module the user compiled (Fabric re-applies the compile over its DDP
     # module, so the user's OptimizedModule wraps ddp.module) as well as the DDP module.
     ddpc.set_owner(ddp.module, compiled)
-    log.info("bucketwise: %s compiled by torch.compile(backend='bucketwise') (strategy %s, inner backend %s)",
-             compiled._bucketwise_report.target, config.strategy, config.backend_name)
+    log.info(
+        "bucketwise: %s compiled by torch.compile(backend='bucketwise') (strategy %s, inner backend %s)",
+        compiled._bucketwise_report.target,
+        config.strategy,
+        config.backend_name,
+    )
     return compiled
 
 
@@ -194,8 +203,10 @@ def attach_inside(ddp: Any, config: CompileConfig) -> "InsideDDP":
 def _existing(ddp: Any, config: CompileConfig) -> Any | None:
     owner = ddpc.owner_of(ddp)
     if owner is not None and owner._bucketwise_backend.config != config:
-        log.warning("bucketwise: %s is already compiled with other options; keeping the first ones",
-                    owner._bucketwise_report.target)
+        log.warning(
+            "bucketwise: %s is already compiled with other options; keeping the first ones",
+            owner._bucketwise_report.target,
+        )
     return owner
 
 
@@ -228,12 +239,14 @@ class InsideDDP:
         from .module import function_alignment
 
         name = type(dc.uncompiled(ddp.module)).__name__
-        self._bucketwise_report = Report(target=f"modules inside DDP({name})", strategy=config.strategy,
-                                         backend=config.backend_name)
+        self._bucketwise_report = Report(
+            target=f"modules inside DDP({name})", strategy=config.strategy, backend=config.backend_name
+        )
         from .api import resolve_cudagraphs
 
-        self._bucketwise_backend = backend = GraphBackend(config, self._bucketwise_report, None,
-                                                          cudagraphs=resolve_cudagraphs(config))
+        self._bucketwise_backend = backend = GraphBackend(
+            config, self._bucketwise_report, None, cudagraphs=resolve_cudagraphs(config)
+        )
         self._bucketwise_report.set_alignment_source(lambda: function_alignment(backend))
         self._bucketwise_report.note(
             "compiled inside the forward of a DDP module through torch.compile(backend='bucketwise'): DDP's "
@@ -241,7 +254,8 @@ class InsideDDP:
         )
         if config.freeze_mode is not None:
             self._bucketwise_report.note(
-                "freeze= not applied: DDP's own forward runs here (compile the DDP module to freeze after warm-up)")
+                "freeze= not applied: DDP's own forward runs here (compile the DDP module to freeze after warm-up)"
+            )
             log.warning("bucketwise: freeze=%r not applied to modules compiled inside DDP", config.freeze)
         self.first_call = _FirstCall(ddp)
         self._ddp = ddp
@@ -297,7 +311,10 @@ class _FirstCall:
     def __init__(self, ddp: Any) -> None:
         self.codes: list[Any] = []
         self.done = False
-        self.handles = [ddp.register_forward_pre_hook(self._forget), ddp.register_forward_hook(self._forget, always_call=True)]
+        self.handles = [
+            ddp.register_forward_pre_hook(self._forget),
+            ddp.register_forward_hook(self._forget, always_call=True),
+        ]
 
     def compiled(self, code: Any) -> None:
         if code is not None and not self.done and code not in self.codes:

@@ -49,9 +49,16 @@ class GraphBackend:
     idle, which the fused strategy needs.
     """
 
-    def __init__(self, config: CompileConfig, report: Report, ddp: Any | None, *,
-                 cudagraphs: cudagraph_policy.Decision, fused_runtime: Any | None = None,
-                 variant: str | None = None) -> None:
+    def __init__(
+        self,
+        config: CompileConfig,
+        report: Report,
+        ddp: Any | None,
+        *,
+        cudagraphs: cudagraph_policy.Decision,
+        fused_runtime: Any | None = None,
+        variant: str | None = None,
+    ) -> None:
         self.config = config
         self.report = report
         self.variant = variant
@@ -102,16 +109,23 @@ class GraphBackend:
         self._label, self._segment_no = f"graph {graph_id}", 0
         cid = dc.current_compile_id()
         ddp = self._resolve_ddp()
-        choice = resolve_strategy(self.config.strategy, ddp, runs_ddp_forward=self.fused_runtime is not None,
-                                  variant=self.variant)
+        choice = resolve_strategy(
+            self.config.strategy, ddp, runs_ddp_forward=self.fused_runtime is not None, variant=self.variant
+        )
         params = self._graph_params(gm, example_inputs, ddp)
-        seen = {"op_count": op_count(gm), "higher_order_ops": higher_order_ops(gm),
-                "break_reason": dc.graph_break_reason(gm), "recompile_reason": dc.recompile_reason()}
+        seen = {
+            "op_count": op_count(gm),
+            "higher_order_ops": higher_order_ops(gm),
+            "break_reason": dc.graph_break_reason(gm),
+            "recompile_reason": dc.recompile_reason(),
+        }
         diagnosed_gm = copy.deepcopy(gm) if doctor.enabled() and choice.strategy != "split" else None
         result = self._apply(choice.strategy, gm, example_inputs, ddp, params, Progress(f"graph {graph_id}"), graph_id)
         if diagnosed_gm is not None and len(result.segments) == 1:
             # split graphs are diagnosed per segment (compile_segments)
-            result.fn = doctor.Diagnosed(result.fn, diagnosed_gm, f"graph {graph_id} segment 0", self.config.backend_name)
+            result.fn = doctor.Diagnosed(
+                result.fn, diagnosed_gm, f"graph {graph_id} segment 0", self.config.backend_name
+            )
         for text in result.notes:
             self.report.note(text)
         times = backend_call_times(time.perf_counter() - start, result.outcomes, result.rank_check_s)
@@ -119,28 +133,59 @@ class GraphBackend:
         self._record(graph_id=graph_id, cid=cid, choice=choice, params=params, result=result, times=times, **seen)
         return self._wrap(result.fn, gm, example_inputs, ddp, params, choice.strategy)
 
-    def _apply(self, strategy: str, gm: fx.GraphModule, example_inputs: Sequence[Any], ddp: Any | None,
-               params: list[GraphParam], progress: Progress, graph_id: int) -> StrategyResult:
+    def _apply(
+        self,
+        strategy: str,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        ddp: Any | None,
+        params: list[GraphParam],
+        progress: Progress,
+        graph_id: int,
+    ) -> StrategyResult:
         piece = self._piece_compiler(progress, self.segment_backend)
         if strategy == "split":
             frame = _frame_key(dc.current_compile_id(), graph_id)
             earlier = {n for key, names in self.param_segments.items() if key < frame for n in names}
-            return apply_split(gm=gm, example_inputs=example_inputs, ddp=ddp, params=params, earlier_names=earlier,
-                               caps=self._caps(ddp), compile_piece=piece, fallback=self.config.fallback)
+            return apply_split(
+                gm=gm,
+                example_inputs=example_inputs,
+                ddp=ddp,
+                params=params,
+                earlier_names=earlier,
+                caps=self._caps(ddp),
+                compile_piece=piece,
+                fallback=self.config.fallback,
+            )
         if strategy == "fused":
             if self._fused is None:
                 self._fused = FusedState(runtime=self.fused_runtime)
             self._fused.rank_check_s = 0.0
-            return apply_fused(gm=gm, example_inputs=example_inputs, ddp=ddp, params=params, caps=self._caps(ddp),
-                               gather_rows=self.config.gather_embedding_rows, state=self._fused, graph_id=graph_id,
-                               compile_graph=self._piece_compiler(progress, self._fused_compiler()),
-                               compile_variant=self._compile_variant,
-                               progress_step=lambda what: progress.step(what, self.config.backend_name),
-                               on_later_variant=self.report.write_rank_file)
+            return apply_fused(
+                gm=gm,
+                example_inputs=example_inputs,
+                ddp=ddp,
+                params=params,
+                caps=self._caps(ddp),
+                gather_rows=self.config.gather_embedding_rows,
+                state=self._fused,
+                graph_id=graph_id,
+                compile_graph=self._piece_compiler(progress, self._fused_compiler()),
+                compile_variant=self._compile_variant,
+                progress_step=lambda what: progress.step(what, self.config.backend_name),
+                on_later_variant=self.report.write_rank_file,
+            )
         return apply_whole(gm=gm, example_inputs=example_inputs, params=params, compile_piece=piece)
 
-    def _wrap(self, fn: Callable[..., Any], gm: fx.GraphModule, example_inputs: Sequence[Any], ddp: Any | None,
-              params: list[GraphParam], strategy: str) -> Callable[..., Any]:
+    def _wrap(
+        self,
+        fn: Callable[..., Any],
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        ddp: Any | None,
+        params: list[GraphParam],
+        strategy: str,
+    ) -> Callable[..., Any]:
         """What Dynamo calls: the reducer's gradient-ready order (not under ``fused``, whose
         reducer is idle), the delayed allreduce's trigger last, every run counted."""
         if ddp is not None and params and strategy != "fused":
@@ -165,7 +210,9 @@ class GraphBackend:
         for p in params:
             if id(p.tensor) in sparse and p.name not in self._sparse_noted:
                 self._sparse_noted.add(p.name)
-                self.report.note(f"{p.name}: sparse gradient, reduced on its own as DDP reduces it (outside the buckets)")
+                self.report.note(
+                    f"{p.name}: sparse gradient, reduced on its own as DDP reduces it (outside the buckets)"
+                )
         return dense
 
     def _resolve_ddp(self) -> Any | None:
@@ -177,8 +224,9 @@ class GraphBackend:
         return ddp
 
     def _caps(self, ddp: Any) -> BucketCaps:
-        return BucketCaps.from_ddp(ddp, bucket_cap_mb=self.config.bucket_cap_mb,
-                                   first_bucket_cap_mb=self.config.first_bucket_cap_mb)
+        return BucketCaps.from_ddp(
+            ddp, bucket_cap_mb=self.config.bucket_cap_mb, first_bucket_cap_mb=self.config.first_bucket_cap_mb
+        )
 
     # -- compiling a graph or a segment -------------------------------------------------------
 
@@ -187,23 +235,36 @@ class GraphBackend:
         a progress line each, the doctor on every segment of a split graph."""
         cfg = self.config
 
-        def compile_piece(gm: fx.GraphModule, example_inputs: Sequence[Any], *, what: str, segment: int = 0,
-                          tracing: Any = None) -> tuple[Callable[..., Any], CompileOutcome]:
+        def compile_piece(
+            gm: fx.GraphModule, example_inputs: Sequence[Any], *, what: str, segment: int = 0, tracing: Any = None
+        ) -> tuple[Callable[..., Any], CompileOutcome]:
             with progress.step(what, cfg.backend_name):
-                compiled, outcome = compile_with_fallback(gm, example_inputs, backend_fn, backend_name=cfg.backend_name,
-                                                          fallback=cfg.fallback, tracing=tracing)
+                compiled, outcome = compile_with_fallback(
+                    gm,
+                    example_inputs,
+                    backend_fn,
+                    backend_name=cfg.backend_name,
+                    fallback=cfg.fallback,
+                    tracing=tracing,
+                )
             if tracing is not None and doctor.enabled():
                 compiled = doctor.Diagnosed(compiled, gm, f"{progress.label} segment {segment}", cfg.backend_name)
             return compiled, outcome
 
         return compile_piece
 
-    def _compile_variant(self, gm: fx.GraphModule, example_inputs: list[Any], label: str
-                         ) -> tuple[Callable[..., Any], CompileOutcome]:
+    def _compile_variant(
+        self, gm: fx.GraphModule, example_inputs: list[Any], label: str
+    ) -> tuple[Callable[..., Any], CompileOutcome]:
         """A comm hook's variant of a graph (``label`` names its CUDA-graph runners)."""
         with self._labelled(label):
-            return compile_with_fallback(gm, example_inputs, self._fused_compiler(),
-                                         backend_name=self.config.backend_name, fallback=self.config.fallback)
+            return compile_with_fallback(
+                gm,
+                example_inputs,
+                self._fused_compiler(),
+                backend_name=self.config.backend_name,
+                fallback=self.config.fallback,
+            )
 
     @contextlib.contextmanager
     def _labelled(self, label: str) -> Iterator[None]:
@@ -226,29 +287,60 @@ class GraphBackend:
 
     # -- stats -----------------------------------------------------------------------------
 
-    def _record(self, *, graph_id: int, cid: dc.CompileId, choice: StrategyChoice, params: list[GraphParam],
-                result: StrategyResult, times: CompileTimes, op_count: int, higher_order_ops: list[str],
-                break_reason: str | None, recompile_reason: str | None) -> None:
+    def _record(
+        self,
+        *,
+        graph_id: int,
+        cid: dc.CompileId,
+        choice: StrategyChoice,
+        params: list[GraphParam],
+        result: StrategyResult,
+        times: CompileTimes,
+        op_count: int,
+        higher_order_ops: list[str],
+        break_reason: str | None,
+        recompile_reason: str | None,
+    ) -> None:
         frame = _frame_key(cid, graph_id)
         # A recompile: this backend compiles a frame it compiled before (a guard failed). The
         # no_sync variant's first compile of a frame is not one, though Dynamo counts it.
         recompile = frame in self.param_segments
         self.param_segments[frame] = {p.name: seg.index for seg in result.segments for p in seg.params}
         segments = [
-            SegmentStats(index=seg.index, params=[p.name for p in seg.params], bytes=sum(p.nbytes for p in seg.params),
-                         op_count=seg.op_count, compile_seconds=round(out.seconds, 6),
-                         backend=out.backend if not out.fell_back else "eager", fell_back=out.fell_back,
-                         reason=out.reason, phases=out.phases)
+            SegmentStats(
+                index=seg.index,
+                params=[p.name for p in seg.params],
+                bytes=sum(p.nbytes for p in seg.params),
+                op_count=seg.op_count,
+                compile_seconds=round(out.seconds, 6),
+                backend=out.backend if not out.fell_back else "eager",
+                fell_back=out.fell_back,
+                reason=out.reason,
+                phases=out.phases,
+            )
             for seg, out in zip(result.segments, result.outcomes)
         ]
-        self.report.add_graph(GraphStats(
-            graph_id=graph_id, compile_id=str(cid), strategy=choice.strategy, strategy_reason=choice.reason,
-            graph_break_reasons=[break_reason] if break_reason else [], recompile=recompile,
-            recompile_reason=recompile_reason if recompile else None, op_count=op_count,
-            higher_order_ops=higher_order_ops, segments=segments, buckets=result.buckets,
-            unused_params=sorted(p.name for p in params if p.first_use < 0), plan_source=result.plan_source,
-            variant=self.variant, compile_times=times, comm_hook=result.comm_hook, variants=result.variants,
-        ))
+        self.report.add_graph(
+            GraphStats(
+                graph_id=graph_id,
+                compile_id=str(cid),
+                strategy=choice.strategy,
+                strategy_reason=choice.reason,
+                graph_break_reasons=[break_reason] if break_reason else [],
+                recompile=recompile,
+                recompile_reason=recompile_reason if recompile else None,
+                op_count=op_count,
+                higher_order_ops=higher_order_ops,
+                segments=segments,
+                buckets=result.buckets,
+                unused_params=sorted(p.name for p in params if p.first_use < 0),
+                plan_source=result.plan_source,
+                variant=self.variant,
+                compile_times=times,
+                comm_hook=result.comm_hook,
+                variants=result.variants,
+            )
+        )
 
 
 class _Counted:
@@ -271,6 +363,7 @@ def _frame_key(cid: dc.CompileId, graph_id: int) -> int:
 def _forward_positions(gm: fx.GraphModule, params: Sequence[GraphParam]) -> list[int]:
     """Flat argument index of each placeholder parameter, in forward first-use order."""
     index = {node: i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))}
-    used = sorted((p for p in params if p.first_use >= 0 and p.node in index), key=lambda p: (p.first_use, p.arg_position))
+    used = sorted(
+        (p for p in params if p.first_use >= 0 and p.node in index), key=lambda p: (p.first_use, p.arg_position)
+    )
     return [index[p.node] for p in used]
-

@@ -13,18 +13,18 @@ import torch
 import torch.nn as nn
 
 from .._compat import ddp as ddpc
+from .._compat import dynamo as dc
+from ..cudagraphs.policy import Decision
 from ..distributed import teardown
-from ..distributed.split.alignment import measure_alignment
 from ..distributed.fused.runtime import FusedRuntime
 from ..distributed.rank_check import prepare_rank_checks
-from .._compat import dynamo as dc
+from ..distributed.split.alignment import measure_alignment
 from ..stats import profiling
-from ..cudagraphs.policy import Decision
+from ..stats.report import Report
 from .config import CompileConfig
 from .freeze import freeze_after_warmup, stance
 from .graph_backend import GraphBackend
 from .strategy import resolve_strategy
-from ..stats.report import Report
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,11 @@ class CompiledModule(nn.Module):
         self._orig_mod = mod
         ddp = mod if ddpc.is_ddp(mod) else None
         inner = mod.module if ddp is not None else mod
-        report = Report(target=type(inner).__name__ if ddp is None else f"DDP({type(inner).__name__})",
-                        strategy=config.strategy, backend=config.backend_name)
+        report = Report(
+            target=type(inner).__name__ if ddp is None else f"DDP({type(inner).__name__})",
+            strategy=config.strategy,
+            backend=config.backend_name,
+        )
         runtime = FusedRuntime(ddp) if ddp is not None and config.strategy in ("fused", "auto") else None
         backend = GraphBackend(config, report, ddp, cudagraphs=cudagraphs, fused_runtime=runtime)
         forward = _inner_forward(inner)
@@ -92,8 +95,9 @@ class CompiledModule(nn.Module):
         if runtime is not None:
             # no_sync() steps and evaluation run a second compiled variant without collectives;
             # Dynamo keeps one cache entry per backend, so switching costs no recompile.
-            nosync = GraphBackend(dataclasses.replace(config, strategy="none"), report, ddp, cudagraphs=cudagraphs,
-                                  variant="no_sync")
+            nosync = GraphBackend(
+                dataclasses.replace(config, strategy="none"), report, ddp, cudagraphs=cudagraphs, variant="no_sync"
+            )
             self.__dict__["_bucketwise_call_nosync"] = _torch_compile(forward, nosync, config)
             prepare_rank_checks(ddpc.process_group(ddp))
             if backend.cudagraphs is not None:
@@ -186,8 +190,9 @@ class CompiledModule(nn.Module):
             self.__dict__["_nosync_warm"] = True
             return out
 
-    def _forward_with_reducer(self, ddp: Any, call: Callable[..., Any], args: tuple, kwargs: dict, *,
-                              warm: bool = True) -> Any:
+    def _forward_with_reducer(
+        self, ddp: Any, call: Callable[..., Any], args: tuple, kwargs: dict, *, warm: bool = True
+    ) -> Any:
         """DDP's own forward around a compiled call: the reducer reduces in the backward."""
         args, kwargs = ddpc.pre_forward(ddp, args, kwargs)
         if self._alignment_pending and ddpc.has_rebuilt_buckets(ddp):
@@ -264,8 +269,9 @@ class CompiledModule(nn.Module):
 def compile_function(fn: Callable[..., Any], config: CompileConfig, *, cudagraphs: Decision) -> Callable[..., Any]:
     """A compiled function. DDP modules it calls get the split strategy (torch's own
     DDPOptimizer is switched off around each call, see ``torch_ddp_optimizer_disabled``)."""
-    report = Report(target=getattr(fn, "__qualname__", type(fn).__name__), strategy=config.strategy,
-                    backend=config.backend_name)
+    report = Report(
+        target=getattr(fn, "__qualname__", type(fn).__name__), strategy=config.strategy, backend=config.backend_name
+    )
     backend = GraphBackend(config, report, None, cudagraphs=cudagraphs)
     report.set_alignment_source(lambda: function_alignment(backend))
     compiled = _torch_compile(fn, backend, config)
@@ -310,9 +316,11 @@ def say_eager(report: Report, code: Any, frozen: str | None) -> None:
     if frozen == "eager":
         reason = "frozen with on_recompile='eager' and a guard failed (a new input shape?)"
     elif code is not None and dc.cache_entries(code) >= limit:
-        reason = (f"Dynamo's recompile limit ({limit} compiled versions of this frame) is reached; a call that "
-                  "needs another runs eagerly (TORCH_LOGS=recompiles names the guard; mark the changing dimension "
-                  "dynamic, or raise torch._dynamo.config.recompile_limit)")
+        reason = (
+            f"Dynamo's recompile limit ({limit} compiled versions of this frame) is reached; a call that "
+            "needs another runs eagerly (TORCH_LOGS=recompiles names the guard; mark the changing dimension "
+            "dynamic, or raise torch._dynamo.config.recompile_limit)"
+        )
     else:
         reason = "Dynamo produced no graph for this call (the frame was skipped, or every op broke the graph)"
     if report.ran_eagerly(reason):

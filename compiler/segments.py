@@ -7,7 +7,6 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-import torch
 import torch.fx as fx
 
 from .._compat import dynamo as dc

@@ -17,8 +17,9 @@ class StrategyChoice:
     """Why it is not the requested one (``None`` where it is, or nothing was requested)."""
 
 
-def resolve_strategy(requested: str, ddp: Any | None, *, runs_ddp_forward: bool,
-                     variant: str | None = None) -> StrategyChoice:
+def resolve_strategy(
+    requested: str, ddp: Any | None, *, runs_ddp_forward: bool, variant: str | None = None
+) -> StrategyChoice:
     """The strategy for ``requested`` (``auto``, ``fused``, ``split``, ``none``) on ``ddp`` (``None``:
     no DDP module). ``runs_ddp_forward``: bucketwise runs the DDP forward itself (it compiled the
     DDP module), which ``fused`` needs; ``variant``: ``"no_sync"`` for the graphs of ``no_sync()``

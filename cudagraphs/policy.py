@@ -50,7 +50,9 @@ class Decision:
     reason: str | None = None
 
 
-def resolve(requested: bool | str, *, cuda: bool, backend: str | Any, mode: str | None, dynamic: bool | None) -> Decision:
+def resolve(
+    requested: bool | str, *, cuda: bool, backend: str | Any, mode: str | None, dynamic: bool | None
+) -> Decision:
     """The compile-level decision for ``cudagraphs=requested``.
 
     Raises ``ValueError`` for combinations that cannot mean anything sensible (``True`` with

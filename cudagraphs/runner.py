@@ -55,8 +55,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..distributed import teardown
 from .._compat import dynamo as dc
+from ..distributed import teardown
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +147,13 @@ class CudaGraphs:
 class CudaGraphGroup:
     """The runners of one compiled object: capture stream, stats, stable addresses."""
 
-    def __init__(self, on_stats: Callable[[CudaGraphStats], None], graphs: CudaGraphs | None = None,
-                 *, max_records: int = MAX_RECORDS) -> None:
+    def __init__(
+        self,
+        on_stats: Callable[[CudaGraphStats], None],
+        graphs: CudaGraphs | None = None,
+        *,
+        max_records: int = MAX_RECORDS,
+    ) -> None:
         self.graphs = graphs if graphs is not None else CudaGraphs()
         self.on_stats = on_stats
         self.max_records = max_records
@@ -169,19 +174,39 @@ class CudaGraphGroup:
         if not self.graphs.wait_idle(_RELEASE_WAIT_S):
             # An interrupted step: a replayed collective still waits for another rank. Leave the
             # recordings to the process's end (NCCL aborts instead of waiting for them then).
-            log.warning("bucketwise: GPU work still running after %.0f s at %s (a collective waiting for a rank "
-                        "that stopped?); %d CUDA graph recording(s) left in place", _RELEASE_WAIT_S, reason, len(live))
+            log.warning(
+                "bucketwise: GPU work still running after %.0f s at %s (a collective waiting for a rank "
+                "that stopped?); %d CUDA graph recording(s) left in place",
+                _RELEASE_WAIT_S,
+                reason,
+                len(live),
+            )
             return
         for r in live:
             r.release(reason)
         log.info("bucketwise: released %d CUDA graph recording(s) at %s", len(live), reason)
 
-    def runner(self, compiled: Callable[[list[Any]], Any], *, name: str, static_input_idxs: Sequence[int],
-               mutated_inputs: dict[int, str], returned_outputs: int | None, blockers: Sequence[str]) -> "CudaGraphRunner":
+    def runner(
+        self,
+        compiled: Callable[[list[Any]], Any],
+        *,
+        name: str,
+        static_input_idxs: Sequence[int],
+        mutated_inputs: dict[int, str],
+        returned_outputs: int | None,
+        blockers: Sequence[str],
+    ) -> "CudaGraphRunner":
         stats = CudaGraphStats(name=name, reason="; ".join(blockers) if blockers else None)
         self.on_stats(stats)
-        runner = CudaGraphRunner(compiled, self, stats, static_input_idxs=static_input_idxs,
-                                 mutated_inputs=mutated_inputs, returned_outputs=returned_outputs, blocked=bool(blockers))
+        runner = CudaGraphRunner(
+            compiled,
+            self,
+            stats,
+            static_input_idxs=static_input_idxs,
+            mutated_inputs=mutated_inputs,
+            returned_outputs=returned_outputs,
+            blocked=bool(blockers),
+        )
         self._runners.add(runner)
         return runner
 
@@ -208,9 +233,17 @@ class CudaGraphRunner:
     after each replay (``None``: all of them, an inference graph).
     """
 
-    def __init__(self, compiled: Callable[[list[Any]], Any], group: CudaGraphGroup, stats: CudaGraphStats, *,
-                 static_input_idxs: Sequence[int], mutated_inputs: dict[int, str], returned_outputs: int | None,
-                 blocked: bool) -> None:
+    def __init__(
+        self,
+        compiled: Callable[[list[Any]], Any],
+        group: CudaGraphGroup,
+        stats: CudaGraphStats,
+        *,
+        static_input_idxs: Sequence[int],
+        mutated_inputs: dict[int, str],
+        returned_outputs: int | None,
+        blocked: bool,
+    ) -> None:
         # An instance attribute: torch wraps the backward in torch._dynamo.disable, whose
         # functools.wraps copies the instance __dict__ (a class attribute would be lost).
         self._boxed_call = True
@@ -249,8 +282,10 @@ class CudaGraphRunner:
             elif why == _HELD and self.lend:
                 # Someone keeps a lent output across calls (accumulated gradients): stop lending.
                 self.lend = False
-                log.info("bucketwise: %s: outputs kept across calls; handing out the static outputs from now on",
-                         self.stats.name)
+                log.info(
+                    "bucketwise: %s: outputs kept across calls; handing out the static outputs from now on",
+                    self.stats.name,
+                )
             self.stats.ran_uncaptured(why)
             return self.compiled(args)
         self._moved_calls = 0
@@ -290,7 +325,9 @@ class CudaGraphRunner:
 
     def _record(self, key: tuple, args: list[Any]) -> list[Any]:
         if self.stats.records >= self.group.max_records:
-            self._disable(f"recorded {self.stats.records} times (new input shapes or moved parameters); runs uncaptured")
+            self._disable(
+                f"recorded {self.stats.records} times (new input shapes or moved parameters); runs uncaptured"
+            )
             return self.compiled(args)
         try:
             rec = self._capture(args)
@@ -362,20 +399,25 @@ class CudaGraphRunner:
             stable.add(inputs[i].data_ptr())
         kept = set(copy_idxs)
         return _Recording(
-            graph=graph, inputs=[a if i in kept else None for i, a in enumerate(inputs)], copy_idxs=copy_idxs,
+            graph=graph,
+            inputs=[a if i in kept else None for i, a in enumerate(inputs)],
+            copy_idxs=copy_idxs,
             stable_idxs=stable_idxs,
-            stable_ptrs=[inputs[i].data_ptr() for i in stable_idxs], outputs=outputs,
-            clone_idxs=clone_idxs, held_idxs=held_idxs,
+            stable_ptrs=[inputs[i].data_ptr() for i in stable_idxs],
+            outputs=outputs,
+            clone_idxs=clone_idxs,
+            held_idxs=held_idxs,
             held_use=[dc.tensor_use_count(outputs[i]) for i in held_idxs],
-            held_storage=[(c, dc.storage_use_count(c)) for c in dict.fromkeys(dc.storage_cdata(outputs[i]) for i in held_idxs)],
+            held_storage=[
+                (c, dc.storage_use_count(c)) for c in dict.fromkeys(dc.storage_cdata(outputs[i]) for i in held_idxs)
+            ],
         )
 
 
 def _signature(args: Sequence[Any]) -> tuple:
     """What a recording depends on besides addresses: shapes, strides, dtypes, scalar values."""
     return tuple(
-        (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
-        for a in args
+        (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in args
     )
 
 
@@ -393,7 +435,9 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def inner_compile_factory(group: CudaGraphGroup, label: Callable[[], str], *, auto: bool) -> Callable[[], Callable[..., Any]]:
+def inner_compile_factory(
+    group: CudaGraphGroup, label: Callable[[], str], *, auto: bool
+) -> Callable[[], Callable[..., Any]]:
     """``make_inner`` for :func:`dc.compile_with_inner`: each graph handed to the
     backend gets an inner compile that compiles with Inductor and wraps the result in a runner
     named after ``label()`` (read once, when the backend is called)."""
@@ -417,8 +461,14 @@ def inner_compile_factory(group: CudaGraphGroup, label: Callable[[], str], *, au
             else:
                 kind, returned = "forward", dc.forward_returned_outputs()
             compiled = dc.inductor_compile_inner(gm, example_inputs, **kwargs)
-            return group.runner(compiled, name=f"{name} {kind}", static_input_idxs=static, mutated_inputs=mutated,
-                                returned_outputs=returned, blockers=blockers)
+            return group.runner(
+                compiled,
+                name=f"{name} {kind}",
+                static_input_idxs=static,
+                mutated_inputs=mutated,
+                returned_outputs=returned,
+                blockers=blockers,
+            )
 
         return inner_compile
 

@@ -79,7 +79,9 @@ def plan_buckets(params_in_ready_order: Sequence["GraphParam"], caps: BucketCaps
     return [[params[i] for i in group] for group in groups]
 
 
-def buckets_from_reducer(params: Sequence["GraphParam"], reducer_buckets: Sequence[Sequence[int]]) -> list[list["GraphParam"]]:
+def buckets_from_reducer(
+    params: Sequence["GraphParam"], reducer_buckets: Sequence[Sequence[int]]
+) -> list[list["GraphParam"]]:
     """The reducer's own (already fixed) buckets, restricted to the parameters of one graph,
     each in predicted ready order; buckets with none of the graph's parameters are dropped."""
     from ..partitioners.param_usage import ready_order

@@ -73,7 +73,12 @@ def gather_on_all_ranks(obj: Any, pg: Any, *, what: str, context: str = "") -> l
 
 
 def check_same_on_all_ranks(
-    signature: Sequence[str], pg: Any, *, what: str, context: str = "", gathered: list[Any] | None = None,
+    signature: Sequence[str],
+    pg: Any,
+    *,
+    what: str,
+    context: str = "",
+    gathered: list[Any] | None = None,
     fix: str = "",
 ) -> None:
     """Raise :class:`RankMismatchError` on every rank if any rank's ``signature`` (one line per
@@ -92,5 +97,6 @@ def check_same_on_all_ranks(
             b = theirs[i] if i < len(theirs) else "<missing>"
             if a != b:
                 raise RankMismatchError(
-                    f"{what} differs between ranks: rank 0 has {a!r}, rank {rank} has {b!r}" + (f"; {fix}" if fix else "")
+                    f"{what} differs between ranks: rank 0 has {a!r}, rank {rank} has {b!r}"
+                    + (f"; {fix}" if fix else "")
                 )

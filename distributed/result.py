@@ -100,19 +100,35 @@ class CompilePiece(Protocol):
     progress line (``what``), the doctor (``segment``: which of the graph's segments);
     ``tracing``: a split graph's segment tracing context."""
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, what: str, segment: int = 0,
-                 tracing: Any = None) -> tuple[Callable[..., Any], CompileOutcome]: ...
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, what: str, segment: int = 0, tracing: Any = None
+    ) -> tuple[Callable[..., Any], CompileOutcome]: ...
 
 
-def bucket_stats(index: int, bucket: Sequence[Any], seg_of: dict[str, int], issued_at: float | None = None,
-                 comm_dtype: str | None = None, collective: str | None = None, wire_bytes: int | None = None,
-                 wire_parts: dict[str, int] | None = None) -> BucketStats:
+def bucket_stats(
+    index: int,
+    bucket: Sequence[Any],
+    seg_of: dict[str, int],
+    issued_at: float | None = None,
+    comm_dtype: str | None = None,
+    collective: str | None = None,
+    wire_bytes: int | None = None,
+    wire_parts: dict[str, int] | None = None,
+) -> BucketStats:
     """The report's record of a planned bucket (``bucket``: its ``GraphParam``s; ``seg_of``:
     parameter name -> segment index)."""
     segs = sorted({seg_of[p.name] for p in bucket if p.name in seg_of})
-    return BucketStats(index=index, params=[p.name for p in bucket], bytes=sum(p.nbytes for p in bucket),
-                       segment=segs[0] if len(segs) == 1 else None, issued_at=issued_at, comm_dtype=comm_dtype,
-                       collective=collective, wire_bytes=wire_bytes, wire_parts=wire_parts)
+    return BucketStats(
+        index=index,
+        params=[p.name for p in bucket],
+        bytes=sum(p.nbytes for p in bucket),
+        segment=segs[0] if len(segs) == 1 else None,
+        issued_at=issued_at,
+        comm_dtype=comm_dtype,
+        collective=collective,
+        wire_bytes=wire_bytes,
+        wire_parts=wire_parts,
+    )
 
 
 def op_count(gm: fx.GraphModule) -> int:

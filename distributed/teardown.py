@@ -98,8 +98,9 @@ def guard(pg: Any) -> None:
     if pg in _release_groups:
         return
     if not hasattr(dist.Backend, _BACKEND.upper()):
-        dist.Backend.register_backend(_BACKEND, lambda store, rank, size, timeout: _ReleaseGroup(rank, size),
-                                      devices=["cpu", "cuda"])
+        dist.Backend.register_backend(
+            _BACKEND, lambda store, rank, size, timeout: _ReleaseGroup(rank, size), devices=["cpu", "cuda"]
+        )
     ranks = dist.get_process_group_ranks(pg)
     made = []
     with c10c.default_device_unbound():
@@ -108,6 +109,8 @@ def guard(pg: Any) -> None:
             if c10c.shuts_down_before(made[-1], pg):
                 break
         else:
-            log.warning("bucketwise: could not place the CUDA-graph release before the DDP process group's "
-                        "teardown; release CUDA graphs (bucketwise.cudagraphs.runner) before destroy_process_group()")
+            log.warning(
+                "bucketwise: could not place the CUDA-graph release before the DDP process group's "
+                "teardown; release CUDA graphs (bucketwise.cudagraphs.runner) before destroy_process_group()"
+            )
     _release_groups[pg] = made

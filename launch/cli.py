@@ -52,7 +52,9 @@ job, the others say where it is. The exit code is the job's.
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="bucketwise", description=_DESCRIPTION, epilog=_EPILOG,
+        prog="bucketwise",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -72,27 +74,34 @@ def _version() -> str:
 
 def _add_launch(sub) -> None:
     p = sub.add_parser(
-        "launch", parents=[launcher.launch_parser()], add_help=False, allow_abbrev=False,
+        "launch",
+        parents=[launcher.launch_parser()],
+        add_help=False,
+        allow_abbrev=False,
         help="run a script on every rank through torchrun, then print the merged per-bucket table",
-        description=_LAUNCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_LAUNCH_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="bucketwise launch [-h] [torchrun options] [--stats-dir DIR] [--profile-steps N [--profile-warmup W]] "
-              "SCRIPT [ARGS ...]",
+        "SCRIPT [ARGS ...]",
     )
     p.set_defaults(func=_cmd_launch, parser=p)
 
 
 def _add_doctor(sub) -> None:
     p = sub.add_parser(
-        "doctor", parents=[launcher.launch_parser()], add_help=False, allow_abbrev=False,
+        "doctor",
+        parents=[launcher.launch_parser()],
+        add_help=False,
+        allow_abbrev=False,
         help="run a script like launch, checking every compiled segment through eager -> aot_eager -> inductor",
         description="Run SCRIPT like `bucketwise launch`. The first real call of every compiled "
-                    "segment also recompiles a copy of it through eager -> aot_eager -> inductor "
-                    "(up to the backend in use; $BUCKETWISE_DOCTOR_LADDER overrides) and compares "
-                    "each stage's outputs with the uncompiled segment. Prints, per segment, the "
-                    "first stage that fails or diverges, with the error; the segment's graph is "
-                    "saved under STATS_DIR/doctor/. It also profiles a few training steps "
-                    f"(--profile-steps, {DOCTOR_PROFILE_STEPS} unless given) and says which ranks' steps "
-                    "are bound by the host, and what to try.",
+        "segment also recompiles a copy of it through eager -> aot_eager -> inductor "
+        "(up to the backend in use; $BUCKETWISE_DOCTOR_LADDER overrides) and compares "
+        "each stage's outputs with the uncompiled segment. Prints, per segment, the "
+        "first stage that fails or diverges, with the error; the segment's graph is "
+        "saved under STATS_DIR/doctor/. It also profiles a few training steps "
+        f"(--profile-steps, {DOCTOR_PROFILE_STEPS} unless given) and says which ranks' steps "
+        "are bound by the host, and what to try.",
         usage="bucketwise doctor [-h] [torchrun options] [--stats-dir DIR] [--profile-steps N] SCRIPT [ARGS ...]",
     )
     p.set_defaults(func=lambda args, raw: _cmd_launch(args, raw, doctor_dir="doctor"), parser=p)
@@ -100,26 +109,32 @@ def _add_doctor(sub) -> None:
 
 def _add_stats(sub) -> None:
     p = sub.add_parser(
-        "stats", help="print the per-bucket table of a run folder (rank*.json) or one rank file",
+        "stats",
+        help="print the per-bucket table of a run folder (rank*.json) or one rank file",
         description="Print the per-bucket compile table of a finished run, merged across ranks: per "
-                    "(graph, segment) params, MiB, ops, min/median/max compile seconds over ranks, "
-                    "backend, fallbacks; and which ranks' bucket plans differ from rank 0's.",
+        "(graph, segment) params, MiB, ops, min/median/max compile seconds over ranks, "
+        "backend, fallbacks; and which ranks' bucket plans differ from rank 0's.",
     )
-    p.add_argument("path", metavar="PATH", nargs="+",
-                   help="a run folder holding rank<R>.json files, or one rank file; several are merged (each node's "
-                        "folder of a job whose rank 0 gathered nothing, say)")
+    p.add_argument(
+        "path",
+        metavar="PATH",
+        nargs="+",
+        help="a run folder holding rank<R>.json files, or one rank file; several are merged (each node's "
+        "folder of a job whose rank 0 gathered nothing, say)",
+    )
     p.add_argument("--json", action="store_true", help="print the merged statistics as JSON instead")
     p.set_defaults(func=_cmd_stats, parser=p)
 
 
 def _add_demo(sub) -> None:
     p = sub.add_parser(
-        "demo", help="train a small GPT on 2 ranks, bucketwise-compiled vs eager DDP",
+        "demo",
+        help="train a small GPT on 2 ranks, bucketwise-compiled vs eager DDP",
         description="Launch N ranks (torchrun --standalone; gloo on CPU, NCCL with one GPU per rank "
-                    "when enough GPUs are visible) that train a small GPT with DDP, compiled by "
-                    "bucketwise, next to an identical eager DDP copy. Prints both losses and the "
-                    "compiled step time per step, fails if the losses differ, and prints rank 0's "
-                    "per-bucket report and alignment.",
+        "when enough GPUs are visible) that train a small GPT with DDP, compiled by "
+        "bucketwise, next to an identical eager DDP copy. Prints both losses and the "
+        "compiled step time per step, fails if the losses differ, and prints rank 0's "
+        "per-bucket report and alignment.",
     )
     add_demo_arguments(p)
     p.add_argument("--nproc", type=launcher.positive_int, default=2, help="number of ranks (default: 2)")
@@ -133,8 +148,10 @@ def _add_demo(sub) -> None:
 def _cmd_launch(args: argparse.Namespace, raw: list[str], doctor_dir: str | None = None) -> int:
     command = "doctor" if doctor_dir is not None else "launch"
     if args.training_script is None:
-        args.parser.error("missing SCRIPT: give the training script to run, e.g. "
-                          f"`bucketwise {command} --standalone --nproc-per-node 2 train.py`")
+        args.parser.error(
+            "missing SCRIPT: give the training script to run, e.g. "
+            f"`bucketwise {command} --standalone --nproc-per-node 2 train.py`"
+        )
     options, script = launcher.split_at_script(args.parser, raw)
     stats_dir = _prepare_stats_dir(args)
     print(f"bucketwise: stats folder {stats_dir}", file=sys.stderr, flush=True)
@@ -150,9 +167,14 @@ def _cmd_launch(args: argparse.Namespace, raw: list[str], doctor_dir: str | None
     launcher.summarize(stats_dir)
     if doctor_dir is not None:
         eager = stats.eager_summary(stats_dir)
-        print("\n".join(doctor.summarize(os.path.join(stats_dir, "doctor")) + eager
-                        + ([] if eager else ["bucketwise doctor: every compiled object ran its compiled graphs"])
-                        + stats.host_bound_lines(stats_dir, args.profile_steps)))
+        print(
+            "\n".join(
+                doctor.summarize(os.path.join(stats_dir, "doctor"))
+                + eager
+                + ([] if eager else ["bucketwise doctor: every compiled object ran its compiled graphs"])
+                + stats.host_bound_lines(stats_dir, args.profile_steps)
+            )
+        )
     if code != 0:
         found = failures.find_failures(os.path.join(stats_dir, "logs")) if logs else []
         print("\n".join(failures.describe(found, code)), file=sys.stderr)
@@ -194,8 +216,16 @@ def _single_rank_table(report: dict, merged: dict) -> str:
 def _cmd_demo(args: argparse.Namespace, raw: list[str]) -> int:
     _check_backend(args)
     stats_dir = _prepare_stats_dir(args)
-    worker = ["--backend", args.backend, "--steps", str(args.steps), "--strategy", args.strategy,
-              "--bucket-cap-mb", str(args.bucket_cap_mb)]
+    worker = [
+        "--backend",
+        args.backend,
+        "--steps",
+        str(args.steps),
+        "--strategy",
+        args.strategy,
+        "--bucket-cap-mb",
+        str(args.bucket_cap_mb),
+    ]
     if args.rtol is not None:
         worker += ["--rtol", str(args.rtol)]
     torchrun = ["--standalone", "--nproc-per-node", str(args.nproc), "-m", "bucketwise.launch.demo", *worker]
@@ -226,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # The top-level parser has no options taking values, so argv[0] is the subcommand.
-    raw = argv[argv.index(args.command) + 1:]
+    raw = argv[argv.index(args.command) + 1 :]
     try:
         code = args.func(args, raw)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit

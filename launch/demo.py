@@ -36,17 +36,29 @@ BATCH_PER_RANK = 8
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``bucketwise demo`` and this module's own command line."""
-    parser.add_argument("--backend", default=DEFAULT_BACKEND,
-                        help=f"torch.compile backend for each bucket segment (default: {DEFAULT_BACKEND})")
-    parser.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
-                        help=f"training steps (default: {DEFAULT_STEPS})")
-    parser.add_argument("--strategy", default="auto", choices=STRATEGIES,
-                        help="bucketwise.compile strategy (default: auto)")
-    parser.add_argument("--bucket-cap-mb", type=_positive_float, default=DEFAULT_BUCKET_CAP_MB,
-                        help="DDP bucket cap in MiB, small so the tiny model has several buckets "
-                             f"(default: {DEFAULT_BUCKET_CAP_MB})")
-    parser.add_argument("--rtol", type=_positive_float, default=None,
-                        help="relative tolerance of compiled vs eager losses (default: 1e-4 on CPU, 1e-3 on GPU)")
+    parser.add_argument(
+        "--backend",
+        default=DEFAULT_BACKEND,
+        help=f"torch.compile backend for each bucket segment (default: {DEFAULT_BACKEND})",
+    )
+    parser.add_argument(
+        "--steps", type=_positive_int, default=DEFAULT_STEPS, help=f"training steps (default: {DEFAULT_STEPS})"
+    )
+    parser.add_argument(
+        "--strategy", default="auto", choices=STRATEGIES, help="bucketwise.compile strategy (default: auto)"
+    )
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=_positive_float,
+        default=DEFAULT_BUCKET_CAP_MB,
+        help=f"DDP bucket cap in MiB, small so the tiny model has several buckets (default: {DEFAULT_BUCKET_CAP_MB})",
+    )
+    parser.add_argument(
+        "--rtol",
+        type=_positive_float,
+        default=None,
+        help="relative tolerance of compiled vs eager losses (default: 1e-4 on CPU, 1e-3 on GPU)",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -73,9 +85,7 @@ class Setup:
 def init_distributed() -> Setup:
     """gloo on CPU, or NCCL with one GPU per local rank when enough GPUs are visible."""
     if "RANK" not in os.environ:
-        raise SystemExit(
-            "bucketwise.launch.demo: RANK is not set; run it with `bucketwise demo` or under torchrun"
-        )
+        raise SystemExit("bucketwise.launch.demo: RANK is not set; run it with `bucketwise demo` or under torchrun")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
@@ -91,6 +101,7 @@ def init_distributed() -> Setup:
 def build_models(setup: Setup, args: argparse.Namespace):
     """The compiled DDP GPT and its eager twin, with identical initial weights."""
     import bucketwise
+
     from .models import GPT, GPTConfig
 
     cfg = GPTConfig(vocab=512, seq=64, layers=2, d_model=64, heads=4)
@@ -100,8 +111,9 @@ def build_models(setup: Setup, args: argparse.Namespace):
     if setup.device.type == "cuda":
         ddp_kwargs["device_ids"] = [setup.device.index]
     eager = DDP(copy.deepcopy(base), **ddp_kwargs)
-    compiled = bucketwise.compile(DDP(base, **ddp_kwargs), backend=args.backend, strategy=args.strategy,
-                                  bucket_cap_mb=args.bucket_cap_mb)
+    compiled = bucketwise.compile(
+        DDP(base, **ddp_kwargs), backend=args.backend, strategy=args.strategy, bucket_cap_mb=args.bucket_cap_mb
+    )
     return cfg, compiled, eager
 
 
@@ -137,9 +149,12 @@ def train(setup: Setup, args: argparse.Namespace) -> bool:
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
     rtol = args.rtol or (1e-3 if setup.device.type == "cuda" else 1e-4)
     say = print if setup.rank == 0 else (lambda *a, **k: None)
-    say(f"bucketwise demo: GPT {cfg.layers} layers, d_model {cfg.d_model}, {setup.world} ranks on "
+    say(
+        f"bucketwise demo: GPT {cfg.layers} layers, d_model {cfg.d_model}, {setup.world} ranks on "
         f"{setup.device.type}, backend {args.backend}, strategy {args.strategy}, "
-        f"bucket cap {args.bucket_cap_mb} MiB, batch {BATCH_PER_RANK} per rank", flush=True)
+        f"bucket cap {args.bucket_cap_mb} MiB, batch {BATCH_PER_RANK} per rank",
+        flush=True,
+    )
     ok = True
     for step in range(args.steps):
         idx, targets = synthetic_tokens(cfg, BATCH_PER_RANK, seed=1000 * step + setup.rank, device=setup.device)
@@ -151,11 +166,18 @@ def train(setup: Setup, args: argparse.Namespace) -> bool:
         loss_e = train_step(eager, opt_e, idx, targets)
         match = _close(loss_c, loss_e, rtol)
         if not match:
-            print(f"rank {setup.rank} step {step}: compiled loss {loss_c:.9g} != eager loss {loss_e:.9g} "
-                  f"(difference {abs(loss_c - loss_e):.3g}, rtol {rtol:g})", file=sys.stderr, flush=True)
+            print(
+                f"rank {setup.rank} step {step}: compiled loss {loss_c:.9g} != eager loss {loss_e:.9g} "
+                f"(difference {abs(loss_c - loss_e):.3g}, rtol {rtol:g})",
+                file=sys.stderr,
+                flush=True,
+            )
         ok = ok and match
-        say(f"step {step}: loss compiled {loss_c:.6f}  eager {loss_e:.6f}  "
-            f"{'ok' if match else 'MISMATCH'}  compiled step {seconds * 1000:.1f} ms", flush=True)
+        say(
+            f"step {step}: loss compiled {loss_c:.6f}  eager {loss_e:.6f}  "
+            f"{'ok' if match else 'MISMATCH'}  compiled step {seconds * 1000:.1f} ms",
+            flush=True,
+        )
     _summarize(setup, compiled)
     return _all_ranks_ok(ok, setup.device)
 
@@ -182,13 +204,18 @@ def _alignment_line(detail: dict) -> str:
         return f"alignment n/a ({status})"
     buckets = detail.get("buckets") or []
     aligned = sum(1 for b in buckets if b["status"] == "aligned")
-    return (f"alignment {detail['alignment']:.2f}: {aligned} of {len(buckets)} DDP buckets lie inside one "
-            f"compiled segment ({detail.get('status')})")
+    return (
+        f"alignment {detail['alignment']:.2f}: {aligned} of {len(buckets)} DDP buckets lie inside one "
+        f"compiled segment ({detail.get('status')})"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bucketwise.launch.demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bucketwise.launch.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_demo_arguments(parser)
     args = parser.parse_args(argv)
     setup = init_distributed()

@@ -19,13 +19,19 @@ from ..stats.report import STATS_DIR_ENV
 from . import stats
 
 DEFAULT_RUNS_DIR = "bucketwise-runs"
-STATS_DIR_HELP = (f"folder for the ranks' rank<R>.json files (default: ./{DEFAULT_RUNS_DIR}/<YYYYmmdd-HHMMSS>); "
-                  "must not already hold rank files")
-PROFILE_STEPS_HELP = ("profile N training steps of every rank after a warm-up: per-bucket communication time "
-                      "(overlapped with compute, exposed) and bytes on the wire are printed at the end; each rank's "
-                      "Chrome trace and timeline plot go into the stats folder")
-PROFILE_WARMUP_HELP = (f"training steps before the profile starts (default: auto: {AUTO_WARMUP_MIN} steps, then until a "
-                       f"step compiles nothing new, {AUTO_WARMUP_MAX} at most)")
+STATS_DIR_HELP = (
+    f"folder for the ranks' rank<R>.json files (default: ./{DEFAULT_RUNS_DIR}/<YYYYmmdd-HHMMSS>); "
+    "must not already hold rank files"
+)
+PROFILE_STEPS_HELP = (
+    "profile N training steps of every rank after a warm-up: per-bucket communication time "
+    "(overlapped with compute, exposed) and bytes on the wire are printed at the end; each rank's "
+    "Chrome trace and timeline plot go into the stats folder"
+)
+PROFILE_WARMUP_HELP = (
+    f"training steps before the profile starts (default: auto: {AUTO_WARMUP_MIN} steps, then until a "
+    f"step compiles nothing new, {AUTO_WARMUP_MAX} at most)"
+)
 BUCKETWISE_OPTIONS = ("--stats-dir", "--profile-steps", "--profile-warmup")
 
 
@@ -174,7 +180,9 @@ def summarize(stats_dir: str, *, table: bool = True, out: TextIO | None = None) 
         print("\n".join([stats.totals_line(merged), *stats.plan_check_lines(merged)]), file=out)
     for line in stats.job_lines(job):
         print(line, file=out)
-    others = sorted(d for d in os.listdir(stats_dir) if d.startswith("obj") and os.path.isdir(os.path.join(stats_dir, d)))
+    others = sorted(
+        d for d in os.listdir(stats_dir) if d.startswith("obj") and os.path.isdir(os.path.join(stats_dir, d))
+    )
     if others:
         hint = ", ".join(f"bucketwise stats {os.path.join(stats_dir, d)}" for d in others)
         print(f"bucketwise: {len(others)} more compiled object(s) reported per rank: {hint}", file=out)

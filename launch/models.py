@@ -90,7 +90,9 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
-def synthetic_tokens(cfg: GPTConfig, batch: int, *, seed: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_tokens(
+    cfg: GPTConfig, batch: int, *, seed: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic batch of random tokens and next-token targets."""
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g)

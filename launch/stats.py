@@ -50,7 +50,9 @@ def rank_files(path: str) -> list[str]:
         return [path]
     if not os.path.isdir(path):
         raise StatsError(f"{path}: no such file or folder")
-    found = [f for f in glob.glob(os.path.join(glob.escape(path), "rank*.json")) if _RANK_FILE.match(os.path.basename(f))]
+    found = [
+        f for f in glob.glob(os.path.join(glob.escape(path), "rank*.json")) if _RANK_FILE.match(os.path.basename(f))
+    ]
     return sorted(found, key=lambda f: int(_RANK_FILE.match(os.path.basename(f)).group(1)))
 
 
@@ -138,8 +140,16 @@ def plan_differences(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 what = f"{key[1]} not on rank {ref['rank']}"
             else:
                 what = _describe_param_diff(a, b, ref["rank"], other["rank"])
-            diffs.append({"rank": other["rank"], "reference_rank": ref["rank"], "graph_id": key[0],
-                          "part": key[1], "index": key[2], "difference": what})
+            diffs.append(
+                {
+                    "rank": other["rank"],
+                    "reference_rank": ref["rank"],
+                    "graph_id": key[0],
+                    "part": key[1],
+                    "index": key[2],
+                    "difference": what,
+                }
+            )
     return diffs
 
 
@@ -170,9 +180,16 @@ def _segment_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row = rows.get(key)
                 if row is None:
                     row = rows[key] = {
-                        "graph_id": key[0], "index": key[1], "params": len(s["params"]),
-                        "bytes": s["bytes"], "op_count": s["op_count"], "ranks": [],
-                        "per_rank": {}, "backends": [], "fallback_ranks": [], "fallback_reasons": [],
+                        "graph_id": key[0],
+                        "index": key[1],
+                        "params": len(s["params"]),
+                        "bytes": s["bytes"],
+                        "op_count": s["op_count"],
+                        "ranks": [],
+                        "per_rank": {},
+                        "backends": [],
+                        "fallback_ranks": [],
+                        "fallback_reasons": [],
                     }
                 row["ranks"].append(rep["rank"])
                 row["per_rank"][str(rep["rank"])] = s["compile_seconds"]
@@ -188,8 +205,12 @@ def _segment_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row = rows[key]
         times = list(row.pop("per_rank").items())
         values = [t for _, t in times]
-        row["compile_seconds"] = {"min": min(values), "median": statistics.median(values),
-                                  "max": max(values), "per_rank": dict(times)}
+        row["compile_seconds"] = {
+            "min": min(values),
+            "median": statistics.median(values),
+            "max": max(values),
+            "per_rank": dict(times),
+        }
         out.append(row)
     return out
 
@@ -200,8 +221,15 @@ def _compile_time_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for g in rep["graphs"]:
             if isinstance(g.get("compile_times"), dict):
                 per_graph.setdefault(g["graph_id"], {})[str(rep["rank"])] = g["compile_times"]
-    return [{"graph_id": gid, "ranks": [int(r) for r in ranks], "slowest": _slowest(list(ranks.values())), "per_rank": ranks}
-            for gid, ranks in sorted(per_graph.items())]
+    return [
+        {
+            "graph_id": gid,
+            "ranks": [int(r) for r in ranks],
+            "slowest": _slowest(list(ranks.values())),
+            "per_rank": ranks,
+        }
+        for gid, ranks in sorted(per_graph.items())
+    ]
 
 
 def _slowest(times: list[dict[str, Any]]) -> dict[str, Any]:
@@ -276,11 +304,20 @@ def format_merged(merged: dict[str, Any]) -> str:
     n_ranks = len(merged["ranks"])
     for s in merged["segments"]:
         t = s["compile_seconds"]
-        rows.append((
-            str(s["graph_id"]), str(s["index"]), str(s["params"]), f"{s['bytes'] / 2**20:.2f}",
-            str(s["op_count"]), f"{t['min']:.2f}", f"{t['median']:.2f}", f"{t['max']:.2f}",
-            "/".join(s["backends"]), _fallback_cell(s, n_ranks),
-        ))
+        rows.append(
+            (
+                str(s["graph_id"]),
+                str(s["index"]),
+                str(s["params"]),
+                f"{s['bytes'] / 2**20:.2f}",
+                str(s["op_count"]),
+                f"{t['min']:.2f}",
+                f"{t['median']:.2f}",
+                f"{t['max']:.2f}",
+                "/".join(s["backends"]),
+                _fallback_cell(s, n_ranks),
+            )
+        )
     lines = [_align_merged(rows)]
     if merged.get("fused_buckets"):
         lines.extend(bucket_table(merged["fused_buckets"]))
@@ -308,7 +345,9 @@ def eager_lines(merged: dict[str, Any]) -> list[str]:
     lines = []
     for reason, seen in by_reason.items():
         ranks = ",".join(r for r, _ in seen)
-        lines.append(f"{merged.get('target')} RAN EAGERLY on rank {ranks} ({_span(n for _, n in seen)} call(s)): {reason}")
+        lines.append(
+            f"{merged.get('target')} RAN EAGERLY on rank {ranks} ({_span(n for _, n in seen)} call(s)): {reason}"
+        )
     return lines
 
 
@@ -316,7 +355,8 @@ def eager_summary(stats_dir: str) -> list[str]:
     """:func:`eager_lines` of every compiled object that wrote into a run folder (the first one's
     ``rank<R>.json`` and the others' ``obj<k>/``)."""
     folders = [stats_dir] + sorted(
-        os.path.join(stats_dir, d) for d in (os.listdir(stats_dir) if os.path.isdir(stats_dir) else [])
+        os.path.join(stats_dir, d)
+        for d in (os.listdir(stats_dir) if os.path.isdir(stats_dir) else [])
         if d.startswith("obj") and os.path.isdir(os.path.join(stats_dir, d))
     )
     lines = []
@@ -353,7 +393,8 @@ def totals_line(merged: dict[str, Any]) -> str:
         align = f"{aligns[0]:.2f}..{aligns[-1]:.2f} across ranks"
     line = (
         f"ranks {len(merged['ranks'])} of {merged['world_size']}, graphs {_span(t['graphs'] for t in totals)}, "
-        f"graph breaks {_span(t['graph_breaks'] for t in totals)}, recompiles {_span(t['recompiles'] for t in totals)}, "
+        f"graph breaks {_span(t['graph_breaks'] for t in totals)}, "
+        f"recompiles {_span(t['recompiles'] for t in totals)}, "
         f"segments {_span(t['segments'] for t in totals)}, fallbacks {sum(t['fallbacks'] for t in totals)}, "
         f"compile {min(compile_s):.2f}..{max(compile_s):.2f} s per rank, alignment {align}"
     )
@@ -377,8 +418,11 @@ def runtime_views(path: str, warn: Callable[[str], None]) -> list[Any]:
 
     if not os.path.isdir(path):
         return []
-    found = [f for f in glob.glob(os.path.join(glob.escape(path), "runtime-rank*.json"))
-             if _RUNTIME_FILE.match(os.path.basename(f))]
+    found = [
+        f
+        for f in glob.glob(os.path.join(glob.escape(path), "runtime-rank*.json"))
+        if _RUNTIME_FILE.match(os.path.basename(f))
+    ]
     views = []
     for f in sorted(found, key=lambda f: int(_RUNTIME_FILE.match(os.path.basename(f)).group(1))):
         try:
@@ -397,16 +441,22 @@ def host_bound_lines(path: str, steps: int) -> list[str]:
 
     views = runtime_views(path, lambda msg: None)
     if not views:
-        return [f"bucketwise doctor: no step was profiled: the job ended within its warm-up, before {steps} profiled "
-                "step(s) (--profile-warmup W sets the warm-up): nothing to say about host-bound steps"]
-    lines = [f"bucketwise doctor: rank {v.rank}: {n}" for v in views for n in v.notes if n.startswith(HOST_BOUND_PREFIX)]
+        return [
+            f"bucketwise doctor: no step was profiled: the job ended within its warm-up, before {steps} profiled "
+            "step(s) (--profile-warmup W sets the warm-up): nothing to say about host-bound steps"
+        ]
+    lines = [
+        f"bucketwise doctor: rank {v.rank}: {n}" for v in views for n in v.notes if n.startswith(HOST_BOUND_PREFIX)
+    ]
     if lines:
         return lines
     measured = [v for v in views if v.gpu_busy_ms is not None]
     if not measured:
         return ["bucketwise doctor: no GPU kernels in the profiled steps: nothing to say about host-bound steps"]
-    return [f"bucketwise doctor: the GPU was busy {min(v.gpu_busy_ms / v.step_ms for v in measured):.0%} or more of "
-            "every profiled step: not bound by the host"]
+    return [
+        f"bucketwise doctor: the GPU was busy {min(v.gpu_busy_ms / v.step_ms for v in measured):.0%} or more of "
+        "every profiled step: not bound by the host"
+    ]
 
 
 def runtime_lines(path: str, warn: Callable[[str], None]) -> list[str]:
@@ -441,7 +491,8 @@ def pointer_lines(stats_dir: str, job: dict[str, Any]) -> list[str]:
     at = job["gathered_by"]
     here = [int(_RANK_FILE.match(os.path.basename(f)).group(1)) for f in rank_files(stats_dir)]
     return [
-        f"bucketwise: rank(s) {rank_ranges(here) or 'none'} of {job.get('world_size', '?')} wrote their files into {stats_dir}",
+        f"bucketwise: rank(s) {rank_ranges(here) or 'none'} of {job.get('world_size', '?')} "
+        f"wrote their files into {stats_dir}",
         f"bucketwise: the job-wide table is printed by `bucketwise launch` on {at.get('host')}, the node that "
         f"ran rank 0, from {at.get('stats_dir')} (`bucketwise stats {at.get('stats_dir')}` prints it again)",
     ]
@@ -456,14 +507,22 @@ def job_lines(job: dict[str, Any] | None) -> list[str]:
     for rank, info in job["ranks"].items():
         by_folder.setdefault((info.get("host"), info.get("stats_dir")), []).append(int(rank))
     own = (job["gathered_by"].get("host"), job["gathered_by"].get("stats_dir"))
-    parts = [f"rank(s) {rank_ranges(r)} from {h}:{d}" for (h, d), r in sorted(by_folder.items(), key=lambda x: min(x[1]))
-             if (h, d) != own]
+    parts = [
+        f"rank(s) {rank_ranges(r)} from {h}:{d}"
+        for (h, d), r in sorted(by_folder.items(), key=lambda x: min(x[1]))
+        if (h, d) != own
+    ]
     lines = [f"gathered through the job's store: {'; '.join(parts)}"] if parts else []
     if job.get("not_final"):
-        when = (f"within {job['waited_s']:g} s of rank 0's end (killed, or still running)" if job.get("waited_s")
-                else "before rank 0 ended with an error")
-        lines.append(f"warning: rank(s) {rank_ranges(job['not_final'])} sent no final report {when}: "
-                     "the last one they sent (after a compile) is shown")
+        when = (
+            f"within {job['waited_s']:g} s of rank 0's end (killed, or still running)"
+            if job.get("waited_s")
+            else "before rank 0 ended with an error"
+        )
+        lines.append(
+            f"warning: rank(s) {rank_ranges(job['not_final'])} sent no final report {when}: "
+            "the last one they sent (after a compile) is shown"
+        )
     if job.get("missing"):
         lines.append(f"warning: nothing from rank(s) {rank_ranges(job['missing'])} reached the job's store")
     return lines

@@ -45,9 +45,7 @@ def bucket_boundaries(gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]
     order.
     """
     ranges = sorted(
-        (min(uses), max(uses))
-        for uses in ([p.first_use for p in b if p.first_use >= 0] for b in buckets)
-        if uses
+        (min(uses), max(uses)) for uses in ([p.first_use for p in b if p.first_use >= 0] for b in buckets) if uses
     )
     starts: list[int] = []
     end = -1

@@ -137,7 +137,9 @@ class CompileTimesTracker:
         changed = False
         # torch 2.11 also files runtime records under the compile id (Triton autotuning at the
         # first calls of the forward and of the backward): no compile seconds, not a frame.
-        mine = [r for r in records if r.compile_id == t.compile_id and (r.frame_s is not None or r.backward_s is not None)]
+        mine = [
+            r for r in records if r.compile_id == t.compile_id and (r.frame_s is not None or r.backward_s is not None)
+        ]
         for r in mine:
             key = (r.start_us, r.forward)
             if r.forward and r.start_us > t.call_us:
@@ -146,7 +148,9 @@ class CompileTimesTracker:
                 continue
             if r.forward and (r.end_us is None or r.end_us >= t.call_us):
                 t.claimed.add(key)
-                t.times.dynamo_s = max(0.0, r.frame_s - r.backend_s) if r.frame_s is not None and r.backend_s is not None else None
+                t.times.dynamo_s = (
+                    max(0.0, r.frame_s - r.backend_s) if r.frame_s is not None and r.backend_s is not None else None
+                )
                 changed = True
             elif not r.forward and r.start_us > t.call_us:
                 t.claimed.add(key)
@@ -181,8 +185,15 @@ def sum_compile_times(items: Iterable[CompileTimes | None]) -> dict[str, Any]:
         backward_compiles=sum(t.backward_compiles for t in known),
     )
     for t in known:
-        for mine, theirs in ((total.fx_graph_cache, t.fx_graph_cache), (total.aot_autograd_cache, t.aot_autograd_cache)):
-            mine.hit, mine.miss, mine.bypass = mine.hit + theirs.hit, mine.miss + theirs.miss, mine.bypass + theirs.bypass
+        for mine, theirs in (
+            (total.fx_graph_cache, t.fx_graph_cache),
+            (total.aot_autograd_cache, t.aot_autograd_cache),
+        ):
+            mine.hit, mine.miss, mine.bypass = (
+                mine.hit + theirs.hit,
+                mine.miss + theirs.miss,
+                mine.bypass + theirs.bypass,
+            )
     return total.to_dict()
 
 
@@ -191,24 +202,46 @@ def _sum_known(values: Iterable[float | None]) -> float | None:
     return sum(known) if known else None
 
 
-BREAKDOWN_HEADER = ("graph", "dynamo s", "bucketwise s", "rank check s", "AOTAutograd s", "backend s", "total s",
-                    "bw compiles", "FX cache h/m/b", "AOT cache h/m/b")
+BREAKDOWN_HEADER = (
+    "graph",
+    "dynamo s",
+    "bucketwise s",
+    "rank check s",
+    "AOTAutograd s",
+    "backend s",
+    "total s",
+    "bw compiles",
+    "FX cache h/m/b",
+    "AOT cache h/m/b",
+)
 
 
 def breakdown_row(label: str, d: dict[str, Any]) -> tuple[str, ...]:
     """A row of the compile-time table from a :meth:`CompileTimes.to_dict`."""
+
     def s(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f}"
 
     def c(v: dict[str, int]) -> str:
         return f"{v['hit']}/{v['miss']}/{v['bypass']}"
 
-    return (label, s(d["dynamo_s"]), s(d["bucketwise_s"]), s(d["rank_check_s"]), s(d["aot_autograd_s"]),
-            s(d["backend_s"]), s(d["total_s"]), str(d["backward_compiles"]), c(d["fx_graph_cache"]),
-            c(d["aot_autograd_cache"]))
+    return (
+        label,
+        s(d["dynamo_s"]),
+        s(d["bucketwise_s"]),
+        s(d["rank_check_s"]),
+        s(d["aot_autograd_s"]),
+        s(d["backend_s"]),
+        s(d["total_s"]),
+        str(d["backward_compiles"]),
+        c(d["fx_graph_cache"]),
+        c(d["aot_autograd_cache"]),
+    )
 
 
-BREAKDOWN_FOOTER = ("compile s by phase: dynamo: tracing the frame, guards; bucketwise: planning, graph passes, rank "
-                    "checks (waiting for other ranks included); AOTAutograd: tracing, partitioning, cache lookups "
-                    "and loads; backend: Inductor's compiles (forward, and the backward at the first backward); "
-                    "h/m/b: cache hits/misses/bypasses")
+BREAKDOWN_FOOTER = (
+    "compile s by phase: dynamo: tracing the frame, guards; bucketwise: planning, graph passes, rank "
+    "checks (waiting for other ranks included); AOTAutograd: tracing, partitioning, cache lookups "
+    "and loads; backend: Inductor's compiles (forward, and the backward at the first backward); "
+    "h/m/b: cache hits/misses/bypasses"
+)

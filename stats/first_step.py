@@ -106,6 +106,8 @@ def describe(summary: dict[str, Any] | None) -> str | None:
     if not summary:
         return None
     bwd = "" if summary["backward_s"] is not None else " (no backward yet)"
-    return (f"first step: compiled calls {summary['compiled_calls_s']:.2f} s{bwd} = compile {summary['compile_s']:.2f} s"
-            f" + Triton autotuning {summary['autotune_s']:.2f} s + other first-call work {summary['other_s']:.2f} s "
-            "(kernel and CUDA library loading, NCCL set-up); the rest of the step is eager code around the compiled calls")
+    return (
+        f"first step: compiled calls {summary['compiled_calls_s']:.2f} s{bwd} = compile {summary['compile_s']:.2f} s"
+        f" + Triton autotuning {summary['autotune_s']:.2f} s + other first-call work {summary['other_s']:.2f} s "
+        "(kernel and CUDA library loading, NCCL set-up); the rest of the step is eager code around the compiled calls"
+    )

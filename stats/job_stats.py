@@ -76,8 +76,7 @@ class _Publisher:
         self.finished = False
 
     def entry(self, final: bool) -> dict[str, Any]:
-        return {"rank": self.rank, "host": self.host, "stats_dir": self.stats_dir, "final": final,
-                "files": self.files}
+        return {"rank": self.rank, "host": self.host, "stats_dir": self.stats_dir, "final": final, "files": self.files}
 
     def send(self, final: bool) -> None:
         if self.broken:
@@ -88,8 +87,13 @@ class _Publisher:
                 self.store.set(f"rank{self.rank}/final", "1")
         except Exception as exc:  # noqa: BLE001 - the job goes on; only the job-wide table suffers
             self.broken = True
-            log.warning("bucketwise: could not publish rank %d's report to the job's store (%s: %s); "
-                        "the job-wide table will lack it", self.rank, type(exc).__name__, exc)
+            log.warning(
+                "bucketwise: could not publish rank %d's report to the job's store (%s: %s); "
+                "the job-wide table will lack it",
+                self.rank,
+                type(exc).__name__,
+                exc,
+            )
 
 
 _publisher: _Publisher | None = None
@@ -165,8 +169,12 @@ def _gather_timeout() -> float:
     except ValueError:
         value = -1.0
     if value < 0:
-        log.warning("bucketwise: $%s=%r is not a number of seconds >= 0; using %s", GATHER_TIMEOUT_ENV, text,
-                    DEFAULT_GATHER_TIMEOUT_S)
+        log.warning(
+            "bucketwise: $%s=%r is not a number of seconds >= 0; using %s",
+            GATHER_TIMEOUT_ENV,
+            text,
+            DEFAULT_GATHER_TIMEOUT_S,
+        )
         return DEFAULT_GATHER_TIMEOUT_S
     return value
 
@@ -188,23 +196,27 @@ def _gather(pub: _Publisher, wait_s: float) -> None:
             time.sleep(_POLL_S)
         entries = {r: json.loads(pub.store.get(f"rank{r}")) for r in others if pub.store.check([f"rank{r}"])}
     except Exception as exc:  # noqa: BLE001
-        log.warning("bucketwise: could not read the other ranks' reports from the job's store (%s: %s)",
-                    type(exc).__name__, exc)
+        log.warning(
+            "bucketwise: could not read the other ranks' reports from the job's store (%s: %s)", type(exc).__name__, exc
+        )
         return
     for entry in entries.values():
         for rel, data in entry.get("files", {}).items():
             _write_if_absent(pub.stats_dir, rel, data)
     ranks = {str(pub.rank): _summary(pub.entry(final=True))}
     ranks.update({str(r): _summary(e) for r, e in sorted(entries.items())})
-    _write_json(os.path.join(pub.stats_dir, JOB_FILE), {
-        "schema": 1,
-        "world_size": pub.world,
-        "gathered_by": {"rank": pub.rank, "host": pub.host, "stats_dir": pub.stats_dir},
-        "ranks": ranks,
-        "not_final": sorted(r for r in entries if r not in final),
-        "missing": [r for r in others if r not in entries],
-        "waited_s": wait_s,
-    })
+    _write_json(
+        os.path.join(pub.stats_dir, JOB_FILE),
+        {
+            "schema": 1,
+            "world_size": pub.world,
+            "gathered_by": {"rank": pub.rank, "host": pub.host, "stats_dir": pub.stats_dir},
+            "ranks": ranks,
+            "not_final": sorted(r for r in entries if r not in final),
+            "missing": [r for r in others if r not in entries],
+            "waited_s": wait_s,
+        },
+    )
 
 
 def _summary(entry: dict[str, Any]) -> dict[str, Any]:
@@ -233,11 +245,14 @@ def _point_at_rank0(pub: _Publisher) -> None:
     same = rank0.get("host") == pub.host and rank0.get("stats_dir") == pub.stats_dir
     if same or os.path.exists(os.path.join(pub.stats_dir, "rank0.json")):
         return
-    _write_json(os.path.join(pub.stats_dir, JOB_FILE), {
-        "schema": 1,
-        "world_size": pub.world,
-        "gathered_by": {"rank": 0, "host": rank0.get("host"), "stats_dir": rank0.get("stats_dir")},
-    })
+    _write_json(
+        os.path.join(pub.stats_dir, JOB_FILE),
+        {
+            "schema": 1,
+            "world_size": pub.world,
+            "gathered_by": {"rank": 0, "host": rank0.get("host"), "stats_dir": rank0.get("stats_dir")},
+        },
+    )
 
 
 def _write_json(path: str, data: Any) -> None:

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from ..distributed.at_exit import at_exit
 from . import job_stats
 from . import trace_analysis as ta
-from ..distributed.at_exit import at_exit
 from .files import atomic_write_json
 from .report import STATS_DIR_ENV, Report, rank_and_world, report
 from .runtime_view import HOST_BOUND_PREFIX, STEP_MARK, RuntimeView, analyze, plot_timeline
@@ -55,14 +55,17 @@ class Profile:
         try:
             self._report = report(compiled)
         except TypeError:
-            raise TypeError(f"profile(compiled): expects an object returned by bucketwise.compile, "
-                            f"got {type(compiled).__name__}") from None
+            raise TypeError(
+                f"profile(compiled): expects an object returned by bucketwise.compile, got {type(compiled).__name__}"
+            ) from None
         if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
             raise TypeError(f"out_dir: expected a folder path (str or os.PathLike), got {type(out_dir).__name__}")
         if not isinstance(plot, bool):
             raise TypeError(f"plot: expected True or False, got {plot!r}")
         self.compiled = compiled
-        self.out_dir = os.path.abspath(out_dir if out_dir is not None else os.environ.get(STATS_DIR_ENV) or DEFAULT_OUT_DIR)
+        self.out_dir = os.path.abspath(
+            out_dir if out_dir is not None else os.environ.get(STATS_DIR_ENV) or DEFAULT_OUT_DIR
+        )
         self.plot = plot
         self.steps = 0
         self.view: RuntimeView | None = None
@@ -91,8 +94,10 @@ class Profile:
     def _start(self) -> None:
         global _running
         if _running is not None:
-            raise RuntimeError("profile: another bucketwise profile is running in this process (torch.profiler "
-                               f"runs one at a time); end it first{_ENV_HINT if _running is _auto_session() else ''}")
+            raise RuntimeError(
+                "profile: another bucketwise profile is running in this process (torch.profiler "
+                f"runs one at a time); end it first{_ENV_HINT if _running is _auto_session() else ''}"
+            )
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -135,8 +140,13 @@ class Profile:
         trace = os.path.join(self.out_dir, f"runtime-rank{rank}.trace.json")
         self._prof.export_chrome_trace(trace)
         steps = max(1, self.steps)
-        view = analyze(ta.load_trace(trace), self._report.to_dict(), steps=steps,
-                       step_ms=self._step_ms(end, last_step_open), host=socket.gethostname())
+        view = analyze(
+            ta.load_trace(trace),
+            self._report.to_dict(),
+            steps=steps,
+            step_ms=self._step_ms(end, last_step_open),
+            host=socket.gethostname(),
+        )
         view.trace_path = trace
         view.notes.extend(notes)
         host_note = next((n for n in view.notes if n.startswith(HOST_BOUND_PREFIX)), None)
@@ -145,8 +155,9 @@ class Profile:
             self._report.note(f"profiled steps: {host_note}")
             self._report.write_rank_file()
         if self.steps == 0:
-            view.notes.append("no training step of the compiled object ran while profiling: figures are for the "
-                              "whole profiled time")
+            view.notes.append(
+                "no training step of the compiled object ran while profiling: figures are for the whole profiled time"
+            )
         if self.plot:
             png = os.path.join(self.out_dir, f"runtime-rank{rank}.png")
             if plot_timeline(view.timeline, png, f"{view.target}, rank {rank}: {view.timeline['window']}"):
@@ -163,8 +174,10 @@ class Profile:
         return view
 
 
-_ENV_HINT = (f" (${PROFILE_STEPS_ENV} is set: `bucketwise launch --profile-steps` profiles this job already; "
-             "drop one of the two)")
+_ENV_HINT = (
+    f" (${PROFILE_STEPS_ENV} is set: `bucketwise launch --profile-steps` profiles this job already; "
+    "drop one of the two)"
+)
 
 _running: Profile | None = None
 """The profile now running in this process (torch.profiler is process-wide)."""
@@ -252,8 +265,11 @@ class _AutoProfile:
         last = self.first_step + session.steps - 1
         if view.rank == 0:
             where = "printed at the end of the job" if os.environ.get(STATS_DIR_ENV) else f"in {session.out_dir}"
-            print(f"bucketwise: profiled steps {self.first_step}-{last} of {view.target} "
-                  f"(per-bucket table {where})", file=sys.stderr, flush=True)
+            print(
+                f"bucketwise: profiled steps {self.first_step}-{last} of {view.target} (per-bucket table {where})",
+                file=sys.stderr,
+                flush=True,
+            )
             if not os.environ.get(STATS_DIR_ENV):
                 print(view.table(), flush=True)
 
@@ -286,8 +302,11 @@ def _env_int(name: str, text: str, *, minimum: int) -> int:
     except ValueError:
         value = minimum - 1
     if value < minimum:
-        raise ValueError(f"${name}={text!r}: expected an integer >= {minimum}"
-                         + (" or 'auto'" if name == PROFILE_WARMUP_ENV else "") + "; set it right or unset it")
+        raise ValueError(
+            f"${name}={text!r}: expected an integer >= {minimum}"
+            + (" or 'auto'" if name == PROFILE_WARMUP_ENV else "")
+            + "; set it right or unset it"
+        )
     return value
 
 

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import tempfile
 import weakref
 from typing import Any, Callable
 
 import torch.distributed as dist
 
-from . import first_step, job_stats
 from ..distributed.at_exit import at_exit
 from ..distributed.result import BucketStats, VariantStats
+from . import first_step, job_stats
+from .compile_times import (
+    BREAKDOWN_FOOTER,
+    BREAKDOWN_HEADER,
+    POLLS_AFTER_COMPILE,
+    CompileTimes,
+    CompileTimesTracker,
+    breakdown_row,
+    sum_compile_times,
+)
 from .files import atomic_write_json
 from .table import align
-from .compile_times import (BREAKDOWN_FOOTER, BREAKDOWN_HEADER, POLLS_AFTER_COMPILE, CompileTimes,
-                            CompileTimesTracker, breakdown_row, sum_compile_times)
 
 STATS_DIR_ENV = "BUCKETWISE_STATS_DIR"
 SCHEMA_VERSION = 1
@@ -301,13 +306,25 @@ def format_table(data: dict[str, Any]) -> str:
     lines = [_align([header, *rows])]
     lines.extend(bucket_table(data["graphs"]))
     cg_rows = [
-        (c["name"], "yes" if c["captured"] else "no", str(c["replays"]), str(c["records"]),
-         str(c["uncaptured_runs"]), f"{c['pool_bytes'] / 2**20:.1f}", (c["reason"] or "-")[:70])
+        (
+            c["name"],
+            "yes" if c["captured"] else "no",
+            str(c["replays"]),
+            str(c["records"]),
+            str(c["uncaptured_runs"]),
+            f"{c['pool_bytes'] / 2**20:.1f}",
+            (c["reason"] or "-")[:70],
+        )
         for c in data.get("cudagraphs", [])
     ]
     if cg_rows:
         lines.append("")
-        lines.append(_align([("cuda graph", "captured", "replays", "records", "uncaptured", "pool MiB", "reason"), *cg_rows], right=range(2, 6)))
+        lines.append(
+            _align(
+                [("cuda graph", "captured", "replays", "records", "uncaptured", "pool MiB", "reason"), *cg_rows],
+                right=range(2, 6),
+            )
+        )
     t = data["totals"]
     align = t["alignment"]
     lines.append(
@@ -329,7 +346,9 @@ def format_table(data: dict[str, Any]) -> str:
     lines.extend(f"ran eagerly: {n} call(s): {why}" for why, n in data.get("eager_calls", {}).items())
     lines.extend(f"runs eagerly between graphs: {r}" for r in data.get("eager_regions", []))
     lines.extend(f"note: {n}" for n in data.get("notes", []))
-    times_rows = [breakdown_row(str(g["graph_id"]), g["compile_times"]) for g in data["graphs"] if g.get("compile_times")]
+    times_rows = [
+        breakdown_row(str(g["graph_id"]), g["compile_times"]) for g in data["graphs"] if g.get("compile_times")
+    ]
     if times_rows:
         lines.append("")
         lines.append(_align([BREAKDOWN_HEADER, *times_rows], right=range(1, 8)))
@@ -352,14 +371,23 @@ def eager_regions(graphs: list[GraphStats]) -> list[str]:
                 if short not in out:
                     out.append(short)
     return out
+
+
 def bucket_table(graphs: list[dict[str, Any]]) -> list[str]:
     """The fused buckets of ``graphs`` (report dicts): where each collective is issued, what it
     is and the bytes each rank sends into it; with comm hooks, the total against the gradient
     bytes (also used by ``bucketwise stats``). Empty without fused buckets."""
     rows = [
-        (str(g["graph_id"]), str(b["index"]), str(len(b["params"])), f"{b['bytes'] / 2**20:.2f}",
-         f"{b['issued_at']:.2f}", b.get("comm_dtype") or "-", b.get("collective") or "all_reduce",
-         "-" if b.get("wire_bytes") is None else f"{b['wire_bytes'] / 2**20:.2f}")
+        (
+            str(g["graph_id"]),
+            str(b["index"]),
+            str(len(b["params"])),
+            f"{b['bytes'] / 2**20:.2f}",
+            f"{b['issued_at']:.2f}",
+            b.get("comm_dtype") or "-",
+            b.get("collective") or "all_reduce",
+            "-" if b.get("wire_bytes") is None else f"{b['wire_bytes'] / 2**20:.2f}",
+        )
         for g in graphs
         for b in g.get("buckets", [])
         if b.get("issued_at") is not None
@@ -367,9 +395,13 @@ def bucket_table(graphs: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     header = ("graph", "bucket", "params", "MiB", "issued at", "comm dtype", "collective", "wire MiB")
-    return ["", _align([header, *rows], right=(0, 1, 2, 3, 4, 7)),
-            "issued at: fraction of the backward done when the bucket's collective starts; "
-            "wire MiB: what each rank sends into it", *wire_lines(graphs)]
+    return [
+        "",
+        _align([header, *rows], right=(0, 1, 2, 3, 4, 7)),
+        "issued at: fraction of the backward done when the bucket's collective starts; "
+        "wire MiB: what each rank sends into it",
+        *wire_lines(graphs),
+    ]
 
 
 def wire_lines(graphs: list[dict[str, Any]]) -> list[str]:
@@ -387,7 +419,10 @@ def wire_lines(graphs: list[dict[str, Any]]) -> list[str]:
         line = f"graph {g['graph_id']}: " + (hook or "fused")
         if complete:
             wire = sum(known)
-            line += f": {wire / 2**20:.3f} MiB on the wire per step for {grads / 2**20:.3f} MiB of gradients ({wire / grads:.1%})"
+            line += (
+                f": {wire / 2**20:.3f} MiB on the wire per step for {grads / 2**20:.3f} MiB of gradients "
+                f"({wire / grads:.1%})"
+            )
         if hook and hook.startswith("powerSGD_hook"):
             line += "; before start_powerSGD_iter each bucket is all-reduced whole"
         lines.append(line)

@@ -26,7 +26,7 @@ HOST_BOUND_BUSY = 0.8
 _SOURCES = {
     "cuda": "NCCL kernels against the other kernels on the GPU",
     "cpu": "gloo's ranges on its threads against the training thread outside c10d calls and waits "
-           "(CPU: no NCCL kernels; per-bucket NCCL kernel timing needs CUDA)",
+    "(CPU: no NCCL kernels; per-bucket NCCL kernel timing needs CUDA)",
     "none": "no collective in the trace",
 }
 
@@ -102,13 +102,36 @@ class RuntimeView:
 
     def table(self) -> str:
         """Aligned text: one row per bucket, then the step's totals and where the figures come from."""
-        rows = [("graph", "bucket", "collective", "params", "grad MiB", "wire MiB", "calls/step", "comm ms",
-                 "overlapped", "exposed")]
+        rows = [
+            (
+                "graph",
+                "bucket",
+                "collective",
+                "params",
+                "grad MiB",
+                "wire MiB",
+                "calls/step",
+                "comm ms",
+                "overlapped",
+                "exposed",
+            )
+        ]
         for b in [*self.buckets, *([self.other] if self.other else [])]:
             wire = b.measured_bytes if b.measured_bytes is not None else b.wire_bytes
-            rows.append(("other" if b.graph_id is None else str(b.graph_id), "" if b.index is None else str(b.index),
-                         b.collective, _cell(b.params), _mib(b.grad_bytes), _mib(wire), f"{b.calls:g}",
-                         f"{b.comm_ms:.3f}", f"{b.overlapped_ms:.3f}", f"{b.exposed_ms:.3f}"))
+            rows.append(
+                (
+                    "other" if b.graph_id is None else str(b.graph_id),
+                    "" if b.index is None else str(b.index),
+                    b.collective,
+                    _cell(b.params),
+                    _mib(b.grad_bytes),
+                    _mib(wire),
+                    f"{b.calls:g}",
+                    f"{b.comm_ms:.3f}",
+                    f"{b.overlapped_ms:.3f}",
+                    f"{b.exposed_ms:.3f}",
+                )
+            )
         lines = [_align(rows, left=(2,))] if len(rows) > 1 else []
         lines.append(totals_line(self))
         lines.append(f"source: {_SOURCES.get(self.source, self.source)}")
@@ -118,9 +141,11 @@ class RuntimeView:
 
 def totals_line(view: RuntimeView) -> str:
     busy = "" if view.gpu_busy_ms is None else f", GPU busy {view.gpu_busy_ms:.2f} ms"
-    return (f"rank {view.rank}: {view.steps} profiled step(s), {view.step_ms:.2f} ms per step{busy}; communication "
-            f"{view.comm_ms:.3f} ms per step, {view.overlapped_ms:.3f} overlapped with compute, "
-            f"{view.exposed_ms:.3f} exposed; {view.wire_bytes / 2**20:.2f} MiB sent per step")
+    return (
+        f"rank {view.rank}: {view.steps} profiled step(s), {view.step_ms:.2f} ms per step{busy}; communication "
+        f"{view.comm_ms:.3f} ms per step, {view.overlapped_ms:.3f} overlapped with compute, "
+        f"{view.exposed_ms:.3f} exposed; {view.wire_bytes / 2**20:.2f} MiB sent per step"
+    )
 
 
 # NOTE [saying when the host is the step]: on a virtual machine a kernel launch costs tens of
@@ -139,13 +164,19 @@ def host_bound_note(view: RuntimeView, *, replays_cuda_graphs: bool) -> str | No
     """What to tell the user when ``view``'s steps are bound by the host, else ``None``."""
     if not view.host_bound or view.gpu_busy_ms is None:
         return None
-    head = (f"{HOST_BOUND_PREFIX}the GPU was busy {view.gpu_busy_ms:.2f} of {view.step_ms:.2f} ms per step "
-            f"({view.gpu_busy_ms / view.step_ms:.0%}); the host issuing kernels is the step")
+    head = (
+        f"{HOST_BOUND_PREFIX}the GPU was busy {view.gpu_busy_ms:.2f} of {view.step_ms:.2f} ms per step "
+        f"({view.gpu_busy_ms / view.step_ms:.0%}); the host issuing kernels is the step"
+    )
     if replays_cuda_graphs:
-        return head + "; the compiled graphs already replay as CUDA graphs, so the host time is outside them " \
-                      "(optimizer step, data loading, Python)"
-    return head + "; bucketwise.compile(..., cudagraphs=True) replays each compiled graph with one launch " \
-                  "(its memory cost: docs/performance.md)"
+        return (
+            head + "; the compiled graphs already replay as CUDA graphs, so the host time is outside them "
+            "(optimizer step, data loading, Python)"
+        )
+    return (
+        head + "; bucketwise.compile(..., cudagraphs=True) replays each compiled graph with one launch "
+        "(its memory cost: docs/performance.md)"
+    )
 
 
 def _cell(v: Any) -> str:
@@ -163,8 +194,9 @@ def _align(rows: list[tuple[str, ...]], left: Sequence[int] = ()) -> str:
 # -- analysis -------------------------------------------------------------------------------
 
 
-def analyze(events: Sequence[dict[str, Any]], report: dict[str, Any], *, steps: int, step_ms: float,
-            host: str = "") -> RuntimeView:
+def analyze(
+    events: Sequence[dict[str, Any]], report: dict[str, Any], *, steps: int, step_ms: float, host: str = ""
+) -> RuntimeView:
     """The :class:`RuntimeView` of a trace of ``steps`` training steps of the compiled object
     whose report dict (``Report.to_dict()``) is ``report``."""
     if steps < 1:
@@ -172,29 +204,43 @@ def analyze(events: Sequence[dict[str, Any]], report: dict[str, Any], *, steps: 
     comm, compute, source = ta.collectives(events)
     planned = ta.planned_buckets(report)
     matched, other = ta.attribute(comm, planned)
-    buckets = sorted((_row(b, matched[i], compute, steps) for i, b in enumerate(planned)),
-                     key=lambda r: (r.graph_id, r.index))
+    buckets = sorted(
+        (_row(b, matched[i], compute, steps) for i, b in enumerate(planned)), key=lambda r: (r.graph_id, r.index)
+    )
     total_us, over_us = ta.comm_figures(comm, compute)
     notes = []
     idle = [b.label for b in buckets if b.calls == 0]
     if idle and comm:
-        notes.append(f"no collective matched bucket(s) {', '.join(idle)} in the profiled steps (no_sync() steps, a "
-                     "graph that did not run, or buckets DDP's reducer does not have: see alignment)")
+        notes.append(
+            f"no collective matched bucket(s) {', '.join(idle)} in the profiled steps (no_sync() steps, a "
+            "graph that did not run, or buckets DDP's reducer does not have: see alignment)"
+        )
     unsized = sum(1 for c in comm if c.nbytes is None)
     if unsized:
         notes.append(f"{unsized} collective(s) without a size in the trace are counted as other")
     busy_us = ta.gpu_busy_us(events)
     one_graph = len({b.graph_id for b in planned}) == 1
-    labels = {id(c): f"b{b.index}" if one_graph else f"g{b.graph_id}b{b.index}" for i, b in enumerate(planned)
-              for c in matched[i]}
+    labels = {
+        id(c): f"b{b.index}" if one_graph else f"g{b.graph_id}b{b.index}"
+        for i, b in enumerate(planned)
+        for c in matched[i]
+    }
     view = RuntimeView(
-        target=str(report.get("target")), rank=int(report.get("rank", 0)), world_size=int(report.get("world_size", 1)),
-        host=host, steps=steps, source=source, step_ms=step_ms,
-        comm_ms=total_us / 1e3 / steps, overlapped_ms=over_us / 1e3 / steps,
+        target=str(report.get("target")),
+        rank=int(report.get("rank", 0)),
+        world_size=int(report.get("world_size", 1)),
+        host=host,
+        steps=steps,
+        source=source,
+        step_ms=step_ms,
+        comm_ms=total_us / 1e3 / steps,
+        overlapped_ms=over_us / 1e3 / steps,
         exposed_ms=(total_us - over_us) / 1e3 / steps,
         wire_bytes=sum(c.nbytes or 0 for c in comm) // steps,
-        buckets=buckets, other=_row(None, other, compute, steps) if other else None,
-        timeline=_last_step(events, comm, compute, source, labels), notes=notes,
+        buckets=buckets,
+        other=_row(None, other, compute, steps) if other else None,
+        timeline=_last_step(events, comm, compute, source, labels),
+        notes=notes,
         gpu_busy_ms=None if busy_us is None else busy_us / 1e3 / steps,
     )
     note = host_bound_note(view, replays_cuda_graphs=any(c.get("captured") for c in report.get("cudagraphs", [])))
@@ -208,18 +254,27 @@ def _row(b: ta.PlannedBucket | None, comm: list[ta.Collective], compute: list[ta
     sizes = [c.nbytes for c in comm if c.nbytes is not None]
     kinds = sorted({c.kind for c in comm})
     return BucketTime(
-        graph_id=None if b is None else b.graph_id, index=None if b is None else b.index,
+        graph_id=None if b is None else b.graph_id,
+        index=None if b is None else b.index,
         collective=b.kind if b is not None else ("/".join(kinds) or "-"),
-        params=None if b is None else b.params, grad_bytes=None if b is None else b.grad_bytes,
+        params=None if b is None else b.params,
+        grad_bytes=None if b is None else b.grad_bytes,
         wire_bytes=None if b is None else b.wire_bytes,
         measured_bytes=sum(sizes) // steps if sizes else None,
-        calls=round(len(comm) / steps, 3), comm_ms=total / 1e3 / steps, overlapped_ms=over / 1e3 / steps,
+        calls=round(len(comm) / steps, 3),
+        comm_ms=total / 1e3 / steps,
+        overlapped_ms=over / 1e3 / steps,
         exposed_ms=(total - over) / 1e3 / steps,
     )
 
 
-def _last_step(events: Sequence[dict[str, Any]], comm: list[ta.Collective], compute: list[ta.Interval], source: str,
-               labels: dict[int, str]) -> dict[str, Any]:
+def _last_step(
+    events: Sequence[dict[str, Any]],
+    comm: list[ta.Collective],
+    compute: list[ta.Interval],
+    source: str,
+    labels: dict[int, str],
+) -> dict[str, Any]:
     lo = ta.last_step_start(events, STEP_MARK, source)
     window = "the last profiled step"
     if lo is None:
@@ -239,22 +294,34 @@ def merged_table(views: Sequence[RuntimeView]) -> str:
     for v in views:
         for b in [*v.buckets, *([v.other] if v.other else [])]:
             by_key.setdefault((b.graph_id, b.index), []).append((v.rank, b))
-    rows = [("graph", "bucket", "collective", "grad MiB", "wire MiB", "comm ms", "overlapped", "exposed",
-             "exposed max")]
+    rows = [
+        ("graph", "bucket", "collective", "grad MiB", "wire MiB", "comm ms", "overlapped", "exposed", "exposed max")
+    ]
     keys = sorted(by_key, key=lambda k: (k[0] is None, k[0] or 0, k[1] or 0))
     for key in keys:
         seen = by_key[key]
         first = seen[0][1]
         worst_rank, worst = max(seen, key=lambda rb: rb[1].exposed_ms)
         wire = first.measured_bytes if first.measured_bytes is not None else first.wire_bytes
-        rows.append(("other" if key[0] is None else str(key[0]), "" if key[1] is None else str(key[1]), first.collective,
-                     _mib(first.grad_bytes), _mib(wire),
-                     *(f"{statistics.median(getattr(b, f) for _, b in seen):.3f}"
-                       for f in ("comm_ms", "overlapped_ms", "exposed_ms")),
-                     f"{worst.exposed_ms:.3f} (rank {worst_rank})"))
+        rows.append(
+            (
+                "other" if key[0] is None else str(key[0]),
+                "" if key[1] is None else str(key[1]),
+                first.collective,
+                _mib(first.grad_bytes),
+                _mib(wire),
+                *(
+                    f"{statistics.median(getattr(b, f) for _, b in seen):.3f}"
+                    for f in ("comm_ms", "overlapped_ms", "exposed_ms")
+                ),
+                f"{worst.exposed_ms:.3f} (rank {worst_rank})",
+            )
+        )
     ranks = sorted(views, key=lambda v: v.rank)
-    head = (f"bucketwise: runtime per bucket, ms per step, median over {len(ranks)} rank(s); "
-            f"source: {_SOURCES.get(ranks[0].source, ranks[0].source)}")
+    head = (
+        f"bucketwise: runtime per bucket, ms per step, median over {len(ranks)} rank(s); "
+        f"source: {_SOURCES.get(ranks[0].source, ranks[0].source)}"
+    )
     lines = [head, _align(rows, left=(2,))]
     lines += [totals_line(v) for v in ranks]
     for v in ranks:

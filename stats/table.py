@@ -12,5 +12,7 @@ def align(rows: Sequence[Sequence[str]], *, right: Collection[int] | Callable[[i
         return ""
     is_right = right if callable(right) else (lambda i: i in right)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) if is_right(i) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-                     for r in rows)
+    return "\n".join(
+        "  ".join(c.rjust(w) if is_right(i) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in rows
+    )

@@ -40,9 +40,27 @@ Interval = tuple[float, float]
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 _DTYPE_BYTES = {
-    "float": 4, "float32": 4, "double": 8, "float64": 8, "bfloat16": 2, "half": 2, "float16": 2,
-    "int": 4, "int32": 4, "long": 8, "longint": 8, "int64": 8, "short": 2, "int16": 2, "char": 1, "int8": 1,
-    "signedchar": 1, "byte": 1, "uint8": 1, "unsignedchar": 1, "bool": 1,
+    "float": 4,
+    "float32": 4,
+    "double": 8,
+    "float64": 8,
+    "bfloat16": 2,
+    "half": 2,
+    "float16": 2,
+    "int": 4,
+    "int32": 4,
+    "long": 8,
+    "longint": 8,
+    "int64": 8,
+    "short": 2,
+    "int16": 2,
+    "char": 1,
+    "int8": 1,
+    "signedchar": 1,
+    "byte": 1,
+    "uint8": 1,
+    "unsignedchar": 1,
+    "bool": 1,
 }
 
 
@@ -125,13 +143,18 @@ def _span(e: dict[str, Any]) -> Interval:
 
 def ranges(events: Sequence[dict[str, Any]], name: str) -> list[Interval]:
     """The CPU ``record_function`` ranges called ``name``, by start."""
-    return sorted(_span(e) for e in events if e.get("cat") == "user_annotation" and e.get("name") == name and "dur" in e)
+    return sorted(
+        _span(e) for e in events if e.get("cat") == "user_annotation" and e.get("name") == name and "dur" in e
+    )
 
 
 def launch_times(events: Sequence[dict[str, Any]]) -> dict[Any, float]:
     """Correlation id -> when the CPU launched that kernel."""
-    return {e["args"]["correlation"]: float(e["ts"]) for e in events
-            if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    return {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in events
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+    }
 
 
 def launched_at(kernel: dict[str, Any], launch: dict[Any, float]) -> float:
@@ -218,8 +241,12 @@ class Collective:
 
 def kind_of(name: str) -> str:
     flat = re.sub(r"[^a-z]", "", name.lower())
-    for key, kind in (("allreduce", "all_reduce"), ("allgather", "all_gather"), ("reducescatter", "reduce_scatter"),
-                      ("broadcast", "broadcast")):
+    for key, kind in (
+        ("allreduce", "all_reduce"),
+        ("allgather", "all_gather"),
+        ("reducescatter", "reduce_scatter"),
+        ("broadcast", "broadcast"),
+    ):
         if key in flat:
             return kind
     return name
@@ -246,8 +273,9 @@ def collectives(events: Sequence[dict[str, Any]]) -> tuple[list[Collective], lis
         return _nccl_collectives(events, nccl), compute, "cuda"
     gloo = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("gloo:") and "dur" in e]
     if gloo:
-        comm = [Collective(*_span(e), float(e["ts"]), kind_of(e["name"][5:]), _gloo_bytes(e.get("args", {})))
-                for e in gloo]
+        comm = [
+            Collective(*_span(e), float(e["ts"]), kind_of(e["name"][5:]), _gloo_bytes(e.get("args", {}))) for e in gloo
+        ]
         return sorted(comm, key=lambda c: c.start), _host_compute(events, {e.get("tid") for e in gloo}), "cpu"
     return [], [], "none"
 
@@ -258,15 +286,27 @@ def _nccl_collectives(events: Sequence[dict[str, Any]], nccl: list[dict[str, Any
     if not any("In msg nelems" in a for a in meta):
         # Older traces: the sizes are on the CPU-side record_param_comms ops, one per kernel
         # in issue order (NCCL runs a stream's kernels in that order).
-        params = sorted((e for e in events if e.get("name") == "record_param_comms"
-                         and e.get("args", {}).get("Collective name") not in (None, "wait", "barrier")),
-                        key=lambda e: float(e["ts"]))
+        params = sorted(
+            (
+                e
+                for e in events
+                if e.get("name") == "record_param_comms"
+                and e.get("args", {}).get("Collective name") not in (None, "wait", "barrier")
+            ),
+            key=lambda e: float(e["ts"]),
+        )
         if len(params) == len(nccl):
             meta = [e["args"] for e in params]
     launch = launch_times(events)
-    return [Collective(*_span(k), _issued(k, launch), kind_of(str(a.get("Collective name") or k["name"])),
-                       _nbytes(a.get("In msg nelems"), a.get("dtype")))
-            for k, a in zip(nccl, meta)]
+    return [
+        Collective(
+            *_span(k),
+            _issued(k, launch),
+            kind_of(str(a.get("Collective name") or k["name"])),
+            _nbytes(a.get("In msg nelems"), a.get("dtype")),
+        )
+        for k, a in zip(nccl, meta)
+    ]
 
 
 def _issued(kernel: dict[str, Any], launch: dict[Any, float]) -> float:
@@ -298,10 +338,18 @@ def _gloo_bytes(args: dict[str, Any]) -> int | None:
 def _host_compute(events: Sequence[dict[str, Any]], comm_threads: set[Any]) -> list[Interval]:
     """What the training threads did outside communication: their events, less the time in
     c10d's ops (issuing a collective can block on gloo) and in waits."""
-    mine = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("cat") in ("cpu_op", "user_annotation")
-            and e.get("tid") not in comm_threads]
+    mine = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and "dur" in e
+        and e.get("cat") in ("cpu_op", "user_annotation")
+        and e.get("tid") not in comm_threads
+    ]
     busy = merge(_span(e) for e in mine)
-    return subtract(busy, merge(_span(e) for e in mine if e.get("cat") == "cpu_op" and _is_comm_op(str(e.get("name", "")))))
+    return subtract(
+        busy, merge(_span(e) for e in mine if e.get("cat") == "cpu_op" and _is_comm_op(str(e.get("name", ""))))
+    )
 
 
 def _is_comm_op(name: str) -> bool:
@@ -333,13 +381,22 @@ def planned_buckets(report: dict[str, Any]) -> list[PlannedBucket]:
         for b in g.get("buckets") or []:
             collective = b.get("collective") or "all_reduce"
             wire = b.get("wire_bytes")
-            out.append(PlannedBucket(graph_id=g["graph_id"], index=b["index"], kind=kind_of(collective.split()[0]),
-                                     params=len(b["params"]), grad_bytes=b["bytes"],
-                                     wire_bytes=b["bytes"] if wire is None else wire))
+            out.append(
+                PlannedBucket(
+                    graph_id=g["graph_id"],
+                    index=b["index"],
+                    kind=kind_of(collective.split()[0]),
+                    params=len(b["params"]),
+                    grad_bytes=b["bytes"],
+                    wire_bytes=b["bytes"] if wire is None else wire,
+                )
+            )
     return sorted(out, key=lambda b: (-b.graph_id, b.index))
 
 
-def attribute(comm: Sequence[Collective], buckets: Sequence[PlannedBucket]) -> tuple[dict[int, list[Collective]], list[Collective]]:
+def attribute(
+    comm: Sequence[Collective], buckets: Sequence[PlannedBucket]
+) -> tuple[dict[int, list[Collective]], list[Collective]]:
     """Each collective to the planned bucket it reduces (NOTE [collectives to buckets]):
     ``({bucket position: [collectives]}, [collectives matching no bucket])``."""
     groups: dict[tuple[str, int], list[int]] = {}

@@ -77,7 +77,7 @@ def _entry(
         os.replace(tmp, out / f"rank{rank}.result")
     except BaseException:  # noqa: BLE001 - everything goes back to the test
         (out / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 def run_distributed(

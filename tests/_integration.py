@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from _entry_point import entry_point_dir
 
 SCRIPTS = Path(__file__).resolve().parent / "integration_scripts"
@@ -30,20 +29,24 @@ def run_recipe(launcher: list[str], script: str, tmp_path: Path) -> Path:
     out = Path(tmp_path) / "out"
     (out / "stats").mkdir(parents=True)
     env = dict(os.environ)
-    env.update({
-        # the entry points pyproject.toml declares, and this checkout, for every rank
-        "PYTHONPATH": os.pathsep.join([str(entry_point_dir(tmp_path)), str(SCRIPTS)] + [p for p in sys.path if p]),
-        "BUCKETWISE_RECIPE_OUT": str(out),
-        "BUCKETWISE_STATS_DIR": str(out / "stats"),
-        "BUCKETWISE_PROGRESS": "0",
-        "HF_HUB_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    })
+    env.update(
+        {
+            # the entry points pyproject.toml declares, and this checkout, for every rank
+            "PYTHONPATH": os.pathsep.join([str(entry_point_dir(tmp_path)), str(SCRIPTS)] + [p for p in sys.path if p]),
+            "BUCKETWISE_RECIPE_OUT": str(out),
+            "BUCKETWISE_STATS_DIR": str(out / "stats"),
+            "BUCKETWISE_PROGRESS": "0",
+            "HF_HUB_OFFLINE": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     cmd = launcher + [str(SCRIPTS / script)]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    )
     return out
 
 
@@ -57,7 +60,9 @@ def assert_same_training(out: Path, *, atol: float = 1e-6, ranks: int = 2) -> No
         eager, compiled = load(out, "eager", rank), load(out, "bucketwise", rank)
         assert eager["params"].keys() == compiled["params"].keys()
         for name, p in eager["params"].items():
-            torch.testing.assert_close(compiled["params"][name], p, rtol=1e-5, atol=atol, msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(
+                compiled["params"][name], p, rtol=1e-5, atol=atol, msg=lambda m: f"rank {rank} {name}: {m}"
+            )
         torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-5, atol=atol)
         assert len(eager["losses"]) >= 3, eager["losses"]
 

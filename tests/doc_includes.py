@@ -28,15 +28,20 @@ def includes(page: Path) -> list[tuple[str, str]]:
 
 def stale() -> list[str]:
     """``"page: path"`` for every block that differs from its file."""
-    return [f"{page.relative_to(ROOT)}: {path}" for page in PAGES for path, text in includes(page)
-            if text != (ROOT / path).read_text()]
+    return [
+        f"{page.relative_to(ROOT)}: {path}"
+        for page in PAGES
+        for path, text in includes(page)
+        if text != (ROOT / path).read_text()
+    ]
 
 
 def write() -> None:
     for page in PAGES:
         text = page.read_text()
-        new = MARKER.sub(lambda m: f"<!-- include {m.group(1)} -->\n```{m.group(2)}\n{(ROOT / m.group(1)).read_text()}```\n",
-                         text)
+        new = MARKER.sub(
+            lambda m: f"<!-- include {m.group(1)} -->\n```{m.group(2)}\n{(ROOT / m.group(1)).read_text()}```\n", text
+        )
         if new != text:
             page.write_text(new)
             print(f"rewrote {page.relative_to(ROOT)}")

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _dist import run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
-from _dist import run_distributed
 
 
 def _unique_graphs() -> int:
@@ -91,11 +91,15 @@ def test_non_callable_backend():
 @pytest.mark.parametrize("use_ddp", [True, False], ids=["ddp", "module"])
 def test_unknown_strategy(request, use_ddp, name):
     target = request.getfixturevalue("ddp_model") if use_ddp else Net()
-    _check_rejected(target, ValueError, "strategy", [f"'{name}'", "split", "none", "auto"], backend="aot_eager", strategy=name)
+    _check_rejected(
+        target, ValueError, "strategy", [f"'{name}'", "split", "none", "auto"], backend="aot_eager", strategy=name
+    )
 
 
 def test_unknown_fallback(ddp_model):
-    _check_rejected(ddp_model, ValueError, "fallback", ["'ignore'", "eager", "raise"], backend="aot_eager", fallback="ignore")
+    _check_rejected(
+        ddp_model, ValueError, "fallback", ["'ignore'", "eager", "raise"], backend="aot_eager", fallback="ignore"
+    )
 
 
 @pytest.mark.parametrize("name", ["bucket_cap_mb", "first_bucket_cap_mb"])
@@ -132,7 +136,18 @@ def test_infinite_bucket_cap(ddp_model, name):
         ({"freeze": "yes"}, ValueError, "freeze"),
         ({"freeze": 1}, ValueError, "freeze"),
     ],
-    ids=["mode", "options", "mode+options", "reduce-overhead+options", "dynamic", "fullgraph", "cudagraphs", "cudagraphs=1", "freeze", "freeze=1"],
+    ids=[
+        "mode",
+        "options",
+        "mode+options",
+        "reduce-overhead+options",
+        "dynamic",
+        "fullgraph",
+        "cudagraphs",
+        "cudagraphs=1",
+        "freeze",
+        "freeze=1",
+    ],
 )
 def test_other_bad_options(ddp_model, kwargs, exc_type, name):
     _check_rejected(ddp_model, exc_type, name, [], backend="aot_eager", **kwargs)
@@ -300,8 +315,12 @@ def _bucket_caps_differ(rank: int, world: int) -> dict:
         _step(compiled)
     except Exception as exc:  # noqa: BLE001 - checked by the test
         exc = _raised(exc)
-        return {"raised": type(exc).__name__, "message": str(exc), "graphs": len(bucketwise.report(compiled).graphs),
-                "unique_graphs": _unique_graphs() - before}
+        return {
+            "raised": type(exc).__name__,
+            "message": str(exc),
+            "graphs": len(bucketwise.report(compiled).graphs),
+            "unique_graphs": _unique_graphs() - before,
+        }
     return {"raised": None}
 
 

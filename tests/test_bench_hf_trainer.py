@@ -22,8 +22,12 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "hf_trainer_benc
 
 def test_hf_trainer_bench_tiny(tmp_path):
     out = tmp_path / "hf.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "BUCKETWISE_PROGRESS": "0",
-           "PYTHONPATH": os.pathsep.join([str(entry_point_dir(tmp_path))] + [p for p in sys.path if p])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "BUCKETWISE_PROGRESS": "0",
+        "PYTHONPATH": os.pathsep.join([str(entry_point_dir(tmp_path))] + [p for p in sys.path if p]),
+    }
     cmd = [sys.executable, str(BENCH), "--tiny", "--configs", "fused,split", "--steps", "4", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

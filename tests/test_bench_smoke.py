@@ -16,8 +16,17 @@ import pytest
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 SMOKE_CONFIGS = ("eager", "torch", "torch-nosplit", "local", "bw-split", "bw-none", "bw-fused")
 TIMING_FIELDS = ("median_ms", "min_ms", "max_ms", "mean_ms", "first_step_s", "throughput_per_s", "floor_ratio")
-LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "TORCHELASTIC_RUN_ID", "BUCKETWISE_BENCH_ARGV", "BUCKETWISE_BENCH_COMMAND")
+LAUNCH_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "BUCKETWISE_BENCH_ARGV",
+    "BUCKETWISE_BENCH_COMMAND",
+)
 
 
 @pytest.fixture
@@ -30,8 +39,9 @@ def bench(monkeypatch):
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -72,9 +82,26 @@ def _check_steps(row: dict, steps: int, total: int) -> None:
 def test_smoke_two_gloo_ranks(tmp_path):
     out = tmp_path / "bench"
     cmd = [
-        sys.executable, str(BENCH_DIR / "ddp_bench.py"), "--nproc", "2", "--device", "cpu", "--model", "mlp",
-        "--configs", ",".join(SMOKE_CONFIGS), "--backend", "aot_eager", "--steps", "2", "--warmup", "1",
-        "--host-profile", "1", "--out", str(out),
+        sys.executable,
+        str(BENCH_DIR / "ddp_bench.py"),
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--model",
+        "mlp",
+        "--configs",
+        ",".join(SMOKE_CONFIGS),
+        "--backend",
+        "aot_eager",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--host-profile",
+        "1",
+        "--out",
+        str(out),
     ]
     result = _run(cmd, timeout=240)
     assert result.returncode == 0, result.stdout[-4000:]
@@ -125,9 +152,35 @@ def test_restart_loads_from_the_compile_caches(tmp_path):
     out = tmp_path / "bench"
     configs = ("torch-nosplit", "bw-fused")
     cmd = [
-        sys.executable, str(BENCH_DIR / "ddp_bench.py"), "--nproc", "2", "--device", "cpu", "--model", "gpt-tiny",
-        "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
-        "--configs", ",".join(configs), "--steps", "2", "--warmup", "1", "--restart", "--out", str(out),
+        sys.executable,
+        str(BENCH_DIR / "ddp_bench.py"),
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--model",
+        "gpt-tiny",
+        "--layers",
+        "1",
+        "--d-model",
+        "32",
+        "--heads",
+        "2",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--vocab",
+        "64",
+        "--configs",
+        ",".join(configs),
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--restart",
+        "--out",
+        str(out),
     ]
     result = _run(cmd, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:]
@@ -170,16 +223,25 @@ def test_overlap_from_trace(bench):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
 
     def launch(ts, corr):
-        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
-                "args": {"correlation": corr}}
+        return {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": ts,
+            "dur": 1,
+            "args": {"correlation": corr},
+        }
 
     events = [
         {"ph": "X", "cat": "user_annotation", "name": bm.BACKWARD_RANGE, "ts": 0, "dur": 100},
-        launch(1, 1), launch(2, 2), launch(3, 3), launch(200, 4),
-        kernel("gemm", 1000, 500, 1),                          # compute 1000-1500
+        launch(1, 1),
+        launch(2, 2),
+        launch(3, 3),
+        launch(200, 4),
+        kernel("gemm", 1000, 500, 1),  # compute 1000-1500
         kernel("ncclDevKernel_AllReduce_Sum_f32", 1200, 600, 2),  # NCCL 1200-1800: 300 overlapped
-        kernel("triton_fused", 1700, 200, 3),                  # compute 1700-1900: 100 more overlapped
-        kernel("adamw", 2000, 100, 4),                         # launched after the backward range
+        kernel("triton_fused", 1700, 200, 3),  # compute 1700-1900: 100 more overlapped
+        kernel("adamw", 2000, 100, 4),  # launched after the backward range
     ]
     o = bm.overlap_from_events(events, steps=2)
     assert o["nccl_ms"] == pytest.approx(0.6) and o["overlapped_ms"] == pytest.approx(0.4)
@@ -200,8 +262,26 @@ def test_two_node_agents(tmp_path):
     # --net 2node: two `bucketwise launch --nnodes 2 --nproc-per-node 1` agents on this host, one
     # rank each, meeting through a c10d rendezvous on loopback (gloo here, NCCL over TCP on GPUs).
     out = tmp_path / "bench"
-    cmd = [sys.executable, str(BENCH_DIR / "ddp_bench.py"), "--net", "2node", "--device", "cpu", "--model", "mlp",
-           "--configs", "eager,bw-fused", "--backend", "aot_eager", "--steps", "2", "--warmup", "1", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(BENCH_DIR / "ddp_bench.py"),
+        "--net",
+        "2node",
+        "--device",
+        "cpu",
+        "--model",
+        "mlp",
+        "--configs",
+        "eager,bw-fused",
+        "--backend",
+        "aot_eager",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+    ]
     result = _run(cmd, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
     assert result.stdout.count("launching: ") == 2 and "--nnodes 2 --nproc-per-node 1" in result.stdout

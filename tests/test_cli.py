@@ -8,14 +8,14 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 import sys
 import textwrap
+import time
 
 import pytest
 
-from bucketwise.stats.report import GraphStats, Report, SegmentStats, format_table
 from bucketwise.launch import cli, launcher
+from bucketwise.stats.report import GraphStats, Report, SegmentStats, format_table
 
 JOB_TIMEOUT = 300
 
@@ -27,13 +27,29 @@ def _rank_report(rank: int, world: int, plan: list[list[str]], seconds: list[flo
     """A rank file as ``Report.to_dict()`` writes it: one graph, one segment per plan entry."""
     report = Report(target="DDP(MLP)", strategy="auto", backend="aot_eager")
     segments = [
-        SegmentStats(index=i, params=names, bytes=1024 * 1024 * len(names), op_count=3 * len(names),
-                     compile_seconds=s, backend="aot_eager")
+        SegmentStats(
+            index=i,
+            params=names,
+            bytes=1024 * 1024 * len(names),
+            op_count=3 * len(names),
+            compile_seconds=s,
+            backend="aot_eager",
+        )
         for i, (names, s) in enumerate(zip(plan, seconds))
     ]
-    report.graphs.append(GraphStats(graph_id=0, compile_id="0/0", strategy="split", strategy_reason=None,
-                                    graph_break_reasons=[], recompile=False, op_count=10,
-                                    higher_order_ops=[], segments=segments))
+    report.graphs.append(
+        GraphStats(
+            graph_id=0,
+            compile_id="0/0",
+            strategy="split",
+            strategy_reason=None,
+            graph_break_reasons=[],
+            recompile=False,
+            op_count=10,
+            higher_order_ops=[],
+            segments=segments,
+        )
+    )
     data = report.to_dict()
     data.update(rank=rank, world_size=world)
     return data
@@ -63,8 +79,15 @@ def _run_cli(args: list[str], cwd, timeout: float = JOB_TIMEOUT) -> subprocess.C
     """``python -m bucketwise.launch.cli ARGS`` in its own process group, killed whole on timeout."""
     env = dict(os.environ, BUCKETWISE_PROGRESS="1")
     env.pop("BUCKETWISE_STATS_DIR", None)
-    proc = subprocess.Popen([sys.executable, "-m", "bucketwise.launch.cli", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bucketwise.launch.cli", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -102,15 +125,21 @@ def test_stats_json(run_dir, capsys):
     assert seg0["compile_seconds"]["per_rank"] == {"0": 1.0, "1": 3.0, "2": 2.0}
     assert seg1["compile_seconds"]["median"] == 0.5
     assert {(d["rank"], d["graph_id"], d["part"], d["index"]) for d in merged["plan_differences"]} == {
-        (2, 0, "segment", 0), (2, 0, "segment", 1)}
+        (2, 0, "segment", 0),
+        (2, 0, "segment", 1),
+    }
 
 
 @pytest.mark.parametrize("json_flag", [["--json"], []])
 def test_stats_into_a_closed_pipe_stops_quietly(run_dir, json_flag):
     """``bucketwise stats --json DIR | head``: the reader is gone before the output is written;
     no traceback, the shell's SIGPIPE exit code."""
-    proc = subprocess.Popen([sys.executable, "-m", "bucketwise.launch.cli", "stats", str(run_dir), *json_flag],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bucketwise.launch.cli", "stats", str(run_dir), *json_flag],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     proc.stdout.close()  # no reader: the first write that reaches the pipe fails
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141, err
@@ -137,12 +166,34 @@ def test_stats_shows_fused_buckets_and_wire_bytes(run_dir, capsys):
         path = run_dir / f"rank{rank}.json"
         data = json.loads(path.read_text())
         parts = {"uncompressed": 512, "P": 2 * 2**20, "Q": 2**20}
-        data["graphs"][0].update(strategy="fused", comm_hook="powerSGD_hook (matrix_approximation_rank 1, start_powerSGD_iter 2)", buckets=[
-            BucketStats(index=0, params=PLAN[0], bytes=8 * 2**20, segment=0, issued_at=0.25, comm_dtype="same as grads",
-                        collective="all_reduce uncompressed + P + Q", wire_bytes=sum(parts.values()), wire_parts=parts).to_dict(),
-            BucketStats(index=1, params=PLAN[1], bytes=4 * 2**20, segment=0, issued_at=1.0, comm_dtype="same as grads",
-                        collective="all_reduce P + Q", wire_bytes=2**20, wire_parts={"P": 2**19, "Q": 2**19}).to_dict(),
-        ])
+        data["graphs"][0].update(
+            strategy="fused",
+            comm_hook="powerSGD_hook (matrix_approximation_rank 1, start_powerSGD_iter 2)",
+            buckets=[
+                BucketStats(
+                    index=0,
+                    params=PLAN[0],
+                    bytes=8 * 2**20,
+                    segment=0,
+                    issued_at=0.25,
+                    comm_dtype="same as grads",
+                    collective="all_reduce uncompressed + P + Q",
+                    wire_bytes=sum(parts.values()),
+                    wire_parts=parts,
+                ).to_dict(),
+                BucketStats(
+                    index=1,
+                    params=PLAN[1],
+                    bytes=4 * 2**20,
+                    segment=0,
+                    issued_at=1.0,
+                    comm_dtype="same as grads",
+                    collective="all_reduce P + Q",
+                    wire_bytes=2**20,
+                    wire_parts={"P": 2**19, "Q": 2**19},
+                ).to_dict(),
+            ],
+        )
         path.write_text(json.dumps(data))
     (run_dir / "rank2.json").unlink()
     assert cli.main(["stats", str(run_dir)]) == 0
@@ -151,7 +202,10 @@ def test_stats_shows_fused_buckets_and_wire_bytes(run_dir, capsys):
     # graph, bucket, params, MiB, issued at, comm dtype (3 words), collective, wire MiB
     assert rows[0][:5] == ["0", "0", "2", "8.00", "0.25"] and rows[0][-1] == "3.00", rows
     assert rows[1][:5] == ["0", "1", "2", "4.00", "1.00"] and rows[1][-1] == "1.00", rows
-    assert "graph 0: powerSGD_hook (matrix_approximation_rank 1, start_powerSGD_iter 2): 4.000 MiB on the wire per step for 12.000 MiB of gradients (33.3%)" in out
+    assert (
+        "graph 0: powerSGD_hook (matrix_approximation_rank 1, start_powerSGD_iter 2): "
+        "4.000 MiB on the wire per step for 12.000 MiB of gradients (33.3%)" in out
+    )
     assert cli.main(["stats", str(run_dir), "--json"]) == 0
     merged = json.loads(capsys.readouterr().out)
     assert [b["wire_parts"] for b in merged["fused_buckets"][0]["buckets"]][1] == {"P": 2**19, "Q": 2**19}
@@ -203,16 +257,21 @@ def test_launch_argument_split():
     assert launcher.strip_option(opts, "--stats-dir") == ["--nproc-per-node", "2", "--standalone", "--rdzv-conf=a=1"]
     assert launcher.strip_option(["--stats-dir=x", "-m"], "--stats-dir") == ["-m"]
     assert launcher.split_at_script(parser, ["--standalone", "--", "t.py", "--", "x"]) == (
-        ["--standalone", "--"], ["t.py", "--", "x"])
+        ["--standalone", "--"],
+        ["t.py", "--", "x"],
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["launch"], "missing SCRIPT"),
-    (["launch", "--nproc-per-node", "2", "--standalone"], "missing SCRIPT"),
-    (["frobnicate"], "invalid choice"),
-    ([], "required"),
-    (["demo", "--steps", "0"], "--steps"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["launch"], "missing SCRIPT"),
+        (["launch", "--nproc-per-node", "2", "--standalone"], "missing SCRIPT"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+        (["demo", "--steps", "0"], "--steps"),
+    ],
+)
 def test_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
@@ -281,8 +340,20 @@ dist.destroy_process_group()
 def test_launch_runs_job_and_merges_stats(tmp_path):
     (tmp_path / "train.py").write_text(TRAIN_SCRIPT)
     stats_dir = tmp_path / "stats"
-    result = _run_cli(["launch", "--nproc-per-node", "2", "--standalone", "--stats-dir", str(stats_dir),
-                       "train.py", "--stats-dir", "mine"], tmp_path)
+    result = _run_cli(
+        [
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--standalone",
+            "--stats-dir",
+            str(stats_dir),
+            "train.py",
+            "--stats-dir",
+            "mine",
+        ],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (stats_dir / "rank0.json").exists() and (stats_dir / "rank1.json").exists()
     assert "script args ['--stats-dir', 'mine']" in result.stdout  # after SCRIPT: the script's
@@ -294,13 +365,16 @@ def test_launch_runs_job_and_merges_stats(tmp_path):
 
 
 def test_launch_propagates_failure(tmp_path):
-    (tmp_path / "fail.py").write_text(textwrap.dedent("""
+    (tmp_path / "fail.py").write_text(
+        textwrap.dedent("""
         import os, sys
         if os.environ["RANK"] == "1":
             sys.exit("rank 1 fails on purpose")
-    """))
-    result = _run_cli(["launch", "--nproc-per-node=2", "--standalone", "--stats-dir", str(tmp_path / "s"),
-                       "fail.py"], tmp_path)
+    """)
+    )
+    result = _run_cli(
+        ["launch", "--nproc-per-node=2", "--standalone", "--stats-dir", str(tmp_path / "s"), "fail.py"], tmp_path
+    )
     assert result.returncode != 0
     assert "failed with exit code" in result.stderr
     assert "no rank files" in result.stdout
@@ -334,8 +408,21 @@ def test_launch_reports_the_crashed_rank_and_leaves_no_process(tmp_path, mode):
     script = tmp_path / f"crash_{mode}.py"
     script.write_text(CRASH_SCRIPT)
     start = time.monotonic()
-    result = _run_cli(["launch", "--nproc-per-node", "2", "--standalone", "--stats-dir", str(tmp_path / "s"),
-                       str(script), str(tmp_path / "marker"), mode], tmp_path, timeout=120)
+    result = _run_cli(
+        [
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--standalone",
+            "--stats-dir",
+            str(tmp_path / "s"),
+            str(script),
+            str(tmp_path / "marker"),
+            mode,
+        ],
+        tmp_path,
+        timeout=120,
+    )
     elapsed = time.monotonic() - start
     assert result.returncode != 0
     assert elapsed < 30, f"took {elapsed:.1f} s to give up"
@@ -352,16 +439,31 @@ def test_launch_max_restarts_follows_torchrun(tmp_path):
     # mesh (a torchrun/gloo matter, seen with plain torchrun too); restarts themselves are
     # torchrun's, bucketwise passes --max-restarts through.
     script = tmp_path / "fail_once.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, sys
         if os.environ["RANK"] == "1" and not os.path.exists(sys.argv[1]):
             open(sys.argv[1], "w").close()
             raise RuntimeError("first attempt fails")
         print("attempt", os.environ["TORCHELASTIC_RESTART_COUNT"], "rank", os.environ["RANK"], "ok")
-    """))
-    result = _run_cli(["launch", "--nproc-per-node", "2", "--standalone", "--max-restarts", "1",
-                       "--stats-dir", str(tmp_path / "s"), str(script), str(tmp_path / "marker")],
-                      tmp_path, timeout=120)
+    """)
+    )
+    result = _run_cli(
+        [
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--standalone",
+            "--max-restarts",
+            "1",
+            "--stats-dir",
+            str(tmp_path / "s"),
+            str(script),
+            str(tmp_path / "marker"),
+        ],
+        tmp_path,
+        timeout=120,
+    )
     # The first attempt fails on rank 1, torchrun restarts every rank once, the second succeeds.
     assert result.returncode == 0, result.stdout + result.stderr
     assert "attempt 1 rank 1 ok" in result.stdout
@@ -392,16 +494,23 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("bad_stage, expected", [
-    ("relu_compile_error_TESTING_ONLY", "first fails at relu_compile_error_TESTING_ONLY: ReluCompileError"),
-    ("relu_accuracy_error_TESTING_ONLY", "first fails at relu_accuracy_error_TESTING_ONLY: numerics: output 0 differs"),
-])
+@pytest.mark.parametrize(
+    "bad_stage, expected",
+    [
+        ("relu_compile_error_TESTING_ONLY", "first fails at relu_compile_error_TESTING_ONLY: ReluCompileError"),
+        (
+            "relu_accuracy_error_TESTING_ONLY",
+            "first fails at relu_accuracy_error_TESTING_ONLY: numerics: output 0 differs",
+        ),
+    ],
+)
 def test_doctor_names_the_failing_stage_and_segment(tmp_path, monkeypatch, bad_stage, expected):
     # torch's fault-injecting test backends stand in for a broken compiler stage.
     monkeypatch.setenv("BUCKETWISE_DOCTOR_LADDER", f"eager,aot_eager,{bad_stage}")
     (tmp_path / "train.py").write_text(DOCTOR_SCRIPT)
-    result = _run_cli(["doctor", "--nproc-per-node", "2", "--standalone", "--stats-dir", str(tmp_path / "s"),
-                       "train.py"], tmp_path)
+    result = _run_cli(
+        ["doctor", "--nproc-per-node", "2", "--standalone", "--stats-dir", str(tmp_path / "s"), "train.py"], tmp_path
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "checked through eager -> aot_eager -> " + bad_stage in result.stdout
     for rank in (0, 1):
@@ -413,8 +522,9 @@ def test_doctor_names_the_failing_stage_and_segment(tmp_path, monkeypatch, bad_s
 
 def test_doctor_passes_a_healthy_model(tmp_path):
     (tmp_path / "train.py").write_text(DOCTOR_SCRIPT)
-    result = _run_cli(["doctor", "--nproc-per-node", "2", "--standalone", "--stats-dir", str(tmp_path / "s"),
-                       "train.py"], tmp_path)
+    result = _run_cli(
+        ["doctor", "--nproc-per-node", "2", "--standalone", "--stats-dir", str(tmp_path / "s"), "train.py"], tmp_path
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     # aot_eager is the backend in use: the ladder stops there.
     assert "4 segment run(s) checked through eager -> aot_eager, 0 failing" in result.stdout
@@ -437,8 +547,10 @@ def _check_demo(result, steps: int, strategy: str) -> None:
 
 
 def test_demo_aot_eager(tmp_path):
-    result = _run_cli(["demo", "--steps", "3", "--backend", "aot_eager", "--strategy", "split",
-                       "--stats-dir", str(tmp_path / "s")], tmp_path)
+    result = _run_cli(
+        ["demo", "--steps", "3", "--backend", "aot_eager", "--strategy", "split", "--stats-dir", str(tmp_path / "s")],
+        tmp_path,
+    )
     _check_demo(result, 3, "split")
     assert (tmp_path / "s" / "rank0.json").exists()
 

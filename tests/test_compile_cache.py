@@ -8,8 +8,8 @@ import pickle
 import torch
 import torch.fx as fx
 
-from bucketwise._compat import dynamo as dc
 from bucketwise._compat import collectives as cc
+from bucketwise._compat import dynamo as dc
 from bucketwise.distributed.fused.cache_keys import comm_pass_key, source_key, traced_call_targets
 from bucketwise.distributed.fused.sync import CommSpec, insert_bucket_syncs
 from bucketwise.partitioners.param_usage import find_graph_params
@@ -19,7 +19,9 @@ def test_scheduler_pass_pickles_with_the_hash_of_its_source():
     passes = cc.comm_overlap_options(comm_pass_key())["reorder_for_compute_comm_overlap_passes"]
     sink = passes[-1]
     assert sink.uuid() == source_key(cc) and sink.uuid().startswith("bucketwise-")
-    assert pickle.dumps(sink) == pickle.dumps(cc.comm_overlap_options(comm_pass_key())["reorder_for_compute_comm_overlap_passes"][-1])
+    assert pickle.dumps(sink) == pickle.dumps(
+        cc.comm_overlap_options(comm_pass_key())["reorder_for_compute_comm_overlap_passes"][-1]
+    )
     assert pickle.dumps(sink) != pickle.dumps(cc.SinkWaitsPass("bucketwise-other"))
     assert sink.key.encode() in pickle.dumps(sink)
 
@@ -39,7 +41,9 @@ def test_traced_call_targets_name_what_the_fused_pass_inserts():
     gm = fx.symbolic_trace(model)
     params = find_graph_params(gm, [], list(model.named_parameters()))
     insert_bucket_syncs(gm, [[p] for p in params], CommSpec(group="0", world_size=1))
-    targets = {n.target for n in gm.graph.nodes if n.op == "call_function" and n.target.__module__.startswith("bucketwise")}
+    targets = {
+        n.target for n in gm.graph.nodes if n.op == "call_function" and n.target.__module__.startswith("bucketwise")
+    }
     names = traced_call_targets()
     assert targets and all(f"{t.__module__}.{t.__name__}" in names for t in targets)
     assert len(set(names.values())) == 1

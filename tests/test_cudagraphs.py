@@ -16,15 +16,14 @@ import functools
 import pytest
 import torch
 import torch.nn as nn
+from _cudagraph_emulator import use_emulated_graphs
+from _dist import run_distributed
+from test_split_correctness import train_and_compare
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import bucketwise
 from bucketwise.cudagraphs import policy
 from bucketwise.cudagraphs.runner import MAX_RECORDS
-
-from _cudagraph_emulator import use_emulated_graphs
-from _dist import run_distributed
-from test_split_correctness import train_and_compare
 
 pytestmark = pytest.mark.inductor
 

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _entry_point import entry_point_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,17 +32,19 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 def _env(tmp: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({
-        # the entry points pyproject.toml declares, and this checkout, for every rank
-        "PYTHONPATH": os.pathsep.join([str(entry_point_dir(tmp))] + [p for p in sys.path if p]),
-        "BUCKETWISE_STATS_DIR": str(tmp / "stats"),
-        "BUCKETWISE_PROGRESS": "0",
-        "HF_HUB_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "OMP_NUM_THREADS": "1",
-        "TORCHINDUCTOR_COMPILE_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    })
+    env.update(
+        {
+            # the entry points pyproject.toml declares, and this checkout, for every rank
+            "PYTHONPATH": os.pathsep.join([str(entry_point_dir(tmp))] + [p for p in sys.path if p]),
+            "BUCKETWISE_STATS_DIR": str(tmp / "stats"),
+            "BUCKETWISE_PROGRESS": "0",
+            "HF_HUB_OFFLINE": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "OMP_NUM_THREADS": "1",
+            "TORCHINDUCTOR_COMPILE_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     return env
 
 
@@ -51,7 +52,9 @@ def _run(launcher: list[str], script: Path, cwd: Path) -> str:
     cwd.mkdir(parents=True, exist_ok=True)
     cmd = launcher + [str(script)]
     proc = subprocess.run(cmd, env=_env(cwd), cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    )
     return proc.stdout
 
 
@@ -110,13 +113,20 @@ def test_hf_trainer_recipe_runs_fused_and_trains_like_the_trainer(tmp_path):
     pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    run, out, eager, _ = run_pair(TORCHRUN, "hf_trainer.py", [
-        ("from bucketwise.hf import BucketwiseTrainer\n", "from transformers import Trainer\n"),
-        ("import bucketwise\n", ""),
-        ("trainer = BucketwiseTrainer(", "trainer = Trainer("),
-        ("        print(bucketwise.report(trainer.model).table())\n", "        pass\n"),
-    ], tmp_path)
-    assert_same_params(load_file(run / "hf-out" / "model.safetensors"), load_file(eager / "hf-out" / "model.safetensors"))
+    run, out, eager, _ = run_pair(
+        TORCHRUN,
+        "hf_trainer.py",
+        [
+            ("from bucketwise.hf import BucketwiseTrainer\n", "from transformers import Trainer\n"),
+            ("import bucketwise\n", ""),
+            ("trainer = BucketwiseTrainer(", "trainer = Trainer("),
+            ("        print(bucketwise.report(trainer.model).table())\n", "        pass\n"),
+        ],
+        tmp_path,
+    )
+    assert_same_params(
+        load_file(run / "hf-out" / "model.safetensors"), load_file(eager / "hf-out" / "model.safetensors")
+    )
     logs = [json.loads((d / "hf-out" / "trainer_state.json").read_text())["log_history"] for d in (run, eager)]
     for key in ("loss", "grad_norm"):  # grad_norm: the reduced gradient, before clipping
         assert_same_losses(*[[h[key] for h in log if key in h] for log in logs])
@@ -135,15 +145,34 @@ def test_accelerate_recipe_runs_fused_and_trains_like_eager(tmp_path):
     pytest.importorskip("accelerate")
     from safetensors.torch import load_file
 
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    run, out, eager, eager_out = run_pair(launcher, "accelerate_loop.py", [
-        ("import bucketwise\n", ""),
-        ('    model = torch.compile(model, backend="bucketwise")', "    pass"),
-        ("    accelerator.print(bucketwise.report(model).table())\n", ""),
-    ], tmp_path)
-    assert_same_params(load_file(run / "accelerate-out" / "model.safetensors"),
-                       load_file(eager / "accelerate-out" / "model.safetensors"))
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
+    run, out, eager, eager_out = run_pair(
+        launcher,
+        "accelerate_loop.py",
+        [
+            ("import bucketwise\n", ""),
+            ('    model = torch.compile(model, backend="bucketwise")', "    pass"),
+            ("    accelerator.print(bucketwise.report(model).table())\n", ""),
+        ],
+        tmp_path,
+    )
+    assert_same_params(
+        load_file(run / "accelerate-out" / "model.safetensors"),
+        load_file(eager / "accelerate-out" / "model.safetensors"),
+    )
     assert_same_losses(printed_losses(out), printed_losses(eager_out))
     for stats in rank_stats(run):
         assert training_strategies(stats) == ["fused"], stats["graphs"]
@@ -152,11 +181,16 @@ def test_accelerate_recipe_runs_fused_and_trains_like_eager(tmp_path):
 @pytest.mark.inductor
 def test_fabric_recipe_runs_fused_and_trains_like_eager(tmp_path):
     pytest.importorskip("lightning")
-    run, out, eager, eager_out = run_pair([sys.executable], "fabric_loop.py", [
-        ("import bucketwise\n", ""),
-        ('    model = torch.compile(Net(), backend="bucketwise")', "    model = Net()"),
-        ("    fabric.print(bucketwise.report(model).table())\n", ""),
-    ], tmp_path)
+    run, out, eager, eager_out = run_pair(
+        [sys.executable],
+        "fabric_loop.py",
+        [
+            ("import bucketwise\n", ""),
+            ('    model = torch.compile(Net(), backend="bucketwise")', "    model = Net()"),
+            ("    fabric.print(bucketwise.report(model).table())\n", ""),
+        ],
+        tmp_path,
+    )
     load = lambda d: torch.load(d / "fabric-out.ckpt", weights_only=True)["model"]  # noqa: E731
     assert_same_params(load(run), load(eager))
     assert_same_losses(printed_losses(out), printed_losses(eager_out))
@@ -168,11 +202,16 @@ def test_fabric_recipe_runs_fused_and_trains_like_eager(tmp_path):
 @pytest.mark.inductor
 def test_lightning_trainer_recipe_runs_split_and_trains_like_eager(tmp_path):
     pytest.importorskip("lightning")
-    run, out, eager, eager_out = run_pair([sys.executable], "lightning_trainer.py", [
-        ("import bucketwise\n", ""),
-        ('        self.net = torch.compile(Net(), backend="bucketwise")', "        self.net = Net()"),
-        ("        print(bucketwise.report(lit.net).table())\n", ""),
-    ], tmp_path)
+    run, out, eager, eager_out = run_pair(
+        [sys.executable],
+        "lightning_trainer.py",
+        [
+            ("import bucketwise\n", ""),
+            ('        self.net = torch.compile(Net(), backend="bucketwise")', "        self.net = Net()"),
+            ("        print(bucketwise.report(lit.net).table())\n", ""),
+        ],
+        tmp_path,
+    )
     load = lambda d: torch.load(d / "lightning-out.pt", weights_only=True)  # noqa: E731
     assert_same_params(load(run), load(eager), strip="_orig_mod.")
     assert_same_losses(printed_losses(out), printed_losses(eager_out))
@@ -221,4 +260,4 @@ def test_per_sample_grads_prints_what_its_comments_say(tmp_path):
     expected = re.findall(r"^print\(.*\)\s+# (.*)$", script.read_text(), re.M)
     assert len(expected) == 2, expected
     out = _run([sys.executable], script, tmp_path)
-    assert out.splitlines()[-len(expected):] == expected, out
+    assert out.splitlines()[-len(expected) :] == expected, out

@@ -7,7 +7,12 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [
+    ROOT / "README.md",
+    ROOT / "CHANGELOG.md",
+    ROOT / "benchmarks" / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -62,8 +67,9 @@ def test_every_note_is_defined_once_and_every_reference_resolves():
 def test_design_md_maps_every_note_to_its_file():
     rows = dict(re.findall(r"^\| `NOTE \[([^\]]+)\]` \| `([^`]+)` \|", (ROOT / "docs" / "design.md").read_text(), re.M))
     defined = _definitions()
-    assert set(rows) == set(defined), (f"docs/design.md misses {sorted(set(defined) - set(rows))}, "
-                                       f"lists undefined {sorted(set(rows) - set(defined))}")
+    assert set(rows) == set(defined), (
+        f"docs/design.md misses {sorted(set(defined) - set(rows))}, lists undefined {sorted(set(rows) - set(defined))}"
+    )
     wrong = {name: (rows[name], files[0]) for name, files in defined.items() if rows[name] != files[0]}
     assert not wrong, f"docs/design.md names the wrong file (page, code): {wrong}"
 
@@ -120,7 +126,9 @@ def test_every_recipe_file_is_shown_and_run():
 
 # -- the error table of docs/troubleshooting.md ---------------------------------------------------
 
-ERROR_ROW = re.compile(r"^\| `((?:compile|report)\([^`]*\))`(?P<when>[^|]*)\| (?P<kind>[^|]+?) \| (?P<msg>.*) \|$", re.M)
+ERROR_ROW = re.compile(
+    r"^\| `((?:compile|report)\([^`]*\))`(?P<when>[^|]*)\| (?P<kind>[^|]+?) \| (?P<msg>.*) \|$", re.M
+)
 # What the text after the call says about where the row applies; other rows are runs across ranks
 # or after setup this test cannot make (their tests: tests/test_bad_input.py).
 WHEN = {"": True, "of a module not compiled by bucketwise": True}
@@ -156,8 +164,13 @@ def test_error_table_rows_are_what_the_code_raises(caplog):
     rows = _error_rows()
     assert len(rows) >= 13, rows  # the table's single-call rows, so this test cannot pass by finding none
     for expr, kind, documented in rows:
-        scope = {"compile": bucketwise.compile, "report": bucketwise.report, "ddp": nn.Linear(2, 2),
-                 "model": nn.Linear(2, 2), "nn": nn}
+        scope = {
+            "compile": bucketwise.compile,
+            "report": bucketwise.report,
+            "ddp": nn.Linear(2, 2),
+            "model": nn.Linear(2, 2),
+            "nn": nn,
+        }
         caplog.clear()
         try:
             with caplog.at_level(logging.WARNING, logger="bucketwise"):
@@ -179,7 +192,7 @@ def test_user_guide_names_every_hook_that_runs_fused():
     hooks = {h for row in fused_rows for h in re.findall(r"`([\w.]*hook)`", row)}
     assert {"allreduce_hook", "powerSGD_hook", "bucketwise.traceable_comm_hook"} <= hooks, hooks
     guide = (ROOT / "docs" / "user-guide.md").read_text()
-    advice = guide[guide.index("- **`fused`** needs"):guide.index("- **`split`**")]
+    advice = guide[guide.index("- **`fused`** needs") : guide.index("- **`split`**")]
     missing = sorted(h for h in hooks if f"`{h}`" not in advice)
     assert not missing, f"user-guide.md's `fused` advice does not name {missing}"
 
@@ -225,4 +238,6 @@ def test_project_urls_name_the_repository():
     urls = dict(re.findall(r'^(\w+) = "(https://[^"]+)"$', text.split("[project.urls]")[1].split("\n[")[0], re.M))
     assert urls["Repository"] == REPOSITORY and urls["Homepage"] == REPOSITORY, urls
     assert all(u.startswith(REPOSITORY) for u in urls.values()), urls
-    assert "License :: OSI Approved :: BSD License" in text and (ROOT / "LICENSE").read_text().startswith("BSD 3-Clause")
+    assert "License :: OSI Approved :: BSD License" in text and (ROOT / "LICENSE").read_text().startswith(
+        "BSD 3-Clause"
+    )

@@ -18,10 +18,9 @@ import textwrap
 import pytest
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from _dist import run_distributed
 from _entry_point import declared_entry_points, entry_point_dir
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketwise.compiler.dynamo_backend import OWN_OPTIONS, bucketwise_backend, config_from_options
 
@@ -64,7 +63,11 @@ def test_options():
     # Inductor options pass through to Inductor; mode and dynamic act as for torch.compile.
     config = config_from_options(None, {"cudagraphs": "auto", "max_autotune": True}, True)
     assert (config.backend, config.options, config.cudagraphs, config.dynamic) == (
-        "inductor", {"max_autotune": True}, "auto", True)
+        "inductor",
+        {"max_autotune": True},
+        "auto",
+        True,
+    )
     assert config_from_options("max-autotune", None, None).mode == "max-autotune"
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['stratgy'\].*'strategy'.*Inductor"):
         config_from_options(None, {"stratgy": "split"}, None)
@@ -150,8 +153,12 @@ def _worker(rank: int, world: int, ep_dir: str) -> dict:
     compiled = torch.compile(DDP(net), backend="bucketwise", options=AOT)
     _train(compiled, net.parameters(), rank, no_sync_first=True)
     rep = bucketwise.report(compiled)
-    out["outer"] = (_max_diff(eager, net), [(g.strategy, g.variant) for g in rep.graphs], len(rep.graphs[0].buckets),
-                    rep.notes)
+    out["outer"] = (
+        _max_diff(eager, net),
+        [(g.strategy, g.variant) for g in rep.graphs],
+        len(rep.graphs[0].buckets),
+        rep.notes,
+    )
 
     # DDP wraps the compiled module (HF Trainer given model=torch.compile(model)).
     eager, net = copy.deepcopy(base), copy.deepcopy(base)

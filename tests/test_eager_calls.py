@@ -38,7 +38,11 @@ def test_many_models_of_one_class_each_get_compiled(single_rank_group):
         x = torch.randn(4, 8)
         compiled(x).sum().backward()
         rep = bucketwise.report(compiled).to_dict()
-        assert rep["totals"]["graphs"] == 1 and rep["totals"]["eager_calls"] == 0, (i, rep["totals"], rep["eager_calls"])
+        assert rep["totals"]["graphs"] == 1 and rep["totals"]["eager_calls"] == 0, (
+            i,
+            rep["totals"],
+            rep["eager_calls"],
+        )
         assert rep["graphs"][0]["strategy"] == "fused", (i, rep["graphs"][0]["strategy_reason"])
 
 
@@ -51,7 +55,7 @@ def test_a_call_past_the_recompile_limit_is_reported(caplog, tmp_path, monkeypat
     rep = bucketwise.report(compiled)
     data = rep.to_dict()
     assert data["totals"]["graphs"] == 2 and data["totals"]["eager_calls"] == 2, data["totals"]
-    (reason, count), = data["eager_calls"].items()
+    ((reason, count),) = data["eager_calls"].items()
     assert count == 2 and "recompile limit (2" in reason, reason
     assert f"ran eagerly: 2 call(s): {reason}" in rep.table()
     warned = [r for r in caplog.records if "ran eagerly" in r.getMessage()]
@@ -102,5 +106,7 @@ def test_disabled_regions_are_listed():
     compiled(torch.randn(2, 8))
     data = bucketwise.report(compiled).to_dict()
     assert data["totals"]["eager_calls"] == 0  # graphs ran; the disabled region is by design
-    assert len(data["eager_regions"]) == 1 and "torch.compiler.disable" in data["eager_regions"][0], data["eager_regions"]
+    assert len(data["eager_regions"]) == 1 and "torch.compiler.disable" in data["eager_regions"][0], data[
+        "eager_regions"
+    ]
     assert "runs eagerly between graphs: " in bucketwise.report(compiled).table()

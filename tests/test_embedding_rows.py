@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _dist import run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
-from _dist import run_distributed
 
 VOCAB, DIM = 64, 16
 
@@ -102,7 +102,12 @@ def test_uneven_batches_all_reduce_the_table_on_every_rank(tmp_path):
 def _collectives(net: nn.Module, ids: torch.Tensor, **kw: Any) -> dict[str, str]:
     compiled = bucketwise.compile(DDP(net), backend="aot_eager", strategy="fused", **kw)
     compiled(ids).backward()
-    return {p: b["collective"] for g in bucketwise.report(compiled).to_dict()["graphs"] for b in g["buckets"] for p in b["params"]}
+    return {
+        p: b["collective"]
+        for g in bucketwise.report(compiled).to_dict()["graphs"]
+        for b in g["buckets"]
+        for p in b["params"]
+    }
 
 
 def test_which_tables_are_gathered(single_rank_group):

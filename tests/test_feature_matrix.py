@@ -180,8 +180,11 @@ def _delayed(module: nn.Module) -> dict:
     delayed = [(n, p) for n, p in module.named_parameters() if n.startswith("layers.2.")]
     # A whole number of MiB: torch 2.11's DDP hands the cap to _broadcast_coalesced, which takes an
     # int, when delay_all_reduce_named_params is set (1 MiB layers: still one bucket per layer).
-    return {"delay_all_reduce_named_params": delayed, "param_to_hook_all_reduce": module.layers[0].weight,
-            "bucket_cap_mb": 1}
+    return {
+        "delay_all_reduce_named_params": delayed,
+        "param_to_hook_all_reduce": module.layers[0].weight,
+        "bucket_cap_mb": 1,
+    }
 
 
 # --- the matrix --------------------------------------------------------------------------
@@ -235,63 +238,119 @@ _UNUSED_NOTE = "auto: runs `split` (ranks may use different parameters); `fused`
 FEATURES: dict[str, Feature] = {
     "default_caps": Feature("default bucket caps (25 MiB, 1 MiB first)", ddp_kwargs=lambda m: {}),
     "small_caps": Feature("`bucket_cap_mb=0.01`"),
-    "zero_cap": Feature("`bucket_cap_mb=0` (one parameter per bucket)", ddp_kwargs=lambda m: {"bucket_cap_mb": 0},
-                        ddp_may_refuse="bucket_cap_mb should be set by now",
-                        note="torch 2.11's DDP itself refuses `bucket_cap_mb=0`"),
-    "cap_list": Feature("`bucket_cap_mb_list`", needs_ddp_arg="bucket_cap_mb_list",
-                        ddp_kwargs=lambda m: {"bucket_cap_mb_list": [0.005, 0.01, 1]}),
-    "find_unused": Feature("`find_unused_parameters=True`, a layer skipped every other step", model=UnusedBranchNet,
-                           inputs=_every_other_step, steps=lambda rank: 5, runs=_SPLIT_FOR_UNUSED,
-                           ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "find_unused_parameters": True},
-                           note=_UNUSED_NOTE),
-    "find_unused_rank": Feature("`find_unused_parameters=True`, a layer used on one rank only", model=UnusedBranchNet,
-                                inputs=_unused_on_rank_1, runs=_SPLIT_FOR_UNUSED,
-                                refuses={"fused": ("RankMismatchError", "strategy='split'")},
-                                ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "find_unused_parameters": True},
-                                note="fused: refused at the first step on every rank (the ranks' graphs differ)"),
-    "skip_unused": Feature("`skip_all_reduce_unused_params=True`", model=UnusedBranchNet, inputs=_every_other_step,
-                           needs_ddp_arg="skip_all_reduce_unused_params", runs=_SPLIT_FOR_UNUSED,
-                           ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "find_unused_parameters": True,
-                                                 "skip_all_reduce_unused_params": True}),
+    "zero_cap": Feature(
+        "`bucket_cap_mb=0` (one parameter per bucket)",
+        ddp_kwargs=lambda m: {"bucket_cap_mb": 0},
+        ddp_may_refuse="bucket_cap_mb should be set by now",
+        note="torch 2.11's DDP itself refuses `bucket_cap_mb=0`",
+    ),
+    "cap_list": Feature(
+        "`bucket_cap_mb_list`",
+        needs_ddp_arg="bucket_cap_mb_list",
+        ddp_kwargs=lambda m: {"bucket_cap_mb_list": [0.005, 0.01, 1]},
+    ),
+    "find_unused": Feature(
+        "`find_unused_parameters=True`, a layer skipped every other step",
+        model=UnusedBranchNet,
+        inputs=_every_other_step,
+        steps=lambda rank: 5,
+        runs=_SPLIT_FOR_UNUSED,
+        ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "find_unused_parameters": True},
+        note=_UNUSED_NOTE,
+    ),
+    "find_unused_rank": Feature(
+        "`find_unused_parameters=True`, a layer used on one rank only",
+        model=UnusedBranchNet,
+        inputs=_unused_on_rank_1,
+        runs=_SPLIT_FOR_UNUSED,
+        refuses={"fused": ("RankMismatchError", "strategy='split'")},
+        ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "find_unused_parameters": True},
+        note="fused: refused at the first step on every rank (the ranks' graphs differ)",
+    ),
+    "skip_unused": Feature(
+        "`skip_all_reduce_unused_params=True`",
+        model=UnusedBranchNet,
+        inputs=_every_other_step,
+        needs_ddp_arg="skip_all_reduce_unused_params",
+        runs=_SPLIT_FOR_UNUSED,
+        ddp_kwargs=lambda m: {
+            "bucket_cap_mb": 0.01,
+            "find_unused_parameters": True,
+            "skip_all_reduce_unused_params": True,
+        },
+    ),
     "static_graph": Feature("`static_graph=True`", ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "static_graph": True}),
-    "grad_as_bucket_view": Feature("`gradient_as_bucket_view=True`",
-                                   ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "gradient_as_bucket_view": True}),
-    "batched_grad_copy": Feature("`batched_grad_copy=True`", needs_ddp_arg="batched_grad_copy",
-                                 ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "batched_grad_copy": True}),
-    "broadcast_buffers": Feature("BatchNorm, `broadcast_buffers=True`", model=BNNet,
-                                 ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "broadcast_buffers": True}),
-    "no_broadcast_buffers": Feature("BatchNorm, `broadcast_buffers=False`", model=BNNet,
-                                    ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "broadcast_buffers": False}),
+    "grad_as_bucket_view": Feature(
+        "`gradient_as_bucket_view=True`", ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "gradient_as_bucket_view": True}
+    ),
+    "batched_grad_copy": Feature(
+        "`batched_grad_copy=True`",
+        needs_ddp_arg="batched_grad_copy",
+        ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "batched_grad_copy": True},
+    ),
+    "broadcast_buffers": Feature(
+        "BatchNorm, `broadcast_buffers=True`",
+        model=BNNet,
+        ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "broadcast_buffers": True},
+    ),
+    "no_broadcast_buffers": Feature(
+        "BatchNorm, `broadcast_buffers=False`",
+        model=BNNet,
+        ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "broadcast_buffers": False},
+    ),
     "buffers_in_forward": Feature("buffers written in the forward", model=RunningStatNet),
-    "init_sync": Feature("`init_sync=False`", needs_ddp_arg="init_sync",
-                         ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "init_sync": False}),
+    "init_sync": Feature(
+        "`init_sync=False`", needs_ddp_arg="init_sync", ddp_kwargs=lambda m: {"bucket_cap_mb": 0.01, "init_sync": False}
+    ),
     "subgroup": Feature("`process_group=` a `new_group`", ddp_kwargs=_subgroup),
     "device_mesh": Feature("`device_mesh=`", ddp_kwargs=_device_mesh),
-    "delay_all_reduce": Feature("`delay_all_reduce_named_params` (with `param_to_hook_all_reduce`)",
-                                model=lambda: MLP(width=512, depth=5), ddp_kwargs=_delayed, barrier=True,
-                                note="torch 2.11's DDP needs a whole-number `bucket_cap_mb` with it"),
+    "delay_all_reduce": Feature(
+        "`delay_all_reduce_named_params` (with `param_to_hook_all_reduce`)",
+        model=lambda: MLP(width=512, depth=5),
+        ddp_kwargs=_delayed,
+        barrier=True,
+        note="torch 2.11's DDP needs a whole-number `bucket_cap_mb` with it",
+    ),
     "ignored": Feature("parameters set to be ignored", model=_ignored_mlp),
     "frozen": Feature("frozen parameters", model=_frozen_mlp),
     "tied": Feature("tied embedding / output weight", model=TiedNet, inputs=_ids, loss=_out_loss),
     "mixed_dtypes": Feature("float32 and bfloat16 parameters", model=MixedDtypeNet),
-    "sparse": Feature("`nn.Embedding(sparse=True)`, `nn.EmbeddingBag(sparse=True)`", model=SparseNet, inputs=_ids,
-                      loss=_out_loss, optimizer="plain-sgd",
-                      note="sparse gradients are reduced on their own, as DDP does"),
+    "sparse": Feature(
+        "`nn.Embedding(sparse=True)`, `nn.EmbeddingBag(sparse=True)`",
+        model=SparseNet,
+        inputs=_ids,
+        loss=_out_loss,
+        optimizer="plain-sgd",
+        note="sparse gradients are reduced on their own, as DDP does",
+    ),
     "no_sync": Feature("`no_sync()` gradient accumulation (3 micro-batches)", micro=3),
-    "join": Feature("`join()` with uneven inputs (5 and 3 batches)", join=True, steps=lambda rank: 5 - 2 * rank,
-                    note="fused: steps after a rank joined run with DDP's reducer"),
-    "join_no_sync": Feature("`join()` with uneven inputs and `no_sync()`", join=True, micro=2,
-                            steps=lambda rank: 4 - rank),
+    "join": Feature(
+        "`join()` with uneven inputs (5 and 3 batches)",
+        join=True,
+        steps=lambda rank: 5 - 2 * rank,
+        note="fused: steps after a rank joined run with DDP's reducer",
+    ),
+    "join_no_sync": Feature(
+        "`join()` with uneven inputs and `no_sync()`", join=True, micro=2, steps=lambda rank: 4 - rank
+    ),
     "hook_allreduce": Feature("comm hook `allreduce_hook`", hook=_hook("allreduce")),
     "hook_fp16": Feature("comm hook `fp16_compress_hook`", hook=_hook("fp16")),
     # Default caps (one bucket here): torch's PowerSGD hooks wait on a collective inside a
     # future callback, which deadlocks gloo's worker threads with several buckets in flight.
-    "hook_powersgd": Feature("comm hook `powerSGD_hook` (start at step 2)", hook=_hook("powersgd"), steps=lambda rank: 5,
-                             ddp_kwargs=lambda m: {},
-                             note="fused: PowerSGD traced per bucket into the backward (tests/test_powersgd.py)"),
-    "hook_user": Feature("a user's own comm hook (futures, `dist.all_reduce`)", hook=_hook("user"), runs=_SPLIT_FOR_HOOK,
-                         note="fused/auto: runs `split`, DDP's reducer runs the hook; "
-                              "`bucketwise.traceable_comm_hook` keeps a functional-collective hook fused"),
+    "hook_powersgd": Feature(
+        "comm hook `powerSGD_hook` (start at step 2)",
+        hook=_hook("powersgd"),
+        steps=lambda rank: 5,
+        ddp_kwargs=lambda m: {},
+        note="fused: PowerSGD traced per bucket into the backward (tests/test_powersgd.py)",
+    ),
+    "hook_user": Feature(
+        "a user's own comm hook (futures, `dist.all_reduce`)",
+        hook=_hook("user"),
+        runs=_SPLIT_FOR_HOOK,
+        note="fused/auto: runs `split`, DDP's reducer runs the hook; "
+        "`bucketwise.traceable_comm_hook` keeps a functional-collective hook fused",
+    ),
 }
 
 
@@ -325,12 +384,14 @@ def _train(feature: Feature, model: Any, ddp: DDP, rank: int) -> list[dict[str, 
             grads = {n: None if p.grad is None else _dense(p.grad).clone() for n, p in ddp.module.named_parameters()}
             opt.step()
             opt.zero_grad(set_to_none=True)
-            records.append({
-                "loss": loss.detach().clone(),
-                "grads": grads,
-                "params": {n: p.detach().clone() for n, p in ddp.module.named_parameters()},
-                "buffers": {n: b.clone() for n, b in ddp.module.named_buffers()},
-            })
+            records.append(
+                {
+                    "loss": loss.detach().clone(),
+                    "grads": grads,
+                    "params": {n: p.detach().clone() for n, p in ddp.module.named_parameters()},
+                    "buffers": {n: b.clone() for n, b in ddp.module.named_buffers()},
+                }
+            )
     return records
 
 
@@ -368,8 +429,9 @@ def _cell(rank: int, feature: Feature, strategy: str) -> dict[str, Any]:
                 if value is None or a[kind][name] is None:
                     assert value is None and a[kind][name] is None, f"step {step} {kind} {name}: one is None"
                     continue
-                torch.testing.assert_close(a[kind][name], value, rtol=RTOL, atol=ATOL,
-                                           msg=lambda m: f"step {step} {kind} {name}: {m}")
+                torch.testing.assert_close(
+                    a[kind][name], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"step {step} {kind} {name}: {m}"
+                )
     report = bucketwise.report(compiled).to_dict()
     return {
         # The no_sync() variant's graphs (no collectives by design) are not what the step runs.
@@ -414,19 +476,25 @@ def test_feature_matrix(tmp_path, strategy):
             elif "error" in cell:
                 problems.append(f"rank {rank} {name}: {cell['error']}\n{cell['traceback']}")
             elif strategy in FEATURES[name].refuses or "refused" in cell:
-                missing = [w for w in FEATURES[name].refuses.get(strategy, ("<not refused>",)) if w not in cell.get("refused", "")]
+                missing = [
+                    w
+                    for w in FEATURES[name].refuses.get(strategy, ("<not refused>",))
+                    if w not in cell.get("refused", "")
+                ]
                 if missing:
                     problems.append(f"rank {rank} {name}: refusal {cell.get('refused')!r} does not say {missing}")
             elif cell["applied"] != [FEATURES[name].expected(strategy)] or cell["fallbacks"]:
-                problems.append(f"rank {rank} {name}: ran {cell['applied']} ({cell['reasons']}), "
-                                f"{cell['fallbacks']} fallbacks; expected {FEATURES[name].expected(strategy)}")
+                problems.append(
+                    f"rank {rank} {name}: ran {cell['applied']} ({cell['reasons']}), "
+                    f"{cell['fallbacks']} fallbacks; expected {FEATURES[name].expected(strategy)}"
+                )
     assert not problems, "\n".join(problems)
 
 
 def markdown_table() -> str:
     head = "| DDP feature | " + " | ".join(f"`{s}`" for s in STRATEGIES) + " | notes |"
     rows = [head, "| --- | " + " | ".join("---" for _ in STRATEGIES) + " | --- |"]
-    for name, f in FEATURES.items():
+    for f in FEATURES.values():
         cells = [_cell_text(f, s) for s in STRATEGIES]
         needs = f" (torch with `{f.needs_ddp_arg}`)" if f.needs_ddp_arg else ""
         rows.append(f"| {f.what}{needs} | " + " | ".join(cells) + f" | {f.note} |")
@@ -449,7 +517,9 @@ def _docs_with_table(text: str) -> str:
 def test_docs_table_is_current():
     with open(DOCS) as f:
         text = f.read()
-    assert text == _docs_with_table(text), "docs/ddp-features.md is stale: python tests/test_feature_matrix.py --write-docs"
+    assert text == _docs_with_table(text), (
+        "docs/ddp-features.md is stale: python tests/test_feature_matrix.py --write-docs"
+    )
 
 
 if __name__ == "__main__":

@@ -12,13 +12,12 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
+from _dist import run_distributed
+from test_bad_input import Net, _unique_graphs
 from torch._dynamo.testing import CompileCounter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
-from _dist import run_distributed
-from test_bad_input import Net, _unique_graphs
 
 # The guard a new batch size fails (dynamic=False: no automatic dynamic shapes either way).
 _GUARD = r"size mismatch at index 0\. expected 2, actual 3"

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _dist import run_distributed
+from test_split_correctness import CASES, _run
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
-from _dist import run_distributed
-from test_split_correctness import CASES, _run
 
 # Cases whose model has no DDP parameters compiled through DDP, or that are specific to split.
 _SKIP = {"compile_cap_only": "about split's alignment with a cap only compile() knows"}
@@ -185,8 +185,9 @@ _custom_hook.__annotations__ = {
 
 
 def _train_fused(rank: int, world: int, variant: str, micro: int) -> dict[str, Any]:
-    import bucketwise
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import bucketwise
 
     torch.manual_seed(0)
     model = EagerRegions(mixed=variant == "mixed")
@@ -220,7 +221,9 @@ def _train_fused(rank: int, world: int, variant: str, micro: int) -> dict[str, A
     return bucketwise.report(compiled).to_dict()
 
 
-@pytest.mark.parametrize("variant,micro", [("disabled", 1), ("disabled", 3), ("mixed", 1), ("mixed", 3), ("fp16_hook", 1)])
+@pytest.mark.parametrize(
+    "variant,micro", [("disabled", 1), ("disabled", 3), ("mixed", 1), ("mixed", 3), ("fp16_hook", 1)]
+)
 def test_fused_eager_gradients_reduced_once(tmp_path, variant, micro):
     for rep in run_distributed(_train_fused, tmp_path, args=(variant, micro)):
         strategies = {g["strategy"] for g in rep["graphs"]}
@@ -258,8 +261,10 @@ def _rank_dependent(rank: int, world: int) -> str:
 
     torch.manual_seed(0)
     compiled = bucketwise.compile(
-        DDP(RankDependent(rank), bucket_cap_mb=0.001, find_unused_parameters=True), backend="aot_eager",
-        strategy="fused",  # auto runs split here (find_unused_parameters), which handles it: tests/test_feature_matrix.py
+        DDP(RankDependent(rank), bucket_cap_mb=0.001, find_unused_parameters=True),
+        backend="aot_eager",
+        # auto runs split here (find_unused_parameters), which handles it: tests/test_feature_matrix.py
+        strategy="fused",
     )
     try:
         compiled(torch.randn(4, 16)).sum().backward()

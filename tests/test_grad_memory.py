@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from _dist import run_distributed
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 RTOL, ATOL = 1e-5, 1e-6
 CAP_MB = 0.01  # 10 KiB buckets: several per graph
@@ -169,7 +168,9 @@ def _join_with_hook(rank: int, world: int) -> dict[str, Any]:
         records[name].append([p.detach().clone() for p in module.parameters()])
     for step, (a, b) in enumerate(zip(records["ref"], records["cmp"])):
         for i, (x, y) in enumerate(zip(a, b)):
-            torch.testing.assert_close(y, x, rtol=1e-3, atol=1e-4, msg=lambda m: f"rank {rank} record {step} tensor {i}: {m}")
+            torch.testing.assert_close(
+                y, x, rtol=1e-3, atol=1e-4, msg=lambda m: f"rank {rank} record {step} tensor {i}: {m}"
+            )
     hooked = ddp._get_ddp_logging_data().get("comm_hook")
     return {"released": states, "hook": hooked, "reducer": type(ddp.reducer).__name__}
 

@@ -28,20 +28,39 @@ class Tokens(torch.utils.data.Dataset):
 
 def _model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
 
 
 def _args(tmp_path, **kwargs) -> TrainingArguments:
-    return TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3,
-                             learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                             disable_tqdm=True, **kwargs)
+    return TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=3,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        **kwargs,
+    )
 
 
 def test_options_checked_like_bucketwise_compile():
     assert check_options(None) == {}
     assert check_options({"backend": "aot_eager", "strategy": "split"}) == {"backend": "aot_eager", "strategy": "split"}
-    with pytest.raises(ValueError, match=r"bucketwise_options: unknown key\(s\) \['stratgy'\]; accepted: \[.*'strategy'"):
+    with pytest.raises(
+        ValueError, match=r"bucketwise_options: unknown key\(s\) \['stratgy'\]; accepted: \[.*'strategy'"
+    ):
         check_options({"stratgy": "split"})
     with pytest.raises(ValueError, match="unknown strategy 'fast'"):
         check_options({"strategy": "fast"})
@@ -71,8 +90,12 @@ def test_one_process_compiles_the_model_and_trains_like_the_trainer(tmp_path, ca
     eager = Trainer(model=_model(), args=_args(tmp_path / "eager"), train_dataset=Tokens())
     eager.train()
     with caplog.at_level(logging.INFO, logger="bucketwise.hf"):
-        trainer = BucketwiseTrainer(model=_model(), args=_args(tmp_path / "bw"), train_dataset=Tokens(),
-                                    bucketwise_options={"backend": "aot_eager"})
+        trainer = BucketwiseTrainer(
+            model=_model(),
+            args=_args(tmp_path / "bw"),
+            train_dataset=Tokens(),
+            bucketwise_options={"backend": "aot_eager"},
+        )
         trainer.train()
     assert "one process, no DDP module: LlamaForCausalLM compiled with backend 'aot_eager' alone" in caplog.text
     rep = trainer.bucketwise_report()

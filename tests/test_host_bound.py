@@ -16,8 +16,10 @@ def _kernels(busy_us: float, steps: int, step_us: float) -> list[dict]:
     for s in range(steps):
         t0 = s * step_us
         n = int(busy_us // 10)
-        events += [{"ph": "X", "cat": "kernel", "name": f"triton_{i}", "ts": t0 + 10 * i, "dur": 10, "args": {}}
-                   for i in range(n)]
+        events += [
+            {"ph": "X", "cat": "kernel", "name": f"triton_{i}", "ts": t0 + 10 * i, "dur": 10, "args": {}}
+            for i in range(n)
+        ]
         events.append({"ph": "X", "cat": "kernel", "name": "copy", "ts": t0 + 5, "dur": 10, "args": {}})
     return events
 
@@ -67,10 +69,14 @@ def test_doctor_names_the_host_bound_ranks(tmp_path):
     _write_view(tmp_path, 0, 300)
     _write_view(tmp_path, 1, 950)
     (line,) = stats.host_bound_lines(str(tmp_path), 2)
-    assert line.startswith("bucketwise doctor: rank 0: host-bound: the GPU was busy 0.30 of 1.00 ms") and "cudagraphs=True" in line
+    assert (
+        line.startswith("bucketwise doctor: rank 0: host-bound: the GPU was busy 0.30 of 1.00 ms")
+        and "cudagraphs=True" in line
+    )
     (tmp_path / "runtime-rank0.json").unlink()
     assert stats.host_bound_lines(str(tmp_path), 2) == [
-        "bucketwise doctor: the GPU was busy 95% or more of every profiled step: not bound by the host"]
+        "bucketwise doctor: the GPU was busy 95% or more of every profiled step: not bound by the host"
+    ]
 
 
 def test_doctor_says_nothing_without_views_and_why_on_cpu(tmp_path):
@@ -82,7 +88,8 @@ def test_doctor_says_nothing_without_views_and_why_on_cpu(tmp_path):
     assert line.startswith("bucketwise doctor: no step was profiled: the job ended within its warm-up, before 3")
     (tmp_path / "runtime-rank0.json").write_text(json.dumps(analyze([], REPORT, steps=1, step_ms=1.0).to_dict()))
     assert stats.host_bound_lines(str(tmp_path), 3) == [
-        "bucketwise doctor: no GPU kernels in the profiled steps: nothing to say about host-bound steps"]
+        "bucketwise doctor: no GPU kernels in the profiled steps: nothing to say about host-bound steps"
+    ]
 
 
 def test_profile_puts_the_host_bound_note_in_the_report(single_rank_group, tmp_path, monkeypatch):
@@ -96,9 +103,13 @@ def test_profile_puts_the_host_bound_note_in_the_report(single_rank_group, tmp_p
     from bucketwise.stats import profiling
 
     real = profiling.analyze
-    monkeypatch.setattr(profiling, "analyze",
-                        lambda events, report, **kw: real(_kernels(300, steps=kw["steps"], step_us=1000), report,
-                                                          **{**kw, "step_ms": 1.0}))
+    monkeypatch.setattr(
+        profiling,
+        "analyze",
+        lambda events, report, **kw: real(
+            _kernels(300, steps=kw["steps"], step_us=1000), report, **{**kw, "step_ms": 1.0}
+        ),
+    )
     compiled = bucketwise.compile(DDP(nn.Linear(8, 8)), backend="aot_eager", strategy="fused")
     with bucketwise.profile(compiled, out_dir=tmp_path, plot=False):
         for _ in range(2):

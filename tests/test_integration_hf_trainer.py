@@ -16,8 +16,11 @@ from _integration import assert_same_training, run_recipe, strategies  # noqa: E
 
 
 def test_hf_trainer_recipe(tmp_path):
-    out = run_recipe([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
-                     "hf_trainer_recipe.py", tmp_path)
+    out = run_recipe(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+        "hf_trainer_recipe.py",
+        tmp_path,
+    )
     assert_same_training(out)
     # DDP wraps the compiled model: split, DDP's reducer reduces.
     assert strategies(out) == [["split"], ["split"]]

@@ -82,8 +82,13 @@ def private_torch(path: Path) -> list[str]:
     """Where ``path`` reaches a private torch module: ``torch._x`` in code or in an import."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
-                and isinstance(node.value, ast.Name) and node.value.id == "torch":
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "torch"
+        ):
             found.append(f"line {node.lineno}: torch.{node.attr}")
         if isinstance(node, ast.Import):
             found += [f"line {node.lineno}: import {a.name}" for a in node.names if a.name.startswith("torch._")]

@@ -23,10 +23,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _dist import run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
-from _dist import run_distributed
 from bucketwise.stats import trace_analysis as ta
 from bucketwise.stats.runtime_view import RuntimeView, analyze
 
@@ -80,11 +80,28 @@ def _free_port() -> int:
 def _agent(stats_dir, port: int, cwd) -> subprocess.Popen:
     env = dict(os.environ, BUCKETWISE_PROGRESS="0", OMP_NUM_THREADS="1")
     env.pop("BUCKETWISE_STATS_DIR", None)
-    cmd = [sys.executable, "-m", "bucketwise.launch.cli", "launch", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--profile-steps", "3",
-           "--stats-dir", str(stats_dir), "train.py"]
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "bucketwise.launch.cli",
+        "launch",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"localhost:{port}",
+        "--profile-steps",
+        "3",
+        "--stats-dir",
+        str(stats_dir),
+        "train.py",
+    ]
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
@@ -132,7 +149,7 @@ def test_two_agents_print_one_job_wide_table(tmp_path):
         assert f"rank {rank}: 3 profiled step(s)" in out0, out0
     buckets = json.loads((home / "rank0.json").read_text())["graphs"][0]["buckets"]
     assert len(buckets) >= 2
-    rows = [line.split() for line in out0.split("runtime per bucket")[1].splitlines()[2:2 + len(buckets)]]
+    rows = [line.split() for line in out0.split("runtime per bucket")[1].splitlines()[2 : 2 + len(buckets)]]
     assert [(r[0], r[1], r[2]) for r in rows] == [("0", str(b["index"]), "all_reduce") for b in buckets], out0
     # Each rank's trace and timeline stay on its own node.
     assert (away / "runtime-rank1.trace.json").exists() and (away / "runtime-rank1.png").exists()
@@ -183,7 +200,9 @@ def test_profile_finds_every_bucket_and_its_wire_bytes(tmp_path):
         view = RuntimeView.from_dict(r["view"])
         assert view.to_dict() == r["view"]
         assert view.rank == rank and view.steps == 3 and view.source == "cpu", view
-        planned = {(g["graph_id"], b["index"]): b for g in r["report"]["graphs"] if not g["variant"] for b in g["buckets"]}
+        planned = {
+            (g["graph_id"], b["index"]): b for g in r["report"]["graphs"] if not g["variant"] for b in g["buckets"]
+        }
         assert {b["collective"] for b in planned.values()} == {"all_reduce", "all_gather rows"}, planned
         assert {b["comm_dtype"] for b in planned.values()} == {"float16"}, planned
         assert sorted((b.graph_id, b.index) for b in view.buckets) == sorted(planned)
@@ -231,11 +250,22 @@ def test_profile_arguments_and_one_profile_at_a_time(tmp_path):
 
 def _report(*graphs: list[int]) -> dict:
     """A report dict: one list of bucket wire bytes per training graph (fp32, all-reduced)."""
-    return {"target": "DDP(Net)", "rank": 0, "world_size": 2, "graphs": [
-        {"graph_id": g, "variant": None, "buckets": [
-            {"index": i, "params": ["p"], "bytes": n, "collective": "all_reduce", "wire_bytes": n}
-            for i, n in enumerate(sizes)]}
-        for g, sizes in enumerate(graphs)]}
+    return {
+        "target": "DDP(Net)",
+        "rank": 0,
+        "world_size": 2,
+        "graphs": [
+            {
+                "graph_id": g,
+                "variant": None,
+                "buckets": [
+                    {"index": i, "params": ["p"], "bytes": n, "collective": "all_reduce", "wire_bytes": n}
+                    for i, n in enumerate(sizes)
+                ],
+            }
+            for g, sizes in enumerate(graphs)
+        ],
+    }
 
 
 def _kernel(name, ts, dur, corr, **args):
@@ -243,7 +273,14 @@ def _kernel(name, ts, dur, corr, **args):
 
 
 def _launch(ts, corr):
-    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "args": {"correlation": corr}}
+    return {
+        "ph": "X",
+        "cat": "cuda_runtime",
+        "name": "cudaLaunchKernel",
+        "ts": ts,
+        "dur": 1,
+        "args": {"correlation": corr},
+    }
 
 
 def _nccl(ts, dur, corr, nelems, with_meta=True):
@@ -258,11 +295,11 @@ def _cuda_step(t0: float, corr0: int, with_meta: bool = True) -> list[dict]:
     events += [_launch(t0 + i, corr0 + i) for i in range(6)]
     events += [
         _kernel("gemm", t0, 100, corr0),
-        _nccl(t0 + 50, 100, corr0 + 1, 200, with_meta),   # g1b0: 50 of 100 overlapped
+        _nccl(t0 + 50, 100, corr0 + 1, 200, with_meta),  # g1b0: 50 of 100 overlapped
         _nccl(t0 + 150, 100, corr0 + 2, 100, with_meta),  # g0b0: exposed
         _nccl(t0 + 250, 100, corr0 + 3, 100, with_meta),  # g0b1: 50 of 100 overlapped
         _kernel("triton_poi", t0 + 250, 50, corr0 + 4),
-        _nccl(t0 + 400, 10, corr0 + 5, 1, with_meta),     # the loss, for logging
+        _nccl(t0 + 400, 10, corr0 + 5, 1, with_meta),  # the loss, for logging
     ]
     return events
 
@@ -271,7 +308,10 @@ def _check_cuda_view(view: RuntimeView) -> None:
     rows = {(b.graph_id, b.index): b for b in view.buckets}
     assert rows[(1, 0)].measured_bytes == 800 and rows[(0, 0)].measured_bytes == 400 == rows[(0, 1)].measured_bytes
     assert {k: (b.calls, b.comm_ms, b.overlapped_ms, b.exposed_ms) for k, b in rows.items()} == {
-        (1, 0): (1, 0.1, 0.05, 0.05), (0, 0): (1, 0.1, 0.0, 0.1), (0, 1): (1, 0.1, 0.05, 0.05)}
+        (1, 0): (1, 0.1, 0.05, 0.05),
+        (0, 0): (1, 0.1, 0.0, 0.1),
+        (0, 1): (1, 0.1, 0.05, 0.05),
+    }
     assert view.other is not None and view.other.calls == 1 and view.other.measured_bytes == 4
     assert view.comm_ms == pytest.approx(0.31) and view.overlapped_ms == pytest.approx(0.1)
     assert view.wire_bytes == 1604 and view.source == "cuda"
@@ -289,9 +329,17 @@ def test_cuda_trace_without_kernel_metadata_uses_record_param_comms():
     events = _cuda_step(0, 0, with_meta=False) + _cuda_step(10_000, 100, with_meta=False)
     starts = sorted(e["ts"] for e in events if "nccl" in e["name"])
     sizes = [200, 100, 100, 1] * 2
-    events += [{"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "ts": ts - 0.5, "dur": 0.1,
-                "args": {"Collective name": "allreduce", "In msg nelems": n, "dtype": "Float"}}
-               for ts, n in zip(starts, sizes)]
+    events += [
+        {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": "record_param_comms",
+            "ts": ts - 0.5,
+            "dur": 0.1,
+            "args": {"Collective name": "allreduce", "In msg nelems": n, "dtype": "Float"},
+        }
+        for ts, n in zip(starts, sizes)
+    ]
     _check_cuda_view(analyze(events, _report([400, 400], [800]), steps=2, step_ms=5.0))
 
 
@@ -303,7 +351,9 @@ def test_cpu_trace_host_compute_excludes_waits():
         ev("user_annotation", "bucketwise.step", 1, 0, 0),
         ev("cpu_op", "autograd::engine::evaluate_function: CompiledFunctionBackward", 1, 0, 500),
         ev("cpu_op", "_c10d_functional::wait_tensor", 1, 300, 200),  # waiting: not compute
-        ev("user_annotation", "gloo:all_reduce", 7, 200, 200, **{"Input Dims": [[64]], "Input type": ["c10::BFloat16"]}),
+        ev(
+            "user_annotation", "gloo:all_reduce", 7, 200, 200, **{"Input Dims": [[64]], "Input type": ["c10::BFloat16"]}
+        ),
     ]
     view = analyze(events, _report([128]), steps=1, step_ms=1.0)
     (b,) = view.buckets
@@ -318,10 +368,21 @@ def _rank_file(folder, rank: int, world: int) -> None:
     from bucketwise.stats.report import GraphStats, Report, SegmentStats
 
     rep = Report(target="DDP(MLP)", strategy="split", backend="aot_eager")
-    rep.graphs.append(GraphStats(graph_id=0, compile_id="0/0", strategy="split", strategy_reason=None,
-                                 graph_break_reasons=[], recompile=False, op_count=3, higher_order_ops=[],
-                                 segments=[SegmentStats(index=0, params=["w"], bytes=4, op_count=3,
-                                                        compile_seconds=1.0, backend="aot_eager")]))
+    rep.graphs.append(
+        GraphStats(
+            graph_id=0,
+            compile_id="0/0",
+            strategy="split",
+            strategy_reason=None,
+            graph_break_reasons=[],
+            recompile=False,
+            op_count=3,
+            higher_order_ops=[],
+            segments=[
+                SegmentStats(index=0, params=["w"], bytes=4, op_count=3, compile_seconds=1.0, backend="aot_eager")
+            ],
+        )
+    )
     data = rep.to_dict()
     data.update(rank=rank, world_size=world)
     folder.mkdir(exist_ok=True)
@@ -337,13 +398,25 @@ def test_what_each_launcher_prints_from_the_gathered_files(tmp_path, capsys, mon
         _rank_file(home, r, 4)  # rank 1 and 2 came through the store, rank 3 never did
     _rank_file(away, 1, 4)
     folders = {"0": str(home), "1": str(away), "2": str(away)}
-    (home / "job.json").write_text(json.dumps({
-        "schema": 1, "world_size": 4, "gathered_by": {"rank": 0, "host": "h0", "stats_dir": str(home)},
-        "ranks": {r: {"host": "h0" if d == str(home) else "h1", "stats_dir": d, "final": r != "2"}
-                  for r, d in folders.items()},
-        "not_final": [2], "missing": [3], "waited_s": 60.0}))
-    (away / "job.json").write_text(json.dumps({
-        "schema": 1, "world_size": 4, "gathered_by": {"rank": 0, "host": "h0", "stats_dir": str(home)}}))
+    (home / "job.json").write_text(
+        json.dumps(
+            {
+                "schema": 1,
+                "world_size": 4,
+                "gathered_by": {"rank": 0, "host": "h0", "stats_dir": str(home)},
+                "ranks": {
+                    r: {"host": "h0" if d == str(home) else "h1", "stats_dir": d, "final": r != "2"}
+                    for r, d in folders.items()
+                },
+                "not_final": [2],
+                "missing": [3],
+                "waited_s": 60.0,
+            }
+        )
+    )
+    (away / "job.json").write_text(
+        json.dumps({"schema": 1, "world_size": 4, "gathered_by": {"rank": 0, "host": "h0", "stats_dir": str(home)}})
+    )
 
     assert launcher.summarize(str(home))
     out = capsys.readouterr().out
@@ -363,11 +436,16 @@ def test_what_each_launcher_prints_from_the_gathered_files(tmp_path, capsys, mon
     assert "ranks 3 of 4" in out.out and "two files for rank 1; keeping the first" in out.err, out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["launch", "--profile-steps", "0", "t.py"], "--profile-steps: expected a positive integer, got '0'"),
-    (["launch", "--profile-steps", "2", "--profile-warmup", "soon", "t.py"],
-     "--profile-warmup: expected 'auto' or an integer >= 0, got 'soon'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["launch", "--profile-steps", "0", "t.py"], "--profile-steps: expected a positive integer, got '0'"),
+        (
+            ["launch", "--profile-steps", "2", "--profile-warmup", "soon", "t.py"],
+            "--profile-warmup: expected 'auto' or an integer >= 0, got 'soon'",
+        ),
+    ],
+)
 def test_profile_flags_are_checked(argv, message, capsys):
     from bucketwise.launch import cli
 

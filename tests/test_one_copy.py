@@ -30,7 +30,11 @@ def test_no_module_of_the_package_is_loaded_twice():
         path = Path(path).resolve()
         if not path.is_file():  # torch.ops and torch.classes name files that are not there
             continue
-        if ROOT in path.parents and path.parts[len(ROOT.parts)] not in ("tests", "benchmarks") and path != ROOT / "__init__.py":
+        if (
+            ROOT in path.parents
+            and path.parts[len(ROOT.parts)] not in ("tests", "benchmarks")
+            and path != ROOT / "__init__.py"
+        ):
             inside.setdefault(path, []).append(name)
     twice = {str(p): names for p, names in inside.items() if len(names) > 1 or not names[0].startswith("bucketwise")}
     assert not twice, f"expected each module of the package once, as bucketwise.*, got {twice}"

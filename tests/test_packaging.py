@@ -19,8 +19,23 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_wheel_carries_license_and_metadata(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "results", "__pycache__"))
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           str(src), "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(src),
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     (wheel,) = (tmp_path / "dist").glob("bucketwise-*.whl")
     with zipfile.ZipFile(wheel) as z:
@@ -29,10 +44,15 @@ def test_wheel_carries_license_and_metadata(tmp_path):
         metadata = z.read(f"{info}/METADATA").decode()
         license_files = [n for n in names if n.startswith(info) and n.endswith("LICENSE")]
         assert license_files and z.read(license_files[0]).decode() == (ROOT / "LICENSE").read_text()
-        assert "bucketwise = bucketwise.compiler.dynamo_backend:bucketwise_backend" in z.read(
-            f"{info}/entry_points.txt").decode()
-    for line in ("License: BSD-3-Clause", "Project-URL: Repository, https://github.com/bucketwise/bucketwise",
-                 "Classifier: License :: OSI Approved :: BSD License"):
+        assert (
+            "bucketwise = bucketwise.compiler.dynamo_backend:bucketwise_backend"
+            in z.read(f"{info}/entry_points.txt").decode()
+        )
+    for line in (
+        "License: BSD-3-Clause",
+        "Project-URL: Repository, https://github.com/bucketwise/bucketwise",
+        "Classifier: License :: OSI Approved :: BSD License",
+    ):
         assert line in metadata, f"{line!r} not in METADATA:\n{metadata[:2000]}"
     for module in ("bucketwise/__init__.py", "bucketwise/hf.py", "bucketwise/launch/cli.py"):
         assert module in names, module

@@ -16,21 +16,38 @@ CELL = re.compile(r"^(?P<ms>\d+\.\d\d)(?: \((?P<ratio>\d+\.\d\d)x(?P<ro> ro)?\))
 
 
 def _perf_tables(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--root", str(root), *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--root", str(root), *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def _meta(date: str, *, world: int = 2, model: str = "gpt", net: str = "default", cap=None, steps: int = 20) -> dict:
-    return {"type": "meta", "date": f"{date}T10:00:00+00:00", "command": f"python3 benchmarks/ddp_bench.py --model {model}",
-            "device_name": "Fake GPU", "world_size": world, "torch": "2.99.0", "net": net, "bucket_cap_mb": cap,
-            "steps": steps, "model": {"model": model, "params": 1234}, "allreduce_probe": {"median_ms": 1.5}}
+    return {
+        "type": "meta",
+        "date": f"{date}T10:00:00+00:00",
+        "command": f"python3 benchmarks/ddp_bench.py --model {model}",
+        "device_name": "Fake GPU",
+        "world_size": world,
+        "torch": "2.99.0",
+        "net": net,
+        "bucket_cap_mb": cap,
+        "steps": steps,
+        "model": {"model": model, "params": 1234},
+        "allreduce_probe": {"median_ms": 1.5},
+    }
 
 
 def _row(config: str, ms: float, floor: str | None = "local", ratio: float | None = None, status: str = "ok") -> dict:
     if status != "ok":
         return {"type": "result", "config": config, "status": status}
-    return {"type": "result", "config": config, "status": "ok", "median_ms": ms,
-            "floor_config": floor, "floor_ratio": ratio}
+    return {
+        "type": "result",
+        "config": config,
+        "status": "ok",
+        "median_ms": ms,
+        "floor_config": floor,
+        "floor_ratio": ratio,
+    }
 
 
 def _write_run(folder: Path, meta: dict, rows: list[dict]) -> None:
@@ -43,23 +60,46 @@ def _fake_repo(root: Path) -> dict[str, list[tuple[dict, list[dict]]]]:
     records of each folder (one entry per run, in run order)."""
     (root / "docs").mkdir(parents=True)
     (root / "README.md").write_text("# fake\n\n<!-- perf-current:begin -->\nold\n<!-- perf-current:end -->\n\nend\n")
-    (root / "docs" / "performance.md").write_text("# perf\n\n<!-- perf-tax:begin -->\n<!-- perf-tax:end -->\n\n"
-                                                 "<!-- perf-tables:begin -->\n<!-- perf-tables:end -->\n")
+    (root / "docs" / "performance.md").write_text(
+        "# perf\n\n<!-- perf-tax:begin -->\n<!-- perf-tax:end -->\n\n"
+        "<!-- perf-tables:begin -->\n<!-- perf-tables:end -->\n"
+    )
     results = root / "benchmarks" / "results"
     folders = {
         # the newest main folder: gpt, 2 ranks, default net, default cap, ran local and torch
         "2026-01-02_2xFake_gpt-nvlink": [
-            (_meta("2026-01-02"), [_row("local", 10.0, ratio=1.0), _row("torch", 20.004, ratio=2.0004),
-                                   _row("bw-fused", 11.0, ratio=1.1), _row("local#2", 10.5, ratio=1.05)]),
-            (_meta("2026-01-02", steps=40), [_row("local", 12.0, ratio=1.0), _row("bw-fused", 13.2, ratio=1.1),
-                                             _row("torch", 0, status="error")]),
+            (
+                _meta("2026-01-02"),
+                [
+                    _row("local", 10.0, ratio=1.0),
+                    _row("torch", 20.004, ratio=2.0004),
+                    _row("bw-fused", 11.0, ratio=1.1),
+                    _row("local#2", 10.5, ratio=1.05),
+                ],
+            ),
+            (
+                _meta("2026-01-02", steps=40),
+                [_row("local", 12.0, ratio=1.0), _row("bw-fused", 13.2, ratio=1.1), _row("torch", 0, status="error")],
+            ),
         ],
-        "2026-01-01_2xFake_gpt-nvlink": [(_meta("2026-01-01"), [_row("local", 9.0, ratio=1.0), _row("torch", 18.0, ratio=2.0)])],
-        "2026-01-03_2xFake_gpt-socket": [(_meta("2026-01-03", net="socket"),
-                                          [_row("eager", 200.0, None), _row("local", 9.5, ratio=1.0), _row("torch", 300.0, ratio=31.57)])],
-        "2026-01-04_2xFake_gpt-sweep": [(_meta("2026-01-04", cap=5.0), [_row("local", 9.0, ratio=1.0), _row("torch", 9.9, ratio=1.1)])],
-        "2026-01-02_4xFake_gpt-tiny": [(_meta("2026-01-02", world=4, model="gpt-tiny"),
-                                        [_row("local-ro", 3.0, "local-ro", 1.0), _row("bw-fused-cg", 3.3, "local-ro", 1.1)])],
+        "2026-01-01_2xFake_gpt-nvlink": [
+            (_meta("2026-01-01"), [_row("local", 9.0, ratio=1.0), _row("torch", 18.0, ratio=2.0)])
+        ],
+        "2026-01-03_2xFake_gpt-socket": [
+            (
+                _meta("2026-01-03", net="socket"),
+                [_row("eager", 200.0, None), _row("local", 9.5, ratio=1.0), _row("torch", 300.0, ratio=31.57)],
+            )
+        ],
+        "2026-01-04_2xFake_gpt-sweep": [
+            (_meta("2026-01-04", cap=5.0), [_row("local", 9.0, ratio=1.0), _row("torch", 9.9, ratio=1.1)])
+        ],
+        "2026-01-02_4xFake_gpt-tiny": [
+            (
+                _meta("2026-01-02", world=4, model="gpt-tiny"),
+                [_row("local-ro", 3.0, "local-ro", 1.0), _row("bw-fused-cg", 3.3, "local-ro", 1.1)],
+            )
+        ],
     }
     for name, runs in folders.items():
         for i, (meta, rows) in enumerate(runs):
@@ -77,7 +117,12 @@ def _tables(text: str) -> dict[str, list[list[str]]]:
         link = re.match(r"^\[title of (?P<name>[^\]]+)\]\(", line)
         if link:
             current = tables.setdefault(link["name"], [])
-        elif current is not None and line.startswith("| ") and not line.startswith("| config") and not line.startswith("| ---"):
+        elif (
+            current is not None
+            and line.startswith("| ")
+            and not line.startswith("| config")
+            and not line.startswith("| ---")
+        ):
             current.append([c.strip() for c in line.strip("|").split("|")])
     return tables
 
@@ -121,9 +166,15 @@ def test_tables_are_the_records(tmp_path):
         assert rows[-1] == ["all-gradient allreduce"] + ["1.50"] * len(runs)
     # Grouped by hardware (fewest ranks first), then date (newest first).
     headings = re.findall(r"^#{3,4} .*$", section, re.M)
-    assert headings == ["### 2 x Fake GPU", "#### 2 x Fake GPU, 2026-01-04", "#### 2 x Fake GPU, 2026-01-03",
-                        "#### 2 x Fake GPU, 2026-01-02", "#### 2 x Fake GPU, 2026-01-01",
-                        "### 4 x Fake GPU", "#### 4 x Fake GPU, 2026-01-02"]
+    assert headings == [
+        "### 2 x Fake GPU",
+        "#### 2 x Fake GPU, 2026-01-04",
+        "#### 2 x Fake GPU, 2026-01-03",
+        "#### 2 x Fake GPU, 2026-01-02",
+        "#### 2 x Fake GPU, 2026-01-01",
+        "### 4 x Fake GPU",
+        "#### 4 x Fake GPU, 2026-01-02",
+    ]
     caption = next(line for line in section.splitlines() if "title of 2026-01-02_2xFake_gpt-nvlink" in line)
     assert "(../benchmarks/results/2026-01-02_2xFake_gpt-nvlink/)" in caption
     assert "2 x Fake GPU, torch 2.99.0, model `gpt` (1,234 parameters)" in caption and "20/40 timed steps" in caption
@@ -131,7 +182,10 @@ def test_tables_are_the_records(tmp_path):
     readme = (tmp_path / "README.md").read_text()
     current = readme.split("<!-- perf-current:begin -->")[1].split("<!-- perf-current:end -->")[0]
     assert list(_tables(current)) == ["2026-01-02_2xFake_gpt-nvlink"]
-    assert "(https://github.com/bucketwise/bucketwise/tree/main/benchmarks/results/2026-01-02_2xFake_gpt-nvlink/)" in current
+    assert (
+        "(https://github.com/bucketwise/bucketwise/tree/main/benchmarks/results/2026-01-02_2xFake_gpt-nvlink/)"
+        in current
+    )
     assert readme.startswith("# fake\n") and readme.endswith("<!-- perf-current:end -->\n\nend\n")
 
 

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bucketwise._compat import ddp as ddpc
 from bucketwise._compat import dynamo as dc
 from bucketwise.compiler.segments import compile_with_fallback
-from bucketwise._compat import ddp as ddpc
-from bucketwise.distributed.split.apply import split_and_compile
 from bucketwise.distributed.plan import BucketCaps, plan_buckets
+from bucketwise.distributed.split.apply import split_and_compile
 from bucketwise.launch.models import GPT, GPTConfig, mlp, synthetic_tokens
 from bucketwise.partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops, ready_order
 from bucketwise.partitioners.split import SEGMENT_META_KEY, bucket_boundaries, split_graph
@@ -197,7 +197,11 @@ def test_bucket_caps_limits_and_validation():
     assert BucketCaps(first_bytes=100, bytes=200, per_bucket=(5, 6, 7)).limits() == [5, 6, 7]
     # 0 is a cap DDP accepts (one parameter per bucket); a negative one is a bug upstream.
     assert BucketCaps(first_bytes=0, bytes=0, per_bucket=(4, 0)).limits() == [4, 0]
-    for bad in ({"first_bytes": -1, "bytes": 10}, {"first_bytes": 10, "bytes": -1}, {"first_bytes": 1, "bytes": 1, "per_bucket": (4, -1)}):
+    for bad in (
+        {"first_bytes": -1, "bytes": 10},
+        {"first_bytes": 10, "bytes": -1},
+        {"first_bytes": 1, "bytes": 1, "per_bucket": (4, -1)},
+    ):
         with pytest.raises(AssertionError, match="expected bucket caps >= 0"):
             BucketCaps(**bad)
 
@@ -410,7 +414,9 @@ def test_params_inside_checkpoint_found_and_flagged():
     assert sorted(names(params)) == sorted(n for n, _ in model.named_parameters())
     flagged = {p.name for p in params if p.in_higher_order_op}
     assert flagged == {"block.0.weight", "block.0.bias", "block.2.weight", "block.2.bias"}
-    hop = next(n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator))
+    hop = next(
+        n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)
+    )
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for p in params:
         if p.in_higher_order_op:
@@ -437,6 +443,7 @@ def test_unused_parameters_last():
     params = find_graph_params(gm, [torch.randn(2, 4), *ps.values()], reducer)
     assert {p.name: p.first_use for p in params if p.first_use < 0} == {"u1": -1, "u2": -1}
     assert names(ready_order(params)) == ["w1", "w0", "u1", "u2"]
+
     # Dynamo's own graphs: parameters of a module the forward never calls are not lifted.
     class WithUnused(nn.Module):
         def __init__(self) -> None:
@@ -463,7 +470,7 @@ def test_plan_predicts_ddp_rebuilt_buckets(single_rank_group):
     torch.manual_seed(0)
     model = mlp(width=48, depth=5, d_in=16, d_out=4)
     ddp = DDP(model, bucket_cap_mb=0.005)  # 5 KiB: every 9 KiB hidden layer closes a bucket
-    for step in range(3):
+    for _ in range(3):
         ddp(torch.randn(8, 16)).square().mean().backward()
     rebuilt, source = ddpc.reducer_buckets(ddp)
     assert source == "rebuilt", source
@@ -529,7 +536,9 @@ def test_split_mlp_one_segment_per_bucket():
     model = mlp(width=32, depth=4, d_in=16, d_out=4)
     # 32x32 fp32 = 4 KiB: a 4 KiB cap closes a bucket at every hidden weight; the small
     # output layer (6.*) shares the first bucket with 4.*.
-    gm, split_gm, segments = _check_split(model, (torch.randn(4, 16),), BucketCaps(first_bytes=4096, bytes=4096), min_segments=3)
+    gm, split_gm, segments = _check_split(
+        model, (torch.randn(4, 16),), BucketCaps(first_bytes=4096, bytes=4096), min_segments=3
+    )
     assert [sorted(names(s.params)) for s in segments] == [
         ["0.bias", "0.weight"],
         ["2.bias", "2.weight"],
@@ -551,7 +560,9 @@ def test_split_bucket_boundary_between_bias_and_weight():
     # A 1-byte cap makes every parameter its own bucket; bias and weight of one linear share
     # their first user node, so they cannot be separated: one segment holds both buckets.
     model = mlp(width=32, depth=3, d_in=16, d_out=4)
-    gm, split_gm, segments = _check_split(model, (torch.randn(4, 16),), BucketCaps(first_bytes=1, bytes=1), min_segments=3)
+    gm, split_gm, segments = _check_split(
+        model, (torch.randn(4, 16),), BucketCaps(first_bytes=1, bytes=1), min_segments=3
+    )
     assert len(segments) == 3
     for s in segments:
         assert sorted(names(s.params))[0].split(".")[0] == sorted(names(s.params))[1].split(".")[0]
@@ -560,14 +571,20 @@ def test_split_bucket_boundary_between_bias_and_weight():
 @pytest.mark.parametrize("cap", [1, 2048, 4096 + 128])
 def test_split_never_cuts_inside_checkpoint(cap):
     model = CheckpointNet()
-    gm, split_gm, segments = _check_split(model, (torch.randn(4, 16),), BucketCaps(first_bytes=cap, bytes=cap), min_segments=2)
+    gm, split_gm, segments = _check_split(
+        model, (torch.randn(4, 16),), BucketCaps(first_bytes=cap, bytes=cap), min_segments=2
+    )
     hop_names = [h for h in higher_order_ops(gm)]
     assert hop_names
     # The HOP node is whole in exactly one segment, with its body and all its operands.
     holders = []
     for s in segments:
         sub = getattr(split_gm, s.submodule)
-        hops = [n for n in sub.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)]
+        hops = [
+            n
+            for n in sub.graph.nodes
+            if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)
+        ]
         if hops:
             holders.append(s)
             for hop in hops:
@@ -577,7 +594,9 @@ def test_split_never_cuts_inside_checkpoint(cap):
     flagged = {"block.0.weight", "block.0.bias", "block.2.weight", "block.2.bias"}
     assert flagged <= set(names(holders[0].params))
     # Original graph nodes carry their segment.
-    hop = next(n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator))
+    hop = next(
+        n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)
+    )
     assert SEGMENT_META_KEY in hop.meta
 
 
@@ -599,8 +618,9 @@ class SplitBackend:
         buckets = plan_buckets(ready_order(params), self.caps)
 
         def piece(g, e, *, what, segment=0, tracing=None):
-            return compile_with_fallback(g, e, self.backend_fn, backend_name="aot_eager", fallback="raise",
-                                         tracing=tracing)
+            return compile_with_fallback(
+                g, e, self.backend_fn, backend_name="aot_eager", fallback="raise", tracing=tracing
+            )
 
         compiled, segments, outcomes = split_and_compile(gm, ex, params, buckets, piece)
         self.segments = [names(s.params) for s in segments]

@@ -37,9 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from _dist import run_distributed
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 RTOL, ATOL = 1e-5, 1e-7
 CAP_MB = 0.03
@@ -82,14 +81,33 @@ CONFIGS = {
         Config("rank1", {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}),
         # QR orthogonalisation (rank > 2); min_compression_rate 0.5 compresses the biases too
         # (n x 1 matrices: unaligned P/Q slices, see the module docstring).
-        Config("rank4_rate", {"matrix_approximation_rank": 4, "start_powerSGD_iter": 2, "min_compression_rate": 0.5},
-               tol=(RTOL, ATOL)),
+        Config(
+            "rank4_rate",
+            {"matrix_approximation_rank": 4, "start_powerSGD_iter": 2, "min_compression_rate": 0.5},
+            tol=(RTOL, ATOL),
+        ),
         # Fresh random Q every step, no error feedback, same-shape tensors batched, epsilon.
-        Config("cold", {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2, "warm_start": False,
-                        "use_error_feedback": False, "batch_tensors_with_same_shape": True,
-                        "orthogonalization_epsilon": 1e-8}),
-        Config("start1", {"matrix_approximation_rank": 2, "start_powerSGD_iter": 1, "warm_start": False,
-                          "use_error_feedback": False, "random_seed": 7}),
+        Config(
+            "cold",
+            {
+                "matrix_approximation_rank": 2,
+                "start_powerSGD_iter": 2,
+                "warm_start": False,
+                "use_error_feedback": False,
+                "batch_tensors_with_same_shape": True,
+                "orthogonalization_epsilon": 1e-8,
+            },
+        ),
+        Config(
+            "start1",
+            {
+                "matrix_approximation_rank": 2,
+                "start_powerSGD_iter": 1,
+                "warm_start": False,
+                "use_error_feedback": False,
+                "random_seed": 7,
+            },
+        ),
         # Gradient accumulation: 2 no_sync() micro-steps per step, then a synced one.
         Config("no_sync", {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}, micro=3, tol=(RTOL, ATOL)),
         # A user hook written with functional collectives (fp16 on the wire), accumulating.
@@ -99,8 +117,13 @@ CONFIGS = {
         # Inductor (it fuses the elementwise work and orders reductions its own way) with
         # bucketwise's CUDA-graph runners: the state tensors are read and updated in place by
         # replayed graphs (warm-up, record, then replays of the PowerSGD variant).
-        Config("inductor", {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}, steps=6, tol=(1e-4, 1e-6),
-               cudagraphs=True),
+        Config(
+            "inductor",
+            {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2},
+            steps=6,
+            tol=(1e-4, 1e-6),
+            cudagraphs=True,
+        ),
     ]
 }
 
@@ -131,15 +154,20 @@ def _fp16_allreduce(state: Any, bucket: Any) -> torch.Tensor:
 
 def _hooks(config: Config, group: Any):
     """(eager hook, eager state, compiled hook, compiled state)."""
-    import bucketwise
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+    import bucketwise
 
     if config.hook == "traced":
         hook = bucketwise.traceable_comm_hook(_fp16_allreduce)
         return hook, group, hook, group
     torch_hook = ps.batched_powerSGD_hook if config.hook == "batched" else ps.powerSGD_hook
-    return (_serialized(torch_hook), ps.PowerSGDState(group, **config.state),
-            torch_hook, ps.PowerSGDState(group, **config.state))
+    return (
+        _serialized(torch_hook),
+        ps.PowerSGDState(group, **config.state),
+        torch_hook,
+        ps.PowerSGDState(group, **config.state),
+    )
 
 
 # --- the worker ----------------------------------------------------------------------------
@@ -195,8 +223,11 @@ def _train(rank: int, config: Config, backend: str) -> dict[str, Any]:
             _compare(f"{config.name} step {step} {name}", q.detach(), p.detach(), config.tol)
     if config.hook != "traced":
         _compare_states(config.name, ref_state, state, config.tol)
-    return {"report": bucketwise.report(compiled).to_dict(), "table": bucketwise.report(compiled).table(),
-            "reducer_buckets": _reducer_buckets(ref)}
+    return {
+        "report": bucketwise.report(compiled).to_dict(),
+        "table": bucketwise.report(compiled).table(),
+        "reducer_buckets": _reducer_buckets(ref),
+    }
 
 
 def _reducer_buckets(ddp: DDP) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -273,10 +304,14 @@ def _check_report(name: str, result: dict[str, Any]) -> None:
         assert b["wire_parts"] == expected, (b, expected)
         assert b["wire_bytes"] == sum(expected.values()) < b["bytes"], b
         assert b["collective"] == "all_reduce " + " + ".join(expected), b
-    assert "on the wire per step" in result["table"] and "before start_powerSGD_iter" in result["table"], result["table"]
+    assert "on the wire per step" in result["table"] and "before start_powerSGD_iter" in result["table"], result[
+        "table"
+    ]
     if config.cudagraphs:
         replayed = {c["name"]: c for c in rep["cudagraphs"] if c["replays"] > 0}
-        assert {"graph 0 (powerSGD) segment 0 forward", "graph 0 (powerSGD) segment 0 backward"} <= set(replayed), rep["cudagraphs"]
+        assert {"graph 0 (powerSGD) segment 0 forward", "graph 0 (powerSGD) segment 0 backward"} <= set(replayed), rep[
+            "cudagraphs"
+        ]
         # Parameters and the state tensors in place; the batch copied.
         assert replayed["graph 0 (powerSGD) segment 0 forward"]["inputs_copied"] == 1, replayed
 
@@ -284,8 +319,11 @@ def _check_report(name: str, result: dict[str, Any]) -> None:
 # --- tests ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("names", [["rank1", "rank4_rate", "cold", "start1"], ["no_sync", "traced", "batched"]],
-                         ids=["powersgd", "no_sync-traced-batched"])
+@pytest.mark.parametrize(
+    "names",
+    [["rank1", "rank4_rate", "cold", "start1"], ["no_sync", "traced", "batched"]],
+    ids=["powersgd", "no_sync-traced-batched"],
+)
 def test_comm_hooks_match_eager_ddp(tmp_path, names):
     for result in run_distributed(_parity, tmp_path, args=(names, "aot_eager"), timeout=400):
         for name in names:

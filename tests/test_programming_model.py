@@ -140,8 +140,9 @@ class FuncCase:
 
 
 def _grad_case() -> FuncCase:
-    return FuncCase(lambda x: grad(_sin_sum)(x), lambda: (_randn(5),),
-                    needs={"_grad_increment_nesting": 1, "_autograd_grad": 1})
+    return FuncCase(
+        lambda x: grad(_sin_sum)(x), lambda: (_randn(5),), needs={"_grad_increment_nesting": 1, "_autograd_grad": 1}
+    )
 
 
 def _grad_argnums_aux_case() -> FuncCase:
@@ -158,8 +159,7 @@ def _grad_argnums_aux_case() -> FuncCase:
 
 
 def _grad_and_value_case() -> FuncCase:
-    return FuncCase(lambda x: grad_and_value(_sin_sum)(x), lambda: (_randn(5),),
-                    needs={"_grad_increment_nesting": 1})
+    return FuncCase(lambda x: grad_and_value(_sin_sum)(x), lambda: (_randn(5),), needs={"_grad_increment_nesting": 1})
 
 
 def _vmap_dims_case() -> FuncCase:
@@ -296,8 +296,11 @@ def _keyword_args_case() -> FuncCase:
         v = vmap(lambda a, *, b: a * b)(x, b=y[0])
         return g, v
 
-    return FuncCase(fn, lambda: (_randn(3, 4, seed=1), _randn(3, 4, seed=2)),
-                    needs={"_grad_increment_nesting": 1, "_vmap_increment_nesting": 1})
+    return FuncCase(
+        fn,
+        lambda: (_randn(3, 4, seed=1), _randn(3, 4, seed=2)),
+        needs={"_grad_increment_nesting": 1, "_vmap_increment_nesting": 1},
+    )
 
 
 def _vmap_checkpoint_case() -> FuncCase:

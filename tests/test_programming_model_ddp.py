@@ -36,18 +36,23 @@ import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
+from _dist import WorkerError, run_distributed
 from torch.func import functional_call, grad, vmap
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from _dist import WorkerError, run_distributed
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 3
 LR = 0.1
 BUCKET_CAP_MB = 0.002  # ~2 KiB: every layer of the models below is a bucket of its own
 
-NESTING_CALLS = ("_vmap_increment_nesting", "_vmap_decrement_nesting", "_grad_increment_nesting",
-                 "_grad_decrement_nesting", "_jvp_increment_nesting", "_jvp_decrement_nesting")
+NESTING_CALLS = (
+    "_vmap_increment_nesting",
+    "_vmap_decrement_nesting",
+    "_grad_increment_nesting",
+    "_grad_decrement_nesting",
+    "_jvp_increment_nesting",
+    "_jvp_decrement_nesting",
+)
 
 
 # --- shared helpers ------------------------------------------------------------------------
@@ -545,7 +550,9 @@ def controls_worker(rank: int, world_size: int, strategy: str, controls: list[st
             base = ControlNet(control)
             ref = DDP(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB)
             compiled = bucketwise.compile(
-                DDP(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB), backend="aot_eager", strategy=strategy,
+                DDP(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB),
+                backend="aot_eager",
+                strategy=strategy,
                 fullgraph=True,
             )
             _train_and_compare(ref, compiled, lambda step: _control_batch(rank, step), _control_loss)
@@ -553,7 +560,9 @@ def controls_worker(rank: int, world_size: int, strategy: str, controls: list[st
         for control in ("graph_break", "disable", "break_in_try"):
             torch._dynamo.reset()
             compiled = bucketwise.compile(
-                DDP(ControlNet(control), bucket_cap_mb=BUCKET_CAP_MB), backend="aot_eager", strategy=strategy,
+                DDP(ControlNet(control), bucket_cap_mb=BUCKET_CAP_MB),
+                backend="aot_eager",
+                strategy=strategy,
                 fullgraph=True,
             )
             try:

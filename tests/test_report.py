@@ -15,7 +15,6 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
@@ -92,7 +91,8 @@ def _pair(module: nn.Module, **compile_kwargs):
     """(bucketwise-compiled DDP, eager DDP) over two copies of ``module``."""
     ref = DDP(copy.deepcopy(module), bucket_cap_mb=CAP_MB)
     compiled = bucketwise.compile(
-        DDP(copy.deepcopy(module), bucket_cap_mb=CAP_MB), **{"backend": "aot_eager", "strategy": "split", **compile_kwargs}
+        DDP(copy.deepcopy(module), bucket_cap_mb=CAP_MB),
+        **{"backend": "aot_eager", "strategy": "split", **compile_kwargs},
     )
     return compiled, ref
 
@@ -375,13 +375,18 @@ def test_compile_times_in_the_rank_file(single_rank_group, tmp_path, monkeypatch
     assert t["dynamo_s"] > 0 and t["backward_compiles"] == 4
     assert t["aot_autograd_s"] > 0 and t["bucketwise_s"] > 0 and t["rank_check_s"] == 0
     assert t["fx_graph_cache"] == {"hit": 0, "miss": 0, "bypass": 0}, "aot_eager: no Inductor"
-    assert t["total_s"] == pytest.approx(t["dynamo_s"] + t["bucketwise_s"] + t["aot_autograd_s"] + t["backend_s"], abs=1e-5)
+    assert t["total_s"] == pytest.approx(
+        t["dynamo_s"] + t["bucketwise_s"] + t["aot_autograd_s"] + t["backend_s"], abs=1e-5
+    )
     assert bucketwise.report(compiled).totals["compile_times"]["backward_compiles"] == 4
     from bucketwise.launch import stats as launch_stats
 
     merged = launch_stats.merge([json.loads((stats / "rank0.json").read_text())])
     assert merged["compile_times"][0]["slowest"]["backward_compiles"] == 4
-    assert "FX cache h/m/b" in launch_stats.format_merged(merged) and "FX cache h/m/b" in bucketwise.report(compiled).table()
+    assert (
+        "FX cache h/m/b" in launch_stats.format_merged(merged)
+        and "FX cache h/m/b" in bucketwise.report(compiled).table()
+    )
 
 
 def test_compile_times_skip_runtime_records():
@@ -392,12 +397,25 @@ def test_compile_times_skip_runtime_records():
     from bucketwise.stats.compile_times import CompileTimes, CompileTimesTracker, _Tracked
 
     def rec(forward, start, frame_s=None, backward_s=None, inductor_s=None):
-        return dc.CompileRecord(compile_id="0/0", forward=forward, start_us=start, end_us=start + 10, frame_s=frame_s,
-                                backend_s=None if frame_s is None else frame_s / 2, backward_s=backward_s,
-                                inductor_s=inductor_s, fx_hit=0, fx_miss=1)
+        return dc.CompileRecord(
+            compile_id="0/0",
+            forward=forward,
+            start_us=start,
+            end_us=start + 10,
+            frame_s=frame_s,
+            backend_s=None if frame_s is None else frame_s / 2,
+            backward_s=backward_s,
+            inductor_s=inductor_s,
+            fx_hit=0,
+            fx_miss=1,
+        )
 
-    records = [rec(True, 0, frame_s=20.0), rec(True, 30), rec(False, 40, backward_s=12.0, inductor_s=11.0),
-               rec(False, 60)]
+    records = [
+        rec(True, 0, frame_s=20.0),
+        rec(True, 30),
+        rec(False, 40, backward_s=12.0, inductor_s=11.0),
+        rec(False, 60),
+    ]
     t = _Tracked(CompileTimes(aot_autograd_s=1.0, backend_s=2.0), "0/0", call_us=5)
     assert CompileTimesTracker._claim(t, records)
     assert t.times.dynamo_s == pytest.approx(10.0)
@@ -423,7 +441,9 @@ def test_first_step_breakdown(single_rank_group):
     assert first["backward_s"] > 0 and first["forward_s"] > 0
     assert first["compiled_calls_s"] == pytest.approx(first["forward_s"] + first["backward_s"], abs=1e-5)
     assert first["compile_s"] == pytest.approx(compile_total, abs=1e-5) and compile_total > 0
-    assert first["compiled_calls_s"] == pytest.approx(first["compile_s"] + first["autotune_s"] + first["other_s"], abs=1e-5)
+    assert first["compiled_calls_s"] == pytest.approx(
+        first["compile_s"] + first["autotune_s"] + first["other_s"], abs=1e-5
+    )
     assert first["compiled_calls_s"] <= wall
     assert "first step: compiled calls" in rep.table()
     compiled(x).square().mean().backward()  # later steps are not timed

@@ -93,8 +93,7 @@ def test_uncompiled_object_names_what_was_searched(single_rank_group):
         bucketwise.report(3)
 
 
-def test_rank_file_rewritten_once_alignment_and_backward_compiles_are_known(single_rank_group, tmp_path,
-                                                                            monkeypatch):
+def test_rank_file_rewritten_once_alignment_and_backward_compiles_are_known(single_rank_group, tmp_path, monkeypatch):
     """The path where DDP's own forward runs a module compiled inside it (HF Trainer given a
     compiled model, Lightning Trainer): the rank file is rewritten when the reducer's rebuilt
     buckets make the alignment known and once the lazily compiled backward is recorded."""

@@ -24,9 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from _dist import run_distributed
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 STRATEGIES = ("split", "none")
 
@@ -88,9 +87,7 @@ class CheckpointNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(32, 64)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(2)
-        )
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(2))
         self.out = nn.Linear(64, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -271,7 +268,9 @@ def case_gpt_tied() -> Case:
 
     model = GPT(_tiny_gpt_config(tie_embeddings=True))
     assert model.head.weight is model.tok.weight
-    return Case(model, _gpt_inputs, _gpt_loss, ddp_kwargs={"bucket_cap_mb": 0.02}, compile_kwargs={"bucket_cap_mb": 0.02})
+    return Case(
+        model, _gpt_inputs, _gpt_loss, ddp_kwargs={"bucket_cap_mb": 0.02}, compile_kwargs={"bucket_cap_mb": 0.02}
+    )
 
 
 def case_frozen() -> Case:
@@ -378,7 +377,9 @@ def case_inductor_checkpoint() -> Case:
 def case_inductor_mlp() -> Case:
     from bucketwise.launch.models import mlp
 
-    return Case(mlp(width=32, depth=3, d_in=32, d_out=8), _x, _mse, ddp_kwargs={"bucket_cap_mb": 0.002}, optimizer="sgd")
+    return Case(
+        mlp(width=32, depth=3, d_in=32, d_out=8), _x, _mse, ddp_kwargs={"bucket_cap_mb": 0.002}, optimizer="sgd"
+    )
 
 
 CASES: dict[str, Callable[[], Case]] = {
@@ -414,8 +415,15 @@ def _close(what: str, actual: Any, expected: Any, rtol: float, atol: float) -> N
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-def train_and_compare(rank: int, world_size: int, case_name: str, strategy: str, backend: str = "aot_eager",
-                      rtol: float = RTOL, atol: float = ATOL) -> dict[str, Any]:
+def train_and_compare(
+    rank: int,
+    world_size: int,
+    case_name: str,
+    strategy: str,
+    backend: str = "aot_eager",
+    rtol: float = RTOL,
+    atol: float = ATOL,
+) -> dict[str, Any]:
     import bucketwise
 
     torch.manual_seed(0)

@@ -17,15 +17,41 @@ import pytest
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 CAPS = ("0.1", "1")
 CONFIGS = ("eager", "bw-fused")
-LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "TORCHELASTIC_RUN_ID", "BUCKETWISE_BENCH_ARGV", "BUCKETWISE_BENCH_COMMAND")
+LAUNCH_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "BUCKETWISE_BENCH_ARGV",
+    "BUCKETWISE_BENCH_COMMAND",
+)
 
 
 def _bench_cmd(out: Path, cap: str) -> list[str]:
     return [
-        sys.executable, str(BENCH_DIR / "ddp_bench.py"), "--nproc", "2", "--device", "cpu", "--model", "mlp",
-        "--configs", ",".join(CONFIGS), "--backend", "aot_eager", "--steps", "2", "--warmup", "1",
-        "--bucket-cap-mb", cap, "--out", str(out),
+        sys.executable,
+        str(BENCH_DIR / "ddp_bench.py"),
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--model",
+        "mlp",
+        "--configs",
+        ",".join(CONFIGS),
+        "--backend",
+        "aot_eager",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--bucket-cap-mb",
+        cap,
+        "--out",
+        str(out),
     ]
 
 
@@ -33,8 +59,12 @@ def _run_together(cmds: list[list[str]], timeout: float) -> list[tuple[int, str]
     """Start every command at once; their exit codes and outputs."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env["OMP_NUM_THREADS"] = "1"
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for cmd in cmds]
+    procs = [
+        subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        for cmd in cmds
+    ]
     results = []
     for proc in procs:
         try:
@@ -88,7 +118,12 @@ def test_sweep_table_refuses_a_cap_twice(tmp_path):
         (tmp_path / name).mkdir()
         meta = {"type": "meta", "bucket_cap_mb": None, "model": {"model": "mlp"}}
         (tmp_path / name / "results.jsonl").write_text(json.dumps(meta) + "\n")
-    cmd = [sys.executable, str(BENCH_DIR / "sweep_table.py"), str(tmp_path / "out"), str(tmp_path / "a"),
-           str(tmp_path / "b")]
+    cmd = [
+        sys.executable,
+        str(BENCH_DIR / "sweep_table.py"),
+        str(tmp_path / "out"),
+        str(tmp_path / "a"),
+        str(tmp_path / "b"),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "bucket cap 25 MiB in both" in result.stderr

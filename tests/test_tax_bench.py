@@ -28,8 +28,24 @@ def bench(monkeypatch):
 def test_cpu_run_interleaves_and_writes_both_files(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", MASTER_PORT="29631")
-    cmd = [sys.executable, str(BENCH_DIR / "tax_bench.py"), "--model", "mlp", "--configs", "local,bw-fused",
-           "--pairs", "3", "--steps", "2", "--warmup", "1", "--backend", "aot_eager", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(BENCH_DIR / "tax_bench.py"),
+        "--model",
+        "mlp",
+        "--configs",
+        "local,bw-fused",
+        "--pairs",
+        "3",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--backend",
+        "aot_eager",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "results.json").read_text())
@@ -51,11 +67,25 @@ def test_pairs_below_three_are_refused(bench):
 
 def test_ratio_is_the_median_of_per_round_ratios(bench):
     tax_bench = bench[0]
-    entry = lambda issue, peak: {"config": "", "first_step_s": 1.0, "compile_s": None, "issue_ms": issue,  # noqa: E731
-                                 "step_ms": issue, "kernels": 10, "gpu_ms": 1.0, "rest_bytes": 0,
-                                 "first_peak_bytes": peak, "peak_bytes": peak}
-    entries = {"local": {**entry([10.0, 20.0, 10.0], 100), "config": "local"},
-               "bw-fused": {**entry([11.0, 10.0, 30.0], 110), "config": "bw-fused"}}
+
+    def entry(issue, peak):
+        return {
+            "config": "",
+            "first_step_s": 1.0,
+            "compile_s": None,
+            "issue_ms": issue,
+            "step_ms": issue,
+            "kernels": 10,
+            "gpu_ms": 1.0,
+            "rest_bytes": 0,
+            "first_peak_bytes": peak,
+            "peak_bytes": peak,
+        }
+
+    entries = {
+        "local": {**entry([10.0, 20.0, 10.0], 100), "config": "local"},
+        "bw-fused": {**entry([11.0, 10.0, 30.0], 110), "config": "bw-fused"},
+    }
     rows = {r["config"]: r for r in tax_bench.summarize(entries)}
     # Per-round ratios 1.1, 0.5, 3.0: the median is 1.1, not the ratio of medians (11/10).
     assert rows["bw-fused"]["issue_ratio"] == pytest.approx(1.1)
@@ -78,8 +108,9 @@ def test_replicate_and_llama_train_like_the_local_floor(bench, single_rank_group
     for config in ("local", "replicate"):
         torch.manual_seed(0)
         model = spec.build()
-        prepared = bench_configs.CONFIGS[config].prepare(model, device=torch.device("cpu"), backend="eager",
-                                                         bucket_cap_mb=None)
+        prepared = bench_configs.CONFIGS[config].prepare(
+            model, device=torch.device("cpu"), backend="eager", bucket_cap_mb=None
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         batch = spec.make_batch(1, torch.device("cpu"))
         for _ in range(3):
@@ -125,15 +156,20 @@ def test_restart_ratios_are_medians_of_per_round_ratios(bench):
     from bucketwise.benchmarks import tax_restarts
 
     run = lambda cold, warm: {"cold": {"first_step_s": cold}, "warm": {"first_step_s": warm}}  # noqa: E731
-    runs = {"torch": [run(10.0, 2.0), run(20.0, 2.0), run(10.0, 2.0)],
-            "bw-fused": [run(11.0, 1.0), run(10.0, 1.0), run(30.0, 2.0)],
-            "bw-fused-cg": [run(12.0, 1.2), run(12.0, 1.5), {"cold": {"error": "x"}, "warm": {"error": "x"}}]}
+    runs = {
+        "torch": [run(10.0, 2.0), run(20.0, 2.0), run(10.0, 2.0)],
+        "bw-fused": [run(11.0, 1.0), run(10.0, 1.0), run(30.0, 2.0)],
+        "bw-fused-cg": [run(12.0, 1.2), run(12.0, 1.5), {"cold": {"error": "x"}, "warm": {"error": "x"}}],
+    }
     summary = tax_restarts.summarize(runs)
     # Per-round ratios 1.1, 0.5, 3.0: the median is 1.1.
     assert summary["bw-fused"]["cold_over_torch"] == pytest.approx(1.1)
     # The failed round is left out: warm ratios 1.2 and 1.5.
     assert summary["bw-fused-cg"]["warm_over_uncaptured"] == pytest.approx(1.35)
     assert "cold_over_torch" not in summary["torch"] and "warm_over_uncaptured" not in summary["bw-fused"]
-    md = bench[0].markdown({"model": "gpt", "gpu": "GPU", "device": "cuda", "world_size": 1, "torch": "2.11",
-                            "date": "d", "command": "c"}, [], {"rounds": 3, "summary": summary})
+    md = bench[0].markdown(
+        {"model": "gpt", "gpu": "GPU", "device": "cuda", "world_size": 1, "torch": "2.11", "date": "d", "command": "c"},
+        [],
+        {"rounds": 3, "summary": summary},
+    )
     assert "| `bw-fused` | 11.00 | 1.100 | 1.00 | - |" in md

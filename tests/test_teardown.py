@@ -19,10 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from _cudagraph_emulator import use_emulated_graphs
 from _dist import run_distributed
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def _train_fused_with_graphs(steps: int = 3):
@@ -31,8 +30,9 @@ def _train_fused_with_graphs(steps: int = 3):
     use_emulated_graphs()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    compiled = bucketwise.compile(DDP(model, bucket_cap_mb=0.0005), backend="inductor", strategy="fused",
-                                  cudagraphs=True)
+    compiled = bucketwise.compile(
+        DDP(model, bucket_cap_mb=0.0005), backend="inductor", strategy="fused", cudagraphs=True
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
         compiled(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
@@ -52,8 +52,11 @@ def _destroy_worker(rank: int, world_size: int, bound_device: bool = False) -> d
     stats = bucketwise.report(compiled).cudagraphs
     before = {s.name: s.captured for s in stats}
     dist.destroy_process_group()
-    return {"before": before, "after": {s.name: (s.captured, s.reason) for s in stats},
-            "graphs": [g["strategy"] for g in bucketwise.report(compiled).to_dict()["graphs"]]}
+    return {
+        "before": before,
+        "after": {s.name: (s.captured, s.reason) for s in stats},
+        "graphs": [g["strategy"] for g in bucketwise.report(compiled).to_dict()["graphs"]],
+    }
 
 
 @pytest.mark.parametrize("bound_device", [False, True], ids=["plain", "init-with-device-id"])
@@ -116,6 +119,7 @@ def test_at_exit_parts_run_in_their_order_whatever_the_registration_order(monkey
             ran.append(name)
             if fail:
                 raise RuntimeError(name)
+
         return fn
 
     for phase in reversed(at_exit.PHASES):

@@ -19,7 +19,7 @@ def _pyproject_version() -> str:
     text = (ROOT / "pyproject.toml").read_text()
     project = text.split("[project]", 1)[1].split("\n[", 1)[0]
     match = re.search(r'^version\s*=\s*"([^"]+)"\s*$', project, re.M)
-    assert match, "expected a version = \"...\" line in pyproject.toml's [project] table"
+    assert match, 'expected a version = "..." line in pyproject.toml\'s [project] table'
     return match.group(1)
 
 
@@ -40,12 +40,19 @@ def test_cli_version(capsys):
 
 
 def test_cli_version_as_a_command():
-    out = subprocess.run([sys.executable, "-m", "bucketwise.launch.cli", "--version"],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "bucketwise.launch.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     assert out == f"bucketwise {bucketwise.__version__}\n"
 
 
 def test_readme_names_the_version():
     readme = (ROOT / "README.md").read_text()
     named = re.findall(r"Version (\d+\.\d+\.\d+)", readme)
-    assert named == [bucketwise.__version__], f"README.md names version(s) {named}, the package is {bucketwise.__version__}"
+    assert named == [bucketwise.__version__], (
+        f"README.md names version(s) {named}, the package is {bucketwise.__version__}"
+    )

@@ -15,16 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _dist import run_distributed
-
-ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "benchmarks"
 
 from bucketwise.benchmarks.zoo_check import compare
 from bucketwise.benchmarks.zoo_procs import importable
 from bucketwise.benchmarks.zoo_registry import SUBSETS, get
 from bucketwise.benchmarks.zoo_run import worker
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
 
 CONFIGS = ("auto", "split")
 """``auto`` is ``fused`` wherever fused applies; ``fused`` is added where ``auto`` picks ``split``."""
@@ -85,8 +84,12 @@ def test_check_tolerance():
 
 
 def _table(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH / "zoo_table.py"), "--root", str(root), *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(BENCH / "zoo_table.py"), "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_models_doc_is_current():
@@ -97,16 +100,34 @@ def test_models_doc_is_current():
 def test_models_doc_counts_the_records(tmp_path):
     def model(name, statuses):
         configs = [{"config": "eager", "status": "pass", "params": 10}]
-        configs += [{"config": c, "status": s, "check": {"ok": s == "pass", "ratio": 0.1, "rel_err": 1e-6, "worst": "w"},
-                     "replica_spread": 0.0, "error": "RuntimeError: boom"} for c, s in statuses.items()]
+        configs += [
+            {
+                "config": c,
+                "status": s,
+                "check": {"ok": s == "pass", "ratio": 0.1, "rel_err": 1e-6, "worst": "w"},
+                "replica_spread": 0.0,
+                "error": "RuntimeError: boom",
+            }
+            for c, s in statuses.items()
+        ]
         return {"model": name, "family": "transformers", "source": f"{name} class", "status": "ran", "configs": configs}
 
-    run = {"type": "zoo", "mode": "check", "date": "2026-01-01T00:00:00+00:00", "machine": "CPU, 2 gloo ranks",
-           "backend": "aot_eager", "steps": 3, "versions": {"torch": "2.99"}, "command": "python3 benchmarks/zoo.py",
-           "models": [model("a", {"torch": "pass", "auto": "pass", "fused": "pass", "split": "pass"}),
-                      model("b", {"torch": "error", "auto": "pass", "fused": "pass", "split": "error"}),
-                      model("c", {"torch": "pass", "auto": "mismatch", "fused": "mismatch", "split": "pass"}),
-                      {"model": "d", "family": "case", "source": "d", "status": "gpu only", "reason": "needs a GPU"}]}
+    run = {
+        "type": "zoo",
+        "mode": "check",
+        "date": "2026-01-01T00:00:00+00:00",
+        "machine": "CPU, 2 gloo ranks",
+        "backend": "aot_eager",
+        "steps": 3,
+        "versions": {"torch": "2.99"},
+        "command": "python3 benchmarks/zoo.py",
+        "models": [
+            model("a", {"torch": "pass", "auto": "pass", "fused": "pass", "split": "pass"}),
+            model("b", {"torch": "error", "auto": "pass", "fused": "pass", "split": "error"}),
+            model("c", {"torch": "pass", "auto": "mismatch", "fused": "mismatch", "split": "pass"}),
+            {"model": "d", "family": "case", "source": "d", "status": "gpu only", "reason": "needs a GPU"},
+        ],
+    }
     (tmp_path / "docs").mkdir()
     folder = tmp_path / "benchmarks" / "results" / "2026-01-01_cpu_zoo"
     folder.mkdir(parents=True)
@@ -114,7 +135,7 @@ def test_models_doc_counts_the_records(tmp_path):
     assert _table(tmp_path).returncode == 0
     doc = (tmp_path / "docs" / "models.md").read_text()
     assert "| `torch.compile(DDP(model))` | 2 of 3 |" in doc
-    assert "| bucketwise `strategy=\"auto\"` | 2 of 3 |" in doc
+    assert '| bucketwise `strategy="auto"` | 2 of 3 |' in doc
     assert "bucketwise `auto` passes on 1; `auto` passes on 1 model(s) where it does not (b)" in doc
     assert "| `d` | d | - | GPU only | GPU only |" in doc
     assert "- `b`, `torch`: error: `RuntimeError: boom`" in doc
@@ -123,12 +144,27 @@ def test_models_doc_counts_the_records(tmp_path):
     (folder / "zoo.json").write_text(json.dumps({**run, "steps": 4}))
     assert _table(tmp_path, "--check").returncode == 1
 
-    speed = {**run, "mode": "speed", "machine": "1 x Fake GPU, NCCL", "backend": "inductor", "steps": 10,
-             "models": [{"model": "a", "family": "transformers", "source": "a class", "status": "ran", "configs": [
-                 {"config": "eager", "status": "pass", "median_ms": 3.0, "peak_mib": 30.0},
-                 {"config": "local", "status": "pass", "median_ms": 1.5, "peak_mib": 20.4},
-                 {"config": "bw-fused-cg", "status": "error", "error": "ValueError: no"}]},
-                 {"model": "e", "family": "case", "source": "e", "status": "not run", "reason": "past the budget"}]}
+    speed = {
+        **run,
+        "mode": "speed",
+        "machine": "1 x Fake GPU, NCCL",
+        "backend": "inductor",
+        "steps": 10,
+        "models": [
+            {
+                "model": "a",
+                "family": "transformers",
+                "source": "a class",
+                "status": "ran",
+                "configs": [
+                    {"config": "eager", "status": "pass", "median_ms": 3.0, "peak_mib": 30.0},
+                    {"config": "local", "status": "pass", "median_ms": 1.5, "peak_mib": 20.4},
+                    {"config": "bw-fused-cg", "status": "error", "error": "ValueError: no"},
+                ],
+            },
+            {"model": "e", "family": "case", "source": "e", "status": "not run", "reason": "past the budget"},
+        ],
+    }
     gpu = tmp_path / "benchmarks" / "results" / "2026-01-02_1xFake_zoo"
     gpu.mkdir()
     (gpu / "zoo.json").write_text(json.dumps(speed))

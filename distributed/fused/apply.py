@@ -24,10 +24,10 @@ from ..._compat import ddp as ddpc
 from ..._compat import dynamo as dc
 from ...partitioners.param_usage import GraphParam, ready_order
 from ...partitioners.split import Segment
-from .cache_keys import comm_pass_key, traced_call_targets
 from ..plan import BucketCaps, plan_buckets
 from ..rank_check import check_same_on_all_ranks, gather_on_all_ranks
 from ..result import CompileOutcome, CompilePiece, StrategyResult, bucket_stats, op_count
+from .cache_keys import comm_pass_key, traced_call_targets
 from .comm_hooks import HookedGraph, HookProgram, TracedHookProgram, comm_hook_kind
 from .embedding_rows import RowsSync, insert_embedding_rows, plan_embedding_rows, renormed_tables
 from .powersgd_run import PowerSGDRun
@@ -59,17 +59,38 @@ def fused_backend_options(user_options: dict[str, Any] | None) -> dict[str, Any]
     return dc.cacheable_calls_options(traced_call_targets(), options)
 
 
-def apply_fused(*, gm: fx.GraphModule, example_inputs: Sequence[Any], ddp: Any, params: Sequence[GraphParam],
-                caps: BucketCaps, gather_rows: bool, state: FusedState, graph_id: int, compile_graph: CompilePiece,
-                compile_variant: CompileVariant, progress_step: Callable[[str], ContextManager[None]],
-                on_later_variant: Callable[[], None]) -> StrategyResult:
+def apply_fused(
+    *,
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    ddp: Any,
+    params: Sequence[GraphParam],
+    caps: BucketCaps,
+    gather_rows: bool,
+    state: FusedState,
+    graph_id: int,
+    compile_graph: CompilePiece,
+    compile_variant: CompileVariant,
+    progress_step: Callable[[str], ContextManager[None]],
+    on_later_variant: Callable[[], None],
+) -> StrategyResult:
     """``gm`` with its buckets' collectives traced into its backward, compiled whole."""
     spec = comm_spec(ddp)
     program = _hook_program(ddp, spec, state.runtime)
     if program is not None:
-        return _apply_hooked(gm=gm, example_inputs=example_inputs, ddp=ddp, params=params, caps=caps, state=state,
-                             graph_id=graph_id, program=program, compile_variant=compile_variant,
-                             progress_step=progress_step, on_later_variant=on_later_variant)
+        return _apply_hooked(
+            gm=gm,
+            example_inputs=example_inputs,
+            ddp=ddp,
+            params=params,
+            caps=caps,
+            state=state,
+            graph_id=graph_id,
+            program=program,
+            compile_variant=compile_variant,
+            progress_step=progress_step,
+            on_later_variant=on_later_variant,
+        )
     buckets, tables = fused_plan(gm, ddp, params, spec, caps, state, graph_id=graph_id, rows=gather_rows)
     # What each collective reduces, for the report: buckets, then the gathered tables (a
     # table's gather is issued after the gradient of its first use, its first lookup).
@@ -86,8 +107,20 @@ def apply_fused(*, gm: fx.GraphModule, example_inputs: Sequence[Any], ddp: Any, 
     return _result(gm, params, spec, reduced, positions, compiled, outcome, state)
 
 
-def _apply_hooked(*, gm, example_inputs, ddp, params, caps, state, graph_id, program: HookProgram, compile_variant,
-                  progress_step, on_later_variant) -> StrategyResult:
+def _apply_hooked(
+    *,
+    gm,
+    example_inputs,
+    ddp,
+    params,
+    caps,
+    state,
+    graph_id,
+    program: HookProgram,
+    compile_variant,
+    progress_step,
+    on_later_variant,
+) -> StrategyResult:
     """A graph whose buckets a comm hook reduces: compiled per variant (HookedGraph), from
     copies of ``gm``, which stays as Dynamo gave it. No embedding rows: the hook gets tables
     like any gradient, as in eager DDP."""
@@ -97,16 +130,22 @@ def _apply_hooked(*, gm, example_inputs, ddp, params, caps, state, graph_id, pro
     synced = [b for b in synced if b]
     reduced = [(b, *program.wire(b)) for b in synced]
     positions = backward_positions(gm, synced)
-    compiler = VariantCompiler(gm, example_inputs, program, synced, compile_variant, on_later_variant, f"graph {graph_id}")
+    compiler = VariantCompiler(
+        gm, example_inputs, program, synced, compile_variant, on_later_variant, f"graph {graph_id}"
+    )
     graph = HookedGraph(program, synced, compiler)
     notes = []
     # Equal results with eager DDP need the reducer's buckets (NOTE [powersgd in the graph]).
     if not ddpc.will_rebuild(ddp):
-        notes.append(f"{program.name}: DDP keeps its construction-time buckets (find_unused_parameters=True), "
-                     "the fused graphs reduce the planned ones: the hook sees other buckets than in eager DDP")
+        notes.append(
+            f"{program.name}: DDP keeps its construction-time buckets (find_unused_parameters=True), "
+            "the fused graphs reduce the planned ones: the hook sees other buckets than in eager DDP"
+        )
     elif program.bucket_count() > len(synced):
-        notes.append(f"{program.name}: several graphs reduce buckets, each its own: the hook sees other "
-                     "buckets (and indices) than DDP's reducer would give it in eager DDP")
+        notes.append(
+            f"{program.name}: several graphs reduce buckets, each its own: the hook sees other "
+            "buckets (and indices) than DDP's reducer would give it in eager DDP"
+        )
     with progress_step(f"whole graph + {len(synced)} buckets ({program.describe()})"):
         graph.ensure(program.variant(graph))
     result = _result(gm, params, spec, reduced, positions, graph, compiler.first_outcome(), state)
@@ -119,11 +158,19 @@ def _result(gm, params, spec, reduced, positions, compiled, outcome, state: Fuse
     key = runtime.graphs_compiled((id(p.tensor) for group, *_ in reduced for p in group), spec)
     used = [p for p in params if p.first_use >= 0]
     seg_of = {p.name: 0 for p in used}
-    stats = [bucket_stats(i, group, seg_of, pos, spec.describe(), collective, wire, parts)
-             for i, ((group, collective, wire, parts), pos) in enumerate(zip(reduced, positions))]
+    stats = [
+        bucket_stats(i, group, seg_of, pos, spec.describe(), collective, wire, parts)
+        for i, ((group, collective, wire, parts), pos) in enumerate(zip(reduced, positions))
+    ]
     segment = Segment(index=0, submodule="", params=used, op_count=op_count(gm))
-    return StrategyResult(fn=FusedRan(compiled, runtime, key), segments=[segment], outcomes=[outcome], buckets=stats,
-                          plan_source="predicted", rank_check_s=state.rank_check_s)
+    return StrategyResult(
+        fn=FusedRan(compiled, runtime, key),
+        segments=[segment],
+        outcomes=[outcome],
+        buckets=stats,
+        plan_source="predicted",
+        rank_check_s=state.rank_check_s,
+    )
 
 
 class FusedRan:
@@ -172,20 +219,33 @@ def group_spec(pg: Any) -> CommSpec:
 # -- the plan all ranks agree on ------------------------------------------------------------
 
 
-def fused_plan(gm: fx.GraphModule, ddp: Any, params: Sequence[GraphParam], spec: CommSpec, caps: BucketCaps,
-               state: FusedState, *, graph_id: int, rows: bool = True) -> tuple[list[list[GraphParam]], list[RowsSync]]:
+def fused_plan(
+    gm: fx.GraphModule,
+    ddp: Any,
+    params: Sequence[GraphParam],
+    spec: CommSpec,
+    caps: BucketCaps,
+    state: FusedState,
+    *,
+    graph_id: int,
+    rows: bool = True,
+) -> tuple[list[list[GraphParam]], list[RowsSync]]:
     """Buckets to all-reduce and embedding tables to gather as rows (``rows``), agreed on by
     all ranks."""
     renormed = renormed_tables(gm, params)
     if renormed:
-        log.info("bucketwise fused: %s reduced after the backward: max_norm renormalises it in place",
-                 ", ".join(p.name for p in renormed))
+        log.info(
+            "bucketwise fused: %s reduced after the backward: max_norm renormalises it in place",
+            ", ".join(p.name for p in renormed),
+        )
         params = [p for p in params if p not in renormed]
     dense = plan_buckets(ready_order(params), caps)
     # Tables reduced as gathered rows (NOTE [embedding rows]) leave the buckets.
     tables = plan_embedding_rows(gm, params, spec.world_size) if rows else []
     gathered = {t.param.reducer_index for t in tables}
-    buckets = plan_buckets(ready_order([p for p in params if p.reducer_index not in gathered]), caps) if tables else dense
+    buckets = (
+        plan_buckets(ready_order([p for p in params if p.reducer_index not in gathered]), caps) if tables else dense
+    )
     # NOTE [fused layout check]: a fused graph's collectives line up with the other ranks'
     # only if they run graphs with the same bucket layout. A layout already checked across
     # ranks is safe wherever it shows up again (the same frame recompiled for a new shape on
@@ -202,8 +262,10 @@ def fused_plan(gm: fx.GraphModule, ddp: Any, params: Sequence[GraphParam], spec:
     dense_layout = tuple(_layout_signature(dense, spec))
     context = _compile_context(recompile_reason=dc.recompile_reason(), graph_id=graph_id)
     if tables:
-        context += (f"; this graph gathers embedding gradients as rows ({tables[0].signature(spec)}), which "
-                    "needs every rank to look up as many ids: pass gather_embedding_rows=False otherwise")
+        context += (
+            f"; this graph gathers embedding gradients as rows ({tables[0].signature(spec)}), which "
+            "needs every rank to look up as many ids: pass gather_embedding_rows=False otherwise"
+        )
     pg = ddpc.process_group(ddp)
     check_start = time.perf_counter()
     everyone = gather_on_all_ranks((layout, dense_layout), pg, what="fused bucket layout", context=context)
@@ -212,10 +274,14 @@ def fused_plan(gm: fx.GraphModule, ddp: Any, params: Sequence[GraphParam], spec:
         state.checked_layouts.add(layout)
         return buckets, tables
     if any(theirs[0] != theirs[1] for theirs in everyone):
-        log.warning("bucketwise fused: ranks look up different numbers of ids in graph %d; its embedding "
-                    "tables are all-reduced whole", graph_id)
-    check_same_on_all_ranks(dense_layout, pg, what="fused bucket layout", gathered=[t[1] for t in everyone],
-                            fix=_LAYOUT_FIX)
+        log.warning(
+            "bucketwise fused: ranks look up different numbers of ids in graph %d; its embedding "
+            "tables are all-reduced whole",
+            graph_id,
+        )
+    check_same_on_all_ranks(
+        dense_layout, pg, what="fused bucket layout", gathered=[t[1] for t in everyone], fix=_LAYOUT_FIX
+    )
     state.checked_layouts.add(dense_layout)
     return dense, []
 
@@ -245,4 +311,3 @@ def _wire_bytes(bucket: Sequence[GraphParam], spec: CommSpec) -> int:
     if spec.comm_dtype is None:
         return sum(p.nbytes for p in bucket)
     return sum(p.tensor.numel() for p in bucket) * spec.comm_dtype.itemsize
-

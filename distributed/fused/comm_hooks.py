@@ -31,8 +31,8 @@ import torch.fx as fx
 
 from ..._compat import collectives as cc
 from ..._compat import ddp as ddpc
-from .sync import CommSpec, filled_grads, insert_bucket_syncs, split_like
 from ...partitioners.param_usage import GraphParam
+from .sync import CommSpec, filled_grads, insert_bucket_syncs, split_like
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,9 @@ class HookProgram:
         """The extra inputs of this call (side effects: the program's per-step host work)."""
         return []
 
-    def insert(self, gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]], variant: Hashable,
-               extra: Sequence[fx.Node]) -> None:
+    def insert(
+        self, gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]], variant: Hashable, extra: Sequence[fx.Node]
+    ) -> None:
         """Graph pass: the variant's syncs (``extra``: the placeholders of its extra inputs, in
         the order of ``input_specs``)."""
         raise NotImplementedError
@@ -100,8 +101,12 @@ class HookedGraph:
     """One Dynamo graph under a :class:`HookProgram`: compiled once per variant, the variant
     picked at each call (see NOTE [powersgd in the graph] for why variants, not recompiles)."""
 
-    def __init__(self, program: HookProgram, buckets: Sequence[Sequence[GraphParam]],
-                 compile_variant: Callable[[Hashable, list[InputSpec]], Callable[..., Any]]) -> None:
+    def __init__(
+        self,
+        program: HookProgram,
+        buckets: Sequence[Sequence[GraphParam]],
+        compile_variant: Callable[[Hashable, list[InputSpec]], Callable[..., Any]],
+    ) -> None:
         self.program = program
         self.buckets = [list(b) for b in buckets]
         self.keys = [program.key(b) for b in self.buckets]
@@ -232,7 +237,9 @@ class HookSync(torch.autograd.Function):
     """Identity in the forward; a traceable hook on the bucket in the backward."""
 
     @staticmethod
-    def forward(ctx: Any, call: HookCall, index: int, last: bool, carry: bool, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, call: HookCall, index: int, last: bool, carry: bool, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.call, ctx.index, ctx.last = call, index, last
         ctx.carry = tensors[0] if carry else None
         params = tensors[1:] if carry else tensors
@@ -248,8 +255,10 @@ class HookSync(torch.autograd.Function):
         out = cc.wait(ctx.call.hook.fn(ctx.call.state, GraphBucket(flat, full, ctx.index, ctx.last)))
         if not isinstance(out, torch.Tensor) or out.numel() != flat.numel() or out.dtype != flat.dtype:
             got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
-            raise TypeError(f"comm hook {ctx.call.hook.__qualname__} must return the reduced bucket as a tensor of "
-                            f"{flat.numel()} {flat.dtype} elements, got {got}")
+            raise TypeError(
+                f"comm hook {ctx.call.hook.__qualname__} must return the reduced bucket as a tensor of "
+                f"{flat.numel()} {flat.dtype} elements, got {got}"
+            )
         return (None, None, None, None, *([None] if ctx.carry is not None else []), *split_like(out.reshape(-1), full))
 
 
@@ -320,18 +329,27 @@ def comm_hook_kind(ddp: Any) -> tuple[str, str | None]:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
     hook, _state = registered
-    known = {dh.allreduce_hook: "allreduce", dh.bf16_compress_hook: "bf16", dh.fp16_compress_hook: "fp16",
-             ps.powerSGD_hook: "powersgd"}
+    known = {
+        dh.allreduce_hook: "allreduce",
+        dh.bf16_compress_hook: "bf16",
+        dh.fp16_compress_hook: "fp16",
+        ps.powerSGD_hook: "powersgd",
+    }
     kind = known.get(hook)
     if kind is not None:
         return kind, None
     if isinstance(hook, TraceableCommHook):
         return "traceable", hook.__qualname__
     if hook is ps.batched_powerSGD_hook:
-        why = ("batched_powerSGD_hook is not reproduced in the graph" if ddpc.batched_powersgd_works() else
-               f"torch {torch.__version__}'s batched_powerSGD_hook fails at its first compressed step (its "
-               "_orthogonalize takes only 3-D batches, the hook passes a 2-D matrix)")
+        why = (
+            "batched_powerSGD_hook is not reproduced in the graph"
+            if ddpc.batched_powersgd_works()
+            else f"torch {torch.__version__}'s batched_powerSGD_hook fails at its first compressed step (its "
+            "_orthogonalize takes only 3-D batches, the hook passes a 2-D matrix)"
+        )
         return "unsupported", why
     name = getattr(hook, "__qualname__", repr(hook))
-    return "unsupported", (f"comm hook {name} cannot be traced into the graph (wrap a hook written with functional "
-                           "collectives in bucketwise.traceable_comm_hook)")
+    return "unsupported", (
+        f"comm hook {name} cannot be traced into the graph (wrap a hook written with functional "
+        "collectives in bucketwise.traceable_comm_hook)"
+    )

@@ -39,10 +39,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..._compat import collectives as cc
-from .sync import CommSpec
 from ...partitioners.param_usage import GraphParam
 from ...partitioners.regions import transform_regions
 from ...partitioners.split import LazyGraph
+from .sync import CommSpec
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,10 @@ class RowsSync:
 
     def signature(self, spec: Any) -> str:
         rows, dim = self.shape
-        return (f"embedding rows of {self.param.name} ({rows} x {dim}, {self.param.dtype}, "
-                f"{spec.describe()}): {len(self.lookups)} lookup(s), {self.ids} ids per rank")
+        return (
+            f"embedding rows of {self.param.name} ({rows} x {dim}, {self.param.dtype}, "
+            f"{spec.describe()}): {len(self.lookups)} lookup(s), {self.ids} ids per rank"
+        )
 
 
 def _embedding_args(node: fx.Node) -> dict[str, Any] | None:
@@ -206,8 +208,15 @@ def _digits_to_ids(digits: torch.Tensor) -> torch.Tensor:
     return sum(d[:, i] * _DIGIT**i for i in range(d.shape[1]))
 
 
-def embedding_rows(group: str, world_size: int, comm_dtype: torch.dtype | None, divide_first: bool,
-                   padding_idx: int | None, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def embedding_rows(
+    group: str,
+    world_size: int,
+    comm_dtype: torch.dtype | None,
+    divide_first: bool,
+    padding_idx: int | None,
+    ids: torch.Tensor,
+    weight: torch.Tensor,
+) -> torch.Tensor:
     """The graph's call target (see ``fused.bucket_sync``)."""
     return EmbeddingRows.apply(CommSpec(group, world_size, comm_dtype, divide_first), padding_idx, ids, weight)
 
@@ -216,6 +225,7 @@ def renormed_tables(gm: fx.GraphModule, params: Sequence[GraphParam]) -> list[Gr
     """Tables a lookup renormalises in place (``max_norm``): a bucket's view of them cannot be
     modified in place, so their gradients are reduced after the backward (the runtime's
     parameters no graph syncs, NOTE [fused strategy runtime])."""
+
     def renormed(user: fx.Node, weight: fx.Node) -> bool:
         a = _embedding_args(user)
         return a is not None and a["weight"] is weight and a["max_norm"] is not None
@@ -233,7 +243,9 @@ def insert_embedding_rows(gm: fx.GraphModule, syncs: Sequence[RowsSync], spec: A
     for index, sync in enumerate(syncs):
         for lk in sync.lookups:
             with gm.graph.inserting_before(lk.node):
-                new = gm.graph.call_function(embedding_rows, (*spec.as_args(), lk.padding_idx, lk.ids_node, sync.param.node))
+                new = gm.graph.call_function(
+                    embedding_rows, (*spec.as_args(), lk.padding_idx, lk.ids_node, sync.param.node)
+                )
             new.meta.update(lk.node.meta)
             new.meta[ROWS_META_KEY] = index
             lk.node.replace_all_uses_with(new)

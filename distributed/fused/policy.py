@@ -23,6 +23,8 @@ def why_not_fused(ddp: Any, requested: str) -> str | None:
         # the ranks may read different parameters (a layer used on one rank only), which DDP's
         # reducer handles with its own protocol and fused graphs cannot. auto picks split;
         # strategy="fused" keeps fused, and ranks whose graphs differ raise RankMismatchError.
-        return ("find_unused_parameters=True: ranks may use different parameters, which DDP's reducer "
-                "handles (pass strategy='fused' if every rank uses the same parameters in every step)")
+        return (
+            "find_unused_parameters=True: ranks may use different parameters, which DDP's reducer "
+            "handles (pass strategy='fused' if every rank uses the same parameters in every step)"
+        )
     return None

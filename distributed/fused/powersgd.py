@@ -109,8 +109,15 @@ class PowerSGDConfig:
 
     def as_args(self) -> tuple[Any, ...]:
         """The fields as graph arguments (see ``CommSpec.as_args``)."""
-        return (self.group, self.world_size, self.rank, self.min_compression_rate, self.use_error_feedback,
-                self.batch_same_shape, self.epsilon)
+        return (
+            self.group,
+            self.world_size,
+            self.rank,
+            self.min_compression_rate,
+            self.use_error_feedback,
+            self.batch_same_shape,
+            self.epsilon,
+        )
 
 
 # --- the plan of one bucket (host, per compiled graph) -------------------------------------
@@ -164,8 +171,9 @@ class BucketPlan:
         return [(pr.batch, pr.m, pr.r) for pr in self.products]
 
 
-def plan_bucket(shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: float,
-                batch_same_shape: bool) -> BucketPlan:
+def plan_bucket(
+    shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: float, batch_same_shape: bool
+) -> BucketPlan:
     """torch's decisions for a bucket of gradients of these shapes (``powerSGD_hook`` step I and
     ``maybe_batched_tensors_to_compress``)."""
     shapes = tuple(tuple(int(d) for d in s) for s in shapes)
@@ -174,8 +182,10 @@ def plan_bucket(shapes: Sequence[Sequence[int]], rank: int, min_compression_rate
     before = after = 0
     for i, shape in enumerate(shapes):
         if not shape:
-            raise ValueError(f"powerSGD_hook cannot take a 0-dim gradient (tensor {i} of the bucket): "
-                             "torch's hook views each as shape[0] x rest and fails on it in eager DDP too")
+            raise ValueError(
+                f"powerSGD_hook cannot take a 0-dim gradient (tensor {i} of the bucket): "
+                "torch's hook views each as shape[0] x rest and fails on it in eager DDP too"
+            )
         n, m = shape[0], math.prod(shape[1:])
         r = min(n, m, rank)
         before += n * m
@@ -225,8 +235,12 @@ def _segments(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
 
 
 def powersgd_reduce(
-    flat: torch.Tensor, plan: BucketPlan, cfg: PowerSGDConfig, error: torch.Tensor | None,
-    p_mem: torch.Tensor, q_mem: torch.Tensor,
+    flat: torch.Tensor,
+    plan: BucketPlan,
+    cfg: PowerSGDConfig,
+    error: torch.Tensor | None,
+    p_mem: torch.Tensor,
+    q_mem: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """torch's ``powerSGD_hook`` on one bucket buffer once compression is on, out of place.
 
@@ -308,9 +322,25 @@ class PowerSGDSync(torch.autograd.Function):
         return (None, None, *[None] * len(state), *split_like(reduced, full))
 
 
-def powersgd_sync(group: str, world_size: int, rank: int, min_compression_rate: float, use_error_feedback: bool,
-                  batch_same_shape: bool, epsilon: float, carry: bool, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def powersgd_sync(
+    group: str,
+    world_size: int,
+    rank: int,
+    min_compression_rate: float,
+    use_error_feedback: bool,
+    batch_same_shape: bool,
+    epsilon: float,
+    carry: bool,
+    *tensors: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
     """The graph's call target (see ``fused.bucket_sync``)."""
-    cfg = PowerSGDConfig(group=group, world_size=world_size, rank=rank, min_compression_rate=min_compression_rate,
-                         use_error_feedback=use_error_feedback, batch_same_shape=batch_same_shape, epsilon=epsilon)
+    cfg = PowerSGDConfig(
+        group=group,
+        world_size=world_size,
+        rank=rank,
+        min_compression_rate=min_compression_rate,
+        use_error_feedback=use_error_feedback,
+        batch_same_shape=batch_same_shape,
+        epsilon=epsilon,
+    )
     return PowerSGDSync.apply(cfg, carry, *tensors)

@@ -11,10 +11,10 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from .comm_hooks import PLAIN, HookedGraph, HookProgram, InputSpec, bucket_input_spec, has_grads, take_grads
-from .sync import CommSpec, insert_bucket_syncs
-from .powersgd import BucketPlan, PowerSGDConfig, plan_bucket, powersgd_sync, state_layout
 from ...partitioners.param_usage import GraphParam
+from .comm_hooks import PLAIN, HookedGraph, HookProgram, InputSpec, bucket_input_spec, has_grads, take_grads
+from .powersgd import BucketPlan, PowerSGDConfig, plan_bucket, powersgd_sync, state_layout
+from .sync import CommSpec, insert_bucket_syncs
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +51,15 @@ class PowerSGDRun(HookProgram):
 
     def config(self) -> PowerSGDConfig:
         s = self.state
-        return PowerSGDConfig(group=self._spec.group, world_size=self._spec.world_size, rank=int(s.matrix_approximation_rank),
-                              min_compression_rate=s.min_compression_rate, use_error_feedback=bool(s.use_error_feedback),
-                              batch_same_shape=bool(s.batch_tensors_with_same_shape),
-                              epsilon=s.orthogonalization_epsilon)
+        return PowerSGDConfig(
+            group=self._spec.group,
+            world_size=self._spec.world_size,
+            rank=int(s.matrix_approximation_rank),
+            min_compression_rate=s.min_compression_rate,
+            use_error_feedback=bool(s.use_error_feedback),
+            batch_same_shape=bool(s.batch_tensors_with_same_shape),
+            epsilon=s.orthogonalization_epsilon,
+        )
 
     def plan(self, key: int, bucket: Sequence[GraphParam], cfg: PowerSGDConfig) -> BucketPlan:
         """The plan of bucket ``key`` (``self.key(bucket)``) under ``cfg``, made once."""
@@ -97,7 +102,9 @@ class PowerSGDRun(HookProgram):
             out += tensors
         return out
 
-    def _bucket_state(self, key: int, plan: BucketPlan, cfg: PowerSGDConfig, bucket: Sequence[GraphParam]) -> list[torch.Tensor]:
+    def _bucket_state(
+        self, key: int, plan: BucketPlan, cfg: PowerSGDConfig, bucket: Sequence[GraphParam]
+    ) -> list[torch.Tensor]:
         """torch's hook up to its first collective, for one bucket: the error memory (created as
         zeros), the statistics, and P and Q memories with a fresh random Q where torch draws one."""
         state, like = self.state, bucket[0].tensor
@@ -131,7 +138,8 @@ class PowerSGDRun(HookProgram):
             raise ValueError(
                 f"PowerSGDState holds a tensor of shape {tuple(t.shape)} ({t.dtype}, {t.device}) for bucket {key}, "
                 f"which needs ({numel},) ({like.dtype}, {like.device}): the state comes from other buckets; "
-                "start from a fresh PowerSGDState or keep the bucket caps it was made with")
+                "start from a fresh PowerSGDState or keep the bucket caps it was made with"
+            )
         self._keep(t)
         return t
 
@@ -167,8 +175,13 @@ class PowerSGDRun(HookProgram):
         self._seeds = []
         if self._compressed and state.iter >= state.next_stats_report:
             rate, before, after = state.compression_stats()
-            log.info("Compression stats: iter %s, total before compression %s, total after compression %s, rate %s",
-                     state.iter, before, after, rate)
+            log.info(
+                "Compression stats: iter %s, total before compression %s, total after compression %s, rate %s",
+                state.iter,
+                before,
+                after,
+                rate,
+            )
             state.next_stats_report = state.iter + state.compression_stats_logging_frequency
         self._compressed = False
         state.iter += 1
@@ -202,5 +215,7 @@ class PowerSGDRun(HookProgram):
 
     def describe(self) -> str:
         s = self.state
-        return (f"powerSGD_hook (matrix_approximation_rank {s.matrix_approximation_rank}, "
-                f"start_powerSGD_iter {s.start_powerSGD_iter})")
+        return (
+            f"powerSGD_hook (matrix_approximation_rank {s.matrix_approximation_rank}, "
+            f"start_powerSGD_iter {s.start_powerSGD_iter})"
+        )

@@ -40,7 +40,9 @@ from ..._compat import ddp as ddpc
 log = logging.getLogger(__name__)
 
 
-def _average_(tensors: list[torch.Tensor], pg: Any, comm_dtype: torch.dtype | None = None, divide_first: bool = False) -> None:
+def _average_(
+    tensors: list[torch.Tensor], pg: Any, comm_dtype: torch.dtype | None = None, divide_first: bool = False
+) -> None:
     """Average in place across ranks the way DDP would for this module: the reducer's
     ``grad * (1/world)`` then sum, or a compress hook's ``grad.to(dtype) / world`` then sum."""
     if not tensors:

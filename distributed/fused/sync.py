@@ -26,8 +26,8 @@ import torch.fx as fx
 
 from ..._compat import collectives as cc
 from ...partitioners.param_usage import GraphParam
-from ...partitioners.split import LazyGraph
 from ...partitioners.regions import outside_regions, transform_regions
+from ...partitioners.split import LazyGraph
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,9 @@ def split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.T
     return out
 
 
-def bucket_sync(group: str, world_size: int, comm_dtype: torch.dtype | None, divide_first: bool,
-                *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def bucket_sync(
+    group: str, world_size: int, comm_dtype: torch.dtype | None, divide_first: bool, *params: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     """The graph's call target, with the CommSpec's fields as arguments (see ``as_args``): FX
     writes ``BucketSync.apply`` into generated code as ``torch.autograd.function.apply``, which
     an uncompiled fallback run cannot call either."""
@@ -153,7 +154,7 @@ def insert_bucket_syncs(
             if all("example_value" in p.node.meta for p in params):
                 sync.meta["example_value"] = tuple(p.node.meta["example_value"] for p in params)
         for p, view in zip(params, views):
-            p.node.replace_all_uses_with(view, delete_user_cb=lambda user: user is not sync)
+            p.node.replace_all_uses_with(view, delete_user_cb=lambda user: user is not sync)  # noqa: B023 - called here
     gm.graph.lint()
     gm.recompile()
     log.debug("graph after bucket syncs:\n%s", LazyGraph(gm))
@@ -194,7 +195,14 @@ def fresh_copy(
         last.meta["example_value"] = value
         extra.append(last)
     # Every parameter's first use follows the placeholders: it moves by as many nodes as added.
-    moved = [[dataclasses.replace(p, node=nodes[position[p.node]], first_use=p.first_use + len(extra) if p.first_use >= 0 else -1)
-              for p in b] for b in buckets]
+    moved = [
+        [
+            dataclasses.replace(
+                p, node=nodes[position[p.node]], first_use=p.first_use + len(extra) if p.first_use >= 0 else -1
+            )
+            for p in b
+        ]
+        for b in buckets
+    ]
     graph.lint()
     return fx.GraphModule(gm, graph), moved, extra

@@ -26,10 +26,16 @@ class VariantCompiler:
     graph's report entry holds; ``on_later_variant`` is called after each compile past the first
     (the report rewrites its rank file)."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], program: HookProgram,
-                 buckets: Sequence[Sequence[GraphParam]],
-                 compile_fn: Callable[[fx.GraphModule, list[Any], str], tuple[Callable[..., Any], CompileOutcome]],
-                 on_later_variant: Callable[[], None], label: str) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        program: HookProgram,
+        buckets: Sequence[Sequence[GraphParam]],
+        compile_fn: Callable[[fx.GraphModule, list[Any], str], tuple[Callable[..., Any], CompileOutcome]],
+        on_later_variant: Callable[[], None],
+        label: str,
+    ) -> None:
         self.gm = gm  # kept as Dynamo gave it: each variant transforms a copy
         self.inputs = dc.graph_example_inputs(gm, example_inputs)
         self.fake_mode = dc.detect_fake_mode(self.inputs)
@@ -45,9 +51,16 @@ class VariantCompiler:
         name = self.program.variant_name(variant)
         with dc.fresh_tracing(self.fake_mode):
             compiled, outcome = self.compile_fn(gm, [*self.inputs, *extra], f"{self.label} ({name})")
-        self.variants.append(VariantStats(name=name, compile_seconds=round(outcome.seconds, 6), phases=outcome.phases,
-                                          backend=outcome.backend if not outcome.fell_back else "eager",
-                                          fell_back=outcome.fell_back, reason=outcome.reason))
+        self.variants.append(
+            VariantStats(
+                name=name,
+                compile_seconds=round(outcome.seconds, 6),
+                phases=outcome.phases,
+                backend=outcome.backend if not outcome.fell_back else "eager",
+                fell_back=outcome.fell_back,
+                reason=outcome.reason,
+            )
+        )
         if self._first is None:
             self._first = outcome
         else:

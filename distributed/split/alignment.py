@@ -38,8 +38,10 @@ def measure_alignment(ddp: Any, param_segments: Mapping[int, Mapping[str, int]])
             status = "eager"
         else:
             considered += 1
-            status = "aligned" if len(places) == 1 else "split across " + ", ".join(
-                "eager" if g < 0 else f"frame {g} segment {s}" for g, s in places
+            status = (
+                "aligned"
+                if len(places) == 1
+                else "split across " + ", ".join("eager" if g < 0 else f"frame {g} segment {s}" for g, s in places)
             )
             aligned += len(places) == 1
         rows.append({"bucket": index, "params": member_names, "status": status})

@@ -29,8 +29,17 @@ from ..whole import apply_whole
 log = logging.getLogger(__name__)
 
 
-def apply_split(*, gm: fx.GraphModule, example_inputs: Sequence[Any], ddp: Any, params: Sequence[GraphParam],
-                earlier_names: set[str], caps: BucketCaps, compile_piece: CompilePiece, fallback: str) -> StrategyResult:
+def apply_split(
+    *,
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    ddp: Any,
+    params: Sequence[GraphParam],
+    earlier_names: set[str],
+    caps: BucketCaps,
+    compile_piece: CompilePiece,
+    fallback: str,
+) -> StrategyResult:
     """Plan ``gm``'s buckets, cut it at them and compile each segment (``compile_piece``). A
     parameter an earlier graph also reads (``earlier_names``: used on both sides of a graph
     break) gets its gradient completed by that earlier graph's backward: planned there only.
@@ -39,8 +48,10 @@ def apply_split(*, gm: fx.GraphModule, example_inputs: Sequence[Any], ddp: Any, 
     params = [p for p in params if p.name not in earlier_names]
     notes = []
     if not caps.matches_ddp(ddp):
-        notes.append(f"bucket caps {caps.limits()} differ from the DDP module's own: its reducer keeps "
-                     "its buckets, so they will not coincide with the segments (see alignment)")
+        notes.append(
+            f"bucket caps {caps.limits()} differ from the DDP module's own: its reducer keeps "
+            "its buckets, so they will not coincide with the segments (see alignment)"
+        )
     buckets, source = plan_for_graph(ddp, params, caps)
     try:
         fn, segments, outcomes = split_and_compile(gm, example_inputs, params, buckets, compile_piece)
@@ -50,7 +61,10 @@ def apply_split(*, gm: fx.GraphModule, example_inputs: Sequence[Any], ddp: Any, 
         # Splitting itself failed (an op torch.fx's splitter cannot carry across a cut).
         log.warning("bucketwise: could not split graph, compiling it whole: %s", exc)
         whole = apply_whole(gm=gm, example_inputs=example_inputs, params=params, compile_piece=compile_piece)
-        whole.notes[:0] = [*notes, f"a graph could not be split and was compiled whole: {type(exc).__name__}: {exc}"[:300]]
+        whole.notes[:0] = [
+            *notes,
+            f"a graph could not be split and was compiled whole: {type(exc).__name__}: {exc}"[:300],
+        ]
         return whole
     seg_of = {p.name: seg.index for seg in segments for p in seg.params}
     stats = [bucket_stats(i, b, seg_of) for i, b in enumerate(buckets)]
@@ -72,9 +86,13 @@ def plan_for_graph(ddp: Any, params: Sequence[GraphParam], caps: BucketCaps) -> 
     return plan_buckets(ready_order(params), caps), "predicted"
 
 
-def split_and_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], params: Sequence[GraphParam],
-                      buckets: Sequence[Sequence[GraphParam]], compile_piece: CompilePiece,
-                      ) -> tuple[Callable[..., Any], list[Segment], list[CompileOutcome]]:
+def split_and_compile(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    params: Sequence[GraphParam],
+    buckets: Sequence[Sequence[GraphParam]],
+    compile_piece: CompilePiece,
+) -> tuple[Callable[..., Any], list[Segment], list[CompileOutcome]]:
     """Split ``gm`` at ``buckets`` (gradient-ready order) and compile each segment; a graph
     whose parameters fit in one bucket is compiled whole (one segment)."""
     log.debug("bucket plan: %s", [[p.name for p in b] for b in buckets])
@@ -115,7 +133,9 @@ def _force_tuple_output(gm: fx.GraphModule) -> bool:
     return True
 
 
-def compile_segments(split_gm: fx.GraphModule, example_inputs: Sequence[Any], compile_piece: CompilePiece) -> list[CompileOutcome]:
+def compile_segments(
+    split_gm: fx.GraphModule, example_inputs: Sequence[Any], compile_piece: CompilePiece
+) -> list[CompileOutcome]:
     """Compile every ``submod_*`` of ``split_gm`` in forward order, replacing it in place.
 
     Each segment is compiled against fake inputs that carry the strides the previous compiled
@@ -137,8 +157,16 @@ def compile_segments(split_gm: fx.GraphModule, example_inputs: Sequence[Any], co
             if node.op == "placeholder":
                 env[node] = dc.to_fake(next(placeholders), fake_mode)
             elif node.op == "call_module":
-                env[node] = _compile_segment(split_gm, node, tuple(dc.to_fake(a, fake_mode) for a in load(node.args)),
-                                             compile_piece, tracing, fake_mode, outcomes, len(calls))
+                env[node] = _compile_segment(
+                    split_gm,
+                    node,
+                    tuple(dc.to_fake(a, fake_mode) for a in load(node.args)),
+                    compile_piece,
+                    tracing,
+                    fake_mode,
+                    outcomes,
+                    len(calls),
+                )
             elif node.op == "call_function":
                 if node.target is not operator.getitem:
                     raise AssertionError(f"expected only getitem between segments, got {node.format_node()}")
@@ -152,15 +180,24 @@ def compile_segments(split_gm: fx.GraphModule, example_inputs: Sequence[Any], co
     return outcomes
 
 
-def _compile_segment(split_gm: fx.GraphModule, node: fx.Node, args: tuple, compile_piece: CompilePiece, tracing: Any,
-                     fake_mode: Any, outcomes: list[CompileOutcome], total: int) -> Any:
+def _compile_segment(
+    split_gm: fx.GraphModule,
+    node: fx.Node,
+    args: tuple,
+    compile_piece: CompilePiece,
+    tracing: Any,
+    fake_mode: Any,
+    outcomes: list[CompileOutcome],
+    total: int,
+) -> Any:
     """Compile one segment, put it in place of ``node``, and return its (fake) outputs for the
     segments after it."""
     submod = getattr(split_gm, str(node.target))
     unwrap = _force_tuple_output(submod)
     aot_before = dc.aot_autograd_count()
-    compiled, outcome = compile_piece(submod, args, what=f"segment {len(outcomes) + 1}/{total}",
-                                      segment=len(outcomes), tracing=tracing)
+    compiled, outcome = compile_piece(
+        submod, args, what=f"segment {len(outcomes) + 1}/{total}", segment=len(outcomes), tracing=tracing
+    )
     outcomes.append(outcome)
     wrapper = _SegmentCall(compiled, unwrap)
     name = f"compiled_{node.target}"

@@ -16,8 +16,9 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(64, 64)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
-                                    for _ in range(3))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(3)
+        )
         self.head = nn.Linear(64, 64)
 
     def forward(self, ids):

@@ -27,11 +27,27 @@ class Tokens(torch.utils.data.Dataset):
 def main():
     cpu = not torch.cuda.is_available()  # the device switch: GPUs where there are, else CPU ranks
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2))
-    args = TrainingArguments(output_dir="hf-out", per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                             max_steps=4, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[],
-                             use_cpu=cpu)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
+    args = TrainingArguments(
+        output_dir="hf-out",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=cpu,
+    )
     trainer = BucketwiseTrainer(model=model, args=args, train_dataset=Tokens())  # instead of Trainer(...)
     trainer.train()
     trainer.save_model()  # hf-out/model.safetensors

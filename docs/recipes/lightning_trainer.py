@@ -16,8 +16,9 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(64, 64)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
-                                    for _ in range(3))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(3)
+        )
         self.head = nn.Linear(64, 64)
 
     def forward(self, ids):
@@ -56,8 +57,16 @@ class LitModel(L.LightningModule):
 def main():
     torch.manual_seed(0)
     lit = LitModel()
-    trainer = L.Trainer(accelerator="auto", devices=2, strategy="ddp", max_steps=4, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="auto",
+        devices=2,
+        strategy="ddp",
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(lit, torch.utils.data.DataLoader(Tokens(), batch_size=4))  # the Trainer adds a DistributedSampler
     if trainer.is_global_zero:
         print(bucketwise.report(lit.net).table())

@@ -16,8 +16,7 @@ def main():
     if cuda:
         torch.cuda.set_device(device)
 
-    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                          nn.Linear(256, 8)).to(device)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)).to(device)
     ddp = DDP(model, device_ids=[local_rank] if cuda else None)
     compiled = bucketwise.compile(ddp)  # strategy="auto": fused where it applies
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)

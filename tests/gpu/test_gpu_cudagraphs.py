@@ -75,8 +75,9 @@ def test_training_eval_and_shapes_equal_uncaptured():
     for step in range(4):
         batch = 4 if step < 2 else 6  # a new shape: recompiled/re-recorded, same numerics
         x, y = synthetic_tokens(CFG, batch, seed=50 + step, device="cuda")
-        torch.testing.assert_close(_step(graphed, c_graphed, opt_g, x, y), _step(plain, c_plain, opt_p, x, y),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            _step(graphed, c_graphed, opt_g, x, y), _step(plain, c_plain, opt_p, x, y), rtol=1e-5, atol=1e-6
+        )
     _same_params(plain, graphed)
     rep = bucketwise.report(c_graphed)
     print(rep.table())

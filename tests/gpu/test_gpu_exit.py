@@ -71,11 +71,27 @@ def _run(tmp_path, mode: str) -> tuple[int | None, str, float | None]:
     the last rank's "trained" line to the end)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-           "BUCKETWISE_PROGRESS": "0", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC), str(script), mode]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    env = {
+        **os.environ,
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+        "BUCKETWISE_PROGRESS": "0",
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(NPROC),
+        str(script),
+        mode,
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     lines: list[str] = []
     trained: list[float] = []
 
@@ -107,7 +123,10 @@ def _run(tmp_path, mode: str) -> tuple[int | None, str, float | None]:
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
         with open(os.path.join(log_dir, f"exit-{mode}.log"), "w") as f:
-            f.write(f"$ {' '.join(cmd[1:])}\nexit code {code}, {took if took is None else round(took, 2)} s after training\n\n{out}")
+            f.write(
+                f"$ {' '.join(cmd[1:])}\nexit code {code}, "
+                f"{took if took is None else round(took, 2)} s after training\n\n{out}"
+            )
     return code, out, took
 
 

@@ -11,9 +11,8 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from _ranks import run_two_ranks, step_side_by_side
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,9 +46,10 @@ def _worker(rank: int, world: int, store: str, cudagraphs: bool, errors) -> None
 
 
 def _case(rank: int, cudagraphs: bool) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
     import bucketwise
     from bucketwise.launch.models import GPT, GPTConfig, synthetic_tokens
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
     cfg = GPTConfig(vocab=1024, seq=64, layers=3, d_model=128, heads=4)
     torch.manual_seed(0)
@@ -79,7 +79,9 @@ def _case(rank: int, cudagraphs: bool) -> None:
     rep = bucketwise.report(comp)
     graph = rep.graphs[0]
     assert graph.strategy == "fused" and len(graph.buckets) > 1, rep.table()
-    assert [v.name for v in graph.variants] == ["plain all-reduce (before start_powerSGD_iter)", "powerSGD"], rep.table()
+    assert [v.name for v in graph.variants] == ["plain all-reduce (before start_powerSGD_iter)", "powerSGD"], (
+        rep.table()
+    )
     assert sum(b.wire_bytes for b in graph.buckets) < sum(b.bytes for b in graph.buckets) / 4, rep.table()
     if cudagraphs:
         replayed = [c for c in rep.cudagraphs if c.replays > 0 and "(powerSGD)" in c.name]

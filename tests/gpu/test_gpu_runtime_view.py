@@ -60,10 +60,28 @@ def test_launch_profile_steps_on_nccl(tmp_path, hook):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     stats = tmp_path / "stats"
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-           "BUCKETWISE_PROGRESS": "0"}
-    cmd = [sys.executable, "-m", "bucketwise.launch.cli", "launch", "--standalone", "--nproc-per-node", "2",
-           "--profile-steps", str(STEPS), "--stats-dir", str(stats), str(script), hook]
+    env = {
+        **os.environ,
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+        "BUCKETWISE_PROGRESS": "0",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "bucketwise.launch.cli",
+        "launch",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--profile-steps",
+        str(STEPS),
+        "--stats-dir",
+        str(stats),
+        str(script),
+        hook,
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     keep = os.environ.get("BUCKETWISE_RUNTIME_VIEW_LOG")
     if keep:

@@ -12,9 +12,8 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from _ranks import run_two_ranks, step_side_by_side
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,7 +49,10 @@ def _gpt_case(rank: int, *, strategy: str, dynamic: bool = False, cudagraphs: bo
     eager = DDP(model, device_ids=[rank], bucket_cap_mb=0.5)
     comp = bucketwise.compile(
         DDP(copy.deepcopy(model), device_ids=[rank], bucket_cap_mb=0.5),
-        backend="inductor", strategy=strategy, dynamic=dynamic, cudagraphs=cudagraphs,
+        backend="inductor",
+        strategy=strategy,
+        dynamic=dynamic,
+        cudagraphs=cudagraphs,
     )
     # SGD, not Adam: Adam's normalisation turns the last-bit differences of fused GPU kernels
     # (and the atomic-add order of the embedding backward) on near-zero gradients into lr-sized
@@ -70,7 +72,9 @@ def _gpt_case(rank: int, *, strategy: str, dynamic: bool = False, cudagraphs: bo
         assert len(rep.graphs[0].buckets) > 1, rep.table()
         # 2 x 256 ids < 1024 rows: the token table is gathered as rows (NOTE [embedding rows]),
         # and the replicas must stay bit-identical (no atomic scatter-add order per rank).
-        assert [b.params for b in rep.graphs[0].buckets if b.collective == "all_gather rows"] == [["tok.weight"]], rep.table()
+        assert [b.params for b in rep.graphs[0].buckets if b.collective == "all_gather rows"] == [["tok.weight"]], (
+            rep.table()
+        )
         flat = torch.cat([p.detach().reshape(-1) for p in comp.parameters()])
         theirs = flat.clone()
         dist.broadcast(theirs, 0)

@@ -26,8 +26,18 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("model", ["t5", "whisper"])
 def test_graphs_recorded_out_of_order_keep_gradients(tmp_path, model):
     pytest.importorskip("transformers")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "zoo.py"), "--device", "cuda", "--models", model,
-           "--configs", "bw-fused,bw-fused-cg", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "zoo.py"),
+        "--device",
+        "cuda",
+        "--models",
+        model,
+        "--configs",
+        "bw-fused,bw-fused-cg",
+        "--out",
+        str(tmp_path),
+    ]
     subprocess.run(cmd, check=True, timeout=600)
     (rec,) = json.loads((tmp_path / "zoo.json").read_text())["models"]
     statuses = {c["config"]: c["status"] for c in rec.get("configs", [])}

@@ -30,8 +30,15 @@ class Tokens(torch.utils.data.Dataset):
 
 def train(compiled: bool) -> Trainer:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(config)
     extra = {}
     if compiled:
@@ -41,9 +48,18 @@ def train(compiled: bool) -> Trainer:
         extra.update(remove_unused_columns=False, ddp_find_unused_parameters=False)
     args = TrainingArguments(
         output_dir=os.path.join(os.environ["BUCKETWISE_RECIPE_OUT"], "trainer"),
-        per_device_train_batch_size=4, max_steps=STEPS, learning_rate=1e-2, use_cpu=True,
-        ddp_backend="gloo", report_to=[], logging_steps=1, save_strategy="no", seed=0, data_seed=0,
-        disable_tqdm=True, **extra,
+        per_device_train_batch_size=4,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+        **extra,
     )
     trainer = Trainer(model=model, args=args, train_dataset=Tokens())
     trainer.train()
