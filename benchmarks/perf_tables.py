@@ -211,11 +211,13 @@ def tax_tables(results: Path, link_root: str) -> str:
     config, peak memory, CPU issue and GPU time over the config's floor."""
     out = []
     for folder in sorted(p for p in results.iterdir() if p.is_dir()):
-        runs = [json.loads(f.read_text()) for f in sorted(folder.glob("*/results.json"))]
-        runs = [r for r in runs if "pairs" in r.get("meta", {})]
-        if not runs:
+        found = [json.loads(f.read_text()) for f in sorted(folder.glob("*/results.json"))]
+        found = [r for r in found if "pairs" in r.get("meta", {})]
+        runs = [r for r in found if r["rows"]]
+        restarts = [r for r in found if r.get("restarts")]
+        if not runs and not restarts:
             continue
-        meta = runs[0]["meta"]
+        meta = (runs or restarts)[0]["meta"]
         out += [
             f"### [{folder.name}]({link_root}{folder.name}/)",
             "",
@@ -241,8 +243,32 @@ def tax_tables(results: Path, link_root: str) -> str:
             for r in run["rows"]:
                 if "error" in r:
                     out.append(f"| {run['meta']['model']} | `{r['config']}` | failed | | | | | | | |")
-        out.append("")
+        out += ["", *restart_table(restarts)]
     return "\n".join(out).rstrip("\n")
+
+
+def restart_table(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """First steps in new processes (``tax_bench.py --restarts``): cold and warm, per model and
+    config, with the ratios the DDP-tax goals name."""
+    if not runs:
+        return []
+    rounds = runs[0]["restarts"]["rounds"]
+    out = [
+        f"First steps, each in a new process over its own compile caches, {rounds} interleaved rounds (medians):",
+        "",
+        "| model | config | cold first step s | cold x `torch` | warm first step s | warm x non-graphed "
+        "| first step accounted |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for run in runs:
+        for config, r in run["restarts"]["summary"].items():
+            accounted = r.get("first_step_accounted")
+            out.append(
+                f"| {run['meta']['model']} | `{config}` | {_ratio(r['cold_s'])} | {_ratio(r.get('cold_over_torch'))} "
+                f"| {_ratio(r['warm_s'])} | {_ratio(r.get('warm_over_uncaptured'))} "
+                f"| {'-' if accounted is None else f'{accounted:.1%}'} |"
+            )
+    return [*out, ""]
 
 
 def replace_between(text: str, markers: tuple[str, str], body: str, where: str) -> str:
