@@ -92,12 +92,21 @@ def test_ratio_is_the_median_of_per_round_ratios(bench):
     assert rows["bw-fused"]["host_us_per_launch"] == pytest.approx(1100.0)
 
 
-@pytest.mark.parametrize("model", ["gpt", "gpt-medium", "llama"])
-def test_committed_tables_are_generated_from_their_json(bench, model, tmp_path):
+@pytest.mark.parametrize(
+    "run",
+    [
+        f"{day}_1xH100_ddp-tax-one-rank/{model}"
+        for day in ("2026-11-24", "2026-11-25")
+        for model in ("gpt", "gpt-medium", "llama")
+    ]
+    + ["2026-11-25_1xH100_ddp-tax-one-rank/gpt-restarts"],
+)
+def test_committed_tables_are_generated_from_their_json(bench, run, tmp_path):
     tax_bench = bench[0]
-    (tmp_path / "results.json").write_text((RESULTS / model / "results.json").read_text())
+    folder = RESULTS.parent / run
+    (tmp_path / "results.json").write_text((folder / "results.json").read_text())
     tax_bench.rewrite_markdown(str(tmp_path))
-    assert (tmp_path / "results.md").read_text() == (RESULTS / model / "results.md").read_text()
+    assert (tmp_path / "results.md").read_text() == (folder / "results.md").read_text()
 
 
 def test_replicate_and_llama_train_like_the_local_floor(bench, single_rank_group):
