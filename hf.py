@@ -17,7 +17,7 @@ where no public hook hands it out before it is called. The first place that sees
 which the Trainer calls with the DDP module for every training step (and every evaluation step
 with labels). There, once per DDP module, :class:`BucketwiseTrainer` builds what
 ``bucketwise.compile(ddp)`` builds and routes that module's forward to it
-(``ddpc.route_forward``: an instance attribute of that one module, as the ``"bucketwise"``
+(``_compat/ddp.route_forward``: an instance attribute of that one module, as the ``"bucketwise"``
 torch.compile backend does; the classes of torch and transformers stay untouched), then hands the
 same DDP module on to the Trainer's own ``compute_loss``. Everything of the Trainer sees the
 objects it built (``unwrap_model``, ``no_sync()`` under gradient accumulation, saving), and the

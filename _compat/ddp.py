@@ -365,7 +365,7 @@ def wants_released_reducer(ddp: DDP) -> bool:
     return bool(ddp.__dict__.get(_RELEASED_KEY))
 
 
-# --- comm hooks (distributed/comm_hooks.py, powersgd.py) -----------------------------------
+# --- comm hooks (distributed/fused/comm_hooks.py, powersgd.py) -----------------------------------
 # Checked on torch 2.13.0 (CI); tests/gpu/test_gpu_powersgd.py runs them on 2.11.0.
 
 

@@ -332,7 +332,7 @@ def allow_real_inputs(fake_mode) -> Iterator[None]:
         fake_mode.allow_non_fake_inputs = old
 
 
-# --- a comm hook's graph variants (compiler/hook_variants.py) ---------------------------
+# --- a comm hook's graph variants (distributed/fused/variants.py) ---------------------------
 # Checked on torch 2.13.0 (CI); tests/gpu/test_gpu_powersgd.py runs them on 2.11.0.
 
 

@@ -59,7 +59,7 @@ class CompileConfig:
     gather_embedding_rows: bool = True
     """``fused``: reduce an embedding table's gradient by all-gathering the rows each rank looked
     up (and their ids) instead of all-reducing the whole table, where that sends fewer bytes
-    (ranks x ids <= table rows; NOTE [embedding rows] in ``distributed/embedding_rows.py``).
+    (ranks x ids <= table rows; NOTE [embedding rows] in ``distributed/fused/embedding_rows.py``).
     Every rank must then look up the same number of ids per step; ``False`` all-reduces tables
     like any gradient."""
 

@@ -19,7 +19,7 @@ never traces DDP's own forward, it runs it eagerly and compiles the frames below
   Lightning Fabric): the frame is the wrapped module's own. At its first call the backend builds
   what ``bucketwise.compile(ddp)`` builds (a ``CompiledModule`` with its own frame, Dynamo
   cache, report, strategy ``auto``, rank checks, CUDA graphs on request) and routes that DDP
-  module's forward to it (``ddpc.route_forward``: an instance attribute of that one
+  module's forward to it (``_compat/ddp.route_forward``: an instance attribute of that one
   module; the class and torch untouched). From the second call on, DDP's pre/post-forward run
   eagerly around bucketwise's compiled inner module, exactly as under ``bucketwise.compile``,
   and torch's DDPOptimizer never sees those frames (no active DDP module during them).

@@ -25,7 +25,7 @@ class CompileOutcome:
     seconds: float = 0.0
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
-    """Compile-cache lookups and AOTAutograd compiles during it (``dc.compile_counters`` difference)."""
+    """Compile-cache lookups and AOTAutograd compiles during it (``_compat/dynamo.compile_counters`` difference)."""
     fell_back: bool = False
     reason: str | None = None
 

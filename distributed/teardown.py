@@ -11,7 +11,7 @@ ends with ``destroy_process_group()`` would never exit. Nobody should have to fr
   backend with no communication) whose ``shutdown()`` releases every live recording.
   ``destroy_process_group()`` shuts the groups down one by one, last group name first; the
   release group is created (again, with a new name, if need be) so that it comes before the DDP
-  group (``c10c.shuts_down_before``);
+  group (``_compat/c10d.shuts_down_before``);
 - at interpreter exit they are released before torch's own teardown (NOTE [at-exit order]): a script
   that never calls ``destroy_process_group()``, an exception that ends the script, Ctrl-C.
 

@@ -458,7 +458,7 @@ def report(compiled: Any) -> Report:
     NOTE [report finds the compile]: each object is searched, wrapper by wrapper, through the
     attributes in :data:`WRAPPER_ATTRS` (read from the instance, never through a wrapper's own
     ``__getattr__``), for bucketwise's report or the record that the ``"bucketwise"`` backend
-    left on a DDP module and on the module it wraps (``ddpc.set_owner``).
+    left on a DDP module and on the module it wraps (``_compat/ddp.set_owner``).
     """
     seen: list[Any] = []
     todo = [compiled]

@@ -1,4 +1,4 @@
-"""Embedding tables reduced as gathered rows (NOTE [embedding rows], distributed/embedding_rows.py).
+"""Embedding tables reduced as gathered rows (NOTE [embedding rows], distributed/fused/embedding_rows.py).
 
 Against eager DDP on 2 gloo ranks: gradients after every step (padding rows, two lookups of one
 table, ``no_sync()`` accumulation), identical bits on every rank (replicas must not drift), the

@@ -12,7 +12,7 @@ bucketwise's code changed:
   accepts only call targets it knows to be safe; these are declared safe through Inductor's
   ``unsafe_marked_cacheable_functions`` option, scoped to bucketwise's own compiles, with a key
   that changes whenever the code they trace changes (:func:`traced_call_targets`);
-- the scheduler pass handed to Inductor (``cc.sink_waits_to_consumers``) is an
+- the scheduler pass handed to Inductor (``_compat/collectives.sink_waits_to_consumers``) is an
   object whose pickled form (what the FX graph cache hashes) carries the same kind of key.
 
 A key is the hash of the source files of the modules whose code ends up in the compiled graph.

@@ -128,7 +128,7 @@ def insert_bucket_syncs(
 ) -> fx.GraphModule:
     """Graph pass: one ``BucketSync`` per bucket, placed before the bucket's earliest use.
 
-    ``target``/``bucket_args``: another sync (a comm hook's, ``distributed/comm_hooks.py``)
+    ``target``/``bucket_args``: another sync (a comm hook's, ``fused/comm_hooks.py``)
     called as ``target(*bucket_args(index), *params)`` instead of ``bucket_sync(*spec, *params)``.
     Returns ``gm`` rewritten in place; every use of a bucket parameter reads the synced view.
     """
