@@ -4,7 +4,8 @@ docs/integrations-recipes.md describes them:
 - ``fused``: ``bucketwise.hf.BucketwiseTrainer`` (bucketwise runs the DDP forward; one process:
   the model compiled with the inner backend alone);
 - ``split``: ``Trainer(model=torch.compile(model, backend="bucketwise"))`` (DDP wraps the
-  compiled model; one process: the inner backend alone, with bucketwise's warning);
+  compiled model; one process: each graph compiled whole by the inner backend, strategy
+  ``none``, with bucketwise's warning);
 - ``torch_compile``: the Trainer's own ``TrainingArguments(torch_compile=True)`` (Inductor);
 - ``eager``: no compile.
 
@@ -179,8 +180,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _bucketwise_summary(trainer, config_name: str) -> dict:
-    """What bucketwise compiled (strategies, totals, notes); on one process the ``split`` config
-    has no DDP module, so no report (bucketwise warned that the inner backend ran alone)."""
+    """What bucketwise compiled (strategies, totals, notes); on one process there is no DDP
+    module: strategy ``none`` (each graph whole, with the inner backend)."""
     import bucketwise
 
     try:
@@ -313,11 +314,23 @@ def drive(args: argparse.Namespace, argv: list[str]) -> dict:
     return report
 
 
+def _end_process_group() -> None:
+    """What the Trainer leaves to the script: a gloo group still alive at interpreter exit can
+    abort the process there (its worker threads outlive Python; pytorch pull 179291)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
     if args.worker is not None:
-        worker(args)
+        try:
+            worker(args)
+        finally:
+            _end_process_group()
     else:
         drive(args, argv)
 

@@ -109,13 +109,7 @@ def bucketwise_backend(
         return inside.backend(gm, example_inputs)
     ddp = dc.active_ddp_module()
     if ddp is None:
-        warnings.warn(
-            "bucketwise: no DistributedDataParallel forward is running around this graph; compiled with "
-            "the inner backend alone (no buckets, no report). Compile the DDP-wrapped module, or a module "
-            "that DDP wraps, to get bucketwise's strategies",
-            stacklevel=2,
-        )
-        return dc.make_backend(config.backend, config.mode, config.options, config.dynamic)(gm, example_inputs)
+        return _without_ddp(config, gm, example_inputs)
     if _frame_of(ddp):
         owner = attach(ddp, config)
     else:
@@ -128,17 +122,75 @@ def bucketwise_backend(
     return gm.forward
 
 
+NO_DDP_WARNING = (
+    "bucketwise: no DistributedDataParallel forward is running around this graph (one process: the "
+    "framework did not wrap the model in DDP); compiled whole with the inner backend, strategy none, no "
+    "buckets. Compile the DDP-wrapped module, or a module that DDP wraps, to get bucketwise's strategies"
+)
+
+
+def _without_ddp(config: CompileConfig, gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """A graph with no DDP forward around it: compiled whole, with the inner backend; recorded in
+    the report of the module whose frame it is (:class:`WithoutDDP`), where there is one."""
+    warnings.warn(NO_DDP_WARNING, stacklevel=3)
+    module = _frame_module()
+    if module is None:
+        return dc.make_backend(config.backend, config.mode, config.options, config.dynamic)(gm, example_inputs)
+    owner = ddpc.owner_of(module)
+    if not isinstance(owner, WithoutDDP):
+        owner = WithoutDDP(module, config)
+        ddpc.set_owner(module, owner)
+    return owner.backend(gm, example_inputs)
+
+
+class WithoutDDP:
+    """``torch.compile(model, backend="bucketwise")`` where no DDP module runs the model: a
+    framework on one process (HF Trainer, accelerate, Lightning with one device) does not wrap
+    it. Each graph is compiled whole by the inner backend (strategy ``none``, as
+    ``bucketwise.compile(model)`` without DDP) and ``bucketwise.report`` finds what was compiled
+    through the framework's object, as it does on N processes. The report belongs to the module
+    whose frame Dynamo compiled (the model; a graph break resumed in a submodule's method is
+    recorded on that submodule)."""
+
+    def __init__(self, module: Any, config: CompileConfig) -> None:
+        from .api import resolve_cudagraphs
+
+        name = type(dc.uncompiled(module)).__name__
+        self._bucketwise_report = report = Report(
+            target=f"{name} (no DDP)", strategy=config.strategy, backend=config.backend_name
+        )
+        self._bucketwise_backend = GraphBackend(config, report, None, cudagraphs=resolve_cudagraphs(config))
+        report.note(
+            "compiled through torch.compile(backend='bucketwise') with no DDP forward running: each graph "
+            "compiled whole with the inner backend, no buckets"
+        )
+
+    def backend(self, gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return self._bucketwise_backend(gm, example_inputs)
+
+    def __deepcopy__(self, memo: dict) -> "WithoutDDP":
+        # Held by the compiled module: a copy of that module shares it (as InsideDDP).
+        return self
+
+
 def _frame_module() -> Any | None:
-    """The module whose method Dynamo is compiling (its first argument, or the first of its
-    ``*args`` for a decorator's wrapper such as transformers' ``deprecate_kwarg``), or None."""
+    """The module whose method Dynamo is compiling, or None: its first argument, the first of
+    its ``*args`` for a decorator's wrapper such as transformers' ``deprecate_kwarg``, or the
+    module that a wrapper's closure calls (torch 2.13's ``OptimizedModule`` compiles
+    ``inner(*args, **kwargs)`` around ``fn``, the module)."""
     code, f_locals = dc.compiling_code(), dc.compiling_frame_locals()
     if code is None or f_locals is None:
         return None
     if code.co_argcount:
-        first = f_locals.get(code.co_varnames[0])
+        candidates = [f_locals.get(code.co_varnames[0])]
     else:
-        first = next(iter(_varargs(code, f_locals)), None)
-    return first if isinstance(first, torch.nn.Module) else None
+        candidates = [next(iter(_varargs(code, f_locals)), None)]
+    candidates += [f_locals.get(name) for name in code.co_freevars]
+    for value in candidates:
+        value = getattr(value, "__self__", value)  # a bound method: its module
+        if isinstance(value, torch.nn.Module):
+            return value
+    return None
 
 
 def _varargs(code: Any, f_locals: dict[str, Any]) -> tuple:

@@ -37,6 +37,7 @@ def test_hf_trainer_bench_tiny(tmp_path):
     assert list(result["configs"]) == ["fused", "split"], result["configs"].keys()
     for name, strategies in (("fused", ["fused"]), ("split", ["split"])):
         bw = result["configs"][name]
+        assert "error" not in bw, (name, bw)
         assert len(bw["losses"]) == 4 and len(bw["step_seconds"]) == 4 and bw["steps_per_second"] > 0, bw
         assert sorted(bw["bucketwise"]["strategies"]) == strategies, (name, bw["bucketwise"])
     # the same Trainer, the same data: both ways train alike (aot_eager: the same kernels)

@@ -57,6 +57,37 @@ def test_backend_found_by_name_without_importing_bucketwise(tmp_path):
     assert "no DistributedDataParallel forward" in out.stdout and "inner backend" in out.stdout, out.stdout
 
 
+def test_module_without_ddp_has_a_report():
+    """One process, no DDP (a framework's single-device run): the model trains as eager does,
+    each graph compiled whole, and report() finds what was compiled through torch.compile's object."""
+    import warnings
+
+    import bucketwise
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="bucketwise", options={**AOT, "strategy": "split"})
+    x = torch.randn(5, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(x).square().sum().backward()
+    assert any("no DistributedDataParallel forward" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    reference(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    rep = bucketwise.report(compiled)
+    assert rep is bucketwise.report(model)
+    assert [g.strategy for g in rep.graphs] == ["none"], rep.graphs
+    (segment,) = rep.graphs[0].segments
+    assert segment.backend == "aot_eager" and segment.op_count >= 3 and rep.graph_runs == 1, segment
+    assert any("no DDP forward running" in n for n in rep.notes), rep.notes
+    # A second call reuses the compiled graph: no second report, no recompile.
+    compiled(x)
+    assert bucketwise.report(compiled) is rep and len(rep.graphs) == 1 and rep.graph_runs == 2
+
+
 def test_options():
     config = config_from_options(None, {"strategy": "split", "inner_backend": "aot_eager", "bucket_cap_mb": 2}, None)
     assert (config.strategy, config.backend, config.bucket_cap_mb, config.options) == ("split", "aot_eager", 2, None)
