@@ -307,6 +307,16 @@ def speed_section(name: str, run: dict[str, Any]) -> list[str]:
     return lines + (["", *gpu_notes] if gpu_notes else [])
 
 
+def not_in_gpu_run(cpu: dict[str, Any], gpu: dict[str, Any]) -> list[str]:
+    """A line naming the GPU-only cases of the CPU run that the GPU run did not time."""
+    timed = {m["model"] for m in gpu["models"]}
+    missing = [m["model"] for m in cpu["models"] if m["status"] == "gpu only" and m["model"] not in timed]
+    if not missing:
+        return []
+    names = ", ".join(f"`{n}`" for n in missing)
+    return ["", f"Not in this GPU run: {names} (GPU-only cases): no GPU result for them yet."]
+
+
 def render(results: Path) -> str:
     runs = load(results)
     cpu = newest(runs, "check")
@@ -317,6 +327,8 @@ def render(results: Path) -> str:
         lines += [""] + summary(cpu[0], cpu[1]) + coverage_table(cpu[1]) + notes(cpu[1]) + detail_table(cpu[1])
     gpu = newest(runs, "speed")
     lines += speed_section(*gpu) if gpu else ["", "## Step time and peak memory, one GPU", "", NO_GPU_RUN]
+    if cpu and gpu:
+        lines += not_in_gpu_run(cpu[1], gpu[1])
     return "\n".join(lines) + "\n"
 
 
