@@ -48,6 +48,8 @@ class ZooArgs:
     steps: int
     nproc: int
     backend: str
+    backend_given: bool
+    """``--backend`` was passed: every model runs with it (else a model's ``cpu_backend`` wins on CPU)."""
     timeout_s: float
     budget_s: float | None
     configs: tuple[str, ...] | None
@@ -91,7 +93,11 @@ def parse(argv: list[str] | None) -> ZooArgs:
         help="training steps (default: 3 with --mode check; 10 timed after 3 warm-up with --mode speed)",
     )
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: 2 on cpu, 1 on cuda)")
-    p.add_argument("--backend", default=None, help="default: aot_eager on cpu, inductor on cuda")
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="default: inductor on cuda; aot_eager on cpu, but inductor for the cases about Inductor's own kernels",
+    )
     p.add_argument("--configs", default=None, help="comma-separated subset of the configs")
     p.add_argument(
         "--timeout-s",
@@ -116,6 +122,7 @@ def parse(argv: list[str] | None) -> ZooArgs:
         steps=a.steps or (10 if mode == "speed" else 3),
         nproc=a.nproc or (1 if cuda else 2),
         backend=a.backend or ("inductor" if cuda else "aot_eager"),
+        backend_given=a.backend is not None,
         timeout_s=a.timeout_s or (150.0 if cuda else 900.0),
         budget_s=a.budget_s if a.budget_s is not None else (420.0 if cuda else None),
         configs=tuple(a.configs.split(",")) if a.configs else None,
@@ -182,16 +189,21 @@ def run_one(model: Any, args: ZooArgs, work: Path, *, timeout_s: float) -> dict[
             "status": "skipped",
             "reason": "; ".join(f"import {p} failed: {why}" for p, why in broken.items()),
         }
+    backend = args.backend
+    if args.device == "cpu" and model.cpu_backend and not args.backend_given:
+        backend = model.cpu_backend
     opts = {
         "mode": args.mode,
         "device": args.device,
-        "backend": args.backend,
+        "backend": backend,
         "steps": args.steps,
         "configs": args.configs,
     }
     t0 = time.perf_counter()
     outcome = run_ranks(model.name, opts, nproc=args.nproc, device=args.device, work=work, timeout_s=timeout_s)
     outcome["seconds"] = round(time.perf_counter() - t0, 1)
+    if backend != args.backend:
+        outcome["backend"] = backend
     return outcome
 
 

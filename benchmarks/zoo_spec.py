@@ -56,6 +56,11 @@ class ZooModel:
     find_unused_parameters: bool = False
     gpu_only: str | None = None
     """Why it runs on GPUs only (``None``: runs on CPU too)."""
+    cpu_backend: str | None = None
+    """The backend of its CPU runs where the zoo's default (``aot_eager``) would not exercise
+    what the case is about (``"inductor"``: FlexAttention's kernels, max-autotune's tuning)."""
+    min_bucket_cap_mb: float = 0.0
+    """DDP's bucket cap is at least this in every config, eager DDP's included."""
     compile_kwargs: tuple[tuple[str, Any], ...] = ()
     """Extra ``bucketwise.compile`` / ``torch.compile`` keyword arguments (``mode``)."""
     accumulate: int = 1
@@ -71,6 +76,8 @@ class ZooModel:
             raise ValueError(f"ZooModel.family must be one of {families}, got {self.family!r}")
         if not callable(self.build):
             raise TypeError(f"ZooModel.build of {self.name} must be callable")
+        if self.min_bucket_cap_mb < 0:
+            raise ValueError(f"ZooModel.min_bucket_cap_mb of {self.name} must be >= 0, got {self.min_bucket_cap_mb}")
         if self.accumulate < 1:
             raise ValueError(f"ZooModel.accumulate of {self.name} must be at least 1, got {self.accumulate}")
         if self.autocast not in (None, "bfloat16", "float16"):

@@ -3,9 +3,11 @@
     python3 benchmarks/zoo_table.py            # rewrite docs/models.md
     python3 benchmarks/zoo_table.py --check    # exit 1 if docs/models.md is not what this would write
 
-The newest CPU run (``zoo.py``, correctness against eager DDP) gives the coverage table and the
-pass counts; the newest one-GPU run (``zoo.py --device cuda``), if any, gives step time and
-peak memory. Everything else on the page is fixed text below.
+The CPU runs (``zoo.py``, correctness against eager DDP) give the coverage table and the pass
+counts, each model from the newest run that has it (a run of a few models, ``--models``, updates
+those models only; the page names every run it draws on); the newest one-GPU run
+(``zoo.py --device cuda``), if any, gives step time and peak memory. Everything else on the page
+is fixed text below.
 """
 
 from __future__ import annotations
@@ -94,6 +96,21 @@ def newest(runs: list[tuple[str, dict[str, Any]]], mode: str) -> tuple[str, dict
     return max(picked, key=lambda r: (r[1]["date"], r[0])) if picked else None
 
 
+def merged_checks(runs: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], dict[str, Any]] | None:
+    """The CPU check runs as one: each model's record from the newest run that has it, in the
+    order models first appear (oldest run first). Returns the runs drawn on, newest last, and the
+    merged run (the newest run's header; each model carries ``run``, its folder's name)."""
+    checks = sorted((r for r in runs if r[1].get("mode") == "check"), key=lambda r: (r[1]["date"], r[0]))
+    if not checks:
+        return None
+    models: dict[str, dict[str, Any]] = {}
+    for name, run in checks:
+        for m in run["models"]:
+            models[m["model"]] = {**m, "run": name}
+    used = [name for name, _ in checks if any(m["run"] == name for m in models.values())]
+    return used, {**checks[-1][1], "models": list(models.values())}
+
+
 def by_config(model: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["config"]: c for c in model.get("configs", [])}
 
@@ -109,7 +126,7 @@ def passes(models: list[dict[str, Any]], config: str) -> list[str]:
     return [m["model"] for m in models if cell(m, config) == "pass"]
 
 
-def summary(name: str, run: dict[str, Any]) -> list[str]:
+def summary(names: list[str], runs: dict[str, dict[str, Any]], run: dict[str, Any]) -> list[str]:
     models = run["models"]
     ran = [m for m in models if "configs" in m]
     torch_ok = set(passes(ran, "torch"))
@@ -122,9 +139,19 @@ def summary(name: str, run: dict[str, Any]) -> list[str]:
     lines = [
         f"## Coverage: {len(models)} models, {len(ran)} run on CPU{rest}",
         "",
-        f"[CPU run](../benchmarks/results/{name}/): {run['machine']}, torch {run['versions']['torch']}, backend "
-        f"`{run['backend']}`, {run['steps']} SGD steps, {run['date'][:10]}.",
-        "",
+    ]
+    main = max(names, key=lambda n: sum(m["run"] == n for m in models))  # named without its models
+    for name in names:
+        r = runs[name]
+        mine = [m["model"] for m in models if m["run"] == name]
+        which = "" if name == main else " for " + ", ".join(f"`{n}`" for n in mine)
+        backends = sorted({m.get("backend", r["backend"]) for m in ran if m["run"] == name}) or [r["backend"]]
+        lines.append(
+            f"[CPU run](../benchmarks/results/{name}/){which}: {r['machine']}, torch {r['versions']['torch']}, "
+            f"backend {' and '.join(f'`{b}`' for b in backends)}, {r['steps']} SGD steps, {r['date'][:10]}."
+        )
+        lines.append("")
+    lines += [
         "| | models equal to eager DDP (pass) |",
         "| --- | ---: |",
     ]
@@ -169,9 +196,10 @@ def row(m: dict[str, Any]) -> str:
     check = auto.get("check") or {}
     rel = "-" if check.get("rel_err") is None else f"{check['rel_err']:.1e}"
     comp = f"{auto['compile_s']:.2f}" if "compile_s" in auto else "-"
+    source = m["source"] + (f"; backend `{m['backend']}`" if m.get("backend") else "")
     cells = [
         f"`{m['model']}`",
-        m["source"],
+        source,
         params,
         *(cell(m, c) for c in CHECK_CONFIGS),
         strategy,
@@ -319,16 +347,17 @@ def not_in_gpu_run(cpu: dict[str, Any], gpu: dict[str, Any]) -> list[str]:
 
 def render(results: Path) -> str:
     runs = load(results)
-    cpu = newest(runs, "check")
-    lines = [INTRO.rstrip("\n").replace("{worst}", worst_error(cpu[1]) if cpu else "n/a")]
+    merged = merged_checks(runs)
+    cpu = None if merged is None else merged[1]
+    lines = [INTRO.rstrip("\n").replace("{worst}", worst_error(cpu) if cpu else "n/a")]
     if cpu is None:
         lines += ["", "(no zoo results under benchmarks/results/)"]
     else:
-        lines += [""] + summary(cpu[0], cpu[1]) + coverage_table(cpu[1]) + notes(cpu[1]) + detail_table(cpu[1])
+        lines += [""] + summary(merged[0], dict(runs), cpu) + coverage_table(cpu) + notes(cpu) + detail_table(cpu)
     gpu = newest(runs, "speed")
     lines += speed_section(*gpu) if gpu else ["", "## Step time and peak memory, one GPU", "", NO_GPU_RUN]
     if cpu and gpu:
-        lines += not_in_gpu_run(cpu[1], gpu[1])
+        lines += not_in_gpu_run(cpu, gpu[1])
     return "\n".join(lines) + "\n"
 
 

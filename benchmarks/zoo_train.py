@@ -61,7 +61,7 @@ def make_ddp(built: Built, spec: ZooModel, device: torch.device, *, min_cap_mb: 
         built.module,
         device_ids=ids,
         find_unused_parameters=spec.find_unused_parameters,
-        bucket_cap_mb=max(bucket_cap_mb(built.module), min_cap_mb),
+        bucket_cap_mb=max(bucket_cap_mb(built.module), min_cap_mb, spec.min_bucket_cap_mb),
     )
 
 

@@ -174,3 +174,69 @@ def test_models_doc_counts_the_records(tmp_path):
     assert "| `e` | not run | not run |" in doc
     assert "- `a`, `bw-fused-cg`: error: `ValueError: no`" in doc
     assert "- `e`: not run: past the budget" in doc
+
+
+def test_models_doc_takes_each_model_from_its_newest_run(tmp_path):
+    """A run of a few models (``zoo.py --models``) updates those rows only; the page names both
+    runs and the backend of a model run with another one."""
+
+    def model(name, status, **extra):
+        configs = [{"config": "eager", "status": "pass", "params": 10}]
+        configs += [
+            {"config": c, "status": status, "check": {"ok": status == "pass", "rel_err": 1e-6}}
+            for c in ("torch", "auto", "fused", "split")
+        ]
+        return {"model": name, "family": "case", "source": name, "status": "ran", "configs": configs, **extra}
+
+    def run(date, models, backend="aot_eager"):
+        return {
+            "type": "zoo",
+            "mode": "check",
+            "date": date,
+            "machine": "CPU, 2 gloo ranks",
+            "backend": backend,
+            "steps": 3,
+            "versions": {"torch": "2.99"},
+            "models": models,
+        }
+
+    gpu_only = {"model": "c", "family": "case", "source": "c", "status": "gpu only", "reason": "needs a GPU"}
+    full = run("2026-01-01T00:00:00+00:00", [model("a", "pass"), model("b", "mismatch"), model("d", "pass"), gpu_only])
+    part = run("2026-01-02T00:00:00+00:00", [model("b", "pass", backend="inductor"), gpu_only])
+    (tmp_path / "docs").mkdir()
+    for name, record in (("2026-01-01_cpu_zoo", full), ("2026-01-02_cpu_zoo-cases", part)):
+        folder = tmp_path / "benchmarks" / "results" / name
+        folder.mkdir(parents=True)
+        (folder / "zoo.json").write_text(json.dumps(record))
+    assert _table(tmp_path).returncode == 0
+    doc = (tmp_path / "docs" / "models.md").read_text()
+    assert '| bucketwise `strategy="auto"` | 3 of 3 |' in doc
+    assert "[CPU run](../benchmarks/results/2026-01-01_cpu_zoo/): CPU" in doc
+    assert "[CPU run](../benchmarks/results/2026-01-02_cpu_zoo-cases/) for `b`, `c`: CPU" in doc
+    assert "backend `inductor`, 3 SGD steps, 2026-01-02." in doc
+    assert "| `b` | b; backend `inductor` | 10 | pass | pass |" in doc
+    assert doc.index("| `a` |") < doc.index("| `b` |") < doc.index("| `d` |") < doc.index("| `c` |")  # first seen
+
+
+def test_cases_about_inductor_run_with_it_on_cpu(monkeypatch, tmp_path):
+    """A case that exists to exercise Inductor (max-autotune) runs with it on CPU unless
+    ``--backend`` is given; the record names the backend where it differs from the run's."""
+    from bucketwise.benchmarks import zoo
+
+    seen = []
+
+    def run_ranks(name, opts, **kw):
+        seen.append(opts["backend"])
+        return {"status": "ran", "configs": []}
+
+    monkeypatch.setattr(zoo, "run_ranks", run_ranks)
+    model = get("llama-max-autotune")
+    _needs(model.name)
+    rec = zoo.run_one(model, zoo.parse(["--out", str(tmp_path)]), tmp_path, timeout_s=1.0)
+    assert seen == ["inductor"] and rec["backend"] == "inductor", (seen, rec)
+    rec = zoo.run_one(model, zoo.parse(["--out", str(tmp_path), "--backend", "eager"]), tmp_path, timeout_s=1.0)
+    assert seen[-1] == "eager" and "backend" not in rec, (seen, rec)
+    assert (
+        zoo.run_one(get("llama-flex-attention"), zoo.parse(["--out", str(tmp_path)]), tmp_path, timeout_s=1.0)["status"]
+        == "gpu only"
+    )
