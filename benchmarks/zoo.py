@@ -223,15 +223,27 @@ def main(argv: list[str] | None = None) -> int:
                 }
             else:
                 print(f"zoo: {model.name} ...", flush=True)
-                result = run_one(
-                    model, args, Path(work), timeout_s=args.timeout_s if left is None else min(args.timeout_s, left)
-                )
+                by_budget = left is not None and left < args.timeout_s
+                result = run_one(model, args, Path(work), timeout_s=left if by_budget else args.timeout_s)
+                if by_budget and result.get("timed_out"):
+                    result = stopped_by_budget(result, left, args.budget_s)
             result = {"model": model.name, "family": model.family, "source": model.source, **result}
             record["models"].append(result)
             print(f"zoo: {model.name}: {summary(result)}", flush=True)
             write(args.out / "zoo.json", record)
     print(f"zoo: wrote {args.out / 'zoo.json'} ({time.perf_counter() - start:.0f} s)")
     return 0
+
+
+def stopped_by_budget(result: dict[str, Any], left: float, budget_s: float) -> dict[str, Any]:
+    """A model cut short by the run's ``--budget-s``, not by its own ``--timeout-s``: not a
+    failure of the model, so recorded as not run, with how to run it."""
+    return {
+        **{k: v for k, v in result.items() if k not in ("timed_out", "traceback")},
+        "status": "not run",
+        "reason": f"stopped after {left:.0f} s, when the run's --budget-s of {budget_s:g} s ran out: "
+        f"run it alone (--models {result['model']})",
+    }
 
 
 def summary(result: dict[str, Any]) -> str:

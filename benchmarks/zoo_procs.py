@@ -109,7 +109,8 @@ def run_ranks(
     why = f"timed out after {timeout_s:g} s" if timed_out else "a rank failed"
     first = next(iter(errors.values()), "")
     last = [ln for ln in first.strip().splitlines() if ln.strip()][-1:] or [f"exit codes {[p.exitcode for p in procs]}"]
-    return {"model": name, "status": "error", "reason": f"{why}: {last[0][:400]}", "traceback": first[-4000:]}
+    out = {"model": name, "status": "error", "reason": f"{why}: {last[0][:400]}", "traceback": first[-4000:]}
+    return {**out, "timed_out": True} if timed_out else out
 
 
 def _wait(procs: list[Any], run_dir: Path, timeout_s: float) -> bool:

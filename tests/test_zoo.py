@@ -240,3 +240,27 @@ def test_cases_about_inductor_run_with_it_on_cpu(monkeypatch, tmp_path):
         zoo.run_one(get("llama-flex-attention"), zoo.parse(["--out", str(tmp_path)]), tmp_path, timeout_s=1.0)["status"]
         == "gpu only"
     )
+
+
+def test_a_model_cut_short_by_the_run_budget_is_not_run(monkeypatch, tmp_path):
+    """The run's ``--budget-s``, not the model, stopped it: recorded as not run, with the fix."""
+    from bucketwise.benchmarks import zoo
+
+    calls = []
+
+    def run_ranks(name, opts, *, timeout_s, **kw):
+        calls.append(timeout_s)
+        return {"model": name, "status": "error", "reason": f"timed out after {timeout_s:g} s", "timed_out": True}
+
+    monkeypatch.setattr(zoo, "run_ranks", run_ranks)
+    model = get("llama")
+    _needs(model.name)
+    assert zoo.main(["--models", "llama", "--budget-s", "100", "--timeout-s", "900", "--out", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "zoo.json").read_text())["models"][0]
+    assert calls and calls[0] <= 100, calls
+    assert rec["status"] == "not run" and "--budget-s of 100 s ran out" in rec["reason"], rec
+    assert "--models llama" in rec["reason"] and "timed_out" not in rec, rec
+    # its own --timeout-s, well inside the budget: an error of the model
+    assert zoo.main(["--models", "llama", "--budget-s", "1000", "--timeout-s", "60", "--out", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "zoo.json").read_text())["models"][0]
+    assert rec["status"] == "error" and rec["reason"] == "timed out after 60 s", rec
