@@ -54,6 +54,12 @@ class ZooArgs:
     budget_s: float | None
     configs: tuple[str, ...] | None
 
+    def backend_for(self, model: Any) -> str:
+        """``--backend`` where given, else the model's ``cpu_backend`` on CPU, else the default."""
+        if self.device == "cpu" and model.cpu_backend and not self.backend_given:
+            return model.cpu_backend
+        return self.backend
+
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
@@ -189,9 +195,7 @@ def run_one(model: Any, args: ZooArgs, work: Path, *, timeout_s: float) -> dict[
             "status": "skipped",
             "reason": "; ".join(f"import {p} failed: {why}" for p, why in broken.items()),
         }
-    backend = args.backend
-    if args.device == "cpu" and model.cpu_backend and not args.backend_given:
-        backend = model.cpu_backend
+    backend = args.backend_for(model)
     opts = {
         "mode": args.mode,
         "device": args.device,

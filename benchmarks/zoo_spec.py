@@ -58,7 +58,7 @@ class ZooModel:
     """Why it runs on GPUs only (``None``: runs on CPU too)."""
     cpu_backend: str | None = None
     """The backend of its CPU runs where the zoo's default (``aot_eager``) would not exercise
-    what the case is about (``"inductor"``: FlexAttention's kernels, max-autotune's tuning)."""
+    what the case is about (``"inductor"`` for max-autotune's tuning)."""
     min_bucket_cap_mb: float = 0.0
     """DDP's bucket cap is at least this in every config, eager DDP's included."""
     compile_kwargs: tuple[tuple[str, Any], ...] = ()

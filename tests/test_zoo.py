@@ -92,6 +92,29 @@ def _table(root: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+def _write_run(root: Path, folder: str, record: dict) -> Path:
+    """``record`` as ``benchmarks/results/<folder>/zoo.json`` under ``root``; returns the folder."""
+    path = root / "benchmarks" / "results" / folder
+    path.mkdir(parents=True)
+    (path / "zoo.json").write_text(json.dumps(record))
+    return path
+
+
+def _check_run(date: str, models: list, **header) -> dict:
+    """A CPU check run's record as ``zoo.py`` writes it."""
+    return {
+        "type": "zoo",
+        "mode": "check",
+        "date": date,
+        "machine": "CPU, 2 gloo ranks",
+        "backend": "aot_eager",
+        "steps": 3,
+        "versions": {"torch": "2.99"},
+        "models": models,
+        **header,
+    }
+
+
 def test_models_doc_is_current():
     result = _table(ROOT, "--check")
     assert result.returncode == 0, result.stderr
@@ -112,26 +135,18 @@ def test_models_doc_counts_the_records(tmp_path):
         ]
         return {"model": name, "family": "transformers", "source": f"{name} class", "status": "ran", "configs": configs}
 
-    run = {
-        "type": "zoo",
-        "mode": "check",
-        "date": "2026-01-01T00:00:00+00:00",
-        "machine": "CPU, 2 gloo ranks",
-        "backend": "aot_eager",
-        "steps": 3,
-        "versions": {"torch": "2.99"},
-        "command": "python3 benchmarks/zoo.py",
-        "models": [
+    run = _check_run(
+        "2026-01-01T00:00:00+00:00",
+        command="python3 benchmarks/zoo.py",
+        models=[
             model("a", {"torch": "pass", "auto": "pass", "fused": "pass", "split": "pass"}),
             model("b", {"torch": "error", "auto": "pass", "fused": "pass", "split": "error"}),
             model("c", {"torch": "pass", "auto": "mismatch", "fused": "mismatch", "split": "pass"}),
             {"model": "d", "family": "case", "source": "d", "status": "gpu only", "reason": "needs a GPU"},
         ],
-    }
+    )
     (tmp_path / "docs").mkdir()
-    folder = tmp_path / "benchmarks" / "results" / "2026-01-01_cpu_zoo"
-    folder.mkdir(parents=True)
-    (folder / "zoo.json").write_text(json.dumps(run))
+    folder = _write_run(tmp_path, "2026-01-01_cpu_zoo", run)
     assert _table(tmp_path).returncode == 0
     doc = (tmp_path / "docs" / "models.md").read_text()
     assert "| `torch.compile(DDP(model))` | 2 of 3 |" in doc
@@ -165,9 +180,7 @@ def test_models_doc_counts_the_records(tmp_path):
             {"model": "e", "family": "case", "source": "e", "status": "not run", "reason": "past the budget"},
         ],
     }
-    gpu = tmp_path / "benchmarks" / "results" / "2026-01-02_1xFake_zoo"
-    gpu.mkdir()
-    (gpu / "zoo.json").write_text(json.dumps(speed))
+    _write_run(tmp_path, "2026-01-02_1xFake_zoo", speed)
     assert _table(tmp_path).returncode == 0
     doc = (tmp_path / "docs" / "models.md").read_text()
     assert "| `a` | 3.00 / 30 | 1.50 / 20 | - | - | error |" in doc
@@ -188,26 +201,12 @@ def test_models_doc_takes_each_model_from_its_newest_run(tmp_path):
         ]
         return {"model": name, "family": "case", "source": name, "status": "ran", "configs": configs, **extra}
 
-    def run(date, models, backend="aot_eager"):
-        return {
-            "type": "zoo",
-            "mode": "check",
-            "date": date,
-            "machine": "CPU, 2 gloo ranks",
-            "backend": backend,
-            "steps": 3,
-            "versions": {"torch": "2.99"},
-            "models": models,
-        }
-
     gpu_only = {"model": "c", "family": "case", "source": "c", "status": "gpu only", "reason": "needs a GPU"}
-    full = run("2026-01-01T00:00:00+00:00", [model("a", "pass"), model("b", "mismatch"), model("d", "pass"), gpu_only])
-    part = run("2026-01-02T00:00:00+00:00", [model("b", "pass", backend="inductor"), gpu_only])
+    full = [model("a", "pass"), model("b", "mismatch"), model("d", "pass"), gpu_only]
+    part = [model("b", "pass", backend="inductor"), gpu_only]
     (tmp_path / "docs").mkdir()
-    for name, record in (("2026-01-01_cpu_zoo", full), ("2026-01-02_cpu_zoo-cases", part)):
-        folder = tmp_path / "benchmarks" / "results" / name
-        folder.mkdir(parents=True)
-        (folder / "zoo.json").write_text(json.dumps(record))
+    _write_run(tmp_path, "2026-01-01_cpu_zoo", _check_run("2026-01-01T00:00:00+00:00", full))
+    _write_run(tmp_path, "2026-01-02_cpu_zoo-cases", _check_run("2026-01-02T00:00:00+00:00", part))
     assert _table(tmp_path).returncode == 0
     doc = (tmp_path / "docs" / "models.md").read_text()
     assert '| bucketwise `strategy="auto"` | 3 of 3 |' in doc
