@@ -54,6 +54,7 @@ def main():
     trainer.save_state()  # hf-out/trainer_state.json: the losses
     if trainer.is_world_process_zero():
         print(bucketwise.report(trainer.model).table())
+    trainer.accelerator.end_training()  # ends the process group: a gloo one left alive can abort the exit
 
 
 if __name__ == "__main__":

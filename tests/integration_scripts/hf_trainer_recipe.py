@@ -78,6 +78,7 @@ def main() -> None:
         model = getattr(trainer.model, "_orig_mod", trainer.model)
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         save(run, rank, model.named_parameters(), losses)
+    trainer.accelerator.end_training()  # a gloo group left alive can abort the exit
 
 
 if __name__ == "__main__":
