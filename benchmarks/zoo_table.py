@@ -4,10 +4,10 @@
     python3 benchmarks/zoo_table.py --check    # exit 1 if docs/models.md is not what this would write
 
 The CPU runs (``zoo.py``, correctness against eager DDP) give the coverage table and the pass
-counts, each model from the newest run that has it (a run of a few models, ``--models``, updates
-those models only; the page names every run it draws on); the newest one-GPU run
-(``zoo.py --device cuda``), if any, gives step time and peak memory. Everything else on the page
-is fixed text below.
+counts; the one-GPU runs (``zoo.py --device cuda``), if any, give step time and peak memory. On
+each side every model comes from the newest run that has it (a run of a few models,
+``--models``, updates those models only; the page names every run it draws on). Everything else
+on the page is fixed text below.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 DOC = "docs/models.md"
 CHECK_CONFIGS = ("torch", "auto", "fused", "split")
@@ -91,24 +91,38 @@ def load(results: Path) -> list[tuple[str, dict[str, Any]]]:
     return runs
 
 
-def newest(runs: list[tuple[str, dict[str, Any]]], mode: str) -> tuple[str, dict[str, Any]] | None:
-    picked = [r for r in runs if r[1].get("mode") == mode]
-    return max(picked, key=lambda r: (r[1]["date"], r[0])) if picked else None
-
-
-def merged_checks(runs: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], dict[str, Any]] | None:
-    """The CPU check runs as one: each model's record from the newest run that has it, in the
-    order models first appear (oldest run first). Returns the runs drawn on, newest last, and the
-    merged run (the newest run's header; each model carries ``run``, its folder's name)."""
-    checks = sorted((r for r in runs if r[1].get("mode") == "check"), key=lambda r: (r[1]["date"], r[0]))
-    if not checks:
+def merged(runs: list[tuple[str, dict[str, Any]]], mode: str) -> tuple[list[str], dict[str, Any]] | None:
+    """The runs of ``mode`` (``check``: CPU, ``speed``: one GPU) as one: each model's record from
+    the newest run that has it, in the order models first appear (oldest run first). Returns the
+    runs drawn on, newest last, and the merged run (the newest run's header; each model carries
+    ``run``, its folder's name)."""
+    picked = sorted((r for r in runs if r[1].get("mode") == mode), key=lambda r: (r[1]["date"], r[0]))
+    if not picked:
         return None
     models: dict[str, dict[str, Any]] = {}
-    for name, run in checks:
+    for name, run in picked:
         for m in run["models"]:
             models[m["model"]] = {**m, "run": name}
-    used = [name for name, _ in checks if any(m["run"] == name for m in models.values())]
-    return used, {**checks[-1][1], "models": list(models.values())}
+    used = [name for name, _ in picked if any(m["run"] == name for m in models.values())]
+    return used, {**picked[-1][1], "models": list(models.values())}
+
+
+def run_lines(
+    kind: str,
+    names: list[str],
+    runs: dict[str, dict[str, Any]],
+    models: list[dict[str, Any]],
+    what: Callable[[str, dict[str, Any]], str],
+) -> list[str]:
+    """One line per run drawn on: its folder, the models it gives (all but the run giving the
+    most), and ``what(name, run)``, its machine, versions and date."""
+    main = max(names, key=lambda n: sum(m["run"] == n for m in models))  # named without its models
+    lines = []
+    for name in names:
+        mine = [m["model"] for m in models if m["run"] == name]
+        which = "" if name == main else " for " + ", ".join(f"`{n}`" for n in mine)
+        lines += [f"[{kind} run](../benchmarks/results/{name}/){which}: {what(name, runs[name])}", ""]
+    return lines
 
 
 def by_config(model: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -140,17 +154,15 @@ def summary(names: list[str], runs: dict[str, dict[str, Any]], run: dict[str, An
         f"## Coverage: {len(models)} models, {len(ran)} run on CPU{rest}",
         "",
     ]
-    main = max(names, key=lambda n: sum(m["run"] == n for m in models))  # named without its models
-    for name in names:
-        r = runs[name]
-        mine = [m["model"] for m in models if m["run"] == name]
-        which = "" if name == main else " for " + ", ".join(f"`{n}`" for n in mine)
+
+    def what(name: str, r: dict[str, Any]) -> str:
         backends = sorted({m.get("backend", r["backend"]) for m in ran if m["run"] == name}) or [r["backend"]]
-        lines.append(
-            f"[CPU run](../benchmarks/results/{name}/){which}: {r['machine']}, torch {r['versions']['torch']}, "
-            f"backend {' and '.join(f'`{b}`' for b in backends)}, {r['steps']} SGD steps, {r['date'][:10]}."
+        return (
+            f"{r['machine']}, torch {r['versions']['torch']}, backend {' and '.join(f'`{b}`' for b in backends)}, "
+            f"{r['steps']} SGD steps, {r['date'][:10]}."
         )
-        lines.append("")
+
+    lines += run_lines("CPU", names, runs, models, what)
     lines += [
         "| | models equal to eager DDP (pass) |",
         "| --- | ---: |",
@@ -292,17 +304,20 @@ def note_of(c: dict[str, Any]) -> str | None:
     return "; ".join(parts) or None
 
 
-def speed_section(name: str, run: dict[str, Any]) -> list[str]:
-    lines = [
-        "",
-        "## Step time and peak memory, one GPU",
-        "",
-        f"[GPU run](../benchmarks/results/{name}/): {run['machine']}, torch {run['versions']['torch']}, backend "
-        f"`{run['backend']}`, one rank (world size 1: no gradient traffic), the same small models, "
-        f"median of {run['steps']} timed steps in ms / peak MiB (`torch.cuda.max_memory_allocated`), "
-        f"{run['date'][:10]}. `local`: the model compiled without DDP; `torch`: `torch.compile(DDP(model))`; "
-        '`bw-fused`: `strategy="fused"`; `-cg`: `cudagraphs=True`; each checked against eager DDP at ten '
-        f"times the CPU tolerance (Inductor reorders float math). Reproduce with `{GPU_COMMAND}`.",
+def speed_section(names: list[str], runs: dict[str, dict[str, Any]], run: dict[str, Any]) -> list[str]:
+    def what(name: str, r: dict[str, Any]) -> str:
+        return (
+            f"{r['machine']}, torch {r['versions']['torch']}, backend `{r['backend']}`, median of {r['steps']} "
+            f"timed steps, {r['date'][:10]}."
+        )
+
+    lines = ["", "## Step time and peak memory, one GPU", ""] + run_lines("GPU", names, runs, run["models"], what)
+    lines += [
+        "One rank (world size 1: no gradient traffic), the same small models, step time in ms / peak MiB "
+        "(`torch.cuda.max_memory_allocated`). `local`: the model compiled without DDP; `torch`: "
+        '`torch.compile(DDP(model))`; `bw-fused`: `strategy="fused"`; `-cg`: `cudagraphs=True`; each checked '
+        "against eager DDP at ten times the CPU tolerance (Inductor reorders float math). Reproduce with "
+        f"`{GPU_COMMAND}`.",
         "",
         "| model | " + " | ".join(f"`{c}`" for c in SPEED_CONFIGS) + " |",
         "| --- |" + " ---: |" * len(SPEED_CONFIGS),
@@ -331,7 +346,9 @@ def speed_section(name: str, run: dict[str, Any]) -> list[str]:
         for c in m.get("configs", [])
         if note_of(c)
     ]
-    gpu_notes += [f"- {n}" for n in run.get("notes", [])]  # what the run folder's README records since
+    for name in names:  # what each run folder's README records since
+        label = f"`{name}`: " if len(names) > 1 else ""
+        gpu_notes += [f"- {label}{n}" for n in runs[name].get("notes", [])]
     return lines + (["", *gpu_notes] if gpu_notes else [])
 
 
@@ -342,22 +359,24 @@ def not_in_gpu_run(cpu: dict[str, Any], gpu: dict[str, Any]) -> list[str]:
     if not missing:
         return []
     names = ", ".join(f"`{n}`" for n in missing)
-    return ["", f"Not in this GPU run: {names} (GPU-only cases): no GPU result for them yet."]
+    return ["", f"Not in any GPU run: {names} (GPU-only cases): no GPU result for them yet."]
 
 
 def render(results: Path) -> str:
     runs = load(results)
-    merged = merged_checks(runs)
-    cpu = None if merged is None else merged[1]
+    checks, speeds = merged(runs, "check"), merged(runs, "speed")
+    cpu = None if checks is None else checks[1]
     lines = [INTRO.rstrip("\n").replace("{worst}", worst_error(cpu) if cpu else "n/a")]
     if cpu is None:
         lines += ["", "(no zoo results under benchmarks/results/)"]
     else:
-        lines += [""] + summary(merged[0], dict(runs), cpu) + coverage_table(cpu) + notes(cpu) + detail_table(cpu)
-    gpu = newest(runs, "speed")
-    lines += speed_section(*gpu) if gpu else ["", "## Step time and peak memory, one GPU", "", NO_GPU_RUN]
-    if cpu and gpu:
-        lines += not_in_gpu_run(cpu, gpu[1])
+        lines += [""] + summary(checks[0], dict(runs), cpu) + coverage_table(cpu) + notes(cpu) + detail_table(cpu)
+    if speeds is None:
+        lines += ["", "## Step time and peak memory, one GPU", "", NO_GPU_RUN]
+    else:
+        lines += speed_section(speeds[0], dict(runs), speeds[1])
+    if cpu and speeds:
+        lines += not_in_gpu_run(cpu, speeds[1])
     return "\n".join(lines) + "\n"
 
 

@@ -217,6 +217,34 @@ def test_models_doc_takes_each_model_from_its_newest_run(tmp_path):
     assert doc.index("| `a` |") < doc.index("| `b` |") < doc.index("| `d` |") < doc.index("| `c` |")  # first seen
 
 
+def test_models_doc_takes_each_gpu_timing_from_its_newest_run(tmp_path):
+    """A GPU run of a few models updates their rows of the speed table only; the page names both
+    runs, which models the smaller one gives, and labels each run's notes with its folder."""
+
+    def timed(name, ms):
+        configs = [{"config": c, "status": "pass", "median_ms": ms, "peak_mib": 10.0} for c in ("eager", "local")]
+        return {"model": name, "family": "case", "source": name, "status": "ran", "configs": configs}
+
+    def speed_run(date, models, notes):
+        return _check_run(date, models, mode="speed", machine="1 x Fake GPU, NCCL", backend="inductor", notes=notes)
+
+    checks = [{"model": n, "family": "case", "source": n, "status": "gpu only", "reason": "GPU"} for n in "abc"]
+    (tmp_path / "docs").mkdir()
+    _write_run(tmp_path, "2026-01-01_cpu_zoo", _check_run("2026-01-01T00:00:00+00:00", checks))
+    first = [timed("a", 1.0), {"model": "b", "family": "case", "source": "b", "status": "not run", "reason": "budget"}]
+    _write_run(tmp_path, "2026-01-02_1xFake_zoo", speed_run("2026-01-02T00:00:00+00:00", first, ["b ran out of time"]))
+    _write_run(tmp_path, "2026-01-03_1xFake_zoo-b", speed_run("2026-01-03T00:00:00+00:00", [timed("b", 2.0)], []))
+    assert _table(tmp_path).returncode == 0
+    doc = (tmp_path / "docs" / "models.md").read_text()
+    assert "[GPU run](../benchmarks/results/2026-01-02_1xFake_zoo/): 1 x Fake GPU" in doc
+    assert "[GPU run](../benchmarks/results/2026-01-03_1xFake_zoo-b/) for `b`: 1 x Fake GPU" in doc
+    assert "| `a` | 1.00 / 10 | 1.00 / 10 | - | - | - |" in doc
+    assert "| `b` | 2.00 / 10 | 2.00 / 10 | - | - | - |" in doc
+    assert "not run" not in doc.split("## Step time")[1]
+    assert "- `2026-01-02_1xFake_zoo`: b ran out of time" in doc
+    assert "Not in any GPU run: `c` (GPU-only cases)" in doc
+
+
 def test_cases_about_inductor_run_with_it_on_cpu(monkeypatch, tmp_path):
     """A case that exists to exercise Inductor (max-autotune) runs with it on CPU unless
     ``--backend`` is given; the record names the backend where it differs from the run's."""
