@@ -40,7 +40,6 @@ def main():
     accelerator.print(bucketwise.report(model).table())
     plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # the Llama, without "_orig_mod." in its keys
     accelerator.save_model(plain, "accelerate-out")  # accelerate-out/model.safetensors
-    accelerator.end_training()  # ends the process group: a gloo one left alive can abort the exit
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ A tiny Llama built from its config (nothing to download) trains a few steps on s
 Without GPUs it runs on CPU ranks (gloo).
 """
 
+import time
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
@@ -54,7 +56,9 @@ def main():
     trainer.save_state()  # hf-out/trainer_state.json: the losses
     if trainer.is_world_process_zero():
         print(bucketwise.report(trainer.model).table())
-    trainer.accelerator.end_training()  # ends the process group: a gloo one left alive can abort the exit
+    if cpu:  # gloo's threads may still be freeing the last collective's tensors: docs/troubleshooting.md
+        time.sleep(1)
+    trainer.accelerator.end_training()  # ends the process group
 
 
 if __name__ == "__main__":

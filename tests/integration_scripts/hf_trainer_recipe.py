@@ -11,6 +11,7 @@ then compiled that way.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from _recipe_io import INNER, save
@@ -78,7 +79,8 @@ def main() -> None:
         model = getattr(trainer.model, "_orig_mod", trainer.model)
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         save(run, rank, model.named_parameters(), losses)
-    trainer.accelerator.end_training()  # a gloo group left alive can abort the exit
+    time.sleep(1)  # gloo's threads may still be freeing the last collective's tensors: docs/troubleshooting.md
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
