@@ -316,10 +316,14 @@ def drive(args: argparse.Namespace, argv: list[str]) -> dict:
 
 def _end_process_group() -> None:
     """What the Trainer leaves to the script: a gloo group still alive at interpreter exit can
-    abort the process there (its worker threads outlive Python; pytorch pull 179291)."""
+    abort the process there (its worker threads outlive Python; pytorch pull 179291), and one
+    torn down while a gloo thread still frees the last collective's tensors hangs (docs/
+    troubleshooting.md, "CPU ranks (gloo)"): on gloo, wait a second first."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "gloo":
+            time.sleep(1)
         dist.destroy_process_group()
 
 
