@@ -115,6 +115,18 @@ def _check_run(date: str, models: list, **header) -> dict:
     }
 
 
+def _gpu_only(name: str) -> dict:
+    """A model record of a CPU run that the model did not run in (GPU only)."""
+    return {"model": name, "family": "case", "source": name, "status": "gpu only", "reason": "needs a GPU"}
+
+
+def _render(root: Path) -> str:
+    """docs/models.md as ``zoo_table.py`` writes it from the runs under ``root``."""
+    (root / "docs").mkdir(exist_ok=True)
+    assert _table(root).returncode == 0
+    return (root / "docs" / "models.md").read_text()
+
+
 def test_models_doc_is_current():
     result = _table(ROOT, "--check")
     assert result.returncode == 0, result.stderr
@@ -142,13 +154,11 @@ def test_models_doc_counts_the_records(tmp_path):
             model("a", {"torch": "pass", "auto": "pass", "fused": "pass", "split": "pass"}),
             model("b", {"torch": "error", "auto": "pass", "fused": "pass", "split": "error"}),
             model("c", {"torch": "pass", "auto": "mismatch", "fused": "mismatch", "split": "pass"}),
-            {"model": "d", "family": "case", "source": "d", "status": "gpu only", "reason": "needs a GPU"},
+            _gpu_only("d"),
         ],
     )
-    (tmp_path / "docs").mkdir()
     folder = _write_run(tmp_path, "2026-01-01_cpu_zoo", run)
-    assert _table(tmp_path).returncode == 0
-    doc = (tmp_path / "docs" / "models.md").read_text()
+    doc = _render(tmp_path)
     assert "| `torch.compile(DDP(model))` | 2 of 3 |" in doc
     assert '| bucketwise `strategy="auto"` | 2 of 3 |' in doc
     assert "bucketwise `auto` passes on 1; `auto` passes on 1 model(s) where it does not (b)" in doc
@@ -181,8 +191,7 @@ def test_models_doc_counts_the_records(tmp_path):
         ],
     }
     _write_run(tmp_path, "2026-01-02_1xFake_zoo", speed)
-    assert _table(tmp_path).returncode == 0
-    doc = (tmp_path / "docs" / "models.md").read_text()
+    doc = _render(tmp_path)
     assert "| `a` | 3.00 / 30 | 1.50 / 20 | - | - | error |" in doc
     assert "| `e` | not run | not run |" in doc
     assert "- `a`, `bw-fused-cg`: error: `ValueError: no`" in doc
@@ -201,14 +210,12 @@ def test_models_doc_takes_each_model_from_its_newest_run(tmp_path):
         ]
         return {"model": name, "family": "case", "source": name, "status": "ran", "configs": configs, **extra}
 
-    gpu_only = {"model": "c", "family": "case", "source": "c", "status": "gpu only", "reason": "needs a GPU"}
+    gpu_only = _gpu_only("c")
     full = [model("a", "pass"), model("b", "mismatch"), model("d", "pass"), gpu_only]
     part = [model("b", "pass", backend="inductor"), gpu_only]
-    (tmp_path / "docs").mkdir()
     _write_run(tmp_path, "2026-01-01_cpu_zoo", _check_run("2026-01-01T00:00:00+00:00", full))
     _write_run(tmp_path, "2026-01-02_cpu_zoo-cases", _check_run("2026-01-02T00:00:00+00:00", part))
-    assert _table(tmp_path).returncode == 0
-    doc = (tmp_path / "docs" / "models.md").read_text()
+    doc = _render(tmp_path)
     assert '| bucketwise `strategy="auto"` | 3 of 3 |' in doc
     assert "[CPU run](../benchmarks/results/2026-01-01_cpu_zoo/): CPU" in doc
     assert "[CPU run](../benchmarks/results/2026-01-02_cpu_zoo-cases/) for `b`, `c`: CPU" in doc
@@ -228,14 +235,12 @@ def test_models_doc_takes_each_gpu_timing_from_its_newest_run(tmp_path):
     def speed_run(date, models, notes):
         return _check_run(date, models, mode="speed", machine="1 x Fake GPU, NCCL", backend="inductor", notes=notes)
 
-    checks = [{"model": n, "family": "case", "source": n, "status": "gpu only", "reason": "GPU"} for n in "abc"]
-    (tmp_path / "docs").mkdir()
+    checks = [_gpu_only(n) for n in "abc"]
     _write_run(tmp_path, "2026-01-01_cpu_zoo", _check_run("2026-01-01T00:00:00+00:00", checks))
     first = [timed("a", 1.0), {"model": "b", "family": "case", "source": "b", "status": "not run", "reason": "budget"}]
     _write_run(tmp_path, "2026-01-02_1xFake_zoo", speed_run("2026-01-02T00:00:00+00:00", first, ["b ran out of time"]))
     _write_run(tmp_path, "2026-01-03_1xFake_zoo-b", speed_run("2026-01-03T00:00:00+00:00", [timed("b", 2.0)], []))
-    assert _table(tmp_path).returncode == 0
-    doc = (tmp_path / "docs" / "models.md").read_text()
+    doc = _render(tmp_path)
     assert "[GPU run](../benchmarks/results/2026-01-02_1xFake_zoo/): 1 x Fake GPU" in doc
     assert "[GPU run](../benchmarks/results/2026-01-03_1xFake_zoo-b/) for `b`: 1 x Fake GPU" in doc
     assert "| `a` | 1.00 / 10 | 1.00 / 10 | - | - | - |" in doc
