@@ -15,7 +15,7 @@ import torch.nn as nn
 from .._compat import ddp as ddpc
 from .._compat import dynamo as dc
 from ..cudagraphs.policy import Decision
-from ..distributed import teardown
+from ..distributed import gloo_exit, teardown
 from ..distributed.fused.runtime import FusedRuntime
 from ..distributed.rank_check import prepare_rank_checks
 from ..distributed.split.alignment import measure_alignment
@@ -108,6 +108,8 @@ class CompiledModule(nn.Module):
             )
         elif ddp is not None:
             report.set_alignment_source(lambda: measure_alignment(ddp, backend.param_segments))
+        if ddp is not None:
+            gloo_exit.settle_at_exit(ddpc.process_group(ddp))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         ddp = self._bucketwise_ddp

@@ -1,6 +1,6 @@
 """bucketwise's one interpreter-exit handler: its parts run in a fixed order.
 
-NOTE [at-exit order]: four things of bucketwise's must happen when a job's interpreter exits, and
+NOTE [at-exit order]: five things of bucketwise's must happen when a job's interpreter exits, and
 their order matters:
 
 1. ``profile``: a profile started from the environment (``launch --profile-steps``) that is
@@ -10,7 +10,9 @@ their order matters:
 3. ``job stats``: each rank sends its last entry through the job's store and rank 0 gathers every
    rank's files (NOTE [job-wide stats]): it must see what 1 and 2 wrote;
 4. ``cuda graphs``: CUDA graphs holding NCCL kernels are released (NOTE [cuda graphs at
-   teardown]), before torch's own teardown of the communicators.
+   teardown]), before torch's own teardown of the communicators;
+5. ``gloo threads``: with a gloo group, the interpreter waits a moment, GIL released, for gloo's
+   threads to free their last work (NOTE [gloo at exit]): last, right before finalization.
 
 Python runs ``atexit`` handlers last registered first, and each part would register when it is
 first needed, which depends on the script: so only this module registers, once, and runs the
@@ -25,7 +27,7 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
-PHASES = ("profile", "reports", "job stats", "cuda graphs")
+PHASES = ("profile", "reports", "job stats", "cuda graphs", "gloo threads")
 
 _parts: dict[str, list[Callable[[], None]]] = {phase: [] for phase in PHASES}
 _registered = False

@@ -4,7 +4,8 @@
 interpreters (``spawn`` start method: no forked torch state), initialises a gloo group
 through a file store inside ``tmp_path`` (no ports, nothing shared between tests), calls
 ``fn(rank, world_size, *args)`` on every rank and returns the per-rank return values
-(passed back with ``torch.save``). A worker exception is re-raised in the test with the
+(passed back with ``torch.save``); a rank then runs its at-exit handlers and ends without
+tearing its group down (``_leave``). A worker exception is re-raised in the test with the
 worker's own traceback; a hang is killed after ``timeout`` seconds.
 
 ``fn`` must be a module-level function (it is pickled by reference).
@@ -12,8 +13,10 @@ worker's own traceback; a hang is killed after ``timeout`` seconds.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -67,17 +70,25 @@ def _entry(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        result = fn(rank, world_size, *args)
         tmp = out / f"rank{rank}.result.tmp"
         torch.save(result, tmp)
         os.replace(tmp, out / f"rank{rank}.result")
     except BaseException:  # noqa: BLE001 - everything goes back to the test
         (out / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise SystemExit(1) from None
+        _leave(1)
+    _leave(0)
+
+
+def _leave(code: int) -> None:
+    """Run the at-exit handlers (what bucketwise writes at exit), then end the process without
+    finalizing the interpreter or tearing the gloo group down: a gloo thread still freeing the
+    last collective's work needs the GIL, and gets it in neither (NOTE [gloo at exit] in
+    distributed/gloo_exit.py). The group goes with the process."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_distributed(

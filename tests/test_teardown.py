@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -128,3 +129,21 @@ def test_at_exit_parts_run_in_their_order_whatever_the_registration_order(monkey
     assert ran == list(at_exit.PHASES)
     with pytest.raises(AssertionError, match="at-exit phase"):
         at_exit.at_exit("later", part("x"))
+
+
+def test_a_job_on_gloo_gives_gloo_threads_the_gil_before_finalization(single_rank_group, monkeypatch):
+    """NOTE [gloo at exit]: compiling a DDP model over a gloo group adds the last at-exit phase,
+    which sleeps (the GIL released) before the interpreter finalizes."""
+    import bucketwise
+    from bucketwise.distributed import at_exit, gloo_exit
+
+    monkeypatch.setattr(at_exit, "_parts", {phase: [] for phase in at_exit.PHASES})
+    monkeypatch.setattr(at_exit, "_registered", True)
+    assert gloo_exit.uses_gloo(single_rank_group) and not gloo_exit.uses_gloo(object())
+    bucketwise.compile(DDP(nn.Linear(4, 4)), backend="aot_eager")
+    assert at_exit._parts["gloo threads"] == [gloo_exit._settle]
+
+    monkeypatch.setattr(gloo_exit, "SETTLE_S", 0.2)
+    started = time.monotonic()
+    at_exit.run_all()
+    assert time.monotonic() - started >= 0.2
