@@ -164,6 +164,8 @@ def meta(args: ZooArgs) -> dict[str, Any]:
         "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
         "git": git_revision(),
         "versions": versions(),
+        # NOTE [checking a config step by step] (zoo_speed.py)
+        **({"check": "step by step", "conv_tf32": False} if args.mode == "speed" else {}),
     }
 
 

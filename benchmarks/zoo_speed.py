@@ -12,11 +12,14 @@ ten times the CPU tolerance: Inductor fuses and reorders float math). The check 
 steps that replay CUDA graphs. Comparing the final parameters with eager DDP's after all the
 steps (``check``, kept in the record) does not work on GPU: Inductor's round-off grows from
 step to step, and in BatchNorm conv nets by about 1e4 in two steps, so that ``local`` (the model
-compiled without DDP) already differs from eager by more than its updates.
+compiled without DDP) already differs from eager by more than its updates. Convolutions run
+in fp32 (cuDNN's TF32 off, as matmuls are by default): with TF32 a convolution rounds to about
+1e-3, which one step of a BatchNorm conv net amplifies past any useful tolerance.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -111,7 +114,23 @@ def timed_steps(step: Any, indices: range, cuda: bool) -> list[float]:
     return [events[k].elapsed_time(events[k + 1]) for k in range(len(indices))]
 
 
+@contextlib.contextmanager
+def fp32_convolutions() -> Any:
+    """cuDNN's TF32 off within (NOTE [checking a config step by step]); restored on leaving."""
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+
+
 def run_speed(spec: ZooModel, rank: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
+    with fp32_convolutions():
+        return _run_speed(spec, rank, opts)
+
+
+def _run_speed(spec: ZooModel, rank: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
     warm_up(opts["backend"], device_of(opts))
     init_built = fresh(spec, device_of(opts), None)
     init = {k: v.detach().clone() for k, v in init_built.module.state_dict().items()}
