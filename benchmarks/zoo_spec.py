@@ -33,6 +33,11 @@ class Built:
     every run)."""
     loss: Callable[[Any, dict[str, Any]], torch.Tensor]
     """``loss(output, batch)``: a scalar to call ``backward`` on."""
+    gpu_batch: Callable[[int, int], dict[str, Any]] | None = None
+    """``batch`` of the one-GPU runs where it must differ (``None``: ``batch``)."""
+
+    def batch_for(self, device: torch.device) -> Callable[[int, int], dict[str, Any]]:
+        return self.gpu_batch if device.type == "cuda" and self.gpu_batch is not None else self.batch
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, nn.Module):

@@ -76,7 +76,7 @@ def timed(
     call, _ = compiled_for(config, built, spec, device, opts["backend"])
     opt = torch.optim.SGD(built.module.parameters(), lr=LR)
     steps = opts["steps"]
-    batches = [to_device(built.batch(rank, i), device) for i in range(WARMUP + steps + CHECK_STEPS)]
+    batches = [to_device(built.batch_for(device)(rank, i), device) for i in range(WARMUP + steps + CHECK_STEPS)]
     step = step_fn(call, built, batches, opt)
     t0 = time.perf_counter()
     step(0)
@@ -173,7 +173,7 @@ def step_check(config: str, spec: ZooModel, rank: int, opts: dict[str, Any], bui
     ddp = twin.module if config == "local" else compiled_for("eager", twin, spec, device, opts["backend"])[0]
     twin_opt = torch.optim.SGD(twin.module.parameters(), lr=LR)
     first = WARMUP + opts["steps"]
-    batches = [to_device(twin.batch(rank, i), device) for i in range(first + CHECK_STEPS)]
+    batches = [to_device(twin.batch_for(device)(rank, i), device) for i in range(first + CHECK_STEPS)]
     twin_step = step_fn(ddp, twin, batches, twin_opt)
     worst: dict[str, Any] = {}
     for i in range(first, first + CHECK_STEPS):
