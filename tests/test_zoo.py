@@ -296,3 +296,36 @@ def test_a_model_cut_short_by_the_run_budget_is_not_run(monkeypatch, tmp_path):
     assert zoo.main(["--models", "llama", "--budget-s", "1000", "--timeout-s", "60", "--out", str(tmp_path)]) == 0
     rec = json.loads((tmp_path / "zoo.json").read_text())["models"][0]
     assert rec["status"] == "error" and rec["reason"] == "timed out after 60 s", rec
+
+
+def test_models_doc_says_when_the_gpu_check_cannot_judge_a_model(tmp_path):
+    """A step-checked GPU run: a mismatch names the step and tensor; where ``local`` (Inductor
+    without DDP) fails too, the page says the GPU check cannot judge that model."""
+
+    def rec(config, ratio):
+        step = {"ok": ratio <= 1, "worst": "param w", "ratio": ratio, "rel_err": ratio / 100, "step": 14}
+        status = "pass" if ratio <= 1 else "mismatch"
+        return {"config": config, "status": status, "median_ms": 1.0, "peak_mib": 1.0, "step_check": step}
+
+    eager = {"config": "eager", "status": "pass", "median_ms": 2.0, "peak_mib": 1.0}
+    models = [
+        {
+            "model": m,
+            "family": "case",
+            "source": m,
+            "status": "ran",
+            "configs": [eager, rec("local", lr), rec("bw-fused", br)],
+        }
+        for m, lr, br in (("ok", 0.5, 3.0), ("noisy", 2.5, 4.0))
+    ]
+    run = _check_run(
+        "2026-01-02T00:00:00+00:00", models, mode="speed", machine="1 x Fake GPU, NCCL", backend="inductor"
+    )
+    _write_run(tmp_path, "2026-01-01_cpu_zoo", _check_run("2026-01-01T00:00:00+00:00", [_gpu_only("ok")]))
+    _write_run(tmp_path, "2026-01-02_1xFake_zoo", {**run, "conv_tf32": False})
+    doc = _render(tmp_path)
+    assert "checked step by step, convolutions in fp32" in doc
+    assert "| `ok` | 2.00 / 1 | 1.00 / 1 | - | 1.00 / 1 (mismatch) | - |" in doc
+    assert "`ok`, `bw-fused`: one step's update differs from the eager twin's: worst tensor `param w`, error 3 x" in doc
+    assert "`noisy`: `local` (the model compiled without DDP or bucketwise) fails the check too, at 2.5 x" in doc
+    assert "`ok`: `local`" not in doc
