@@ -165,8 +165,8 @@ def _run_speed(spec: ZooModel, rank: int, opts: dict[str, Any]) -> list[dict[str
 
 
 def step_check(config: str, spec: ZooModel, rank: int, opts: dict[str, Any], built: Built, step: Any) -> dict[str, Any]:
-    """NOTE [checking a config step by step]: the worst of ``CHECK_STEPS`` steps, each against an
-    eager twin started from the config's own state (``step`` names the worst one). The twin is
+    """The worst of ``CHECK_STEPS`` steps, each against an eager twin started from the config's own
+    state (``step`` names the worst one; NOTE [checking a config step by step]). The twin is
     eager DDP, or for ``local`` the model alone (which averages nothing over several ranks)."""
     device = device_of(opts)
     twin = fresh(spec, device, None)
