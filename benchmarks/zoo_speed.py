@@ -46,11 +46,20 @@ CHECK_STEPS = 3
 GPU_RTOL_SCALE = 10.0
 
 
-def step_fn(call: Any, built: Built, batches: list[dict[str, Any]], opt: torch.optim.Optimizer):
+PERTURB = 1.05
+"""``opts["perturb"]`` names a config whose first gradient is scaled by this (5% off, five times
+the GPU tolerance), as a bug would leave it: ``tests/test_zoo.py`` checks the step check sees it."""
+
+
+def step_fn(
+    call: Any, built: Built, batches: list[dict[str, Any]], opt: torch.optim.Optimizer, *, perturb: bool = False
+):
     def step(i: int) -> torch.Tensor:
         batch = batches[i]
         loss = built.loss(call(**forward_kwargs(batch)), batch)
         loss.backward()
+        if perturb:
+            next(p for p in built.module.parameters() if p.grad is not None).grad.mul_(PERTURB)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -77,7 +86,7 @@ def timed(
     opt = torch.optim.SGD(built.module.parameters(), lr=LR)
     steps = opts["steps"]
     batches = [to_device(built.batch_for(device)(rank, i), device) for i in range(WARMUP + steps + CHECK_STEPS)]
-    step = step_fn(call, built, batches, opt)
+    step = step_fn(call, built, batches, opt, perturb=opts.get("perturb") == config)
     t0 = time.perf_counter()
     step(0)
     sync()

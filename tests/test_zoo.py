@@ -329,3 +329,15 @@ def test_models_doc_says_when_the_gpu_check_cannot_judge_a_model(tmp_path):
     assert "`ok`, `bw-fused`: one step's update differs from the eager twin's: worst tensor `param w`, error 3 x" in doc
     assert "`noisy`: `local` (the model compiled without DDP or bucketwise) fails the check too, at 2.5 x" in doc
     assert "`ok`: `local`" not in doc
+
+
+def test_the_gpu_step_check_catches_a_wrong_gradient(tmp_path):
+    """NOTE [checking a config step by step], on CPU ranks: a config whose gradient is 5% off
+    fails against its eager twin; an unperturbed config passes."""
+    _needs("llama")
+    opts = {"mode": "speed", "device": "cpu", "backend": "aot_eager", "steps": 1, "configs": ("local", "bw-fused")}
+    for rank in run_distributed(worker, tmp_path, args=("llama", {**opts, "perturb": "bw-fused"}), timeout=300):
+        configs = {c["config"]: c for c in rank["configs"]}
+        assert configs["local"]["status"] == "pass", configs["local"]
+        assert configs["bw-fused"]["status"] == "mismatch", configs["bw-fused"]
+        assert configs["bw-fused"]["step_check"]["ratio"] > 3.0, configs["bw-fused"]["step_check"]
