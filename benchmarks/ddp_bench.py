@@ -52,6 +52,7 @@ from bucketwise.benchmarks.bench_cli import (
 from bucketwise.benchmarks.bench_configs import Prepared, Recipe, recipe_for
 from bucketwise.benchmarks.bench_models import ModelSpec, make_spec
 from bucketwise.benchmarks.bench_output import add_floor_ratios, safe_name, write_jsonl, write_markdown
+from bucketwise.distributed.gloo_exit import end_process_group
 
 LR = 1e-4
 
@@ -502,7 +503,7 @@ def worker(args: BenchArgs) -> int:
             (run_restart if args.phase == "warm" else run_all)(args, device)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        end_process_group()
         if own_cache and int(os.environ.get("RANK", "0")) == 0:
             shutil.rmtree(args.cache_dir, ignore_errors=True)
     return 0

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from bucketwise.benchmarks.bench_cli import ALWAYS_ENV
+from bucketwise.distributed.gloo_exit import end_process_group
 
 CONFIGS = ("fused", "split", "torch_compile", "eager")
 SIZES = {  # name: (hidden, intermediate, layers, heads, vocab, seq, batch per rank)
@@ -314,19 +315,6 @@ def drive(args: argparse.Namespace, argv: list[str]) -> dict:
     return report
 
 
-def _end_process_group() -> None:
-    """What the Trainer leaves to the script: a gloo group still alive at interpreter exit can
-    abort the process there (its worker threads outlive Python; pytorch pull 179291), and one
-    torn down while a gloo thread still frees the last collective's tensors hangs (docs/
-    troubleshooting.md, "CPU ranks (gloo)"): on gloo, wait a second first."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        if dist.get_backend() == "gloo":
-            time.sleep(1)
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
@@ -334,7 +322,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             worker(args)
         finally:
-            _end_process_group()
+            # What the Trainer leaves to the script (docs/troubleshooting.md, "CPU ranks (gloo)").
+            end_process_group()
     else:
         drive(args, argv)
 

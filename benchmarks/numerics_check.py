@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketwise.benchmarks.bench_metrics import param_spread
+from bucketwise.distributed.gloo_exit import end_process_group
 
 NO_REORDER = {"reorder_for_compute_comm_overlap": False}
 VARIANTS = {
@@ -101,7 +102,7 @@ def _worker(rank, world, store, args):
     import gc
 
     gc.collect()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def main() -> None:

@@ -56,6 +56,7 @@ from bucketwise._compat import dynamo as dc
 from bucketwise.benchmarks.bench_configs import floor_config, recipe_for
 from bucketwise.benchmarks.bench_models import MODELS, make_spec
 from bucketwise.benchmarks.ddp_bench import LR, make_step
+from bucketwise.distributed.gloo_exit import end_process_group
 
 DEFAULT_CONFIGS = "local,local-ro,torch-nosplit,torch,replicate,bw-fused,bw-fused-cg"
 
@@ -474,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             first_step_only(args, device)
         finally:
-            dist.destroy_process_group()
+            end_process_group()
         return 0
     try:
         # Every config compiles cold: no FX-graph or AOTAutograd cache hit from a config built earlier.
@@ -484,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.compile(lambda t: torch.relu(t @ t) * 2, backend=args.backend)(x).sum().backward()
             run(args, device)
     finally:
-        dist.destroy_process_group()
+        end_process_group()
     return 0
 
 

@@ -39,6 +39,7 @@ def _rank_main(rank: int, nproc: int, name: str, opts: dict[str, Any], store: st
     import torch.distributed as dist
 
     from bucketwise.benchmarks.zoo_run import run_model
+    from bucketwise.distributed.gloo_exit import end_process_group
 
     try:
         if opts["device"] == "cuda":
@@ -53,7 +54,7 @@ def _rank_main(rank: int, nproc: int, name: str, opts: dict[str, Any], store: st
         try:
             result = run_model(rank, nproc, name, opts)
         finally:
-            dist.destroy_process_group()
+            end_process_group()
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         Path(out, f"rank{rank}.error").write_text(traceback.format_exc())

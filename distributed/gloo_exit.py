@@ -16,7 +16,10 @@ The fix is to let the thread finish before finalization starts: the last at-exit
 (NOTE [at-exit order]) sleeps ``SETTLE_S`` with the GIL released when a job compiled a DDP model
 over a gloo group. NCCL groups free their work without Python and are left alone; so is the
 process group a user ends with ``destroy_process_group()`` (while a compiled model lives, its
-DDP module holds the group, which is freed at finalization, after this phase).
+DDP module holds the group, which is freed at finalization, after this phase). A script that
+ends its group right after its last collective frees it there and then, while a gloo thread may
+still need the GIL the main thread holds: that rank hangs. ``end_process_group()`` waits first
+(the benchmarks end their groups with it).
 """
 
 from __future__ import annotations
@@ -47,6 +50,15 @@ def settle_at_exit(pg: Any) -> None:
     """If ``pg`` is a gloo group, wait ``SETTLE_S`` at interpreter exit (NOTE [gloo at exit])."""
     if uses_gloo(pg):
         at_exit("gloo threads", _settle)
+
+
+def end_process_group() -> None:
+    """``dist.destroy_process_group()``, after ``SETTLE_S`` on a gloo group (NOTE [gloo at exit])."""
+    if not dist.is_initialized():
+        return
+    if uses_gloo(None):
+        _settle()
+    dist.destroy_process_group()
 
 
 def _settle() -> None:

@@ -147,3 +147,14 @@ def test_a_job_on_gloo_gives_gloo_threads_the_gil_before_finalization(single_ran
     started = time.monotonic()
     at_exit.run_all()
     assert time.monotonic() - started >= 0.2
+
+
+def test_end_process_group_waits_on_gloo_then_destroys(single_rank_group, monkeypatch):
+    """What the benchmarks end their groups with (NOTE [gloo at exit]): the wait, then the teardown."""
+    from bucketwise.distributed import gloo_exit
+
+    monkeypatch.setattr(gloo_exit, "SETTLE_S", 0.2)
+    started = time.monotonic()
+    gloo_exit.end_process_group()
+    assert time.monotonic() - started >= 0.2 and not dist.is_initialized()
+    gloo_exit.end_process_group()  # no group: nothing to do
