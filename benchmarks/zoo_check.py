@@ -66,6 +66,46 @@ def compare(
     return {"ok": worst_ratio <= 1.0, "worst": worst, "ratio": worst_ratio, "rel_err": worst_rel}
 
 
+FP64_MULTIPLIER = 3.0
+"""``against_fp64``: how much farther from the float64 update than eager's own a config's may be."""
+FP64_FLOOR = 1e-3
+"""``against_fp64``: errors below this fraction of the largest float64 update always pass."""
+
+
+def against_fp64(
+    init: dict[str, torch.Tensor],
+    eager: dict[str, torch.Tensor],
+    compiled: dict[str, torch.Tensor],
+    exact: dict[str, torch.Tensor],
+) -> dict[str, Any]:
+    """``compiled``'s update against the update of a float64 copy of the model (``exact``), with
+    eager's own distance from it as the yardstick: a tensor passes when
+
+        rms(update_compiled - update_fp64) <= FP64_MULTIPLIER * rms(update_eager - update_fp64)
+                                              + FP64_FLOOR * max |update_fp64|
+
+    Where round-off alone is as large as an update (BatchNorm over few values), eager's fp32 run
+    is as far from the float64 one as a correct compiled run; a wrong gradient is far beyond
+    both. Integer buffers must be equal. Same fields as :func:`compare`."""
+    worst, worst_ratio, worst_rel = None, 0.0, 0.0
+    for name, start in init.items():
+        e, c, x = eager[name], compiled[name], exact[name]
+        if not start.dtype.is_floating_point:
+            ratio = 0.0 if torch.equal(e, c) else float("inf")
+            rel = ratio
+        else:
+            ux = (x.double() - start.double()).flatten()
+            ue, uc = (e.double() - start.double()).flatten(), (c.double() - start.double()).flatten()
+            err_c = (uc - ux).pow(2).mean().sqrt().item() if ux.numel() else 0.0
+            err_e = (ue - ux).pow(2).mean().sqrt().item() if ux.numel() else 0.0
+            scale = ux.abs().max().item() if ux.numel() else 0.0
+            tol = FP64_MULTIPLIER * err_e + FP64_FLOOR * scale + ATOL[start.dtype]
+            ratio, rel = err_c / tol, (err_c / scale if scale > 0 else 0.0)
+        if worst is None or ratio > worst_ratio:
+            worst, worst_ratio, worst_rel = name, ratio, rel
+    return {"ok": worst_ratio <= 1.0, "worst": worst, "ratio": worst_ratio, "rel_err": worst_rel}
+
+
 def replica_spread(module: nn.Module) -> float:
     """Largest difference between this rank's parameters and rank 0's (0.0: replicas equal)."""
     import torch.distributed as dist

@@ -303,7 +303,8 @@ def test_models_doc_says_when_the_gpu_check_cannot_judge_a_model(tmp_path):
     without DDP) fails too, the page says the GPU check cannot judge that model."""
 
     def rec(config, ratio):
-        step = {"ok": ratio <= 1, "worst": "param w", "ratio": ratio, "rel_err": ratio / 100, "step": 14}
+        exact = {"ok": ratio <= 1, "worst": "param v", "ratio": 2 * ratio, "rel_err": ratio / 50}
+        step = {"ok": ratio <= 1, "worst": "param w", "ratio": ratio, "rel_err": ratio / 100, "step": 14, "fp64": exact}
         status = "pass" if ratio <= 1 else "mismatch"
         return {"config": config, "status": status, "median_ms": 1.0, "peak_mib": 1.0, "step_check": step}
 
@@ -324,9 +325,12 @@ def test_models_doc_says_when_the_gpu_check_cannot_judge_a_model(tmp_path):
     _write_run(tmp_path, "2026-01-01_cpu_zoo", _check_run("2026-01-01T00:00:00+00:00", [_gpu_only("ok")]))
     _write_run(tmp_path, "2026-01-02_1xFake_zoo", {**run, "conv_tf32": False})
     doc = _render(tmp_path)
-    assert "checked step by step, convolutions in fp32" in doc
+    assert "checked step by step against fp32 and float64 twins, convolutions in fp32" in doc
     assert "| `ok` | 2.00 / 1 | 1.00 / 1 | - | 1.00 / 1 (mismatch) | - |" in doc
-    assert "`ok`, `bw-fused`: one step's update differs from the eager twin's: worst tensor `param w`, error 3 x" in doc
+    assert (
+        "`ok`, `bw-fused`: one step's update differs from the eager twin's: worst tensor `param w`, error 3 x "
+        "the tolerance, and 6 x its yardstick against the float64 twin (`param v`) (step 14)"
+    ) in doc
     assert "`noisy`: `local` (the model compiled without DDP or bucketwise) fails the check too, at 2.5 x" in doc
     assert "`ok`: `local`" not in doc
 
@@ -341,3 +345,25 @@ def test_the_gpu_step_check_catches_a_wrong_gradient(tmp_path):
         assert configs["local"]["status"] == "pass", configs["local"]
         assert configs["bw-fused"]["status"] == "mismatch", configs["bw-fused"]
         assert configs["bw-fused"]["step_check"]["ratio"] > 3.0, configs["bw-fused"]["step_check"]
+        assert configs["bw-fused"]["step_check"]["fp64"]["ratio"] > 3.0, configs["bw-fused"]["step_check"]
+
+
+def test_the_float64_yardstick():
+    """``against_fp64``: a config as far from the float64 update as eager fp32 is (round-off)
+    passes even where that is most of the update; a gradient 5% off does not."""
+    from bucketwise.benchmarks.zoo_check import against_fp64
+
+    g = torch.Generator().manual_seed(0)
+    init = {"param w": torch.zeros(1000), "buffer n": torch.tensor(3)}
+    exact = {"param w": torch.randn(1000, generator=g, dtype=torch.float64), "buffer n": torch.tensor(4)}
+
+    def noise():  # round-off as large as half the update
+        return 0.5 * torch.randn(1000, generator=g)
+
+    eager = {"param w": exact["param w"].float() + noise(), "buffer n": torch.tensor(4)}
+    assert against_fp64(
+        init, eager, {"param w": exact["param w"].float() + noise(), "buffer n": torch.tensor(4)}, exact
+    )["ok"]
+    off = {"param w": exact["param w"].float() * 1.05, "buffer n": torch.tensor(4)}
+    assert not against_fp64(init, {**off, "param w": exact["param w"].float()}, off, exact)["ok"]
+    assert not against_fp64(init, eager, {**eager, "buffer n": torch.tensor(5)}, exact)["ok"]
