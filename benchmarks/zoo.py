@@ -33,6 +33,7 @@ import torch
 
 from bucketwise.benchmarks.zoo_procs import importable, run_ranks
 from bucketwise.benchmarks.zoo_registry import MODELS, select
+from bucketwise.benchmarks.zoo_speed import CONV_TF32
 from bucketwise.benchmarks.zoo_train import CHECK_CONFIGS, SPEED_CONFIGS
 
 MIN_MODEL_S = 45.0
@@ -164,8 +165,7 @@ def meta(args: ZooArgs) -> dict[str, Any]:
         "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
         "git": git_revision(),
         "versions": versions(),
-        # NOTE [checking a config step by step] (zoo_speed.py)
-        **({"check": "step by step", "conv_tf32": False} if args.mode == "speed" else {}),
+        **({"conv_tf32": CONV_TF32} if args.mode == "speed" else {}),
     }
 
 

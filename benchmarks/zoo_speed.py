@@ -40,6 +40,7 @@ from bucketwise.benchmarks.zoo_train import (
     compiled_for,
     error_record,
     fresh,
+    perturb_gradient,
     report_fields,
     to_device,
     warm_up,
@@ -63,7 +64,7 @@ def step_fn(
         loss = built.loss(call(**forward_kwargs(batch)), batch)
         loss.backward()
         if perturb:
-            next(p for p in built.module.parameters() if p.grad is not None).grad.mul_(PERTURB)
+            perturb_gradient(built.module, PERTURB)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -127,11 +128,16 @@ def timed_steps(step: Any, indices: range, cuda: bool) -> list[float]:
     return [events[k].elapsed_time(events[k + 1]) for k in range(len(indices))]
 
 
+CONV_TF32 = False
+"""cuDNN's TF32 in the speed runs (NOTE [checking a config step by step]); ``zoo.py`` writes it
+into the run's header."""
+
+
 @contextlib.contextmanager
 def fp32_convolutions() -> Any:
-    """cuDNN's TF32 off within (NOTE [checking a config step by step]); restored on leaving."""
+    """cuDNN's TF32 set to ``CONV_TF32`` within; restored on leaving."""
     saved = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = CONV_TF32
     try:
         yield
     finally:
@@ -187,11 +193,10 @@ def step_check(config: str, spec: ZooModel, rank: int, opts: dict[str, Any], bui
     twin, twin_step = _twin(config, spec, rank, opts, exact=False)
     exact, exact_step = _twin(config, spec, rank, opts, exact=True)
     worst: dict[str, Any] = {}
+    start = snapshot(built.module)
     for i in range(first, first + CHECK_STEPS):
-        state = {k: v.detach().clone() for k, v in built.module.state_dict().items()}
-        start = snapshot(built.module)
-        twin.module.load_state_dict(state)
-        exact.module.load_state_dict(state)  # copied in as float64
+        twin.module.load_state_dict(built.module.state_dict())  # copies, before the config steps
+        exact.module.load_state_dict(built.module.state_dict())  # copied in as float64
         step(i)
         twin_step(i)
         exact_step(i)
@@ -199,12 +204,13 @@ def step_check(config: str, spec: ZooModel, rank: int, opts: dict[str, Any], bui
         res = compare(start, eager, compiled, rtol_scale=GPU_RTOL_SCALE)
         res["fp64"] = against_fp64(start, eager, compiled, snapshot(exact.module))
         res["ok"] = res["ok"] or res["fp64"]["ok"]
-        if not worst or _rank(res) > _rank(worst):
+        if not worst or _severity(res) > _severity(worst):
             worst = {**res, "step": i}
+        start = compiled
     return worst
 
 
-def _rank(res: dict[str, Any]) -> tuple[bool, float]:
+def _severity(res: dict[str, Any]) -> tuple[bool, float]:
     """Failing before passing, then by the smaller of the two ratios (the one that decides)."""
     return (not res["ok"], min(res["ratio"], res["fp64"]["ratio"]))
 

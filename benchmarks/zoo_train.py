@@ -104,14 +104,18 @@ def train(
                 loss = built.loss(out, batch)
                 loss.backward()
         if perturb:  # a wrong gradient, as a bug would leave it: the check must catch it
-            p = next(p for p in built.module.parameters() if p.grad is not None)
-            p.grad.mul_(1.01)
+            perturb_gradient(built.module, 1.01)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
         if first is None:
             first = time.perf_counter() - t0
     return [x.item() for x in losses], first
+
+
+def perturb_gradient(module: torch.nn.Module, factor: float) -> None:
+    """Scale the first gradient by ``factor``: a wrong gradient, as a bug would leave it."""
+    next(p for p in module.parameters() if p.grad is not None).grad.mul_(factor)
 
 
 def autocast(spec: ZooModel, device: torch.device) -> Any:
