@@ -1,6 +1,7 @@
 """The bottom floor: every private torch API bucketwise uses, one module per concern.
 
-``dynamo`` (Dynamo, AOTAutograd, Inductor, fake tensors), ``ddp`` (DistributedDataParallel's
+``dynamo`` (Dynamo, AOTAutograd, Inductor, fake tensors), ``storage`` (tensor and storage
+identity, memory a CUDA graph owns), ``ddp`` (DistributedDataParallel's
 private attributes and reducer), ``collectives`` (functional collectives, Inductor's
 comm/compute reordering), ``autograd`` (the autograd engine), ``c10d`` (process-group
 internals). Each names the torch versions it was checked on; nothing outside this folder

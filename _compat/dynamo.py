@@ -510,11 +510,6 @@ def has_unbacked_symbols(value: Any) -> bool:
         return False
 
 
-def tensor_use_count(t: torch.Tensor) -> int:
-    """References to a tensor's TensorImpl (a saved-for-backward slot holds one)."""
-    return int(t._use_count())
-
-
 def has_static_address(t: torch.Tensor) -> bool:
     """A parameter or buffer Dynamo marked as living at a fixed address (what Inductor's own
     ``static_input_idxs`` are made of); true in split segments too, where AOTAutograd sees
@@ -524,15 +519,6 @@ def has_static_address(t: torch.Tensor) -> bool:
     get = getattr(torch._dynamo.utils, "get_static_address_type", None)
     kind = get(t) if get is not None else getattr(t, "_dynamo_static_input_type", None)
     return kind is not None
-
-
-def storage_cdata(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def storage_use_count(cdata: int) -> int:
-    """References to a storage (every tensor viewing it holds one)."""
-    return int(torch._C._storage_Use_Count(cdata))
 
 
 # --- for the benchmarks (benchmarks/) ---------------------------------------------------------

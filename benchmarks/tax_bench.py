@@ -151,6 +151,7 @@ def build(config: str, spec: Any, device: torch.device, backend: str, warmup: in
         "compile_s": totals.get("compile_seconds"),
         "compile_breakdown": totals.get("compile_times"),
         "first_step_breakdown": totals.get("first_step"),
+        "report": report,
         "issue_ms": [],
         "step_ms": [],
     }
@@ -230,6 +231,11 @@ def summarize(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             step_ms_median=statistics.median(e["step_ms"]),
         )
         row["host_us_per_launch"] = (row["issue_ms_median"] * 1e3 / e["kernels"]) if e.get("kernels") else None
+        if e.get("report") is not None:  # how each CUDA graph ran: replays, uncaptured calls and why
+            row["cudagraphs"] = [
+                {k: c[k] for k in ("name", "replays", "uncaptured_runs", "uncaptured_reasons", "reason", "note")}
+                for c in e["report"].to_dict().get("cudagraphs", [])
+            ]
         base = entries.get(floor)
         if base is not None:
             row["issue_ratio"] = statistics.median(a / b for a, b in zip(e["issue_ms"], base["issue_ms"]))

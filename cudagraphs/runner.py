@@ -2,8 +2,9 @@
 
 One :class:`CudaGraphRunner` wraps one Inductor-compiled graph (the forward, the backward or the
 inference graph of a segment) and replays it from a ``torch.cuda.CUDAGraph``; the runners of one
-compiled object share a :class:`CudaGraphGroup` (one capture stream, one set of stats; each
-recording has a memory pool of its own, NOTE [one pool per recording]). A replay is one launch
+compiled object share a :class:`CudaGraphGroup` (one capture stream, one set of stats; a
+forward and its backward share a memory pool, every other recording has one of its own, NOTE [a
+forward and its backward share a pool]). A replay is one launch
 and a few pointer checks: no cudagraph trees.
 
 NOTE [cudagraph replay safety]: a replay writes into the same output memory every time. The
@@ -31,18 +32,28 @@ runner therefore
 The first call of a signature and every fallback call run the compiled graph itself, so a
 failed or refused capture never changes numerics.
 
-NOTE [one pool per recording]: graphs captured into one shared pool may place their outputs in
-memory that an earlier-captured graph uses as scratch while it replays. That is safe only when
-the graphs replay in the order they were captured and every output is dead before that earlier
-graph replays again; neither holds here. A graph whose first signature changes once (a backward
-whose incoming gradient has other strides on the first step) records a step after the rest;
-gradients kept over ``no_sync()`` micro-steps and saved activations of a second forward live
-across other graphs' replays. On a T5 and a Whisper model (one H100, ``fused``) a shared pool
-gave wrong gradients from the third step: a backward recorded last put a parameter's gradient
-in the scratch of the backwards replayed after it. Each recording therefore captures into a
-pool of its own: its scratch is reused only by its own replays, and the outputs a runner
-protects (NOTE [cudagraph replay safety]) are written by no other graph. The price is the
-scratch of every recording held at once instead of the largest one.
+NOTE [a forward and its backward share a pool]: graphs captured into one pool may place their
+outputs in memory that another graph of the pool uses as scratch. A shared pool is therefore
+safe only for graphs that replay in one fixed order with nothing of one alive while the other
+writes. On a T5 and a Whisper model (one H100, ``fused``) one pool for every graph gave wrong
+gradients from the third step: a backward recorded a step late put a parameter's gradient in
+the scratch of the backwards replayed after it. So every recording has a pool of its own, with
+one exception, the pair that the memory is about: a backward recorded while its forward's
+saved activations are the very tensors that forward's capture allocated joins that forward's
+pool, and the forward lets go of those tensors for the capture, so that the backward frees
+each activation as it reads it and puts its scratch and its gradients in the freed memory, as
+eager autograd does (without that, a step held every activation and every gradient at once:
+1.13-1.37x the peak of Inductor's own CUDA graphs). Afterwards the forward hands out aliases of
+the same memory (``storage_at``). What keeps the pair safe, checked before every replay (a
+failed check runs that call uncaptured, numerics unchanged):
+
+- the forward replays only when the gradients its backward handed out last time are no longer
+  held: they may sit where the forward writes. Gradients kept across micro-steps make the
+  backward stop lending (its gradients are then copied out, NOTE [cudagraph replay safety]);
+- the backward replays only when nobody but autograd holds the activations it frees (a
+  ``backward(retain_graph=True)`` keeps them: they must not be overwritten);
+- a pool is shared once: a backward recorded later (new shapes, moved parameters) gets a pool
+  of its own, since the allocator no longer knows which of the forward's memory is in use.
 """
 
 from __future__ import annotations
@@ -56,7 +67,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .._compat import dynamo as dc
+from .._compat import storage as st
 from ..distributed import teardown
+from .recording import Plan, Recording, alias, dense, let_go, plan_inputs, signature
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +77,10 @@ MAX_RECORDS = 8
 """Recordings per runner (input signatures, moved parameters) before it stays uncaptured."""
 
 _HELD = "outputs of the previous replay still in use (kept gradients or a second forward before the backward)"
+_MOVED = "a parameter or saved input moved since the recording"
+_FORWARD_UNCAPTURED = "its forward ran uncaptured (saved activations at other addresses)"
+_GRADIENTS_HELD = "gradients of its backward's previous replay still in use (the two share a memory pool)"
+_RETAINED = "saved activations held beyond the backward (retain_graph=True?): they must not be overwritten"
 
 _RELEASE_WAIT_S = 5.0
 """How long a release waits for in-flight replays to finish (NOTE [cuda graphs at teardown])."""
@@ -93,6 +110,8 @@ class CudaGraphStats:
     """Latest recording: tensor inputs read in place (parameters, buffers, other graphs' outputs)."""
     inputs_copied: int = 0
     """Latest recording: tensor inputs copied into a static buffer on every replay."""
+    note: str | None = None
+    """What a replay costs beyond the launch, where something does (gradients copied out)."""
 
     def ran_uncaptured(self, why: str) -> None:
         self.uncaptured_runs += 1
@@ -110,16 +129,19 @@ class CudaGraphs:
     def __init__(self) -> None:
         self._stream = None
 
-    def capture(self, fn: Callable[[list[Any]], Any], inputs: Sequence[Any]) -> tuple[Any, Any]:
-        """Record ``fn(list(inputs))`` into a new graph with a memory pool of its own (NOTE [one
-        pool per recording]); returns (graph, fn's result). Nothing runs: the first replay
+    def capture(self, fn: Callable[[list[Any]], Any], inputs: list[Any], *, pool_of: Any = None) -> tuple[Any, Any]:
+        """Record ``fn(inputs)`` into a new graph; returns (graph, fn's result). ``fn`` consumes
+        ``inputs`` (it clears the list, and frees each tensor nothing else holds once it is
+        read). The graph gets a memory pool of its own, or the pool of the graph ``pool_of``
+        (NOTE [a forward and its backward share a pool]). Nothing runs: the first replay
         computes. The graph keeps no reference to ``inputs``, only their addresses."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
+        pool = pool_of.pool() if pool_of is not None else None
         # thread_local: NCCL's watchdog and other threads keep querying events meanwhile.
-        with torch.cuda.graph(graph, pool=None, stream=self._stream, capture_error_mode="thread_local"):
-            out = fn(list(inputs))
+        with torch.cuda.graph(graph, pool=pool, stream=self._stream, capture_error_mode="thread_local"):
+            out = fn(inputs)
         return graph, out
 
     def replay(self, graph: Any, inputs: Sequence[Any]) -> None:
@@ -160,6 +182,9 @@ class CudaGraphGroup:
         # data_ptr of every tensor at a fixed address a runner may use in place: static inputs
         # of forwards (parameters, buffers) and the static outputs of every recording.
         self.stable_ptrs: set[int] = set()
+        # Forward recordings whose pool a backward may still join, by the address of each of
+        # their saved activations (NOTE [a forward and its backward share a pool]).
+        self.open_forwards: "weakref.WeakValueDictionary[int, Recording]" = weakref.WeakValueDictionary()
         # Held weakly: a runner lives as long as the compiled graph that calls it (Dynamo's
         # cache), so torch._dynamo.reset() still frees its recordings.
         self._runners: "weakref.WeakSet[CudaGraphRunner]" = weakref.WeakSet()
@@ -184,6 +209,7 @@ class CudaGraphGroup:
             return
         for r in live:
             r.release(reason)
+        self.open_forwards.clear()
         log.info("bucketwise: released %d CUDA graph recording(s) at %s", len(live), reason)
 
     def runner(
@@ -211,26 +237,11 @@ class CudaGraphGroup:
         return runner
 
 
-@dataclasses.dataclass
-class _Recording:
-    graph: Any
-    inputs: list[Any]  # the copy buffers at copy_idxs (None elsewhere: no reference is kept to
-    # tensors read in place, their owners' use counts stay exact, see NOTE [cudagraph replay safety])
-    copy_idxs: list[int]  # inputs copied into inputs[i] on every call
-    stable_idxs: list[int]  # inputs used in place; their address is checked on every call
-    stable_ptrs: list[int]
-    outputs: list[Any]
-    clone_idxs: list[int]
-    held_idxs: list[int]  # outputs lent out (or handed out as is): checked free before the next replay
-    held_use: list[int]
-    held_storage: list[tuple[int, int]]  # distinct (storage cdata, use count) at record time
-
-
 class CudaGraphRunner:
     """One compiled graph replayed from CUDA graphs (boxed calling convention, like Inductor's).
 
     ``returned_outputs``: how many leading outputs go back to autograd/the user and are cloned
-    after each replay (``None``: all of them, an inference graph).
+    after each replay (``None``: all of them, an inference graph; ``0``: a backward).
     """
 
     def __init__(
@@ -254,7 +265,7 @@ class CudaGraphRunner:
         self.mutated_inputs = dict(mutated_inputs)
         self.returned_outputs = returned_outputs
         self.disabled = blocked
-        self.records: dict[tuple, _Recording] = {}
+        self.records: dict[tuple, Recording] = {}
         self.warmed: set[tuple] = set()
         self._moved_calls = 0
         self.lend = returned_outputs == 0
@@ -263,7 +274,7 @@ class CudaGraphRunner:
     def __call__(self, args: list[Any]) -> Any:
         if self.disabled:
             return self.compiled(args)
-        key = _signature(args)
+        key = signature(args)
         rec = self.records.get(key)
         if rec is None:
             if key not in self.warmed:
@@ -273,40 +284,53 @@ class CudaGraphRunner:
             return self._record(key, args)
         why = self._why_not_replay(rec, args)
         if why is not None:
-            if why == "moved":
+            if why == _MOVED:
                 self._moved_calls += 1
                 if self._moved_calls >= _MOVED_BEFORE_RERECORD:
                     del self.records[key]
                     return self._record(key, args)
-                why = "a parameter or saved input moved since the recording"
             elif why == _HELD and self.lend:
                 # Someone keeps a lent output across calls (accumulated gradients): stop lending.
-                self.lend = False
-                log.info(
-                    "bucketwise: %s: outputs kept across calls; handing out the static outputs from now on",
-                    self.stats.name,
-                )
+                self._stop_lending()
+            elif why == _GRADIENTS_HELD and rec.backward is not None:
+                rec.backward[0]._stop_lending()
             self.stats.ran_uncaptured(why)
             return self.compiled(args)
         self._moved_calls = 0
         return self._replay(rec, args)
 
+    def _stop_lending(self) -> None:
+        if self.lend:
+            self.lend = False
+            self.stats.note = "gradients kept across calls: copied out of the graph after every replay"
+            log.info(
+                "bucketwise: %s: outputs kept across calls; handing out the static outputs from now on",
+                self.stats.name,
+            )
+
     # -- replay ------------------------------------------------------------------------------
 
-    def _why_not_replay(self, rec: _Recording, args: list[Any]) -> str | None:
+    def _why_not_replay(self, rec: Recording, args: list[Any]) -> str | None:
         for i, ptr in zip(rec.stable_idxs, rec.stable_ptrs):
-            if args[i].data_ptr() != ptr:
-                return "moved"
-        outs = rec.outputs
-        for i, use in zip(rec.held_idxs, rec.held_use):
-            if dc.tensor_use_count(outs[i]) > use:
-                return _HELD
-        for cdata, use in rec.held_storage:
-            if dc.storage_use_count(cdata) > use:
-                return _HELD
+            now = args[i].data_ptr()
+            if now != ptr:
+                # A parameter moved, or the forward was recorded again (its outputs moved to
+                # another recording's): record again. Saved activations at a plain address come
+                # from a forward that ran uncaptured this once: run uncaptured too.
+                if i in rec.param_idxs or now in self.group.stable_ptrs:
+                    return _MOVED
+                return _FORWARD_UNCAPTURED
+        if rec.held_elsewhere():
+            return _HELD
+        if rec.backward is not None and rec.backward[1].held_elsewhere():
+            return _GRADIENTS_HELD
+        for i, use, storage_use in rec.consumed:
+            t = args[i]
+            if st.tensor_use_count(t) > use or st.storage_use_count(st.storage_cdata(t)) > storage_use:
+                return _RETAINED
         return None
 
-    def _replay(self, rec: _Recording, args: list[Any]) -> list[Any]:
+    def _replay(self, rec: Recording, args: list[Any]) -> list[Any]:
         for i in rec.copy_idxs:
             rec.inputs[i].copy_(args[i])
             args[i] = rec.inputs[i]
@@ -329,20 +353,39 @@ class CudaGraphRunner:
                 f"recorded {self.stats.records} times (new input shapes or moved parameters); runs uncaptured"
             )
             return self.compiled(args)
+        refused = self._refusal(args)
+        if refused is not None:
+            self._disable(refused)
+            return self.compiled(args)
+        plan = plan_inputs(args, self.static_input_idxs, self.group.stable_ptrs)
+        forward = self._forward_to_join(args, plan)
+        consumed = [
+            (i, st.tensor_use_count(args[i]), st.storage_use_count(st.storage_cdata(args[i]))) for i in plan.consumed
+        ]
+        # From here on ``plan.inputs`` is the only list holding the consumed inputs: the capture
+        # consumes it (the backward frees each activation once it has read it).
+        plan.hand_over()
+        args.clear()
+        before = self.group.graphs.reserved_bytes()
         try:
-            rec = self._capture(args)
+            rec = self._capture(plan, forward)
         except Exception as exc:  # a refused capture: run uncaptured from now on, numerics unchanged
             log.warning("bucketwise: CUDA-graph capture of %s failed, running uncaptured: %s", self.stats.name, exc)
             self._disable(f"capture failed: {type(exc).__name__}: {exc}"[:300])
-            return self.compiled(args)
-        if rec is None:
-            return self.compiled(args)
+            return self.compiled(plan.call_args(forward))
+        self.stats.pool_bytes += max(0, self.group.graphs.reserved_bytes() - before)
+        rec.consumed = consumed
+        if forward is not None:
+            forward.backward = (self, rec)
+        elif self.returned_outputs not in (None, 0):
+            for i in rec.held_idxs:
+                self.group.open_forwards[rec.outputs[i].data_ptr()] = rec
         self.records[key] = rec
         self.stats.records += 1
         self.stats.inputs_in_place, self.stats.inputs_copied = len(rec.stable_idxs), len(rec.copy_idxs)
         self.stats.captured = True
         self._moved_calls = 0
-        return self._replay(rec, args)
+        return self._replay(rec, plan.call_args(forward))
 
     def release(self, reason: str) -> None:
         self._disable(f"released at {reason}: runs uncaptured")
@@ -353,86 +396,73 @@ class CudaGraphRunner:
         self.stats.captured = False
         self.stats.reason = reason
 
-    def _capture(self, args: list[Any]) -> _Recording | None:
+    def _refusal(self, args: list[Any]) -> str | None:
+        """Why this call's inputs cannot be recorded (the runner then stays uncaptured)."""
         stable = self.group.stable_ptrs
-        inputs: list[Any] = []
-        copy_idxs, stable_idxs = [], []
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
-                inputs.append(a)
-            elif i in self.static_input_idxs or a.data_ptr() in stable or dc.has_static_address(a):
-                inputs.append(a)
-                stable_idxs.append(i)
-            elif i in self.mutated_inputs:
-                self._disable(f"{self.mutated_inputs[i]} writes into input {i}, which is not a parameter or buffer")
-                return None
-            elif not _dense(a):
-                self._disable(f"input {i} is not dense (strides {tuple(a.stride())}): cannot keep a static copy")
-                return None
-            else:
-                buf = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
-                buf.copy_(a)
-                inputs.append(buf)
-                copy_idxs.append(i)
-        before = self.group.graphs.reserved_bytes()
-        graph, outputs = self.group.graphs.capture(self.compiled, inputs)
-        self.stats.pool_bytes += max(0, self.group.graphs.reserved_bytes() - before)
+                continue
+            if i in self.static_input_idxs or a.data_ptr() in stable or dc.has_static_address(a):
+                continue
+            if i in self.mutated_inputs:
+                return f"{self.mutated_inputs[i]} writes into input {i}, which is not a parameter or buffer"
+            if not dense(a):
+                return f"input {i} is not dense (strides {tuple(a.stride())}): cannot keep a static copy"
+        return None
+
+    def _forward_to_join(self, args: list[Any], plan: Plan) -> "Recording | None":
+        """A backward reading, in place, the saved activations of a forward recording whose pool
+        is still open: that recording (and ``plan.consumed`` lists those inputs); else None."""
+        if self.returned_outputs != 0:
+            return None
+        for i in plan.stable_idxs:
+            forward = self.group.open_forwards.get(args[i].data_ptr())
+            if forward is None:
+                continue
+            mine = {id(forward.outputs[j]): j for j in forward.held_idxs}
+            plan.consumed = {k: mine[id(args[k])] for k in plan.stable_idxs if id(args[k]) in mine}
+            return forward if plan.consumed else None
+        return None
+
+    def _capture(self, plan: Plan, forward: "Recording | None") -> Recording:
+        if forward is None:
+            graph, outputs = self.group.graphs.capture(self.compiled, plan.inputs)
+        else:
+            for ptr in [p for p, r in self.group.open_forwards.items() if r is forward]:
+                del self.group.open_forwards[ptr]
+            saved = let_go(forward)
+            try:
+                graph, outputs = self.group.graphs.capture(self.compiled, plan.inputs, pool_of=forward.graph)
+            finally:
+                alias(forward, saved)
         outputs = list(outputs)
-        # An output may be a copy buffer itself (the forward saving its input for the backward):
-        # it is protected like any other output.
-        copy_ptrs = {inputs[i].untyped_storage().data_ptr() for i in copy_idxs}
-        input_ptrs = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
         n_returned = len(outputs) if self.returned_outputs is None else self.returned_outputs
         clone_idxs, held_idxs = [], []
         for i, o in enumerate(outputs):
             if not isinstance(o, torch.Tensor):
                 continue
             base = o.untyped_storage().data_ptr()
-            if base in input_ptrs and base not in copy_ptrs:
+            if base in plan.input_ptrs and base not in plan.copy_ptrs:
                 continue  # a parameter or buffer handed back: nothing to protect
             if i < n_returned:
                 clone_idxs.append(i)
             else:
                 held_idxs.append(i)
-                stable.add(o.data_ptr())
-        for i in stable_idxs:
-            stable.add(inputs[i].data_ptr())
-        kept = set(copy_idxs)
-        return _Recording(
+                self.group.stable_ptrs.add(o.data_ptr())
+        self.group.stable_ptrs.update(plan.stable_ptrs)
+        rec = Recording(
             graph=graph,
-            inputs=[a if i in kept else None for i, a in enumerate(inputs)],
-            copy_idxs=copy_idxs,
-            stable_idxs=stable_idxs,
-            stable_ptrs=[inputs[i].data_ptr() for i in stable_idxs],
+            inputs=plan.buffers,
+            copy_idxs=plan.copy_idxs,
+            stable_idxs=plan.stable_idxs,
+            stable_ptrs=plan.stable_ptrs,
+            param_idxs=plan.param_idxs,
             outputs=outputs,
             clone_idxs=clone_idxs,
             held_idxs=held_idxs,
-            held_use=[dc.tensor_use_count(outputs[i]) for i in held_idxs],
-            held_storage=[
-                (c, dc.storage_use_count(c)) for c in dict.fromkeys(dc.storage_cdata(outputs[i]) for i in held_idxs)
-            ],
         )
-
-
-def _signature(args: Sequence[Any]) -> tuple:
-    """What a recording depends on besides addresses: shapes, strides, dtypes, scalar values."""
-    return tuple(
-        (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in args
-    )
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its memory exactly once in some order of its dimensions
-    (a permuted contiguous tensor is; an expanded or strided-slice view is not): then a buffer
-    from ``empty_strided`` with the same strides holds a copy of it."""
-    if t.is_contiguous() or t.numel() == 0:
-        return True
-    expected = 1
-    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+        rec.count_held()
+        return rec
 
 
 def inner_compile_factory(

@@ -313,7 +313,7 @@ def format_table(data: dict[str, Any]) -> str:
             str(c["records"]),
             str(c["uncaptured_runs"]),
             f"{c['pool_bytes'] / 2**20:.1f}",
-            (c["reason"] or "-")[:70],
+            (c["reason"] or c.get("note") or "-")[:70],
         )
         for c in data.get("cudagraphs", [])
     ]

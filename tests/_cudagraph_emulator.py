@@ -1,10 +1,13 @@
 """A CPU stand-in for ``bucketwise.cudagraphs.runner.CudaGraphs`` (the test seam).
 
-It keeps the three properties of a real CUDA graph that bucketwise's runner must respect:
-capture runs nothing (inputs are restored, so in-place updates of buffers happen once), a
-replay writes its results into the very output tensors the capture returned, and the graph
-holds no reference to its inputs (a replay reads whatever lives at their addresses: here the
-tensors the runner passes to ``replay``, which must sit at the captured addresses).
+It keeps the properties of a real CUDA graph that bucketwise's runner must respect: capture
+runs nothing (inputs are restored, so in-place updates of buffers happen once), a replay writes
+its results into the very output tensors the capture returned, the graph holds no reference to
+its inputs (a replay reads whatever lives at their addresses: here the tensors the runner passes
+to ``replay``, which must sit at the captured addresses), and graphs sharing a memory pool
+overwrite each other's outputs: a replay fills the floating-point outputs of every other graph
+of its pool with NaN (on a GPU, whatever the replay wrote there), so a test that reads a tensor
+some graph of the pool overwrote sees it.
 """
 
 from __future__ import annotations
@@ -21,27 +24,46 @@ class EmulatedGraphs:
         self.output_ptrs: set[int] = set()
         """Addresses of every recorded graph's static outputs."""
         self.fail_capture = fail_capture
+        self.shared = 0
+        """Captures into another graph's pool."""
 
-    def capture(self, fn, inputs):
+    def capture(self, fn, inputs, *, pool_of=None):
         if self.fail_capture:
             raise RuntimeError("emulated capture failure")
         self.captures += 1
         saved = [(t, t.clone()) for t in inputs if isinstance(t, torch.Tensor)]
         ptrs = [t.data_ptr() if isinstance(t, torch.Tensor) else None for t in inputs]
-        out = fn(list(inputs))
+        input_storages = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        out = fn(inputs)
         for t, before in saved:
             t.copy_(before)
         self.output_ptrs.update(o.data_ptr() for o in out if isinstance(o, torch.Tensor))
-        return (fn, ptrs, list(out)), out
+        if pool_of is not None:
+            self.shared += 1
+            pool = pool_of.pool
+        else:
+            pool = []
+        # What the capture allocated lives in the pool; inputs handed back do not.
+        in_pool = [
+            o for o in out if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in input_storages
+        ]
+        graph = _Graph(fn, ptrs, list(out), pool, in_pool)
+        pool.append(graph)
+        return graph, out
 
     def replay(self, graph, inputs) -> None:
         self.replays += 1
-        fn, ptrs, outs = graph
         now = [t.data_ptr() if isinstance(t, torch.Tensor) else None for t in inputs]
-        if now != ptrs:
-            raise AssertionError(f"replay inputs are not at the captured addresses: {ptrs} vs {now}")
+        if now != graph.ptrs:
+            raise AssertionError(f"replay inputs are not at the captured addresses: {graph.ptrs} vs {now}")
         with torch.no_grad():
-            for o, n in zip(outs, fn(list(inputs))):
+            new = graph.fn(list(inputs))
+            for other in graph.pool:
+                if other is not graph:
+                    for o in other.in_pool:
+                        if o.is_floating_point():
+                            o.fill_(float("nan"))
+            for o, n in zip(graph.outs, new):
                 if isinstance(o, torch.Tensor):
                     o.copy_(n)
 
@@ -50,6 +72,11 @@ class EmulatedGraphs:
 
     def wait_idle(self, timeout_s: float) -> bool:
         return True
+
+
+class _Graph:
+    def __init__(self, fn, ptrs, outs, pool, in_pool) -> None:
+        self.fn, self.ptrs, self.outs, self.pool, self.in_pool = fn, ptrs, outs, pool, in_pool
 
 
 def use_emulated_graphs(monkeypatch=None, **kwargs) -> list[EmulatedGraphs]:

@@ -212,18 +212,50 @@ def test_replayed_gradients_are_stolen_not_copied(monkeypatch):
 
 
 def test_accumulating_stolen_gradients_stops_lending(monkeypatch):
-    # zero_grad(set_to_none=True), then micro-steps: the first one's gradient *is* the graph's
-    # output memory, so the next backward must not replay over it; the runner then stops
-    # lending and replays again once the user let go of the gradients.
-    use_emulated_graphs(monkeypatch)
+    # zero_grad(set_to_none=True), then micro-steps: the first one's gradient *is* the backward
+    # graph's output memory, which shares a pool with the forward, so the next forward must not
+    # replay over it; the backward then stops lending and both replay again once the user let
+    # go of the gradients.
+    emulators = use_emulated_graphs(monkeypatch)
     ref, mod, compiled = _pair()
     _train(ref, mod, compiled, 3)
     _train(ref, mod, compiled, 3, micro=3)
-    bw = _stats(compiled)["graph 0 segment 0 backward"]
+    stats = _stats(compiled)
+    fw, bw = stats["graph 0 segment 0 forward"], stats["graph 0 segment 0 backward"]
+    assert emulators[0].shared == 1, "the backward did not join its forward's pool"
     # The two micro-steps that found the first one's lent gradients held run uncaptured; every
-    # backward after that replays (2 in the warm-up steps, 1 + 3 + 3 here).
-    assert bw["uncaptured_runs"] == 2 and any("still in use" in r for r in bw["uncaptured_reasons"]), bw
-    assert bw["replays"] == 9, bw
+    # step after that replays (2 in the warm-up steps, 1 + 3 + 3 here).
+    assert fw["uncaptured_runs"] == 2 and any("gradients of its backward" in r for r in fw["uncaptured_reasons"]), fw
+    assert bw["uncaptured_runs"] == 2 and any("forward ran uncaptured" in r for r in bw["uncaptured_reasons"]), bw
+    assert fw["replays"] == bw["replays"] == 9, stats
+    assert fw["records"] == bw["records"] == 1, stats
+
+
+def test_backward_with_retain_graph_keeps_the_activations(monkeypatch):
+    # The backward frees (and may overwrite) the activations it reads; retain_graph=True keeps
+    # them for a second backward, so that backward runs uncaptured and the second one reads
+    # intact activations. (torch refuses retain_graph=True for a backward that reuses its saved
+    # activations as scratch, "donated buffers": off here.)
+    use_emulated_graphs(monkeypatch)
+    monkeypatch.setattr(torch._functorch.config, "donated_buffer", False)
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 3)
+    x = torch.randn(6, 8)
+    out_r, out_c = ref(x).pow(2).mean(), compiled(x).pow(2).mean()
+    out_r.backward(retain_graph=True)
+    out_c.backward(retain_graph=True)
+    (2 * out_r).backward()
+    (2 * out_c).backward()
+    for p, q in zip(ref.parameters(), mod.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    bw = _stats(compiled)["graph 0 segment 0 backward"]
+    assert any("retain_graph" in r for r in bw["uncaptured_reasons"]), bw
+    for p in mod.parameters():
+        p.grad = None
+    for p in ref.parameters():
+        p.grad = None
+    _train(ref, mod, compiled, 2)
+    assert _stats(compiled)["graph 0 segment 0 backward"]["replays"] > bw["replays"]
 
 
 def test_new_shapes_rerecord_up_to_the_bound(monkeypatch):

@@ -1,0 +1,162 @@
+"""What one CUDA-graph recording holds and how it reads its inputs (cudagraphs/runner.py drives
+them; NOTE [cudagraph replay safety] and NOTE [a forward and its backward share a pool] are
+there)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+
+from .._compat import dynamo as dc
+from .._compat import storage as st
+
+
+@dataclasses.dataclass(eq=False)
+class Recording:
+    graph: Any
+    inputs: list[Any]  # the copy buffers at copy_idxs (None elsewhere: no reference is kept to
+    # tensors read in place, their owners' use counts stay exact, see NOTE [cudagraph replay safety])
+    copy_idxs: list[int]
+    """Inputs copied into inputs[i] on every call."""
+    stable_idxs: list[int]
+    """Inputs used in place; their address is checked on every call."""
+    stable_ptrs: list[int]
+    param_idxs: frozenset[int]
+    """The stable inputs that are parameters or buffers (the others are other graphs' outputs)."""
+    outputs: list[Any]
+    clone_idxs: list[int]
+    held_idxs: list[int]
+    """Outputs lent out (or handed out as is): checked free before the next replay."""
+    held_use: list[int] = dataclasses.field(default_factory=list)
+    held_storage: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """Distinct (storage cdata, use count) of the held outputs when nobody else holds them."""
+    backward: "tuple[Any, Recording] | None" = None
+    """A forward: the backward recorded into its pool."""
+    consumed: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    """A backward in its forward's pool: (input index, tensor and storage use counts at the
+    capture) of the activations it frees as it reads them."""
+
+    def count_held(self) -> None:
+        """Take the use counts of the held outputs as they are now (held by this recording only)."""
+        outs = self.outputs
+        self.held_use = [st.tensor_use_count(outs[i]) for i in self.held_idxs]
+        cdatas = dict.fromkeys(st.storage_cdata(outs[i]) for i in self.held_idxs)
+        self.held_storage = [(c, st.storage_use_count(c)) for c in cdatas]
+
+    def held_elsewhere(self) -> bool:
+        """Whether anyone besides this recording still holds a held output (or a view of one)."""
+        outs = self.outputs
+        for i, use in zip(self.held_idxs, self.held_use):
+            if st.tensor_use_count(outs[i]) > use:
+                return True
+        return any(st.storage_use_count(cdata) > use for cdata, use in self.held_storage)
+
+
+@dataclasses.dataclass(eq=False)
+class Plan:
+    """How one recording reads its inputs, worked out before the capture consumes them."""
+
+    inputs: list[Any]  # what the capture reads: copy buffers at copy_idxs, the inputs elsewhere
+    buffers: list[Any]  # the copy buffers at copy_idxs, None elsewhere
+    copy_idxs: list[int]
+    stable_idxs: list[int]
+    stable_ptrs: list[int]
+    param_idxs: frozenset[int]
+    input_ptrs: set[int]  # storage addresses of every tensor input
+    copy_ptrs: set[int]  # storage addresses of the copy buffers
+    consumed: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Inputs that are saved activations of the forward whose pool this capture joins: input
+    index -> that output's index in the forward."""
+    keep: list[Any] = dataclasses.field(default_factory=list)
+    """The inputs again, but None for the consumed ones (set by :meth:`hand_over`)."""
+
+    def hand_over(self) -> None:
+        """Keep every input but the consumed ones for a run after the capture."""
+        self.keep = [None if i in self.consumed else a for i, a in enumerate(self.inputs)]
+
+    def call_args(self, forward: "Recording | None") -> list[Any]:
+        """The inputs for a run after the capture: the consumed activations as the forward's
+        aliases of the same memory (the tensors the capture read are gone)."""
+        args = list(self.keep)
+        for i, j in self.consumed.items():
+            args[i] = forward.outputs[j]
+        return args
+
+
+def plan_inputs(args: list[Any], static_idxs: frozenset[int], stable: set[int]) -> Plan:
+    inputs: list[Any] = []
+    copy_idxs, stable_idxs, param_idxs = [], [], set()
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            inputs.append(a)
+            continue
+        param = i in static_idxs or dc.has_static_address(a)
+        if param or a.data_ptr() in stable:
+            inputs.append(a)
+            stable_idxs.append(i)
+            if param:
+                param_idxs.add(i)
+        else:
+            buf = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
+            buf.copy_(a)
+            inputs.append(buf)
+            copy_idxs.append(i)
+    copy = set(copy_idxs)
+    return Plan(
+        inputs=inputs,
+        buffers=[a if i in copy else None for i, a in enumerate(inputs)],
+        copy_idxs=copy_idxs,
+        stable_idxs=stable_idxs,
+        stable_ptrs=[inputs[i].data_ptr() for i in stable_idxs],
+        param_idxs=frozenset(param_idxs),
+        input_ptrs={a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)},
+        copy_ptrs={inputs[i].untyped_storage().data_ptr() for i in copy_idxs},
+    )
+
+
+def let_go(rec: Recording) -> dict[int, tuple]:
+    """Drop ``rec``'s references to its held outputs (so a capture that reads them can free
+    them); returns what :func:`alias` needs to view the same memory again."""
+    saved = {}
+    for i in rec.held_idxs:
+        t = rec.outputs[i]
+        s = t.untyped_storage()
+        saved[i] = (s.data_ptr(), s.nbytes(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+        rec.outputs[i] = None
+    rec.held_use, rec.held_storage = [], []  # their storages may be freed: no stale addresses
+    return saved
+
+
+def alias(rec: Recording, saved: dict[int, tuple]) -> None:
+    """Give ``rec`` its held outputs back, as views of the memory they lived in (which its
+    graph's pool keeps; NOTE [a forward and its backward share a pool])."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    for i, (ptr, nbytes, offset, size, stride, dtype, device) in saved.items():
+        if ptr not in storages:
+            storages[ptr] = st.storage_at(ptr, nbytes, device)
+        rec.outputs[i] = st.tensor_at(storages[ptr], offset, size, stride, dtype)
+    storages.clear()
+    rec.count_held()
+
+
+def signature(args: Sequence[Any]) -> tuple:
+    """What a recording depends on besides addresses: shapes, strides, dtypes, scalar values."""
+    return tuple(
+        (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in args
+    )
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory exactly once in some order of its dimensions
+    (a permuted contiguous tensor is; an expanded or strided-slice view is not): then a buffer
+    from ``empty_strided`` with the same strides holds a copy of it."""
+    if t.is_contiguous() or t.numel() == 0:
+        return True
+    expected = 1
+    for stride, size in sorted((std, s) for s, std in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
