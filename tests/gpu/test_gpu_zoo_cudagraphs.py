@@ -1,8 +1,9 @@
 """``cudagraphs=True`` on zoo models whose graphs record in an order other than they replay
 (one GPU, one NCCL rank): T5 and Whisper break into several graphs, and one backward records a
 step after the others. With one memory pool shared by every recording, the gradients it wrote
-were overwritten by the scratch of the backwards replayed after it (NOTE [one pool per
-recording]). Each model trains under eager DDP, ``bw-fused`` and ``bw-fused-cg``, through the
+were overwritten by the scratch of the backwards replayed after it (NOTE [a forward and its
+backward share a pool]: now only a backward recorded right after its forward joins that
+forward's pool). Each model trains under eager DDP, ``bw-fused`` and ``bw-fused-cg``, through the
 zoo's own command; the parameters after training must match eager DDP's.
 
 Skipped without CUDA or transformers.
