@@ -78,7 +78,10 @@ MAX_RECORDS = 8
 
 _HELD = "outputs of the previous replay still in use (kept gradients or a second forward before the backward)"
 _MOVED = "a parameter or saved input moved since the recording"
-_FORWARD_UNCAPTURED = "its forward ran uncaptured (saved activations at other addresses)"
+_FORWARD_UNCAPTURED = (
+    "saved activations not where its forward's replay put them "
+    "(the forward ran uncaptured, or saved-tensor hooks moved them)"
+)
 _GRADIENTS_HELD = "gradients of its backward's previous replay still in use (the two share a memory pool)"
 _RETAINED = "saved activations held beyond the backward (retain_graph=True?): they must not be overwritten"
 

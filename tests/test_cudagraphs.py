@@ -258,6 +258,23 @@ def test_backward_with_retain_graph_keeps_the_activations(monkeypatch):
     assert _stats(compiled)["graph 0 segment 0 backward"]["replays"] > bw["replays"]
 
 
+def test_saved_tensor_hooks_that_move_activations_run_the_backward_uncaptured(monkeypatch):
+    # Once recorded, the backward reads the saved activations where the forward's replay wrote
+    # them. A pack hook that copies each one (as offloading does) hands it tensors elsewhere: it
+    # runs uncaptured and says why, without recording again at the copies' addresses, and
+    # replays again once the hook is gone. Recorded under the hook, it copies them instead.
+    use_emulated_graphs(monkeypatch)
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 3)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        _train(ref, mod, compiled, 3)
+    bw = _stats(compiled)["graph 0 segment 0 backward"]
+    assert bw["uncaptured_runs"] == 3 and any("saved-tensor hooks" in r for r in bw["uncaptured_reasons"]), bw
+    _train(ref, mod, compiled, 2)
+    after = _stats(compiled)["graph 0 segment 0 backward"]
+    assert after["records"] == 1 and after["replays"] == bw["replays"] + 2, after
+
+
 def test_new_shapes_rerecord_up_to_the_bound(monkeypatch):
     use_emulated_graphs(monkeypatch)
     ref, mod, compiled = _pair(dynamic=True)
