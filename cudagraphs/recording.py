@@ -64,7 +64,10 @@ class Plan:
     stable_idxs: list[int]
     stable_ptrs: list[int]
     param_idxs: frozenset[int]
-    input_ptrs: set[int]  # storage addresses of every tensor input
+    input_ptrs: set[int]
+    """Storage addresses of the tensor inputs that outlive the capture (an output there is an
+    input handed back); the consumed ones are left out by :meth:`hand_over`: the capture frees
+    them and may put outputs at the same addresses."""
     copy_ptrs: set[int]  # storage addresses of the copy buffers
     consumed: dict[int, int] = dataclasses.field(default_factory=dict)
     """Inputs that are saved activations of the forward whose pool this capture joins: input
@@ -75,6 +78,7 @@ class Plan:
     def hand_over(self) -> None:
         """Keep every input but the consumed ones for a run after the capture."""
         self.keep = [None if i in self.consumed else a for i, a in enumerate(self.inputs)]
+        self.input_ptrs = {a.untyped_storage().data_ptr() for a in self.keep if isinstance(a, torch.Tensor)}
 
     def call_args(self, forward: "Recording | None") -> list[Any]:
         """The inputs for a run after the capture: the consumed activations as the forward's

@@ -23,6 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import bucketwise
 from bucketwise.cudagraphs import policy
+from bucketwise.cudagraphs.recording import plan_inputs
 from bucketwise.cudagraphs.runner import MAX_RECORDS
 
 pytestmark = pytest.mark.inductor
@@ -273,6 +274,20 @@ def test_saved_tensor_hooks_that_move_activations_run_the_backward_uncaptured(mo
     _train(ref, mod, compiled, 2)
     after = _stats(compiled)["graph 0 segment 0 backward"]
     assert after["records"] == 1 and after["replays"] == bw["replays"] + 2, after
+
+
+def test_outputs_where_consumed_activations_lived_are_not_taken_for_inputs():
+    # A backward in its forward's pool frees the activations it reads and may put a gradient at
+    # the very address one of them had: that gradient is an output to protect and lend, not an
+    # input handed back (which would be handed out as is and copied by AccumulateGrad).
+    activation, param = torch.randn(4), nn.Parameter(torch.randn(3))
+    plan = plan_inputs([activation, param], frozenset([1]), {activation.data_ptr()})
+    assert activation.untyped_storage().data_ptr() in plan.input_ptrs
+    plan.consumed = {0: 0}
+    plan.hand_over()
+    assert activation.untyped_storage().data_ptr() not in plan.input_ptrs
+    assert param.untyped_storage().data_ptr() in plan.input_ptrs
+    assert plan.keep == [None, param]
 
 
 def test_new_shapes_rerecord_up_to_the_bound(monkeypatch):
