@@ -89,6 +89,17 @@ class Plan:
         return args
 
 
+def is_param(i: int, a: torch.Tensor, static_idxs: frozenset[int]) -> bool:
+    """Input ``i`` is a parameter or buffer (read in place, at a fixed address)."""
+    return i in static_idxs or dc.has_static_address(a)
+
+
+def reads_in_place(i: int, a: torch.Tensor, static_idxs: frozenset[int], stable: set[int]) -> bool:
+    """A recording reads input ``i`` where it is: a parameter or buffer, or another recording's
+    output; every other tensor input is copied into a static buffer."""
+    return is_param(i, a, static_idxs) or a.data_ptr() in stable
+
+
 def plan_inputs(args: list[Any], static_idxs: frozenset[int], stable: set[int]) -> Plan:
     inputs: list[Any] = []
     copy_idxs, stable_idxs, param_idxs = [], [], set()
@@ -96,7 +107,7 @@ def plan_inputs(args: list[Any], static_idxs: frozenset[int], stable: set[int]) 
         if not isinstance(a, torch.Tensor):
             inputs.append(a)
             continue
-        param = i in static_idxs or dc.has_static_address(a)
+        param = is_param(i, a, static_idxs)
         if param or a.data_ptr() in stable:
             inputs.append(a)
             stable_idxs.append(i)

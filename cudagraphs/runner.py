@@ -69,7 +69,7 @@ import torch
 from .._compat import dynamo as dc
 from .._compat import storage as st
 from ..distributed import teardown
-from .recording import Plan, Recording, alias, dense, let_go, plan_inputs, signature
+from .recording import Plan, Recording, alias, dense, let_go, plan_inputs, reads_in_place, signature
 
 log = logging.getLogger(__name__)
 
@@ -405,7 +405,7 @@ class CudaGraphRunner:
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 continue
-            if i in self.static_input_idxs or a.data_ptr() in stable or dc.has_static_address(a):
+            if reads_in_place(i, a, self.static_input_idxs, stable):
                 continue
             if i in self.mutated_inputs:
                 return f"{self.mutated_inputs[i]} writes into input {i}, which is not a parameter or buffer"
