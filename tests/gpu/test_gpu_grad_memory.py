@@ -107,3 +107,68 @@ def test_fused_gradients_as_bucket_views_equal_eager_ddp(tmp_path, mode):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "OK" in proc.stdout, proc.stdout
+
+
+COPIES_WORKER = textwrap.dedent(
+    """
+    import sys
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import bucketwise
+    from bucketwise.launch.models import GPT, GPTConfig, synthetic_tokens
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    # Activations much larger than gradients: the backward frees saved activations early and its
+    # gradients land at their addresses in the shared pool.
+    cfg = GPTConfig(vocab=8192, seq=256, layers=4, d_model=512, heads=8, dropout=0.0)
+    torch.manual_seed(0)
+    module = GPT(cfg).cuda()
+    compiled = bucketwise.compile(DDP(module, device_ids=[0]), backend="inductor", strategy="fused", cudagraphs=True)
+    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+    x, y = synthetic_tokens(cfg, 8, seed=0, device="cuda")
+
+    def step():
+        compiled(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(4):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    copies = sum(e.count for e in prof.key_averages() if e.key in ("aten::copy_", "aten::clone"))
+    graphs = bucketwise.report(compiled).to_dict()["cudagraphs"]
+    params = len(list(module.parameters()))
+    print("COPIES", copies, "PARAMS", params, graphs)
+    assert all(g["captured"] for g in graphs), graphs
+    # A replay copies the caller's inputs and outputs (a handful); with gradients not lent,
+    # AccumulateGrad copies every gradient instead.
+    assert copies < params // 4, (copies, params)
+    print("OK")
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_cudagraph_gradients_reach_param_grad_without_a_copy(tmp_path):
+    env = {
+        **os.environ,
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        "BUCKETWISE_PROGRESS": "0",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", COPIES_WORKER, str(tmp_path / "store")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "OK" in proc.stdout, proc.stdout
