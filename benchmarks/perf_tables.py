@@ -257,8 +257,8 @@ def restart_table(runs: Sequence[dict[str, Any]]) -> list[str]:
         f"First steps, each in a new process over its own compile caches, {rounds} interleaved rounds (medians):",
         "",
         "| model | config | cold first step s | cold x `torch` | warm first step s | warm x non-graphed "
-        "| first step accounted |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| first step accounted | cold FX graphs / cache hits |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for run in runs:
         for config, r in run["restarts"]["summary"].items():
@@ -266,9 +266,15 @@ def restart_table(runs: Sequence[dict[str, Any]]) -> list[str]:
             out.append(
                 f"| {run['meta']['model']} | `{config}` | {_ratio(r['cold_s'])} | {_ratio(r.get('cold_over_torch'))} "
                 f"| {_ratio(r['warm_s'])} | {_ratio(r.get('warm_over_uncaptured'))} "
-                f"| {'-' if accounted is None else f'{accounted:.1%}'} |"
+                f"| {'-' if accounted is None else f'{accounted:.1%}'} | {_graphs_hits(r)} |"
             )
     return [*out, ""]
+
+
+def _graphs_hits(row: dict[str, Any]) -> str:
+    """A restart row's cold FX graphs and FX-cache hits (``-`` for runs that did not record them)."""
+    graphs, hits = row.get("cold_fx_graphs"), row.get("cold_fx_hits")
+    return "-" if graphs is None else f"{graphs:g} / {hits:g}"
 
 
 def replace_between(text: str, markers: tuple[str, str], body: str, where: str) -> str:

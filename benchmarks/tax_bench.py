@@ -270,12 +270,14 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], restarts: dict[st
 
 def _restarts_markdown(restarts: dict[str, Any]) -> str:
     head = (
-        "| config | cold first step s | x `torch` | warm first step s | x non-graphed | first step accounted |"
-        "\n| --- | ---: | ---: | ---: | ---: | ---: |"
+        "| config | cold first step s | x `torch` | warm first step s | x non-graphed | first step accounted "
+        "| cold FX graphs compiled / cache hits |"
+        "\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
     rows = [
         f"| `{c}` | {_fmt(r['cold_s'], '.2f')} | {_fmt(r.get('cold_over_torch'), '.3f')} | {_fmt(r['warm_s'], '.2f')} "
-        f"| {_fmt(r.get('warm_over_uncaptured'), '.3f')} | {_fmt(r.get('first_step_accounted'), '.1%')} |"
+        f"| {_fmt(r.get('warm_over_uncaptured'), '.3f')} | {_fmt(r.get('first_step_accounted'), '.1%')} "
+        f"| {tax_restarts_caches(r)} |"
         for c, r in restarts["summary"].items()
     ]
     return "\n".join(
@@ -289,10 +291,18 @@ def _restarts_markdown(restarts: dict[str, Any]) -> str:
             "x `torch`: median over rounds of the cold first step over torch's DDPOptimizer's; x non-graphed: "
             "the warm first step of a CUDA-graph config over its twin's without graphs. first step accounted: "
             "the report's first-step breakdown (compile, Triton autotuning, other first-call work) over the "
-            "cold first step's wall time. Every run is in results.json.",
+            "cold first step's wall time. cold FX graphs: the graphs Inductor compiled or loaded in the cold "
+            "process, and how many of them it found in its FX graph cache, filled earlier in the same process "
+            "(a graph that repeats, e.g. one per identical block, compiles once). Every run is in results.json.",
             "",
         ]
     )
+
+
+def tax_restarts_caches(row: dict[str, Any]) -> str:
+    """``compiled / hits`` of a restart summary row's cold FX-graph-cache lookups, or ``-``."""
+    graphs, hits = row.get("cold_fx_graphs"), row.get("cold_fx_hits")
+    return "-" if graphs is None else f"{graphs:g} / {hits:g}"
 
 
 def _steady_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -374,7 +384,9 @@ def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
     compile caches its environment names (tax_restarts.py)."""
     from bucketwise.benchmarks import tax_restarts
 
+    before = dc.compile_counters()
     entry = build(args.configs[0], make_spec(args.model, {}), device, args.backend, warmup=0)
+    after = dc.compile_counters()
     _sync()
     t0 = time.perf_counter()
     entry["step"]()
@@ -386,6 +398,8 @@ def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
             "second_step_s": time.perf_counter() - t0,
             "compile_times": entry["compile_breakdown"],
             "first_step": entry["first_step_breakdown"],
+            # Every config's cache lookups, torch's own included (it has no report).
+            "caches": {k: after[k] - before[k] for k in after},
         }
     )
 

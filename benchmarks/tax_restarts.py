@@ -11,7 +11,8 @@ workers are warm), so each first step here runs in a process of its own:
 Rounds interleave the configs, the order reversed every other round (A B C, C B A, ...), and a
 ratio to another config is the median of the per-round ratios. Each child process builds one
 config, runs its first step and one more, and prints one JSON line: the first step's seconds,
-the second step's, and the report's compile-time and first-step breakdowns.
+the second step's, the report's compile-time and first-step breakdowns, and the compile-cache
+lookups of the first step (for every config, torch's included).
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             "cold_runs": cold,
             "warm_runs": warm,
             "first_step_accounted": _median([_accounted(r["cold"]) for r in rs]),
+            "cold_fx_graphs": _median([_fx(r["cold"], "fx_hit", "fx_miss", "fx_bypass") for r in rs]),
+            "cold_fx_hits": _median([_fx(r["cold"], "fx_hit") for r in rs]),
         }
         if "torch" in runs and config != "torch":
             row["cold_over_torch"] = median_ratio(cold, _first(runs["torch"], "cold"))
@@ -129,6 +132,12 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
 def _accounted(run: dict[str, Any]) -> float | None:
     first = run.get("first_step")
     return first["compiled_calls_s"] / run["first_step_s"] if first and run.get("first_step_s") else None
+
+
+def _fx(run: dict[str, Any], *keys: str) -> float | None:
+    """The sum of a child's cache-lookup counts under ``keys`` (None where it recorded none)."""
+    caches = run.get("caches")
+    return float(sum(caches[k] for k in keys)) if caches else None
 
 
 def _median(values: list[float | None]) -> float | None:

@@ -155,6 +155,11 @@ def test_restarts_run_cold_then_warm_in_new_processes(bench, monkeypatch):
     assert "error" not in cold and "error" not in warm, run
     assert cold["compile_times"]["aot_autograd_cache"]["miss"] == 1
     assert warm["compile_times"]["aot_autograd_cache"]["hit"] == 1
+    # The child's own cache counters agree with the report's, and the summary counts the cold graphs.
+    assert cold["caches"]["aot_miss"] == 1 and warm["caches"]["aot_hit"] == 1
+    assert cold["caches"]["fx_miss"] == cold["compile_times"]["fx_graph_cache"]["miss"] >= 1
+    summary = result["summary"]["bw-fused"]
+    assert summary["cold_fx_graphs"] == cold["caches"]["fx_miss"] + cold["caches"]["fx_hit"]
     for r in (cold, warm):
         first = r["first_step"]
         assert 0 < first["compiled_calls_s"] <= r["first_step_s"]
@@ -181,4 +186,4 @@ def test_restart_ratios_are_medians_of_per_round_ratios(bench):
         [],
         {"rounds": 3, "summary": summary},
     )
-    assert "| `bw-fused` | 11.00 | 1.100 | 1.00 | - |" in md
+    assert "| `bw-fused` | 11.00 | 1.100 | 1.00 | - | - | - |" in md
