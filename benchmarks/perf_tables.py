@@ -221,13 +221,16 @@ def tax_tables(results: Path, link_root: str) -> str:
         out += [
             f"### [{folder.name}]({link_root}{folder.name}/)",
             "",
-            f"{meta['gpu'] or meta['device']}, world size {meta['world_size']}, torch {meta['torch']}; "
-            f"configs side by side in one process, {meta['pairs']} interleaved rounds.",
+            f"{meta['gpu'] or meta['device']}, world size {meta['world_size']}, torch {meta['torch']}"
+            + (f"; configs side by side in one process, {meta['pairs']} interleaved rounds." if runs else "."),
             "",
-            "| model | config | floor | peak MiB | peak x floor | CPU issue ms | issue x floor | GPU ms | GPU x floor "
-            "| host us/launch |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
+        if runs:
+            out += [
+                "| model | config | floor | peak MiB | peak x floor | CPU issue ms | issue x floor | GPU ms "
+                "| GPU x floor | host us/launch |",
+                "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            ]
         for run in runs:
             rows = [r for r in run["rows"] if "error" not in r]
             peaks = {r["config"]: r["first_peak_mib"] for r in rows}
@@ -243,7 +246,7 @@ def tax_tables(results: Path, link_root: str) -> str:
             for r in run["rows"]:
                 if "error" in r:
                     out.append(f"| {run['meta']['model']} | `{r['config']}` | failed | | | | | | | |")
-        out += ["", *restart_table(restarts)]
+        out += ["", *restart_table(restarts)] if runs else restart_table(restarts)
     return "\n".join(out).rstrip("\n")
 
 
