@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bucketwise.benchmarks.sweep_table import load_run
+from bucketwise.benchmarks.tax_restarts import cold_graphs_text
 
 MAIN = {"model": "gpt", "world_size": 2, "net": "default"}
 """The README's current table: runs of this model, ranks and net, with DDP's default bucket cap."""
@@ -269,15 +270,9 @@ def restart_table(runs: Sequence[dict[str, Any]]) -> list[str]:
             out.append(
                 f"| {run['meta']['model']} | `{config}` | {_ratio(r['cold_s'])} | {_ratio(r.get('cold_over_torch'))} "
                 f"| {_ratio(r['warm_s'])} | {_ratio(r.get('warm_over_uncaptured'))} "
-                f"| {'-' if accounted is None else f'{accounted:.1%}'} | {_graphs_hits(r)} |"
+                f"| {'-' if accounted is None else f'{accounted:.1%}'} | {cold_graphs_text(r)} |"
             )
     return [*out, ""]
-
-
-def _graphs_hits(row: dict[str, Any]) -> str:
-    """A restart row's cold FX graphs and FX-cache hits (``-`` for runs that did not record them)."""
-    graphs, hits = row.get("cold_fx_graphs"), row.get("cold_fx_hits")
-    return "-" if graphs is None else f"{graphs:g} / {hits:g}"
 
 
 def replace_between(text: str, markers: tuple[str, str], body: str, where: str) -> str:

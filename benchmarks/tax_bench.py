@@ -56,6 +56,7 @@ from bucketwise._compat import dynamo as dc
 from bucketwise.benchmarks.bench_configs import floor_config, recipe_for
 from bucketwise.benchmarks.bench_models import MODELS, make_spec
 from bucketwise.benchmarks.ddp_bench import LR, make_step
+from bucketwise.benchmarks.tax_restarts import cold_graphs_text
 from bucketwise.distributed.gloo_exit import end_process_group
 
 DEFAULT_CONFIGS = "local,local-ro,torch-nosplit,torch,replicate,bw-fused,bw-fused-cg"
@@ -277,7 +278,7 @@ def _restarts_markdown(restarts: dict[str, Any]) -> str:
     rows = [
         f"| `{c}` | {_fmt(r['cold_s'], '.2f')} | {_fmt(r.get('cold_over_torch'), '.3f')} | {_fmt(r['warm_s'], '.2f')} "
         f"| {_fmt(r.get('warm_over_uncaptured'), '.3f')} | {_fmt(r.get('first_step_accounted'), '.1%')} "
-        f"| {tax_restarts_caches(r)} |"
+        f"| {cold_graphs_text(r)} |"
         for c, r in restarts["summary"].items()
     ]
     return "\n".join(
@@ -297,12 +298,6 @@ def _restarts_markdown(restarts: dict[str, Any]) -> str:
             "",
         ]
     )
-
-
-def tax_restarts_caches(row: dict[str, Any]) -> str:
-    """``compiled / hits`` of a restart summary row's cold FX-graph-cache lookups, or ``-``."""
-    graphs, hits = row.get("cold_fx_graphs"), row.get("cold_fx_hits")
-    return "-" if graphs is None else f"{graphs:g} / {hits:g}"
 
 
 def _steady_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:

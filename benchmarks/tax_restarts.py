@@ -134,6 +134,13 @@ def _accounted(run: dict[str, Any]) -> float | None:
     return first["compiled_calls_s"] / run["first_step_s"] if first and run.get("first_step_s") else None
 
 
+def cold_graphs_text(row: dict[str, Any]) -> str:
+    """A summary row's cold FX graphs and FX-cache hits as ``graphs / hits`` (``-`` for runs that
+    did not record them)."""
+    graphs, hits = row.get("cold_fx_graphs"), row.get("cold_fx_hits")
+    return "-" if graphs is None else f"{graphs:g} / {hits:g}"
+
+
 def _fx(run: dict[str, Any], *keys: str) -> float | None:
     """The sum of a child's cache-lookup counts under ``keys`` (None where it recorded none)."""
     caches = run.get("caches")
