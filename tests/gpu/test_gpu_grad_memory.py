@@ -88,8 +88,8 @@ WORKER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("mode", ["plain", "cg"])
-def test_fused_gradients_as_bucket_views_equal_eager_ddp(tmp_path, mode):
+def _run_worker(tmp_path, script: str, *args: str) -> None:
+    """``script`` in a new process (one rank, NCCL, its own Inductor cache); it prints OK."""
     env = {
         **os.environ,
         "NCCL_NVLS_ENABLE": "0",
@@ -99,7 +99,7 @@ def test_fused_gradients_as_bucket_views_equal_eager_ddp(tmp_path, mode):
         "BUCKETWISE_PROGRESS": "0",
     }
     proc = subprocess.run(
-        [sys.executable, "-c", WORKER, mode, str(tmp_path / "store")],
+        [sys.executable, "-c", script, *args, str(tmp_path / "store")],
         env=env,
         capture_output=True,
         text=True,
@@ -107,6 +107,11 @@ def test_fused_gradients_as_bucket_views_equal_eager_ddp(tmp_path, mode):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "OK" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("mode", ["plain", "cg"])
+def test_fused_gradients_as_bucket_views_equal_eager_ddp(tmp_path, mode):
+    _run_worker(tmp_path, WORKER, mode)
 
 
 COPIES_WORKER = textwrap.dedent(
@@ -155,20 +160,4 @@ COPIES_WORKER = textwrap.dedent(
 
 
 def test_cudagraph_gradients_reach_param_grad_without_a_copy(tmp_path):
-    env = {
-        **os.environ,
-        "NCCL_NVLS_ENABLE": "0",
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        "NVSHMEM_DISABLE_NVLS": "1",
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-        "BUCKETWISE_PROGRESS": "0",
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", COPIES_WORKER, str(tmp_path / "store")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "OK" in proc.stdout, proc.stdout
+    _run_worker(tmp_path, COPIES_WORKER)
