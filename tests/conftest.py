@@ -19,17 +19,29 @@ import torch.distributed as dist
 # tests/ on sys.path so test modules can `import _dist` (also inherited by spawned workers).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _torch_state import config_changes, config_snapshot, process_changes, process_snapshot  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    """Fresh Dynamo caches per test, a deterministic seed, and no leaked Dynamo setting."""
+    """Fresh Dynamo caches per test and a deterministic seed; the test fails if it left any
+    torch config option changed or missing (change them with the config module's own
+    ``patch()``, see tests/_torch_state.py)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    optimize_ddp = torch._dynamo.config.optimize_ddp
+    before, shared = config_snapshot(), process_snapshot()
     yield
     torch._dynamo.reset()
-    # A test must not leak a global Dynamo setting into the next one.
-    torch._dynamo.config.optimize_ddp = optimize_ddp
+    changes = config_changes(before, config_snapshot())
+    if changes:
+        pytest.fail(
+            "this test left torch's config changed (use the config module's patch(), never assignment or "
+            "monkeypatch):\n  " + "\n  ".join(changes),
+            pytrace=False,
+        )
+    changes = process_changes(shared, process_snapshot())
+    if changes:
+        pytest.fail("this test left the process changed for later tests:\n  " + "\n  ".join(changes), pytrace=False)
 
 
 @pytest.fixture

@@ -238,7 +238,11 @@ def test_backward_with_retain_graph_keeps_the_activations(monkeypatch):
     # intact activations. (torch refuses retain_graph=True for a backward that reuses its saved
     # activations as scratch, "donated buffers": off here.)
     use_emulated_graphs(monkeypatch)
-    monkeypatch.setattr(torch._functorch.config, "donated_buffer", False)
+    with torch._functorch.config.patch(donated_buffer=False):
+        _retain_graph_keeps_the_activations()
+
+
+def _retain_graph_keeps_the_activations():
     ref, mod, compiled = _pair()
     _train(ref, mod, compiled, 3)
     x = torch.randn(6, 8)
