@@ -124,6 +124,21 @@ def test_every_recipe_file_is_shown_and_run():
         assert f'"{path.name}"' in runner, f"{rel} is run by no test in tests/test_doc_recipes.py"
 
 
+def test_the_readme_commands_are_files_ci_runs_in_new_environments():
+    # The shell commands a user copies from the README are the files .ci/run executes, each in
+    # a new virtual environment: the page, the file and CI cannot disagree.
+    import doc_includes
+
+    shown = {path for path, _ in doc_includes.includes(ROOT / "README.md")}
+    ci = (ROOT / ".ci" / "run").read_text()
+    scripts = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "recipes").glob("*.sh"))
+    assert {"docs/recipes/install_torch_cpu.sh", "docs/recipes/install_and_demo.sh"} <= set(scripts)
+    for rel in scripts:
+        assert rel in shown, f"{rel} is shown by no README block (<!-- include {rel} -->)"
+        assert f"bash -euxo pipefail {rel}" in ci, f"{rel} is not run by .ci/run"
+    assert ci.count("python3 -m venv") == 1 and "in_env readme" in ci and "in_env newest" in ci
+
+
 # -- the error table of docs/troubleshooting.md ---------------------------------------------------
 
 ERROR_ROW = re.compile(

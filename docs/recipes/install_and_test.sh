@@ -1,0 +1,1 @@
+pip install -e '.[test,integrations]' && python -m pytest -n 2 -q
