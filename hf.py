@@ -130,7 +130,7 @@ class BucketwiseTrainerMixin:
         if chosen:
             options["strategy"] = "fused"
         compiled = bucketwise_compile(ddp, **options)
-        rep = compiled._bucketwise_report
+        rep = report(compiled)
         rep.note(
             f"compiled by bucketwise.hf.{type(self).__name__}: bucketwise runs this DDP module's forward "
             "from the first step on (NOTE [HF Trainer on fused])"
@@ -142,7 +142,7 @@ class BucketwiseTrainerMixin:
                 "RankMismatchError; set ddp_find_unused_parameters=True yourself to get 'auto' (split)"
             )
         ddpc.route_forward(ddp, compiled)
-        ddpc.set_owner(ddp.module, compiled)  # report(trainer.model) finds it
+        ddpc.set_owner(ddp.module, ddpc.owner_of(ddp))  # report(trainer.model) finds it
         log.info(
             "bucketwise: %s compiled by %s (strategy %s)",
             rep.target,

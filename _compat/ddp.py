@@ -47,11 +47,11 @@ def route_forward(ddp: DDP, compiled: Any) -> None:
     pre/post-forward run eagerly, as in DDP's own forward); ``compiled`` compiles its inner
     module with a callback of its own."""
     ddp.__dict__["forward"] = torch.compiler.disable(compiled.forward)
-    set_owner(ddp, compiled)
 
 
 def set_owner(ddp: Any, owner: Any) -> None:
-    """Record what compiles this DDP module's graphs (``bucketwise.report(ddp)`` reads it)."""
+    """Record what compiles this module's graphs (``bucketwise.report(module)`` reads it): an
+    object with the ``report`` and ``config`` of the compile."""
     ddp.__dict__["_bucketwise_compiled"] = owner
 
 
@@ -233,16 +233,23 @@ def delayed_allreduce_trigger(ddp: DDP) -> torch.nn.Parameter | None:
     """The parameter whose gradient hook launches DDP's delayed allreduce
     (``delay_all_reduce_named_params`` with ``param_to_hook_all_reduce``), or None.
 
-    DDP keeps no reference to it: it is the parameter carrying ``_delayed_all_reduce_hook`` among
-    its tensor hooks.
+    DDP keeps no reference to it: it is the parameter carrying :func:`delayed_allreduce_hook`
+    among its tensor hooks.
     """
-    if not getattr(ddp, "_delay_all_reduce_params", None):
+    hook = delayed_allreduce_hook(ddp)
+    if hook is None:
         return None
-    hook = ddp._delayed_all_reduce_hook
     for p in ddp.module.parameters():
         if any(h == hook for h in (getattr(p, "_backward_hooks", None) or {}).values()):
             return p
     return None
+
+
+def delayed_allreduce_hook(ddp: DDP) -> Any | None:
+    """DDP's own tensor hook that launches its delayed allreduce (``delay_all_reduce_named_params``)."""
+    if not getattr(ddp, "_delay_all_reduce_params", None):
+        return None
+    return ddp._delayed_all_reduce_hook
 
 
 # --- keeping the reducer idle (fused strategy) --------------------------------------------
@@ -373,6 +380,14 @@ def comm_hook(ddp: DDP) -> tuple[Any, Any] | None:
     """The Python comm hook registered last and its state, ``(hook, state)``, or ``None``."""
     hooks = getattr(ddp, "_comm_hooks", None) or []
     return hooks[-1] if hooks else None
+
+
+def comm_hook_count(ddp: DDP) -> int:
+    """How many Python comm hooks ``register_comm_hook`` has registered on ``ddp`` (read per call:
+    a hook registered after the first forward changes what the graphs must do). A built-in hook
+    (``_register_builtin_comm_hook``) goes to the reducer, which a released reducer rebuilds
+    for it (NOTE [released reducer])."""
+    return len(getattr(ddp, "_comm_hooks", None) or ())
 
 
 def builtin_hook_name(ddp: DDP) -> str | None:

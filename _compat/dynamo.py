@@ -36,6 +36,12 @@ def make_backend(
     return torch._TorchCompileWrapper(backend, mode, options, dynamic)
 
 
+def inductor_config_patches(mode: str | None, options: dict | None, dynamic: bool | None) -> dict[str, Any]:
+    """The Inductor config patches ``torch.compile(mode=, options=)`` applies inside its compiles
+    (``_TorchCompileInductorWrapper.config``)."""
+    return dict(torch._TorchCompileInductorWrapper(mode, options, dynamic).config)
+
+
 def cacheable_calls_options(targets: dict[str, str], options: dict | None) -> dict[str, Any]:
     """Inductor ``options`` that declare the ``module.function`` call targets in ``targets`` safe
     for AOTAutograd's cache, each with a key that becomes part of the cache keys (Inductor's

@@ -72,7 +72,14 @@ class CompileConfig:
     recompile raise an error naming the failed guard, ``"eager"`` runs that frame eagerly (see
     :func:`bucketwise.freeze`, which freezes at a point of your choosing)."""
 
+    share_blocks: bool = True
+    """Identical blocks of a graph (an ``nn.ModuleList`` of one block class) share one compiled
+    forward and backward, so the first step does not grow with the model's depth (NOTE [one
+    compile per block]); ``False`` compiles every block with the whole graph."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.share_blocks, bool):
+            raise TypeError(f"share_blocks must be True or False, got {self.share_blocks!r}")
         if self.freeze not in FREEZE or isinstance(self.freeze, int) and not isinstance(self.freeze, bool):
             raise ValueError(f"freeze must be False, True, 'raise' or 'eager', got {self.freeze!r}")
         if isinstance(self.backend, str):

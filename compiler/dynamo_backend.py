@@ -46,15 +46,14 @@ import torch
 
 from .._compat import ddp as ddpc
 from .._compat import dynamo as dc
+from ..distributed.split.alignment import AlignmentPoll
 from ..stats.report import Report
 from .config import CompileConfig
-from .graph_backend import GraphBackend
+from .state import new_backend
 
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "bucketwise"
-ALIGNMENT_POLLS = 20
-"""Forwards after DDP's bucket rebuild in which :class:`InsideDDP` looks for the alignment."""
 
 OWN_OPTIONS = (
     "strategy",
@@ -65,6 +64,7 @@ OWN_OPTIONS = (
     "gather_embedding_rows",
     "fallback",
     "freeze",
+    "share_blocks",
 )
 """Keys of ``torch.compile(options=...)`` that bucketwise reads (``inner_backend`` is
 ``bucketwise.compile``'s ``backend``); with ``inner_backend="inductor"`` (the default) every
@@ -156,17 +156,16 @@ class WithoutDDP:
         from .api import resolve_cudagraphs
 
         name = type(dc.uncompiled(module)).__name__
-        self._bucketwise_report = report = Report(
-            target=f"{name} (no DDP)", strategy=config.strategy, backend=config.backend_name
-        )
-        self._bucketwise_backend = GraphBackend(config, report, None, cudagraphs=resolve_cudagraphs(config))
+        self.config = config
+        self.report = report = Report(target=f"{name} (no DDP)", strategy=config.strategy, backend=config.backend_name)
+        self._backend = new_backend(config, report, None, cudagraphs=resolve_cudagraphs(config), alignment=False)
         report.note(
             "compiled through torch.compile(backend='bucketwise') with no DDP forward running: each graph "
             "compiled whole with the inner backend, no buckets"
         )
 
     def backend(self, gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        return self._bucketwise_backend(gm, example_inputs)
+        return self._backend(gm, example_inputs)
 
     def __deepcopy__(self, memo: dict) -> "WithoutDDP":
         # Held by the compiled module: a copy of that module shares it (as InsideDDP).
@@ -216,30 +215,32 @@ def _frame_of(ddp: Any) -> bool:
 
 
 def attach(ddp: Any, config: CompileConfig) -> Any:
-    """The ``CompiledModule`` that runs ``ddp``'s forward from now on (built at the first call)."""
+    """The compiled state that runs ``ddp``'s forward from now on (built at the first call)."""
     from .api import compile_with_config
+    from .module import state_of
 
     owner = _existing(ddp, config)
     if owner is not None:
         return owner
     compiled = compile_with_config(ddp, config)
-    compiled._bucketwise_report.note(
+    state = state_of(compiled)
+    state.report.note(
         "compiled through torch.compile(backend='bucketwise'): the first call ran uncompiled (torch's DDPOptimizer "
         "had split its graph before bucketwise saw it); bucketwise runs this DDP module's forward from the second "
         "call on (NOTE [registered backend takes over the DDP forward])"
     )
-    compiled.__dict__["first_call"] = _FirstCall(ddp)
+    state.first_call = _FirstCall(ddp)
     ddpc.route_forward(ddp, compiled)
     # report() accepts the module the user compiled (Fabric re-applies the compile over its DDP
     # module, so the user's OptimizedModule wraps ddp.module) as well as the DDP module.
-    ddpc.set_owner(ddp.module, compiled)
+    ddpc.set_owner(ddp.module, state)
     log.info(
         "bucketwise: %s compiled by torch.compile(backend='bucketwise') (strategy %s, inner backend %s)",
-        compiled._bucketwise_report.target,
+        state.report.target,
         config.strategy,
         config.backend_name,
     )
-    return compiled
+    return state
 
 
 def attach_inside(ddp: Any, config: CompileConfig) -> "InsideDDP":
@@ -254,10 +255,9 @@ def attach_inside(ddp: Any, config: CompileConfig) -> "InsideDDP":
 
 def _existing(ddp: Any, config: CompileConfig) -> Any | None:
     owner = ddpc.owner_of(ddp)
-    if owner is not None and owner._bucketwise_backend.config != config:
+    if owner is not None and owner.config != config:
         log.warning(
-            "bucketwise: %s is already compiled with other options; keeping the first ones",
-            owner._bucketwise_report.target,
+            "bucketwise: %s is already compiled with other options; keeping the first ones", owner.report.target
         )
     return owner
 
@@ -288,36 +288,32 @@ class InsideDDP:
     """
 
     def __init__(self, ddp: Any, config: CompileConfig) -> None:
-        from .module import function_alignment
-
-        name = type(dc.uncompiled(ddp.module)).__name__
-        self._bucketwise_report = Report(
-            target=f"modules inside DDP({name})", strategy=config.strategy, backend=config.backend_name
-        )
         from .api import resolve_cudagraphs
 
-        self._bucketwise_backend = backend = GraphBackend(
-            config, self._bucketwise_report, None, cudagraphs=resolve_cudagraphs(config)
+        name = type(dc.uncompiled(ddp.module)).__name__
+        self.config = config
+        self.report = Report(
+            target=f"modules inside DDP({name})", strategy=config.strategy, backend=config.backend_name
         )
-        self._bucketwise_report.set_alignment_source(lambda: function_alignment(backend))
-        self._bucketwise_report.note(
+        self._backend = new_backend(config, self.report, None, cudagraphs=resolve_cudagraphs(config))
+        self.report.note(
             "compiled inside the forward of a DDP module through torch.compile(backend='bucketwise'): DDP's "
             "reducer reduces (split); the first call ran uncompiled (NOTE [compiled inside DDP])"
         )
         if config.freeze_mode is not None:
-            self._bucketwise_report.note(
+            self.report.note(
                 "freeze= not applied: DDP's own forward runs here (compile the DDP module to freeze after warm-up)"
             )
             log.warning("bucketwise: freeze=%r not applied to modules compiled inside DDP", config.freeze)
         self.first_call = _FirstCall(ddp)
         self._ddp = ddp
-        self._alignment_polls = 0
+        self._alignment = AlignmentPoll(self.report, ddp)
         self._scopes: list[contextlib.ExitStack] = []
         ddp.register_forward_pre_hook(self._enter)
         ddp.register_forward_hook(self._leave, always_call=True)
 
     def backend(self, gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        return self._bucketwise_backend(gm, example_inputs)
+        return self._backend(gm, example_inputs)
 
     def __deepcopy__(self, memo: dict) -> "InsideDDP":
         # Held by the compiled module (report() finds it there): a copy of that module (an EMA
@@ -334,21 +330,8 @@ class InsideDDP:
     def _leave(self, module: Any, args: Any, output: Any) -> None:
         if self._scopes:  # none when the hook was added during this forward
             self._scopes.pop().close()
-        self._bucketwise_report.after_call()
-        self._refresh_alignment()
-
-    def _refresh_alignment(self) -> None:
-        """Rewrite the rank file once the reducer's rebuilt buckets make the alignment known
-        (as ``CompiledModule._refresh_alignment`` does for a compiled DDP module); stop asking
-        after ``ALIGNMENT_POLLS`` forwards past the rebuild."""
-        if self._alignment_polls >= ALIGNMENT_POLLS or not self._bucketwise_report.graphs:
-            return
-        if not ddpc.has_rebuilt_buckets(self._ddp) and ddpc.will_rebuild(self._ddp):
-            return
-        self._alignment_polls += 1
-        if self._bucketwise_report.alignment is not None or self._alignment_polls >= ALIGNMENT_POLLS:
-            self._alignment_polls = ALIGNMENT_POLLS
-            self._bucketwise_report.write_rank_file()
+        self.report.after_call()
+        self._alignment.after_forward()
 
 
 class _FirstCall:

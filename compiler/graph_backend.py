@@ -1,9 +1,10 @@
 """The backend bucketwise hands to ``torch.compile``: one call per Dynamo graph.
 
-For each graph, in this order: find the DDP parameters it reads, resolve the strategy
-(``strategy.resolve_strategy``), apply it (``apply_split``, ``apply_fused`` or ``apply_whole``,
-each handed this backend's way to compile a graph), record the stats, and wrap what Dynamo
-will call (gradient-ready order for the reducer, the delayed allreduce trigger, run counting).
+For each graph, in this order: find the DDP parameters it reads, take the compiled object's
+decision (``decision.Decision``, NOTE [one decision]), apply its strategy (``apply_split``,
+``apply_fused`` or ``apply_whole``, each handed this backend's way to compile a graph), record
+the stats, and wrap what Dynamo will call (gradient-ready order for the reducer, the delayed
+allreduce trigger, run counting).
 """
 
 from __future__ import annotations
@@ -13,28 +14,29 @@ import copy
 import logging
 import time
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
 from .._compat import ddp as ddpc
 from .._compat import dynamo as dc
 from ..cudagraphs import policy as cudagraph_policy
-from ..cudagraphs.runner import CudaGraphGroup, inner_compile_factory
+from ..cudagraphs.runner import CudaGraphGroup, inner_compile_factory, runner_label
 from ..distributed.fused import FusedState, apply_fused, fused_backend_options
-from ..distributed.plan import BucketCaps
-from ..distributed.result import CompileOutcome, StrategyResult, op_count
+from ..distributed.result import CompileOutcome, GraphJob, StrategyResult, op_count
 from ..distributed.split import apply_split
+from ..distributed.split.alignment import measure_alignment
 from ..distributed.split.ready_order import FirstIterationOrder, ReadyLast
 from ..distributed.whole import apply_whole
 from ..partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops
 from ..stats.compile_times import CompileTimes, backend_call_times
 from ..stats.report import GraphStats, Report, SegmentStats
 from . import doctor
+from .blocks import Sharing, share_blocks
 from .config import CompileConfig
+from .decision import Decision, Strategy, Variant, decide
 from .progress import Progress
 from .segments import compile_with_fallback
-from .strategy import StrategyChoice, resolve_strategy
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,9 @@ class GraphBackend:
     ``ddp``: the DDP module whose gradients are at stake (``None`` for plain modules and
     functions; a function that calls a DDP module is detected at compile time).
     ``cudagraphs``: the compiled object's CUDA-graph decision (resolved once, ``api``).
-    ``fused_runtime``: present when bucketwise owns the DDP forward and may keep the reducer
-    idle, which the fused strategy needs.
+    ``variant``: ``Variant.NO_SYNC`` for the second cache of a compiled DDP module (no
+    collectives). A compiled DDP module hands its decision over with :meth:`use`; elsewhere the
+    backend decides when it first meets a DDP module (NOTE [one decision]).
     """
 
     def __init__(
@@ -56,24 +59,39 @@ class GraphBackend:
         ddp: Any | None,
         *,
         cudagraphs: cudagraph_policy.Decision,
-        fused_runtime: Any | None = None,
-        variant: str | None = None,
+        variant: Variant = Variant.SYNC,
     ) -> None:
         self.config = config
         self.report = report
         self.variant = variant
-        self.fused_runtime = fused_runtime
-        self._ddp = weakref.ref(ddp) if ddp is not None else None
+        self.decision: Decision | None = None
         self._fused: FusedState | None = None
+        self._ddp = weakref.ref(ddp) if ddp is not None else None
         self._sparse_noted: set[str] = set()
+        self._codes: weakref.WeakSet[Any] = weakref.WeakSet()
         self.cudagraphs = self._cudagraph_group(cudagraphs)
-        self._label = "graph ?"
-        self._segment_no = 0
         self.segment_backend = self._make_backend(config.options)
         self._fused_backend: Callable[..., Any] | None = None
         # Frame -> param name -> segment index (latest compile of each frame): alignment.
         # Frames are numbered in the order Dynamo first meets them, i.e. forward order.
         self.param_segments: dict[int, dict[str, int]] = {}
+        self._shared: list[Any] = []
+        """Blocks compiled for several calls of this backend's graphs (alive as long as it)."""
+
+    def use(self, decision: Decision, fused: FusedState | None) -> None:
+        """The compiled DDP module's decision, and under ``fused`` its runtime's state."""
+        self.decision, self._fused = decision, fused
+
+    def compiled_codes(self) -> list[Any]:
+        """The code objects of the frames this backend compiled graphs of."""
+        return list(self._codes)
+
+    def alignment(self) -> dict[str, Any]:
+        """How the compiled segments coincide with the DDP reducer's buckets (the report's)."""
+        ddp = self.ddp
+        if ddp is None:
+            return {"alignment": None, "status": "no DDP module seen"}
+        return measure_alignment(ddp, self.param_segments)
 
     def _cudagraph_group(self, decision: cudagraph_policy.Decision) -> CudaGraphGroup | None:
         """The runners' group of this backend where ``decision`` (resolved once per compiled
@@ -88,17 +106,22 @@ class GraphBackend:
         cfg = self.config
         if self.cudagraphs is None:
             return dc.make_backend(cfg.backend, cfg.mode, options, cfg.dynamic)
-        make_inner = inner_compile_factory(self.cudagraphs, self._next_label, auto=cfg.cudagraphs == "auto")
+        make_inner = inner_compile_factory(self.cudagraphs, auto=cfg.cudagraphs == "auto")
         return dc.compile_with_inner(cfg.mode, options, cfg.dynamic, make_inner)
-
-    def _next_label(self) -> str:
-        label = f"{self._label} segment {self._segment_no}"
-        self._segment_no += 1
-        return label if self.variant is None else f"{label} ({self.variant})"
 
     @property
     def ddp(self) -> Any | None:
         return self._ddp() if self._ddp is not None else None
+
+    def _decision(self, ddp: Any | None) -> Decision:
+        """The decision this graph is compiled under: the one handed over, else one of the
+        backend's own for the DDP module it found (a compiled function's)."""
+        decision = self.decision
+        if decision is None or (ddp is not None and decision.ddp_id != id(ddp)):
+            decision = decide(self.config, ddp, runs_ddp_forward=False, variant=self.variant)
+            if ddp is not None:
+                self.decision = decision
+        return decision
 
     # torch.compile calls backend(gm, example_inputs)
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -106,76 +129,59 @@ class GraphBackend:
         # Earlier graphs' records first: later compiles push them out of torch's short list.
         self.report.compile_times.refresh()
         graph_id = len(self.report.graphs)
-        self._label, self._segment_no = f"graph {graph_id}", 0
         cid = dc.current_compile_id()
+        code = dc.compiling_code()
+        if code is not None:
+            self._codes.add(code)
         ddp = self._resolve_ddp()
-        choice = resolve_strategy(
-            self.config.strategy, ddp, runs_ddp_forward=self.fused_runtime is not None, variant=self.variant
-        )
-        params = self._graph_params(gm, example_inputs, ddp)
+        choice = self._decision(ddp)
         seen = {
             "op_count": op_count(gm),
             "higher_order_ops": higher_order_ops(gm),
             "break_reason": dc.graph_break_reason(gm),
             "recompile_reason": dc.recompile_reason(),
         }
-        diagnosed_gm = copy.deepcopy(gm) if doctor.enabled() and choice.strategy != "split" else None
-        result = self._apply(choice.strategy, gm, example_inputs, ddp, params, Progress(f"graph {graph_id}"), graph_id)
+        # The graph as the strategies see it: identical blocks calling one compile.
+        sharing, unshared = self._share_blocks(gm, example_inputs)
+        params = self._graph_params(gm, example_inputs, ddp)
+        diagnosed_gm = copy.deepcopy(gm) if doctor.enabled() and choice.strategy is not Strategy.SPLIT else None
+        job = GraphJob(gm=gm, example_inputs=example_inputs, params=params, graph_id=graph_id, ddp=ddp)
+        result = self._apply(choice, job)
         if diagnosed_gm is not None and len(result.segments) == 1:
-            # split graphs are diagnosed per segment (compile_segments)
-            result.fn = doctor.Diagnosed(
-                result.fn, diagnosed_gm, f"graph {graph_id} segment 0", self.config.backend_name
-            )
+            # split graphs are diagnosed per segment (the compiler's pieces)
+            result.fn = doctor.Diagnosed(result.fn, diagnosed_gm, f"{job.label} segment 0", self.config.backend_name)
         for text in result.notes:
             self.report.note(text)
-        times = backend_call_times(time.perf_counter() - start, result.outcomes, result.rank_check_s)
+        extra = sharing.outcomes if sharing is not None else []
+        times = backend_call_times(time.perf_counter() - start, [*result.outcomes, *extra], result.rank_check_s)
         self.report.compile_times.track(times, dc.current_compile_id_text(), call_us)
-        self._record(graph_id=graph_id, cid=cid, choice=choice, params=params, result=result, times=times, **seen)
+        shared = sharing.to_dict() if sharing is not None else ({"reason": unshared} if unshared else None)
+        self._record(
+            graph_id=graph_id, cid=cid, choice=choice, params=params, result=result, times=times, shared=shared, **seen
+        )
+        if sharing is not None:
+            self._shared.extend(sharing.kept)
         return self._wrap(result.fn, gm, example_inputs, ddp, params, choice.strategy)
 
-    def _apply(
-        self,
-        strategy: str,
-        gm: fx.GraphModule,
-        example_inputs: Sequence[Any],
-        ddp: Any | None,
-        params: list[GraphParam],
-        progress: Progress,
-        graph_id: int,
-    ) -> StrategyResult:
-        piece = self._piece_compiler(progress, self.segment_backend)
-        if strategy == "split":
-            frame = _frame_key(dc.current_compile_id(), graph_id)
+    def _apply(self, decision: Decision, job: GraphJob) -> StrategyResult:
+        compiler = _Compiler(self, Progress(job.label))
+        if decision.strategy is Strategy.SPLIT:
+            frame = _frame_key(dc.current_compile_id(), job.graph_id)
             earlier = {n for key, names in self.param_segments.items() if key < frame for n in names}
-            return apply_split(
-                gm=gm,
-                example_inputs=example_inputs,
-                ddp=ddp,
-                params=params,
-                earlier_names=earlier,
-                caps=self._caps(ddp),
-                compile_piece=piece,
-                fallback=self.config.fallback,
-            )
-        if strategy == "fused":
+            return apply_split(job, compiler, earlier_names=earlier, caps=decision.caps, fallback=self.config.fallback)
+        if decision.strategy is Strategy.FUSED:
             if self._fused is None:
-                self._fused = FusedState(runtime=self.fused_runtime)
-            self._fused.rank_check_s = 0.0
+                raise AssertionError(f"expected the fused runtime's state with a fused decision, got {decision}")
             return apply_fused(
-                gm=gm,
-                example_inputs=example_inputs,
-                ddp=ddp,
-                params=params,
-                caps=self._caps(ddp),
+                job,
+                compiler,
+                caps=decision.caps,
+                spec=decision.spec,
+                comm_hook=decision.comm_hook,
                 gather_rows=self.config.gather_embedding_rows,
                 state=self._fused,
-                graph_id=graph_id,
-                compile_graph=self._piece_compiler(progress, self._fused_compiler()),
-                compile_variant=self._compile_variant,
-                progress_step=lambda what: progress.step(what, self.config.backend_name),
-                on_later_variant=self.report.write_rank_file,
             )
-        return apply_whole(gm=gm, example_inputs=example_inputs, params=params, compile_piece=piece)
+        return apply_whole(job, compiler)
 
     def _wrap(
         self,
@@ -184,11 +190,11 @@ class GraphBackend:
         example_inputs: Sequence[Any],
         ddp: Any | None,
         params: list[GraphParam],
-        strategy: str,
+        strategy: Strategy,
     ) -> Callable[..., Any]:
         """What Dynamo calls: the reducer's gradient-ready order (not under ``fused``, whose
         reducer is idle), the delayed allreduce's trigger last, every run counted."""
-        if ddp is not None and params and strategy != "fused":
+        if ddp is not None and params and strategy is not Strategy.FUSED:
             fn = FirstIterationOrder(fn, ddp, _forward_positions(gm, params))
         trigger = ddpc.delayed_allreduce_trigger(ddp) if ddp is not None else None
         if trigger is not None:
@@ -223,60 +229,17 @@ class GraphBackend:
             self._ddp = weakref.ref(ddp)
         return ddp
 
-    def _caps(self, ddp: Any) -> BucketCaps:
-        return BucketCaps.from_ddp(
-            ddp, bucket_cap_mb=self.config.bucket_cap_mb, first_bucket_cap_mb=self.config.first_bucket_cap_mb
-        )
-
-    # -- compiling a graph or a segment -------------------------------------------------------
-
-    def _piece_compiler(self, progress: Progress, backend_fn: Callable[..., Any]):
-        """The ``CompilePiece`` the strategies compile with: ``backend_fn``, the fallback policy,
-        a progress line each, the doctor on every segment of a split graph."""
+    def _share_blocks(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Sharing | None, str | None]:
+        """Identical blocks of the graph share one compile (NOTE [one compile per block])."""
         cfg = self.config
+        if not cfg.share_blocks:
+            return None, None
+        backend = cfg.backend if isinstance(cfg.backend, str) else f"{cfg.backend_name} (a callable)"
+        patches = dc.inductor_config_patches(cfg.mode, cfg.options, cfg.dynamic) if backend == "inductor" else {}
+        # The blocks run inside the graph's own CUDA graphs (Inductor's or bucketwise's), never in their own.
+        return share_blocks(gm, example_inputs, backend=backend, config_patches={**patches, "triton.cudagraphs": False})
 
-        def compile_piece(
-            gm: fx.GraphModule, example_inputs: Sequence[Any], *, what: str, segment: int = 0, tracing: Any = None
-        ) -> tuple[Callable[..., Any], CompileOutcome]:
-            with progress.step(what, cfg.backend_name):
-                compiled, outcome = compile_with_fallback(
-                    gm,
-                    example_inputs,
-                    backend_fn,
-                    backend_name=cfg.backend_name,
-                    fallback=cfg.fallback,
-                    tracing=tracing,
-                )
-            if tracing is not None and doctor.enabled():
-                compiled = doctor.Diagnosed(compiled, gm, f"{progress.label} segment {segment}", cfg.backend_name)
-            return compiled, outcome
-
-        return compile_piece
-
-    def _compile_variant(
-        self, gm: fx.GraphModule, example_inputs: list[Any], label: str
-    ) -> tuple[Callable[..., Any], CompileOutcome]:
-        """A comm hook's variant of a graph (``label`` names its CUDA-graph runners)."""
-        with self._labelled(label):
-            return compile_with_fallback(
-                gm,
-                example_inputs,
-                self._fused_compiler(),
-                backend_name=self.config.backend_name,
-                fallback=self.config.fallback,
-            )
-
-    @contextlib.contextmanager
-    def _labelled(self, label: str) -> Iterator[None]:
-        """CUDA-graph runners compiled meanwhile are named after ``label``."""
-        saved = self._label, self._segment_no
-        self._label, self._segment_no = label, 0
-        try:
-            yield
-        finally:
-            self._label, self._segment_no = saved
-
-    def _fused_compiler(self) -> Callable[..., Any]:
+    def fused_backend(self) -> Callable[..., Any]:
         """The backend, with Inductor's comm/compute reordering on (scoped to its compiles)."""
         if self._fused_backend is None:
             if self.config.backend == "inductor":
@@ -292,7 +255,7 @@ class GraphBackend:
         *,
         graph_id: int,
         cid: dc.CompileId,
-        choice: StrategyChoice,
+        choice: Decision,
         params: list[GraphParam],
         result: StrategyResult,
         times: CompileTimes,
@@ -300,6 +263,7 @@ class GraphBackend:
         higher_order_ops: list[str],
         break_reason: str | None,
         recompile_reason: str | None,
+        shared: dict[str, Any] | None,
     ) -> None:
         frame = _frame_key(cid, graph_id)
         # A recompile: this backend compiles a frame it compiled before (a guard failed). The
@@ -324,7 +288,7 @@ class GraphBackend:
             GraphStats(
                 graph_id=graph_id,
                 compile_id=str(cid),
-                strategy=choice.strategy,
+                strategy=choice.strategy.value,
                 strategy_reason=choice.reason,
                 graph_break_reasons=[break_reason] if break_reason else [],
                 recompile=recompile,
@@ -335,12 +299,69 @@ class GraphBackend:
                 buckets=result.buckets,
                 unused_params=sorted(p.name for p in params if p.first_use < 0),
                 plan_source=result.plan_source,
-                variant=self.variant,
+                variant=None if self.variant is Variant.SYNC else self.variant.value,
                 compile_times=times,
                 comm_hook=result.comm_hook,
                 variants=result.variants,
+                shared_blocks=shared,
             )
         )
+
+
+class _Compiler:
+    """What the strategies compile one graph's pieces with (``result.PieceCompiler``): the
+    backend, the fallback policy, a progress line per piece, the doctor on every segment of a
+    split graph, and the name each piece's CUDA-graph runners get."""
+
+    def __init__(self, backend: GraphBackend, progress: Progress) -> None:
+        self.backend, self.progress = backend, progress
+
+    def piece(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, label: str, what: str, tracing: Any = None
+    ) -> tuple[Callable[..., Any], CompileOutcome]:
+        with self.progress.step(what, self.backend.config.backend_name):
+            compiled, outcome = self._compile(gm, example_inputs, self.backend.segment_backend, label, tracing)
+        if tracing is not None and doctor.enabled():
+            compiled = doctor.Diagnosed(compiled, gm, label, self.backend.config.backend_name)
+        return compiled, outcome
+
+    def fused(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, label: str, what: str
+    ) -> tuple[Callable[..., Any], CompileOutcome]:
+        with self.progress.step(what, self.backend.config.backend_name):
+            return self._compile(gm, example_inputs, self.backend.fused_backend(), label)
+
+    def variant(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, label: str, later: bool
+    ) -> tuple[Callable[..., Any], CompileOutcome]:
+        out = self._compile(gm, example_inputs, self.backend.fused_backend(), label)
+        if later:
+            self.backend.report.write_rank_file()
+        return out
+
+    def step(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return self.progress.step(what, self.backend.config.backend_name)
+
+    def _compile(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        backend_fn: Callable[..., Any],
+        label: str,
+        tracing=None,
+    ) -> tuple[Callable[..., Any], CompileOutcome]:
+        backend = self.backend
+        if backend.variant is not Variant.SYNC:
+            label = f"{label} ({backend.variant.value})"
+        with runner_label(label):
+            return compile_with_fallback(
+                gm,
+                example_inputs,
+                backend_fn,
+                backend_name=backend.config.backend_name,
+                fallback=backend.config.fallback,
+                tracing=tracing,
+            )
 
 
 class _Counted:

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from .._compat import dynamo as dc
-from ..distributed.result import CompileOutcome
+from ..distributed.result import CompileOutcome, falls_back
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +37,7 @@ def compile_with_fallback(
         else:
             compiled = backend_fn(gm, list(example_inputs))
     except Exception as exc:
-        # A compile that failed inside a torch.func transform can leave its functorch level
-        # pushed; running on eagerly would then trip Dynamo's guards. Re-raise instead, as
-        # plain torch.compile does.
-        if fallback == "raise" or dc.functorch_depth() != depth or dc.is_dynamo_control_flow(exc):
+        if not falls_back(exc, fallback=fallback, functorch_depth=depth):
             raise
         log.warning("bucketwise: %s compile failed, running eagerly: %s", backend_name, exc)
         compiled = gm

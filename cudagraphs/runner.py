@@ -58,14 +58,17 @@ failed check runs that call uncaptured, numerics unchanged):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .._compat import cuda as cuc
 from .._compat import dynamo as dc
 from .._compat import storage as st
 from ..distributed import teardown
@@ -142,9 +145,16 @@ class CudaGraphs:
             self._stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
         pool = pool_of.pool() if pool_of is not None else None
-        # thread_local: NCCL's watchdog and other threads keep querying events meanwhile.
-        with torch.cuda.graph(graph, pool=pool, stream=self._stream, capture_error_mode="thread_local"):
-            out = fn(inputs)
+        # Memory the warm-up left cached goes back before the pool is filled, so the two are not
+        # reserved at once; and the capture gets a cuBLAS workspace of its own, in its pool.
+        torch.cuda.empty_cache()
+        cuc.clear_cublas_workspaces()
+        try:
+            # thread_local: NCCL's watchdog and other threads keep querying events meanwhile.
+            with torch.cuda.graph(graph, pool=pool, stream=self._stream, capture_error_mode="thread_local"):
+                out = fn(inputs)
+        finally:
+            cuc.clear_cublas_workspaces()
         return graph, out
 
     def replay(self, graph: Any, inputs: Sequence[Any]) -> None:
@@ -468,16 +478,28 @@ class CudaGraphRunner:
         return rec
 
 
-def inner_compile_factory(
-    group: CudaGraphGroup, label: Callable[[], str], *, auto: bool
-) -> Callable[[], Callable[..., Any]]:
+_LABEL: contextvars.ContextVar[str] = contextvars.ContextVar("bucketwise_cudagraph_label", default="graph")
+
+
+@contextlib.contextmanager
+def runner_label(label: str) -> Iterator[None]:
+    """Within the block, the runners of what is compiled are named after ``label``
+    (``graph 3 segment 0``, then `` forward``/`` backward``/`` inference``)."""
+    token = _LABEL.set(label)
+    try:
+        yield
+    finally:
+        _LABEL.reset(token)
+
+
+def inner_compile_factory(group: CudaGraphGroup, *, auto: bool) -> Callable[[], Callable[..., Any]]:
     """``make_inner`` for :func:`dc.compile_with_inner`: each graph handed to the
     backend gets an inner compile that compiles with Inductor and wraps the result in a runner
-    named after ``label()`` (read once, when the backend is called)."""
+    named after the :func:`runner_label` in force when the backend is called."""
     from .policy import capture_blockers, mutated_placeholders
 
     def make_inner() -> Callable[..., Any]:
-        name = label()
+        name = _LABEL.get()
 
         def inner_compile(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
             # A backward's "static" inputs (Inductor's view) include saved activations, whose

@@ -1,8 +1,8 @@
-"""What a strategy hands back to the graph backend: the compiled graph and what happened.
+"""What a strategy gets from the graph backend and hands back to it.
 
 ``apply_split`` (``split/``), ``apply_fused`` (``fused/``) and ``apply_whole`` (``whole.py``) each
-return a :class:`StrategyResult`; the compiles they ask for go through the compiler's callbacks
-(:data:`CompilePiece`), which hand back a :class:`CompileOutcome` each. :class:`BucketStats` and
+take a :class:`GraphJob` and the compiler (:class:`PieceCompiler`, whose compiles hand back a
+:class:`CompileOutcome` each) and return a :class:`StrategyResult`. :class:`BucketStats` and
 :class:`VariantStats` are the report's records of buckets and of a comm hook's variants (their
 fields are the report's JSON schema).
 """
@@ -10,10 +10,12 @@ fields are the report's JSON schema).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch.fx as fx
 
+from .._compat import dynamo as dc
+from ..partitioners.param_usage import GraphParam
 from ..partitioners.split import Segment
 
 
@@ -95,14 +97,66 @@ class StrategyResult:
     """Seconds in cross-rank checks, waiting for the other ranks included."""
 
 
-class CompilePiece(Protocol):
-    """The compiler's way to compile one graph or segment: the backend, the fallback policy, the
-    progress line (``what``), the doctor (``segment``: which of the graph's segments);
-    ``tracing``: a split graph's segment tracing context."""
+def graph_label(graph_id: int) -> str:
+    """How the report, progress lines and CUDA-graph runners name a graph: ``graph 3``."""
+    return f"graph {graph_id}"
 
-    def __call__(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, what: str, segment: int = 0, tracing: Any = None
-    ) -> tuple[Callable[..., Any], CompileOutcome]: ...
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GraphJob:
+    """One Dynamo graph for a strategy to compile."""
+
+    gm: fx.GraphModule
+    example_inputs: Sequence[Any]
+    params: Sequence[GraphParam]
+    """The DDP reducer parameters it reads (``partitioners.param_usage``)."""
+    graph_id: int
+    ddp: Any = None
+
+    @property
+    def label(self) -> str:
+        return graph_label(self.graph_id)
+
+
+class PieceCompiler(Protocol):
+    """The compiler's way to compile what a strategy hands it (``compiler/graph_backend.py``):
+    the backend, the fallback policy, a progress line, the doctor, the CUDA-graph runners' names."""
+
+    def piece(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, label: str, what: str, tracing: Any = None
+    ) -> tuple[Callable[..., Any], CompileOutcome]:
+        """Compile ``gm`` (``label``: ``graph 3 segment 0``, the name its CUDA graphs get;
+        ``what``: the progress line; ``tracing``: a split graph's segment tracing context)."""
+        ...
+
+    def fused(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, label: str, what: str
+    ) -> tuple[Callable[..., Any], CompileOutcome]:
+        """Compile a fused graph: as :meth:`piece`, with Inductor's comm/compute reordering on."""
+        ...
+
+    def variant(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, label: str, later: bool
+    ) -> tuple[Callable[..., Any], CompileOutcome]:
+        """Compile one of a comm hook's variants of a fused graph (no progress line of its own);
+        ``later``: after the graph's first compile, at the call that needs it (the report is then
+        written again)."""
+        ...
+
+    def step(self, what: str) -> ContextManager[None]:
+        """A progress line around work that compiles several pieces."""
+        ...
+
+
+def falls_back(exc: BaseException, *, fallback: str, functorch_depth: int) -> bool:
+    """Whether a failed compile (or split) of a graph may go on another way (run eagerly, compile
+    whole) rather than re-raise: not with ``fallback="raise"``, not for Dynamo's own control flow
+    (``RestartAnalysis``, ``SkipFrame``), and not when the failure left a torch.func transform
+    level pushed (``functorch_depth``: the depth when the attempt began; going on would trip
+    Dynamo's guards; plain ``torch.compile`` re-raises there too)."""
+    if fallback == "raise" or dc.is_dynamo_control_flow(exc):
+        return False
+    return dc.functorch_depth() == functorch_depth
 
 
 def bucket_stats(

@@ -91,6 +91,10 @@ class GraphStats:
     (``powerSGD_hook (...)``, ``traceable comm hook <name>``)."""
     variants: list[VariantStats] = dataclasses.field(default_factory=list)
     """With ``comm_hook``: every compile of the graph, in order (the first is segment 0's)."""
+    shared_blocks: dict[str, Any] | None = None
+    """Identical blocks that share one compile (NOTE [one compile per block]): the module list,
+    the block class, how many blocks, how many compiles, their seconds and the seconds saved;
+    ``{"reason": ...}`` where the graph's blocks are not shared; ``None`` without blocks."""
 
     @property
     def later_variants(self) -> list[VariantStats]:
@@ -305,6 +309,7 @@ def format_table(data: dict[str, Any]) -> str:
             )
     lines = [_align([header, *rows])]
     lines.extend(bucket_table(data["graphs"]))
+    lines.extend(shared_block_lines(data["graphs"]))
     cg_rows = [
         (
             c["name"],
@@ -371,6 +376,24 @@ def eager_regions(graphs: list[GraphStats]) -> list[str]:
                 if short not in out:
                     out.append(short)
     return out
+
+
+def shared_block_lines(graphs: list[dict[str, Any]]) -> list[str]:
+    """One line per graph whose blocks share a compile, or could not (NOTE [one compile per block])."""
+    lines = []
+    for g in graphs:
+        shared = g.get("shared_blocks")
+        if not shared:
+            continue
+        if "reason" in shared:
+            lines.append(f"graph {_graph_label(g)}: blocks compiled with the whole graph: {shared['reason']}")
+            continue
+        lines.append(
+            f"graph {_graph_label(g)}: {shared['count']} blocks of {shared['blocks']} ({shared['class']}) share "
+            f"{shared['compiles']} compile{'s' if shared['compiles'] != 1 else ''} ({shared['compile_seconds']:.2f} s; "
+            f"about {shared['saved_seconds']:.1f} s of compiles saved)"
+        )
+    return ([""] + lines) if lines else []
 
 
 def bucket_table(graphs: list[dict[str, Any]]) -> list[str]:
@@ -468,8 +491,9 @@ def report(compiled: Any) -> Report:
             continue
         seen.append(node)
         attrs = getattr(node, "__dict__", None) or {}
-        for candidate in (node if "_bucketwise_report" in attrs else None, attrs.get("_bucketwise_compiled")):
-            rep = getattr(candidate, "__dict__", {}).get("_bucketwise_report") if candidate is not None else None
+        for candidate in (node, attrs.get("_bucketwise_compiled")):
+            fields = getattr(candidate, "__dict__", None) or {}
+            rep = fields.get("_bucketwise_report", fields.get("report"))
             if isinstance(rep, Report):
                 return rep
         children = attrs.get("_modules") or {}

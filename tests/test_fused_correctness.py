@@ -360,7 +360,7 @@ def test_fused_hooks_only_parameters_no_graph_reduces(single_rank_group):
         x = torch.randn(4, 8)
         compiled(x).sum().backward()
         ref(x).sum().backward()
-    runtime = compiled._bucketwise_runtime
+    runtime = compiled._bucketwise.ddp.runtime
     hooked = set(runtime._hooks)
     assert hooked == {id(net.b.weight), id(net.b.bias)}, (hooked, [id(p) for p in net.parameters()])
     for p, q in zip(net.parameters(), ref.parameters()):

@@ -93,14 +93,14 @@ def _train(rank: int, world: int, scenario: str) -> dict[str, Any]:
             cmp_opt.load_state_dict(opt_state)
         if scenario == "logging_data" and step == 2:
             # Reading DDP's logging data rebuilds the released reducer; the next step releases it again.
-            assert compiled._bucketwise_ddp._get_ddp_logging_data()["world_size"] == world
-            out["rebuilt_for_logging"] = not ddpc.reducer_released(compiled._bucketwise_ddp)
+            assert compiled._get_ddp_logging_data()["world_size"] == world
+            out["rebuilt_for_logging"] = not ddpc.reducer_released(compiled)
         for k in range(micro):
             x = _batch(rank, step * micro + k)
-            for model, ddp in ((ref, ref), (compiled, compiled._bucketwise_ddp)):
-                with ddp.no_sync() if k < micro - 1 else contextlib.nullcontext():
+            for model in (ref, compiled):
+                with model.no_sync() if k < micro - 1 else contextlib.nullcontext():
                     _loss(model, x).backward()
-        out["released"].append(ddpc.reducer_released(compiled._bucketwise_ddp))
+        out["released"].append(ddpc.reducer_released(compiled))
         if scenario == "bucket_views":
             out["storages"].append([len(s) for s in _bucket_storages(compiled)])
         for (name, p), q in zip(ref.module.named_parameters(), cmp_module.parameters()):

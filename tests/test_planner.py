@@ -28,6 +28,7 @@ from bucketwise._compat import ddp as ddpc
 from bucketwise._compat import dynamo as dc
 from bucketwise.compiler.segments import compile_with_fallback
 from bucketwise.distributed.plan import BucketCaps, plan_buckets
+from bucketwise.distributed.result import GraphJob
 from bucketwise.distributed.split.apply import split_and_compile
 from bucketwise.launch.models import GPT, GPTConfig, mlp, synthetic_tokens
 from bucketwise.partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops, ready_order
@@ -617,12 +618,16 @@ class SplitBackend:
         params = find_graph_params(gm, ex, self.reducer)
         buckets = plan_buckets(ready_order(params), self.caps)
 
-        def piece(g, e, *, what, segment=0, tracing=None):
-            return compile_with_fallback(
-                g, e, self.backend_fn, backend_name="aot_eager", fallback="raise", tracing=tracing
-            )
+        backend_fn = self.backend_fn
 
-        compiled, segments, outcomes = split_and_compile(gm, ex, params, buckets, piece)
+        class Pieces:
+            def piece(self, g, e, *, label, what, tracing=None):
+                return compile_with_fallback(
+                    g, e, backend_fn, backend_name="aot_eager", fallback="raise", tracing=tracing
+                )
+
+        job = GraphJob(gm=gm, example_inputs=ex, params=params, graph_id=0)
+        compiled, segments, outcomes = split_and_compile(job, buckets, Pieces())
         self.segments = [names(s.params) for s in segments]
         assert all(not o.fell_back for o in outcomes)
         return compiled

@@ -13,11 +13,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 
 from ..._compat import collectives as cc
 from ..._compat import ddp as ddpc
@@ -26,9 +25,9 @@ from ...partitioners.param_usage import GraphParam, ready_order
 from ...partitioners.split import Segment
 from ..plan import BucketCaps, plan_buckets
 from ..rank_check import check_same_on_all_ranks, gather_on_all_ranks
-from ..result import CompileOutcome, CompilePiece, StrategyResult, bucket_stats, op_count
+from ..result import CompileOutcome, GraphJob, PieceCompiler, StrategyResult, bucket_stats, op_count
 from .cache_keys import comm_pass_key, traced_call_targets
-from .comm_hooks import HookedGraph, HookProgram, TracedHookProgram, comm_hook_kind
+from .comm_hooks import HookedGraph, HookProgram, TracedHookProgram
 from .embedding_rows import RowsSync, insert_embedding_rows, plan_embedding_rows, renormed_tables
 from .powersgd_run import PowerSGDRun
 from .runtime import FusedRuntime
@@ -36,8 +35,6 @@ from .sync import CommSpec, backward_positions, insert_bucket_syncs
 from .variants import VariantCompiler
 
 log = logging.getLogger(__name__)
-
-CompileVariant = Callable[[fx.GraphModule, list[Any], str], tuple[Callable[..., Any], CompileOutcome]]
 
 
 @dataclasses.dataclass
@@ -47,8 +44,28 @@ class FusedState:
     runtime: FusedRuntime
     checked_layouts: set[tuple[str, ...]] = dataclasses.field(default_factory=set)
     """Bucket layouts all ranks agreed on (NOTE [fused layout check])."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """One collective of a fused graph, for the report: the parameters it reduces, how, and the
+    bytes each rank sends into it per step (``None``: unknown; ``parts``: per collective where a
+    comm hook issues several)."""
+
+    params: Sequence[GraphParam]
+    collective: str
+    wire_bytes: int | None
+    parts: dict[str, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPlan:
+    """The buckets and gathered tables of one graph, as every rank agreed on them."""
+
+    buckets: list[list[GraphParam]]
+    tables: list[RowsSync]
     rank_check_s: float = 0.0
-    """Seconds of the cross-rank layout checks of the graph being compiled."""
+    """Seconds the layout check across ranks took (waiting for the other ranks included)."""
 
 
 def fused_backend_options(user_options: dict[str, Any] | None) -> dict[str, Any]:
@@ -60,83 +77,57 @@ def fused_backend_options(user_options: dict[str, Any] | None) -> dict[str, Any]
 
 
 def apply_fused(
+    job: GraphJob,
+    compiler: PieceCompiler,
     *,
-    gm: fx.GraphModule,
-    example_inputs: Sequence[Any],
-    ddp: Any,
-    params: Sequence[GraphParam],
     caps: BucketCaps,
+    spec: CommSpec,
+    comm_hook: str,
     gather_rows: bool,
     state: FusedState,
-    graph_id: int,
-    compile_graph: CompilePiece,
-    compile_variant: CompileVariant,
-    progress_step: Callable[[str], ContextManager[None]],
-    on_later_variant: Callable[[], None],
 ) -> StrategyResult:
-    """``gm`` with its buckets' collectives traced into its backward, compiled whole."""
-    spec = comm_spec(ddp)
-    program = _hook_program(ddp, spec, state.runtime)
+    """The graph with its buckets' collectives traced into its backward, compiled whole. ``caps``,
+    ``spec`` and ``comm_hook``: the buckets and how they are reduced (the compiled object's
+    decision, NOTE [one decision])."""
+    program = _hook_program(job.ddp, spec, state.runtime, comm_hook)
     if program is not None:
-        return _apply_hooked(
-            gm=gm,
-            example_inputs=example_inputs,
-            ddp=ddp,
-            params=params,
-            caps=caps,
-            state=state,
-            graph_id=graph_id,
-            program=program,
-            compile_variant=compile_variant,
-            progress_step=progress_step,
-            on_later_variant=on_later_variant,
-        )
-    buckets, tables = fused_plan(gm, ddp, params, spec, caps, state, graph_id=graph_id, rows=gather_rows)
+        return _apply_hooked(job, compiler, caps=caps, state=state, program=program)
+    plan = fused_plan(job, spec, caps, state, rows=gather_rows)
     # What each collective reduces, for the report: buckets, then the gathered tables (a
     # table's gather is issued after the gradient of its first use, its first lookup).
-    reduced = [(b, "all_reduce", _wire_bytes(b, spec), None) for b in buckets] + [
-        ([t.param], "all_gather rows", t.wire_bytes(spec.comm_dtype), None) for t in tables
+    reductions = [Reduction(b, "all_reduce", _wire_bytes(b, spec)) for b in plan.buckets] + [
+        Reduction([t.param], "all_gather rows", t.wire_bytes(spec.comm_dtype)) for t in plan.tables
     ]
-    positions = backward_positions(gm, [group for group, *_ in reduced])
+    gm = job.gm
+    positions = backward_positions(gm, [r.params for r in reductions])
     # Rows first: each lookup is replaced in place (node positions unchanged), so the
     # buckets' first-use positions still hold for insert_bucket_syncs.
-    insert_embedding_rows(gm, tables, spec)
-    insert_bucket_syncs(gm, buckets, spec)
-    what = "whole graph + %d bucket allreduces" % len(buckets) + (" + %d row gathers" % len(tables) if tables else "")
-    compiled, outcome = compile_graph(gm, example_inputs, what=what)
-    return _result(gm, params, spec, reduced, positions, compiled, outcome, state)
+    insert_embedding_rows(gm, plan.tables, spec)
+    insert_bucket_syncs(gm, plan.buckets, spec)
+    what = f"whole graph + {len(plan.buckets)} bucket allreduces" + (
+        f" + {len(plan.tables)} row gathers" if plan.tables else ""
+    )
+    compiled, outcome = compiler.fused(gm, job.example_inputs, label=f"{job.label} segment 0", what=what)
+    return _result(job, spec, reductions, positions, compiled, outcome, state, plan.rank_check_s)
 
 
 def _apply_hooked(
-    *,
-    gm,
-    example_inputs,
-    ddp,
-    params,
-    caps,
-    state,
-    graph_id,
-    program: HookProgram,
-    compile_variant,
-    progress_step,
-    on_later_variant,
+    job: GraphJob, compiler: PieceCompiler, *, caps: BucketCaps, state: FusedState, program: HookProgram
 ) -> StrategyResult:
     """A graph whose buckets a comm hook reduces: compiled per variant (HookedGraph), from
-    copies of ``gm``, which stays as Dynamo gave it. No embedding rows: the hook gets tables
+    copies of the graph, which stays as Dynamo gave it. No embedding rows: the hook gets tables
     like any gradient, as in eager DDP."""
     spec = program.plain_spec()
-    buckets, _ = fused_plan(gm, ddp, params, spec, caps, state, graph_id=graph_id, rows=False)
-    synced = [[p for p in b if p.first_use >= 0] for b in buckets]
+    plan = fused_plan(job, spec, caps, state, rows=False)
+    synced = [[p for p in b if p.first_use >= 0] for b in plan.buckets]
     synced = [b for b in synced if b]
-    reduced = [(b, *program.wire(b)) for b in synced]
-    positions = backward_positions(gm, synced)
-    compiler = VariantCompiler(
-        gm, example_inputs, program, synced, compile_variant, on_later_variant, f"graph {graph_id}"
-    )
-    graph = HookedGraph(program, synced, compiler)
+    reductions = [Reduction(b, *program.wire(b)) for b in synced]
+    positions = backward_positions(job.gm, synced)
+    variants = VariantCompiler(job, program, synced, compiler)
+    graph = HookedGraph(program, synced, variants)
     notes = []
     # Equal results with eager DDP need the reducer's buckets (NOTE [powersgd in the graph]).
-    if not ddpc.will_rebuild(ddp):
+    if not ddpc.will_rebuild(job.ddp):
         notes.append(
             f"{program.name}: DDP keeps its construction-time buckets (find_unused_parameters=True), "
             "the fused graphs reduce the planned ones: the hook sees other buckets than in eager DDP"
@@ -146,30 +137,39 @@ def _apply_hooked(
             f"{program.name}: several graphs reduce buckets, each its own: the hook sees other "
             "buckets (and indices) than DDP's reducer would give it in eager DDP"
         )
-    with progress_step(f"whole graph + {len(synced)} buckets ({program.describe()})"):
+    with compiler.step(f"whole graph + {len(synced)} buckets ({program.describe()})"):
         graph.ensure(program.variant(graph))
-    result = _result(gm, params, spec, reduced, positions, graph, compiler.first_outcome(), state)
-    result.comm_hook, result.variants, result.notes = program.describe(), compiler.variants, notes
+    result = _result(job, spec, reductions, positions, graph, variants.first_outcome(), state, plan.rank_check_s)
+    result.comm_hook, result.variants, result.notes = program.describe(), variants.variants, notes
     return result
 
 
-def _result(gm, params, spec, reduced, positions, compiled, outcome, state: FusedState) -> StrategyResult:
+def _result(
+    job: GraphJob,
+    spec: CommSpec,
+    reductions: list[Reduction],
+    positions: list[float | None],
+    compiled: Callable[..., Any],
+    outcome: CompileOutcome,
+    state: FusedState,
+    rank_check_s: float,
+) -> StrategyResult:
     runtime = state.runtime
-    key = runtime.graphs_compiled((id(p.tensor) for group, *_ in reduced for p in group), spec)
-    used = [p for p in params if p.first_use >= 0]
+    key = runtime.graphs_compiled((id(p.tensor) for r in reductions for p in r.params), spec)
+    used = [p for p in job.params if p.first_use >= 0]
     seg_of = {p.name: 0 for p in used}
     stats = [
-        bucket_stats(i, group, seg_of, pos, spec.describe(), collective, wire, parts)
-        for i, ((group, collective, wire, parts), pos) in enumerate(zip(reduced, positions))
+        bucket_stats(i, r.params, seg_of, pos, spec.describe(), r.collective, r.wire_bytes, r.parts)
+        for i, (r, pos) in enumerate(zip(reductions, positions))
     ]
-    segment = Segment(index=0, submodule="", params=used, op_count=op_count(gm))
+    segment = Segment(index=0, submodule="", params=used, op_count=op_count(job.gm))
     return StrategyResult(
         fn=FusedRan(compiled, runtime, key),
         segments=[segment],
         outcomes=[outcome],
         buckets=stats,
         plan_source="predicted",
-        rank_check_s=state.rank_check_s,
+        rank_check_s=rank_check_s,
     )
 
 
@@ -187,10 +187,10 @@ class FusedRan:
 # -- comm hooks in the graph (comm_hooks.py) -----------------------------------------------
 
 
-def _hook_program(ddp: Any, spec: CommSpec, runtime: FusedRuntime) -> HookProgram | None:
-    """The program of the DDP module's comm hook, shared by its graphs; ``None`` for torch's
-    allreduce/fp16/bf16 hooks and no hook (plain ``BucketSync``)."""
-    kind, _ = comm_hook_kind(ddp)
+def _hook_program(ddp: Any, spec: CommSpec, runtime: FusedRuntime, kind: str) -> HookProgram | None:
+    """The program of the DDP module's comm hook (of ``kind``, ``comm_hooks.comm_hook_kind``),
+    shared by its graphs; ``None`` for torch's allreduce/fp16/bf16 hooks and no hook (plain
+    ``BucketSync``)."""
     if kind not in ("powersgd", "traceable"):
         return None
     if runtime.hook is None:
@@ -202,9 +202,9 @@ def _hook_program(ddp: Any, spec: CommSpec, runtime: FusedRuntime) -> HookProgra
     return runtime.hook
 
 
-def comm_spec(ddp: Any) -> CommSpec:
-    """How the buckets are reduced: DDP's reducer, or torch's allreduce/fp16/bf16 hook."""
-    kind, _ = comm_hook_kind(ddp)
+def comm_spec(ddp: Any, kind: str) -> CommSpec:
+    """How the buckets are reduced: DDP's reducer, or torch's allreduce/fp16/bf16 hook (``kind``,
+    ``comm_hooks.comm_hook_kind``)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(kind)
     spec = group_spec(ddpc.process_group(ddp))
     return dataclasses.replace(spec, comm_dtype=dtype, divide_first=kind != "reducer")
@@ -219,20 +219,11 @@ def group_spec(pg: Any) -> CommSpec:
 # -- the plan all ranks agree on ------------------------------------------------------------
 
 
-def fused_plan(
-    gm: fx.GraphModule,
-    ddp: Any,
-    params: Sequence[GraphParam],
-    spec: CommSpec,
-    caps: BucketCaps,
-    state: FusedState,
-    *,
-    graph_id: int,
-    rows: bool = True,
-) -> tuple[list[list[GraphParam]], list[RowsSync]]:
+def fused_plan(job: GraphJob, spec: CommSpec, caps: BucketCaps, state: FusedState, *, rows: bool = True) -> FusedPlan:
     """Buckets to all-reduce and embedding tables to gather as rows (``rows``), agreed on by
     all ranks."""
-    renormed = renormed_tables(gm, params)
+    params = job.params
+    renormed = renormed_tables(job.gm, params)
     if renormed:
         log.info(
             "bucketwise fused: %s reduced after the backward: max_norm renormalises it in place",
@@ -241,7 +232,7 @@ def fused_plan(
         params = [p for p in params if p not in renormed]
     dense = plan_buckets(ready_order(params), caps)
     # Tables reduced as gathered rows (NOTE [embedding rows]) leave the buckets.
-    tables = plan_embedding_rows(gm, params, spec.world_size) if rows else []
+    tables = plan_embedding_rows(job.gm, params, spec.world_size) if rows else []
     gathered = {t.param.reducer_index for t in tables}
     buckets = (
         plan_buckets(ready_order([p for p in params if p.reducer_index not in gathered]), caps) if tables else dense
@@ -258,32 +249,31 @@ def fused_plan(
     # all fall back to all-reducing the tables.
     layout = tuple(_layout_signature(buckets, spec) + [t.signature(spec) for t in tables])
     if layout in state.checked_layouts:
-        return buckets, tables
+        return FusedPlan(buckets, tables)
     dense_layout = tuple(_layout_signature(dense, spec))
-    context = _compile_context(recompile_reason=dc.recompile_reason(), graph_id=graph_id)
+    context = _compile_context(recompile_reason=dc.recompile_reason(), graph_id=job.graph_id)
     if tables:
         context += (
             f"; this graph gathers embedding gradients as rows ({tables[0].signature(spec)}), which "
             "needs every rank to look up as many ids: pass gather_embedding_rows=False otherwise"
         )
-    pg = ddpc.process_group(ddp)
+    pg = ddpc.process_group(job.ddp)
     check_start = time.perf_counter()
     everyone = gather_on_all_ranks((layout, dense_layout), pg, what="fused bucket layout", context=context)
-    state.rank_check_s += time.perf_counter() - check_start
     if all(theirs[0] == layout for theirs in everyone):
         state.checked_layouts.add(layout)
-        return buckets, tables
+        return FusedPlan(buckets, tables, time.perf_counter() - check_start)
     if any(theirs[0] != theirs[1] for theirs in everyone):
         log.warning(
             "bucketwise fused: ranks look up different numbers of ids in graph %d; its embedding "
             "tables are all-reduced whole",
-            graph_id,
+            job.graph_id,
         )
     check_same_on_all_ranks(
         dense_layout, pg, what="fused bucket layout", gathered=[t[1] for t in everyone], fix=_LAYOUT_FIX
     )
     state.checked_layouts.add(dense_layout)
-    return dense, []
+    return FusedPlan(dense, [], time.perf_counter() - check_start)
 
 
 _LAYOUT_FIX = (

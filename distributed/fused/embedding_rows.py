@@ -174,8 +174,7 @@ class EmbeddingRows(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         dim = g.shape[-1]
-        wire = g.to(spec.comm_dtype) if spec.comm_dtype is not None else g
-        wire = wire / spec.world_size if spec.divide_first else wire * (1.0 / spec.world_size)
+        wire = spec.to_wire(g)
         # NOTE [ids in the rows]: one collective carries rows and ids, so it depends on the
         # gradient and stays in the backward (a separate ids gather depends on forward values
         # only, and AOTAutograd's partitioner moved it into the forward graph, where a captured

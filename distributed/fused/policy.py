@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 from ..._compat import ddp as ddpc
-from .comm_hooks import comm_hook_kind
+from ..._compat import hooks as hc
 
 
-def why_not_fused(ddp: Any, requested: str) -> str | None:
+def why_not_fused(
+    ddp: Any, requested: str, *, comm_hook: tuple[str, str | None], hooked: Collection[str]
+) -> str | None:
     """Why ``requested`` (``"fused"`` or ``"auto"``) cannot run the fused strategy on this DDP
     module, so DDP's reducer keeps reducing (``split``); ``None`` where it can.
 
-    Read at the first forward, once comm hooks are registered (they come after construction).
+    ``comm_hook``: ``comm_hooks.comm_hook_kind(ddp)``; ``hooked``: :func:`hooked_gradients`.
+    Read at the first forward, once comm hooks are registered (they come after construction),
+    and again whenever they or the gradient hooks change.
     """
-    kind, why = comm_hook_kind(ddp)
+    kind, why = comm_hook
     if kind == "unsupported":
         return f"{why}; DDP's reducer runs it, overlapping each bucket's hook with the backward"
+    if hooked:
+        shown = ", ".join(list(hooked)[:3]) + (f" and {len(hooked) - 3} more" if len(hooked) > 3 else "")
+        return (
+            f"gradient hooks on {shown}: eager DDP runs them on each rank's own gradient before reducing it, "
+            "which DDP's reducer does and a fused backward cannot (NOTE [gradient hooks before the reduction])"
+        )
     if requested == "auto" and ddpc.find_unused_parameters(ddp):
         # NOTE [fused and unused parameters]: fused graphs reduce the buckets of the parameters
         # they read, agreed on by all ranks at compile time. find_unused_parameters=True says
@@ -28,3 +38,32 @@ def why_not_fused(ddp: Any, requested: str) -> str | None:
             "handles (pass strategy='fused' if every rank uses the same parameters in every step)"
         )
     return None
+
+
+def hooked_gradients(ddp: Any, *, own: Collection[int] = ()) -> list[str]:
+    """Names of the reducer parameters that carry a hook of the user's on their gradient:
+    ``Tensor.register_hook`` or ``register_post_accumulate_grad_hook`` (``own``: handle ids of
+    bucketwise's own hooks, left out; DDP's delayed-allreduce hook is DDP's, left out too).
+
+    NOTE [gradient hooks before the reduction]: in eager DDP a parameter's gradient hooks run on
+    the rank's own gradient, before the reducer reduces it: a tensor hook before the gradient is
+    accumulated, a post-accumulate-grad hook right after, and only then the reducer's hook on the
+    accumulator marks the gradient ready. A hook that is not linear (clamping, masking pruned or
+    frozen rows, a per-rank scale) therefore gives a result that depends on that order. The fused
+    backward reduces inside the compiled graph, before autograd hands the gradient to those
+    hooks, so they would see the average. Such a module runs ``split`` under ``auto`` and
+    ``fused`` (the reducer reduces after the hooks, as in eager DDP), with the parameters named
+    in the report; the hooks are checked again when they change (``compiler/hook_watch.py``).
+    Module backward hooks (``register_full_backward_hook``, ``register_full_backward_pre_hook``)
+    act on gradients of activations, which the graph computes before any gradient it reduces:
+    they keep eager DDP's result under every strategy.
+    """
+    delayed = ddpc.delayed_allreduce_hook(ddp)
+    own = set(own)
+    out = []
+    for name, p in ddpc.reducer_parameters(ddp):
+        tensor = [h for key, h in hc.tensor_hooks(p).items() if key not in own and h != delayed]
+        post = [key for key in hc.post_accumulate_hooks(p) if key not in own]
+        if tensor or post:
+            out.append(name)
+    return out

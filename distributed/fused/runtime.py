@@ -36,31 +36,27 @@ import torch.distributed as dist
 
 from ..._compat import autograd as agc
 from ..._compat import ddp as ddpc
+from .sync import reducer_spec
 
 log = logging.getLogger(__name__)
 
 
-def _average_(
-    tensors: list[torch.Tensor], pg: Any, comm_dtype: torch.dtype | None = None, divide_first: bool = False
-) -> None:
-    """Average in place across ranks the way DDP would for this module: the reducer's
-    ``grad * (1/world)`` then sum, or a compress hook's ``grad.to(dtype) / world`` then sum."""
+def _average_(tensors: list[torch.Tensor], pg: Any, spec: Any) -> None:
+    """Average in place across ranks the way DDP would for this module (``spec``: the graphs'
+    ``sync.CommSpec``, ``CommSpec.to_wire``), dense gradients flattened per dtype and device."""
     if not tensors:
         return
-    world = dist.get_world_size(pg)
     for t in tensors:
         if t.is_sparse:
             # As DDP's reducer reduces a sparse gradient: on its own, divided, then summed.
-            t.div_(world)
+            t.div_(spec.world_size)
             dist.all_reduce(t, group=pg)
     tensors = [t for t in tensors if not t.is_sparse]
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
     for group in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in group])
-        wire = flat.to(comm_dtype) if comm_dtype is not None else flat
-        wire = wire / world if divide_first else wire * (1.0 / world)
+        wire = spec.to_wire(torch.cat([t.reshape(-1) for t in group]))
         dist.all_reduce(wire, group=pg)
         offset = 0
         for t in group:
@@ -158,6 +154,21 @@ class FusedRuntime:
             log.info("bucketwise fused: %d parameter(s) reduced after the backward: their graph ran eagerly", skipped)
         return ran
 
+    def own_hook_ids(self) -> set[int]:
+        """Handle ids of the post-accumulate-grad hooks this runtime put on parameters (2)."""
+        return {handle.id for handle in self._hooks.values()}
+
+    def forget_graphs(self) -> None:
+        """The compiled graphs are gone (their frames recompile): forget which parameters they
+        reduce; the graphs compiled next record theirs again."""
+        self.covered = set()
+        self._graph_params = []
+        self._ran = set()
+        self._step_covered = frozenset()
+        self.mixed = set()
+        self._check_autograd_graph = True
+        self._hooked_for = None
+
     def remove_hooks(self) -> None:
         for handle in self._hooks.values():
             handle.remove()
@@ -227,13 +238,9 @@ class FusedRuntime:
         self.mixed = found
 
     def _average(self, tensors: list[torch.Tensor]) -> None:
-        spec = self.spec
-        _average_(
-            tensors,
-            ddpc.process_group(self.ddp),
-            spec.comm_dtype if spec is not None else None,
-            spec.divide_first if spec is not None else False,
-        )
+        pg = ddpc.process_group(self.ddp)
+        spec = self.spec if self.spec is not None else reducer_spec(pg)
+        _average_(tensors, pg, spec)
 
     def _averaging_hook(self, slots: list[int]):
         def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -22,6 +22,7 @@ import operator
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from ..._compat import collectives as cc
@@ -50,11 +51,25 @@ class CommSpec:
     def describe(self) -> str:
         return str(self.comm_dtype).removeprefix("torch.") if self.comm_dtype else "same as grads"
 
+    def to_wire(self, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient as it goes into the sum across ranks, as DDP makes it: the reducer's
+        ``grad * (1/world)``, or a compress hook's ``grad.to(dtype) / world``. Bit-for-bit
+        parity with eager DDP rests on this one rule (every reduction of the fused strategy and
+        its runtime applies it)."""
+        wire = grad.to(self.comm_dtype) if self.comm_dtype is not None else grad
+        return wire / self.world_size if self.divide_first else wire * (1.0 / self.world_size)
+
     def as_args(self) -> tuple[Any, ...]:
         """The fields as graph arguments: FX writes a dataclass argument into generated code as
         its repr, which an uncompiled fallback run cannot evaluate; strings, ints, bools and
         dtypes it can. ``CommSpec(*spec.as_args()) == spec``."""
         return (self.group, self.world_size, self.comm_dtype, self.divide_first)
+
+
+def reducer_spec(pg: Any) -> CommSpec:
+    """DDP's reducer on ``pg`` (the default group when ``None``): ``grad * (1/world)``, then sum."""
+    pg = pg if pg is not None else dist.group.WORLD
+    return CommSpec(group=cc.group_name(pg), world_size=cc.world_size(pg))
 
 
 class BucketSync(torch.autograd.Function):
@@ -76,18 +91,11 @@ class BucketSync(torch.autograd.Function):
         # scaled flat copy of it.
         # Autocast (the forward's, traced into the backward) rejects a cat of fp16 under bf16 on CPU.
         with torch.autocast(full[0].device.type, enabled=False):
-            wire = torch.cat([_scaled(g.reshape(-1), spec) for g in full])
+            wire = torch.cat([spec.to_wire(g.reshape(-1)) for g in full])
         reduced = cc.all_reduce_sum(wire, spec.group)
         if spec.comm_dtype is not None:
             reduced = reduced.to(full[0].dtype)
         return (None, *split_like(reduced, full))
-
-
-def _scaled(g: torch.Tensor, spec: CommSpec) -> torch.Tensor:
-    """One gradient as it goes on the wire: DDP's reducer's ``grad * (1/world)``, or a compress
-    hook's ``grad.to(dtype) / world``."""
-    wire = g.to(spec.comm_dtype) if spec.comm_dtype is not None else g
-    return wire / spec.world_size if spec.divide_first else wire * (1.0 / spec.world_size)
 
 
 def filled_grads(grads: Sequence[torch.Tensor | None], shapes: Sequence[tuple[Any, Any, Any]]) -> list[torch.Tensor]:

@@ -50,3 +50,28 @@ def measure_alignment(ddp: Any, param_segments: Mapping[int, Mapping[str, int]])
         "status": f"reducer buckets: {source}",
         "buckets": rows,
     }
+
+
+class AlignmentPoll:
+    """Rewrites the report's rank file once DDP's rebuilt buckets make the alignment known.
+
+    DDP refreshes its logging data, where the rebuilt buckets are read, on its first iterations
+    (then every 100th): after a graph is compiled and the buckets are final, each forward asks
+    once, for at most ``POLLS`` forwards, so a long run never pays for it on its hot path
+    (``report()`` still reads the alignment on demand)."""
+
+    POLLS = 20
+
+    def __init__(self, report: Any, ddp: Any) -> None:
+        self.report, self.ddp = report, ddp
+        self.polls = 0
+
+    def after_forward(self) -> None:
+        if self.polls >= self.POLLS or not self.report.graphs:
+            return
+        if ddpc.will_rebuild(self.ddp) and not ddpc.has_rebuilt_buckets(self.ddp):
+            return
+        self.polls += 1
+        if self.report.alignment is not None or self.polls >= self.POLLS:
+            self.polls = self.POLLS
+            self.report.write_rank_file()

@@ -11,6 +11,7 @@ buckets from the real gradient-ready order they coincide with the segments (``al
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from typing import Any, Callable, Sequence
@@ -23,29 +24,23 @@ from ..._compat import dynamo as dc
 from ...partitioners.param_usage import GraphParam, ready_order
 from ...partitioners.split import Segment, bucket_boundaries, split_graph
 from ..plan import BucketCaps, buckets_from_reducer, plan_buckets
-from ..result import CompileOutcome, CompilePiece, StrategyResult, bucket_stats, op_count
+from ..result import CompileOutcome, GraphJob, PieceCompiler, StrategyResult, bucket_stats, falls_back, op_count
 from ..whole import apply_whole
 
 log = logging.getLogger(__name__)
 
 
 def apply_split(
-    *,
-    gm: fx.GraphModule,
-    example_inputs: Sequence[Any],
-    ddp: Any,
-    params: Sequence[GraphParam],
-    earlier_names: set[str],
-    caps: BucketCaps,
-    compile_piece: CompilePiece,
-    fallback: str,
+    job: GraphJob, compiler: PieceCompiler, *, earlier_names: set[str], caps: BucketCaps, fallback: str
 ) -> StrategyResult:
-    """Plan ``gm``'s buckets, cut it at them and compile each segment (``compile_piece``). A
-    parameter an earlier graph also reads (``earlier_names``: used on both sides of a graph
-    break) gets its gradient completed by that earlier graph's backward: planned there only.
-    Where the graph cannot be cut, it is compiled whole and DDP's reducer reduces it after its
-    backward (``fallback="raise"`` re-raises)."""
-    params = [p for p in params if p.name not in earlier_names]
+    """Plan the graph's buckets, cut it at them and compile each segment. A parameter an earlier
+    graph also reads (``earlier_names``: used on both sides of a graph break) gets its gradient
+    completed by that earlier graph's backward: planned there only. Where the graph cannot be
+    cut, it is compiled whole and DDP's reducer reduces it after its backward (``fallback="raise"``
+    re-raises)."""
+    ddp = job.ddp
+    params = [p for p in job.params if p.name not in earlier_names]
+    job = dataclasses.replace(job, params=params)
     notes = []
     if not caps.matches_ddp(ddp):
         notes.append(
@@ -53,14 +48,15 @@ def apply_split(
             "its buckets, so they will not coincide with the segments (see alignment)"
         )
     buckets, source = plan_for_graph(ddp, params, caps)
+    depth = dc.functorch_depth()
     try:
-        fn, segments, outcomes = split_and_compile(gm, example_inputs, params, buckets, compile_piece)
+        fn, segments, outcomes = split_and_compile(job, buckets, compiler)
     except Exception as exc:
-        if fallback == "raise" or dc.functorch_depth() or dc.is_dynamo_control_flow(exc):
+        if not falls_back(exc, fallback=fallback, functorch_depth=depth):
             raise
         # Splitting itself failed (an op torch.fx's splitter cannot carry across a cut).
         log.warning("bucketwise: could not split graph, compiling it whole: %s", exc)
-        whole = apply_whole(gm=gm, example_inputs=example_inputs, params=params, compile_piece=compile_piece)
+        whole = apply_whole(job, compiler)
         whole.notes[:0] = [
             *notes,
             f"a graph could not be split and was compiled whole: {type(exc).__name__}: {exc}"[:300],
@@ -87,22 +83,19 @@ def plan_for_graph(ddp: Any, params: Sequence[GraphParam], caps: BucketCaps) -> 
 
 
 def split_and_compile(
-    gm: fx.GraphModule,
-    example_inputs: Sequence[Any],
-    params: Sequence[GraphParam],
-    buckets: Sequence[Sequence[GraphParam]],
-    compile_piece: CompilePiece,
+    job: GraphJob, buckets: Sequence[Sequence[GraphParam]], compiler: PieceCompiler
 ) -> tuple[Callable[..., Any], list[Segment], list[CompileOutcome]]:
-    """Split ``gm`` at ``buckets`` (gradient-ready order) and compile each segment; a graph
+    """Split the graph at ``buckets`` (gradient-ready order) and compile each segment; a graph
     whose parameters fit in one bucket is compiled whole (one segment)."""
     log.debug("bucket plan: %s", [[p.name for p in b] for b in buckets])
-    used = [p for p in params if p.first_use >= 0]
+    gm = job.gm
+    used = [p for p in job.params if p.first_use >= 0]
     if len(buckets) <= 1:
-        compiled, outcome = compile_piece(gm, example_inputs, what="segment 1/1")
+        compiled, outcome = compiler.piece(gm, job.example_inputs, label=f"{job.label} segment 0", what="segment 1/1")
         return compiled, [Segment(index=0, submodule="", params=list(used), op_count=op_count(gm))], [outcome]
     segment_of = bucket_boundaries(gm, buckets)
     split_gm, segments = split_graph(gm, segment_of, used)
-    outcomes = compile_segments(split_gm, example_inputs, compile_piece)
+    outcomes = compile_segments(split_gm, job, compiler)
     if len(outcomes) != len(segments):
         raise AssertionError(f"expected {len(segments)} compiled segments, got {len(outcomes)}")
     return split_gm, segments, outcomes
@@ -133,19 +126,17 @@ def _force_tuple_output(gm: fx.GraphModule) -> bool:
     return True
 
 
-def compile_segments(
-    split_gm: fx.GraphModule, example_inputs: Sequence[Any], compile_piece: CompilePiece
-) -> list[CompileOutcome]:
+def compile_segments(split_gm: fx.GraphModule, job: GraphJob, compiler: PieceCompiler) -> list[CompileOutcome]:
     """Compile every ``submod_*`` of ``split_gm`` in forward order, replacing it in place.
 
     Each segment is compiled against fake inputs that carry the strides the previous compiled
     segment really produces (see NOTE [several AOT graphs per Dynamo graph] in
     ``_compat/dynamo.py``).
     """
-    fake_mode = dc.detect_fake_mode(example_inputs)
+    fake_mode = dc.detect_fake_mode(job.example_inputs)
     tracing = dc.SegmentTracing()
     env: dict[fx.Node, Any] = {}
-    placeholders = iter(example_inputs)
+    placeholders = iter(job.example_inputs)
     outcomes: list[CompileOutcome] = []
     calls = [n for n in split_gm.graph.nodes if n.op == "call_module"]
 
@@ -161,7 +152,8 @@ def compile_segments(
                     split_gm,
                     node,
                     tuple(dc.to_fake(a, fake_mode) for a in load(node.args)),
-                    compile_piece,
+                    compiler,
+                    job.label,
                     tracing,
                     fake_mode,
                     outcomes,
@@ -184,7 +176,8 @@ def _compile_segment(
     split_gm: fx.GraphModule,
     node: fx.Node,
     args: tuple,
-    compile_piece: CompilePiece,
+    compiler: PieceCompiler,
+    label: str,
     tracing: Any,
     fake_mode: Any,
     outcomes: list[CompileOutcome],
@@ -195,8 +188,9 @@ def _compile_segment(
     submod = getattr(split_gm, str(node.target))
     unwrap = _force_tuple_output(submod)
     aot_before = dc.aot_autograd_count()
-    compiled, outcome = compile_piece(
-        submod, args, what=f"segment {len(outcomes) + 1}/{total}", segment=len(outcomes), tracing=tracing
+    index = len(outcomes)
+    compiled, outcome = compiler.piece(
+        submod, args, label=f"{label} segment {index}", what=f"segment {index + 1}/{total}", tracing=tracing
     )
     outcomes.append(outcome)
     wrapper = _SegmentCall(compiled, unwrap)

@@ -1,0 +1,216 @@
+"""How a compiled DDP module runs DDP's forward around its compiled frame.
+
+DDP's own ``_pre_forward`` / ``_post_forward`` (reducer preparation, bucket rebuild, buffer
+broadcast, input moves) run eagerly around the compiled inner module, so DDP's reducer sees
+what it sees in eager mode. Under ``fused`` the reducer stays idle (the compiled backward
+reduces, ``FusedRuntime`` reduces what the graphs leave out) and its bucket buffers are released
+(NOTE [released reducer]); under ``split`` and ``none`` the reducer reduces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch
+
+from .._compat import ddp as ddpc
+from .._compat import dynamo as dc
+from ..distributed.fused import FusedState
+from ..distributed.fused.runtime import FusedRuntime
+from ..distributed.split.alignment import AlignmentPoll
+from .decision import Decision, Variant, decide
+from .hook_watch import HookWatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class DDPForward:
+    """The DDP side of one compiled DDP module (``state.CompiledState.ddp``)."""
+
+    ddp: Any
+    state: Any
+    """The compiled object's ``CompiledState`` (its config, report, backends, frame)."""
+    nosync_backend: Any
+    call_nosync: Callable[..., Any]
+    """The frame compiled for ``no_sync()`` steps: a second cache without collectives."""
+    hooks: HookWatch
+    decision: Decision | None = None
+    """``None``: decide at the next call (NOTE [one decision])."""
+    fused: FusedState | None = None
+    """While the decision is ``fused``: its runtime and the layouts checked across ranks."""
+    comm_hooks: int = 0
+    """Comm hooks the DDP module had when the decision was made."""
+    alignment: AlignmentPoll | None = None
+    unfrozen: set[Variant] = dataclasses.field(default_factory=lambda: {Variant.NO_SYNC})
+    """Variants whose next call may compile although the object is frozen: the ``no_sync()``
+    variant's first call, and both after a recompile the hooks asked for."""
+    said: set[str] = dataclasses.field(default_factory=set)
+
+    @property
+    def runtime(self) -> FusedRuntime | None:
+        return self.fused.runtime if self.fused is not None else None
+
+    def own_hook_ids(self) -> set[int]:
+        """Handle ids of the gradient hooks bucketwise itself put on parameters."""
+        return self.fused.runtime.own_hook_ids() if self.fused is not None else set()
+
+    # -- the decision ----------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Before every call: decide where no decision stands, or again where something it read
+        changed (NOTE [one decision], NOTE [hooks registered after compile])."""
+        if self.decision is None:
+            self._decide()
+            return
+        ddp = self.ddp
+        hooks = self.hooks.changed()
+        if hooks is not None:
+            self._decide(hooks, recompile=True)
+        elif ddpc.comm_hook_count(ddp) != self.comm_hooks:
+            self._decide("a comm hook was registered")
+        elif self.fused is not None and ddpc.wants_released_reducer(ddp) and not ddpc.reducer_released(ddp):
+            if not ddpc.join_enabled(ddp):
+                self._decide("DDP's reducer was rebuilt (a built-in comm hook?)")
+
+    def _decide(self, why: str | None = None, *, recompile: bool = False) -> None:
+        """Decide; after a change (``why``), compile the frames again where the hooks traced into
+        them changed (``recompile``) or the decision's graphs differ from those compiled."""
+        old = self.decision
+        new = decide(self.state.config, self.ddp, runs_ddp_forward=True, own_hooks=self.own_hook_ids())
+        self.decision, self.comm_hooks = new, ddpc.comm_hook_count(self.ddp)
+        report = self.state.report
+        if old is None:
+            self.hooks.start()
+        elif recompile or not new.same_graphs(old):
+            self._recompile()
+            report.note(f"{why} after compile: the frames compiled before are compiled again (NOTE [one decision])")
+            log.warning("bucketwise: %s: %s after compile; compiling its frames again", report.target, why)
+        if old is not None and new.strategy is not old.strategy:
+            report.note(
+                f"strategy {old.strategy} -> {new.strategy}: {new.reason or 'what was asked for applies again'}"
+            )
+        self._apply(new)
+
+    def _apply(self, new: Decision) -> None:
+        """Set the runtime, the reducer and the backend up for ``new``."""
+        ddp, state = self.ddp, self.state
+        if new.fused and self.fused is None:
+            self.fused = FusedState(runtime=FusedRuntime(ddp))
+            state.report.set_alignment_source(_fused_alignment)
+            self.alignment = None
+        elif not new.fused and self.fused is not None:
+            self.fused.runtime.remove_hooks()
+            self.fused = None
+            ddpc.rebuild_reducer(ddp, why=f"strategy {new.strategy}: DDP's reducer reduces")
+        if not new.fused:
+            state.report.set_alignment_source(state.backend.alignment)
+            if self.alignment is None:
+                self.alignment = AlignmentPoll(state.report, ddp)
+        state.backend.use(new, self.fused)
+
+    def _recompile(self) -> None:
+        """Forget every frame this object compiled: the next call compiles them again."""
+        for backend in (self.state.backend, self.nosync_backend):
+            for code in backend.compiled_codes():
+                dc.forget_compiled(code)
+        if self.state.code is not None:
+            dc.forget_compiled(self.state.code)
+        self.unfrozen = {Variant.SYNC, Variant.NO_SYNC}
+        if self.fused is not None:
+            self.fused.runtime.forget_graphs()
+
+    # -- the forward -----------------------------------------------------------------------
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        self.check()
+        ddp = self.ddp
+        if self.fused is None:
+            return self._with_reducer(self.state.call, Variant.SYNC, args, kwargs)
+        sync = ddpc.grad_sync_requested(ddp) and torch.is_grad_enabled()
+        if sync and ddpc.join_enabled(ddp):
+            return self._in_join(args, kwargs)
+        return self._fused(sync, args, kwargs)
+
+    def _fused(self, sync: bool, args: tuple, kwargs: dict) -> Any:
+        ddp, runtime = self.ddp, self.runtime
+        if not ddpc.reducer_released(ddp):
+            self._release_reducer()
+        runtime.before_forward(sync)
+        variant = Variant.SYNC if sync else Variant.NO_SYNC
+        call = self.state.call if sync else self.call_nosync
+        with self._stance(variant):
+            out = ddpc.run_forward_with_idle_reducer(ddp, args, kwargs, call)
+        runtime.after_forward(out, sync)
+        return out
+
+    def _in_join(self, args: tuple, kwargs: dict) -> Any:
+        """A synced step inside ``ddp.join()`` (uneven inputs).
+
+        NOTE [fused under join]: a rank that has run out of inputs loops in ``Join.__exit__``
+        and, for every step the others still take, runs DDP's join hook, which shadows the
+        *reducer's* bucket allreduces with zeros. The fused graphs' collectives follow
+        bucketwise's own buckets, so nothing on a joined rank would match them. Each step
+        therefore first sends the join notification (which counts the ranks that have not
+        joined): while every rank is still in, no rank runs the join hook and the fused graphs
+        run as usual; once a rank has joined, the step runs the compiled graphs without
+        collectives (the ``no_sync()`` variant: no new compile after warm-up) with DDP's
+        reducer in charge, exactly what the join hook on the joined ranks mirrors. Only the
+        last steps of an uneven epoch lose the in-graph overlap.
+        """
+        ddp = self.ddp
+        world = ddpc.world_size(ddp)
+        with ddpc.join_notified(ddp) as notice:
+            not_joined = notice.not_joined
+            if not_joined is not None and not_joined == world:
+                return self._fused(True, args, kwargs)
+            if "join" not in self.said:
+                self.said.add("join")
+                why = "a rank has joined" if not_joined is not None else "another joinable leads the join context"
+                log.info("bucketwise fused: join(): %s; steps run with DDP's reducer from now on while that holds", why)
+                self.state.report.note(
+                    f"join(): steps where {why} ran the compiled graphs without collectives and DDP's reducer "
+                    "reduced the gradients, as DDP's join hook expects (NOTE [fused under join])"
+                )
+            self.runtime.reducer_step()
+            notice.hand_to_reducer()
+            return self._with_reducer(self.call_nosync, Variant.NO_SYNC, args, kwargs)
+
+    def _with_reducer(self, call: Callable[..., Any], variant: Variant, args: tuple, kwargs: dict) -> Any:
+        """DDP's own forward around a compiled call: the reducer reduces in the backward."""
+        ddp = self.ddp
+        args, kwargs = ddpc.pre_forward(ddp, args, kwargs)
+        with self._stance(variant):
+            out = call(*args, **kwargs)
+        out = ddpc.post_forward(ddp, out)
+        if self.alignment is not None:
+            self.alignment.after_forward()
+        return out
+
+    def _stance(self, variant: Variant) -> Any:
+        if variant in self.unfrozen:
+            self.unfrozen.discard(variant)
+            return contextlib.nullcontext()
+        return self.state.stance()
+
+    def _release_reducer(self) -> None:
+        """Free DDP's idle bucket buffers (NOTE [released reducer]). Once ``join()`` rebuilt them,
+        they stay while the join context lasts: a rank with no inputs left never forwards, so it
+        keeps whatever reducer it has, and every rank's must be in the same state."""
+        ddp = self.ddp
+        if ddpc.wants_released_reducer(ddp) and ddpc.join_enabled(ddp):
+            return
+        freed = ddpc.release_reducer(ddp)
+        if freed and "release" not in self.said:
+            self.said.add("release")
+            self.state.report.note(
+                f"DDP's reducer bucket buffers released ({freed / 2**20:.1f} MiB, a second copy of the gradients): the "
+                "fused backward reduces into buffers that become param.grad (NOTE [released reducer])"
+            )
+
+
+def _fused_alignment() -> dict[str, Any]:
+    return {"alignment": None, "status": "fused: DDP's reducer is idle, the compiled backward reduces"}

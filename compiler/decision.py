@@ -1,0 +1,120 @@
+"""How a compiled object's graphs reduce DDP's gradients: decided once, in one place.
+
+NOTE [one decision]: what a graph does with DDP's gradients depends on the DDP module (its comm
+hook, ``find_unused_parameters``, the parameters' gradient hooks, its process group and bucket
+caps) and on what was asked (``strategy=``). A compiled DDP module decides at its first call,
+when comm hooks and gradient hooks are registered (they come after construction), and hands
+the :class:`Decision` to its graph backend, which applies it to every graph it compiles. The
+decision is made again, and the compiled frames recompile if it changed, only when something it
+read changed: a comm hook registered, a gradient or module hook added or removed
+(``hook_watch.py``), DDP's reducer rebuilt. A compiled function finds its DDP module while
+compiling, and decides then (``split``: ``fused`` needs bucketwise to run the DDP forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Collection
+
+from .._compat import ddp as ddpc
+from ..distributed.fused.apply import comm_spec
+from ..distributed.fused.comm_hooks import comm_hook_kind
+from ..distributed.fused.policy import hooked_gradients, why_not_fused
+from ..distributed.fused.sync import CommSpec
+from ..distributed.plan import BucketCaps
+from .config import CompileConfig
+
+
+class Strategy(str, enum.Enum):
+    """What a graph does with DDP's gradients (``strategy=`` of :func:`bucketwise.compile`)."""
+
+    AUTO = "auto"
+    FUSED = "fused"
+    SPLIT = "split"
+    NONE = "none"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Variant(str, enum.Enum):
+    """Which of a compiled DDP module's two graph caches a graph belongs to."""
+
+    SYNC = "sync"
+    """Steps that reduce gradients."""
+    NO_SYNC = "no_sync"
+    """``no_sync()`` steps, evaluation and the reducer's steps under ``join()``: no collectives."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Decision:
+    """How the graphs of one compiled object reduce one DDP module's gradients (NOTE [one decision])."""
+
+    strategy: Strategy
+    reason: str | None = None
+    """Why it is not the requested one (``None`` where it is, or nothing was requested)."""
+    comm_hook: str = "reducer"
+    """``comm_hooks.comm_hook_kind``: ``reducer``, ``allreduce``, ``bf16``, ``fp16``, ``powersgd``,
+    ``traceable`` or ``unsupported``."""
+    hooked: tuple[str, ...] = ()
+    """Parameters with gradient hooks (NOTE [gradient hooks before the reduction])."""
+    caps: BucketCaps | None = None
+    """The bucket caps, DDP's with the user's overrides (``None`` without a DDP module)."""
+    spec: CommSpec | None = None
+    """``fused``: how each bucket is reduced (DDP's reducer or its comm hook)."""
+    ddp_id: int | None = None
+    """``id()`` of the DDP module decided for."""
+
+    @property
+    def fused(self) -> bool:
+        return self.strategy is Strategy.FUSED
+
+    def same_graphs(self, other: Decision | None) -> bool:
+        """Graphs compiled under ``other`` are what this decision would compile (a comm hook
+        changes the graphs only under ``fused``; the gradient hooks only through the strategy)."""
+        if other is None or (self.strategy, self.caps, self.ddp_id) != (other.strategy, other.caps, other.ddp_id):
+            return False
+        return not self.fused or (self.comm_hook, self.spec) == (other.comm_hook, other.spec)
+
+
+def decide(
+    config: CompileConfig,
+    ddp: Any | None,
+    *,
+    runs_ddp_forward: bool,
+    variant: Variant = Variant.SYNC,
+    own_hooks: Collection[int] = (),
+) -> Decision:
+    """The decision for ``config.strategy`` on ``ddp`` (``None``: no DDP module).
+    ``runs_ddp_forward``: bucketwise runs the DDP forward itself (it compiled the DDP module),
+    which ``fused`` needs; ``own_hooks``: handle ids of bucketwise's own gradient hooks."""
+    requested = Strategy(config.strategy)
+    if ddp is None:
+        reason = "no DDP module: no gradient buckets" if requested in (Strategy.SPLIT, Strategy.FUSED) else None
+        return Decision(strategy=Strategy.NONE, reason=reason)
+    caps = BucketCaps.from_ddp(ddp, bucket_cap_mb=config.bucket_cap_mb, first_bucket_cap_mb=config.first_bucket_cap_mb)
+    common = {"caps": caps, "ddp_id": id(ddp)}
+    if variant is Variant.NO_SYNC:
+        return Decision(strategy=Strategy.NONE, reason="no_sync(): no gradient communication", **common)
+    if requested is Strategy.NONE:
+        return Decision(strategy=Strategy.NONE, **common)
+    if ddpc.uses_python_reducer(ddp):
+        return Decision(
+            strategy=Strategy.NONE, reason="DDP's python reducer (compiled autograd) does its own bucketing", **common
+        )
+    kind, why = comm_hook_kind(ddp)
+    hooked = tuple(hooked_gradients(ddp, own=own_hooks))
+    common.update(comm_hook=kind, hooked=hooked)
+    if requested is Strategy.SPLIT:
+        return Decision(strategy=Strategy.SPLIT, **common)
+    blocker = why_not_fused(ddp, requested.value, comm_hook=(kind, why), hooked=hooked)
+    if blocker is not None:
+        return Decision(strategy=Strategy.SPLIT, reason=blocker, **common)
+    if not runs_ddp_forward:
+        return Decision(
+            strategy=Strategy.SPLIT,
+            reason="fused needs bucketwise to run the DDP forward: compile the DDP module itself",
+            **common,
+        )
+    return Decision(strategy=Strategy.FUSED, spec=comm_spec(ddp, kind), **common)

@@ -1,0 +1,94 @@
+"""Noticing, at a glance per call, that hooks the compiled graphs depend on changed.
+
+NOTE [hooks registered after compile]: Dynamo traces a module's forward and backward hooks into
+the graph and, for speed, does not guard on them (``torch._dynamo.config.skip_nnmodule_hook_guards``,
+``True`` by default): a hook added or removed after a frame was compiled changes nothing until
+the frame happens to recompile, in plain ``torch.compile`` too. A parameter's gradient hooks
+decide the strategy (NOTE [gradient hooks before the reduction]). Eager DDP runs whatever hooks
+are registered at the time of the call, so bucketwise watches them: every hook registration in
+the process takes its id from one counter (``_compat/hooks.registrations()``), read once per
+call. When it moved, or a hook dict that held hooks at the last look holds another number of
+them now (a removal), the hooks are listed again; if the list differs from the one the graphs
+were compiled with, the compiled object decides again and recompiles the frames it compiled
+(NOTE [one decision]), and the report says why. Listing costs a walk over the modules and
+parameters, paid only when some hook somewhere was registered since the last call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Collection, Iterable
+
+import torch
+import torch.nn as nn
+
+from .._compat import hooks as hc
+
+Entry = tuple[str, str, tuple[int, ...]]
+"""``(where, which hooks, handle ids)`` of one non-empty hook dict."""
+
+_MODULE_KINDS = {
+    "_forward_pre_hooks": "forward pre-hooks",
+    "_forward_hooks": "forward hooks",
+    "_backward_pre_hooks": "backward pre-hooks",
+    "_backward_hooks": "backward hooks",
+}
+_TENSOR_KINDS = {"_backward_hooks": "gradient hooks", "_post_accumulate_grad_hooks": "post-accumulate-grad hooks"}
+
+
+class HookWatch:
+    """The hooks of ``modules`` (forward, backward; the global module hooks too) and the gradient
+    hooks of ``params``, as the graphs were compiled with them (NOTE [hooks registered after
+    compile]). ``own()``: handle ids of bucketwise's own hooks, never a change."""
+
+    def __init__(
+        self,
+        modules: Callable[[], Iterable[tuple[str, nn.Module]]],
+        params: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+        own: Callable[[], Collection[int]] = frozenset,
+    ) -> None:
+        self._modules, self._params, self._own = modules, params, own
+        self._seen = -1
+        self._watched: list[tuple[dict[int, Any], int]] = []
+        self._entries: frozenset[Entry] = frozenset()
+
+    def start(self) -> None:
+        """Take the hooks as they are now as the ones the graphs are compiled with."""
+        self._entries = self._scan()
+
+    def changed(self) -> str | None:
+        """What changed since :meth:`start` (or the last change), ``None`` if nothing did."""
+        if hc.registrations() == self._seen and all(len(d) == n for d, n in self._watched):
+            return None
+        entries = self._scan()
+        if entries == self._entries:
+            return None
+        added, removed = sorted(entries - self._entries), sorted(self._entries - entries)
+        self._entries = entries
+        parts = [
+            f"hooks added on {_names(added)}" if added else "",
+            f"removed from {_names(removed)}" if removed else "",
+        ]
+        return "; ".join(p for p in parts if p)
+
+    def _scan(self) -> frozenset[Entry]:
+        self._seen = hc.registrations()
+        own = set(self._own())
+        found: list[tuple[str, str, dict[int, Any]]] = [
+            ("every module", _MODULE_KINDS[kind], d) for kind, d in hc.global_module_hook_dicts()
+        ]
+        for name, module in self._modules():
+            found += [(name or "the model", _MODULE_KINDS[kind], d) for kind, d in hc.module_hook_dicts(module)]
+        for name, param in self._params():
+            found += [(name, _TENSOR_KINDS[kind], d) for kind, d in hc.tensor_hook_dicts(param)]
+        self._watched = [(d, len(d)) for _, _, d in found if d]
+        entries = set()
+        for where, kind, d in found:
+            ids = tuple(sorted(k for k in d if k not in own))
+            if ids:
+                entries.add((where, kind, ids))
+        return frozenset(entries)
+
+
+def _names(entries: list[Entry]) -> str:
+    shown = [f"{where} ({kind})" for where, kind, _ in entries[:3]]
+    return ", ".join(shown) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
