@@ -1,0 +1,421 @@
+"""Compile once per block: identical blocks of a whole graph share one compiled forward and backward.
+
+NOTE [one compile per block]: a model of N identical blocks gives Dynamo one graph in which the
+block's computation appears N times, and AOTAutograd and Inductor then trace, partition and
+compile it N times: the first step grows with the model's depth. Compiling each block as a
+graph of its own (torch's regional compilation) keeps that flat, but leaves the embeddings, the
+head and the loss uncompiled and DDP's reducer around it; torch's way of marking a region inside
+a whole graph (``nested_compile_region``) gave wrong gradients for repeated transformer blocks
+under Inductor on torch 2.13 and 2.15 (CPU). bucketwise keeps the whole graph and makes each block
+one opaque operation in it: ``bucketwise::shared_block(key, inputs)``. The first block's nodes are
+cut out of the graph (``partitioners/blocks.py`` finds the run of blocks and says which are the
+same computation), AOTAutograd splits them into a forward and a backward graph once, the backend
+compiles both once, and every identical block calls them with its own parameters and
+activations. The operation's autograd formula runs the shared backward
+(``bucketwise::shared_block_backward``) on what the shared forward returned for the backward, so
+AOTAutograd and Inductor compile the rest of the graph (embeddings, head, loss, the bucket
+allreduces of ``fused`` around each block's parameters) as usual, with late waits and CUDA
+graphs over the whole step. What the backward reads is returned once per distinct tensor: a
+view (a transposed weight, ``q``/``k``/``v`` of one projection) is rebuilt in the backward from
+the tensor it views, an input is taken from the operation's inputs.
+
+A block is not shared, and compiles with the whole graph as before, when its graph differs from
+the others (shapes, dtypes, constants, hooks), when shapes are dynamic, when it draws random
+numbers (dropout in training), writes into an input, or sits in an autocast or grad-mode region
+that starts outside it, and with a backend other than Inductor or ``aot_eager``: the report says
+why (``shared_blocks``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from .._compat import aot
+from .._compat import dynamo as dc
+from ..distributed.result import CompileOutcome
+from ..partitioners.blocks import BlockRun, find_block_run, piece_of, piece_signature
+
+log = logging.getLogger(__name__)
+
+SHAREABLE_BACKENDS = ("inductor", "aot_eager")
+_RANDOM = ("rand", "dropout", "bernoulli", "philox", "seed", "normal_", "uniform_", "exponential_", "multinomial")
+
+TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+
+_BLOCKS: weakref.WeakValueDictionary[int, SharedBlock] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class SharedBlock:
+    """One block's compiled forward and backward, called by every block identical to it."""
+
+    key: int
+    forward: Callable[[list[Any]], Any]
+    """Boxed: ``forward([inputs])`` -> the block's outputs, then the bases the backward reads."""
+    backward: Callable[[list[Any]], Any]
+    """Boxed: ``backward([saved..., grads of the outputs])`` -> a gradient per input."""
+    n_user: int
+    copied: frozenset[int]
+    """Outputs returned as a copy: views of an input, or of the same tensor as an earlier
+    output (an operation's outputs may not alias its inputs or each other)."""
+    saved: list[tuple[str, int, list[tuple[Any, tuple, dict, Any]]]]
+    """Per tensor the backward reads: where it comes from (``input``, ``output``, ``base``), which
+    one, and the view ops that make it from there."""
+    n_bases: int
+    outputs: list[TensorMeta]
+    grads: list[TensorMeta | None]
+    n_tangents: int
+    """Gradients the backward takes: one per floating-point output, in order."""
+    input_strides: list[tuple[int, ...]]
+    """The strides the backward was compiled for, per input."""
+
+
+@torch.library.custom_op("bucketwise::shared_block", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
+def shared_block(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    block = _BLOCKS[key]
+    out = list(block.forward(list(inputs)))
+    for i in block.copied:
+        out[i] = out[i].clone()
+    return _unaliased(out, inputs)
+
+
+def _unaliased(out: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``out`` with a copy of any tensor that shares memory with an input or an earlier output
+    (the plan avoids it; a view op torch does not mark as one could still do it)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
+    for i, t in enumerate(out):
+        if not t.numel():
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            out[i] = t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        seen.add(ptr)
+    return out
+
+
+@shared_block.register_fake
+def _(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [
+        torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        for shape, stride, dtype, device in _BLOCKS[key].outputs
+    ]
+
+
+@torch.library.custom_op("bucketwise::shared_block_backward", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
+def shared_block_backward(key: int, saved_and_grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    block = _BLOCKS[key]
+    # The layout the backward was compiled for: a tensor laid out otherwise (a gradient autograd
+    # made as zeros with its output's strides; AOTAutograd's own runtime makes those contiguous)
+    # is copied into it.
+    grads = block.backward([_laid_out(t, stride) for t, stride in zip(saved_and_grads, block.input_strides)])
+    return [g if g is not None else torch.empty(0) for g in grads]
+
+
+@shared_block_backward.register_fake
+def _(key: int, saved_and_grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [
+        torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3]) if m is not None else torch.empty(0)
+        for m in _BLOCKS[key].grads
+    ]
+
+
+def _setup_context(ctx: Any, inputs: tuple[int, list[torch.Tensor]], output: list[torch.Tensor]) -> None:
+    key, ins = inputs
+    block = _BLOCKS[key]
+    ctx.key = key
+    needed = {kind: sorted({i for k, i, _ in block.saved if k == kind}) for kind in ("input", "output", "base")}
+    ctx.slots = {(kind, i): n for n, (kind, i) in enumerate((k, i) for k in needed for i in needed[k])}
+    pools = {"input": ins, "output": output, "base": output[block.n_user :]}
+    ctx.save_for_backward(*[pools[kind][i] for kind in needed for i in needed[kind]])
+
+
+def _backward(ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple[None, list[torch.Tensor | None]]:
+    block = _BLOCKS[ctx.key]
+    stash = ctx.saved_tensors
+    saved = []
+    for kind, i, views in block.saved:
+        value = stash[ctx.slots[(kind, i)]]
+        for target, args, kwargs, parent in views:
+            value = target(*[value if a is parent else a for a in args], **kwargs)
+        saved.append(value)
+    tangents = []
+    for j in range(block.n_user):
+        shape, _, dtype, device = block.outputs[j]
+        if dtype.is_floating_point:
+            tangents.append(grads[j] if grads[j] is not None else torch.zeros(shape, dtype=dtype, device=device))
+    result = shared_block_backward(ctx.key, saved + tangents)
+    return None, [None if meta is None else g for g, meta in zip(result, block.grads)]
+
+
+def _laid_out(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    if tuple(t.stride()) == stride:
+        return t
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
+torch.library.register_autograd("bucketwise::shared_block", _backward, setup_context=_setup_context)
+
+
+@dataclasses.dataclass
+class Sharing:
+    """What :func:`share_blocks` did to one graph, for the report."""
+
+    blocks: str
+    """The module list (``model.layers``)."""
+    block_class: str
+    count: int
+    """Blocks that call a shared compile (the repeated ones)."""
+    compiles: int
+    """Distinct blocks compiled (one where every block is the same computation)."""
+    outcomes: list[CompileOutcome]
+    kept: list[SharedBlock] = dataclasses.field(default_factory=list, repr=False)
+    """The compiled blocks, alive as long as the graph's backend."""
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(o.seconds for o in self.outcomes)
+
+    def to_dict(self) -> dict[str, Any]:
+        per = self.compile_seconds / self.compiles if self.compiles else 0.0
+        return {
+            "blocks": self.blocks,
+            "class": self.block_class,
+            "count": self.count,
+            "compiles": self.compiles,
+            "compile_seconds": round(self.compile_seconds, 6),
+            "saved_seconds": round(per * (self.count - self.compiles), 6),
+        }
+
+
+def share_blocks(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, backend: str, config_patches: dict
+) -> tuple[Sharing | None, str | None]:
+    """Rewrite ``gm`` in place so that its identical blocks call one compiled block; returns what
+    was shared, or ``None`` and why nothing was (NOTE [one compile per block])."""
+    if backend not in SHAREABLE_BACKENDS:
+        return None, f"blocks are shared with the backends {list(SHAREABLE_BACKENDS)}, not {backend!r}"
+    if any(isinstance(a, torch.SymInt) or (isinstance(a, torch.Tensor) and _symbolic(a)) for a in example_inputs):
+        return None, "dynamic shapes"
+    run, why = find_block_run(gm)
+    if run is None:
+        return None, why
+    why = _mode_switch_across(gm, run)
+    if why is not None:
+        return None, why
+    fake_mode = aot.fake_mode_of(example_inputs)
+    values = _values(gm, example_inputs, fake_mode)
+    parts = _parts(gm, run)
+    # Every repeated block is compiled, or found the same as one compiled, before the graph
+    # changes: a block that cannot be shared leaves the graph as Dynamo gave it. A block that
+    # is the only one of its kind stays in the graph.
+    graphs = [aot.block_graph(gm, part, f"block_{k}") for k, part in enumerate(parts)]
+    signatures = [piece_signature(sub, [values[n] for n in inputs]) for sub, inputs, _ in graphs]
+    repeated = {sig for sig in signatures if signatures.count(sig) > 1}
+    if not repeated:
+        return None, f"no two blocks of {run.name} are the same computation (shapes, dtypes or constants differ)"
+    blocks: dict[tuple, SharedBlock] = {}
+    outcomes: list[CompileOutcome] = []
+    for k, ((sub, inputs, _), signature) in enumerate(zip(graphs, signatures)):
+        if signature in repeated and signature not in blocks:
+            try:
+                blocks[signature], outcome = _compile(
+                    sub, [values[n] for n in inputs], fake_mode, backend, config_patches
+                )
+            except _NotShareable as exc:
+                return None, f"{run.name}.{k}: {exc}"
+            outcomes.append(outcome)
+    shared = [(part, blocks[sig]) for part, sig in zip(parts, signatures) if sig in blocks]
+    with aot.dynamo_sources_kept(gm):
+        for k, (part, block) in enumerate(shared):
+            _, call = aot.cut_out(gm, part, f"block_{k}")
+            with gm.graph.inserting_before(call):
+                op = gm.graph.call_function(torch.ops.bucketwise.shared_block.default, (block.key, list(call.args)))
+            call.replace_all_uses_with(op)
+            gm.graph.erase_node(call)
+            gm.delete_submodule(str(call.target))
+        gm.graph.lint()
+        gm.recompile()
+    kept = list(blocks.values())
+    return Sharing(run.name, run.block_class, len(shared), len(kept), outcomes, kept), None
+
+
+def _parts(gm: fx.GraphModule, run: BlockRun) -> list[list[fx.Node]]:
+    """Each block's nodes, in graph order. An attribute read (a checkpointed body: Dynamo puts
+    its ``get_attr`` before the block that calls it) goes with the block that reads it."""
+    nodes = list(gm.graph.nodes)
+    piece = {node: piece_of(run, pos) for pos, node in enumerate(nodes)}
+    for node in nodes:
+        if node.op == "get_attr":
+            readers = {piece[u] for u in node.users}
+            if len(readers) == 1:
+                piece[node] = readers.pop()
+    parts: list[list[fx.Node]] = [[] for _ in range(len(run))]
+    for node in nodes:
+        if 1 <= piece[node] <= len(run) and node.op not in ("placeholder", "output"):
+            parts[piece[node] - 1].append(node)
+    return parts
+
+
+class _NotShareable(Exception):
+    pass
+
+
+def _compile(
+    sub: fx.GraphModule, fakes: list[Any], fake_mode: Any, backend: str, config_patches: dict
+) -> tuple[SharedBlock, CompileOutcome]:
+    phases0, counts0 = dc.compile_phase_seconds(), dc.compile_counters()
+    start = time.perf_counter()
+    try:
+        fw, bw = aot.partition(sub, fakes, fake_mode, decompose=backend == "inductor")
+    except Exception as exc:  # noqa: BLE001 - any failure: the block compiles with the whole graph
+        raise _NotShareable(
+            f"AOTAutograd could not split the block on its own: {type(exc).__name__}: {exc}"[:300]
+        ) from exc
+    random = [
+        str(n.target) for n in fw.graph.nodes if n.op == "call_function" and any(r in str(n.target) for r in _RANDOM)
+    ]
+    if random:
+        raise _NotShareable(f"the block draws random numbers ({random[0]})")
+    if any(n.op == "call_function" and dc.written_args(n) for n in fw.graph.nodes):
+        raise _NotShareable("the block writes into one of its inputs")
+    block = _plan(sub, fw, bw)
+    if backend == "inductor":
+        fw_inputs = [n.meta["val"] for n in fw.graph.find_nodes(op="placeholder")]
+        bw_inputs = [n.meta["val"] for n in bw.graph.find_nodes(op="placeholder")]
+        block.forward = aot.inductor_compile(fw, fw_inputs, fake_mode, backward=False, config_patches=config_patches)
+        block.backward = aot.inductor_compile(bw, bw_inputs, fake_mode, backward=True, config_patches=config_patches)
+    else:
+        block.forward, block.backward = aot.boxed(fw), aot.boxed(bw)
+    _BLOCKS[block.key] = block
+    outcome = CompileOutcome(backend=backend, seconds=time.perf_counter() - start)
+    phases1 = dc.compile_phase_seconds()
+    outcome.phases = {k: round(v - phases0.get(k, 0.0), 6) for k, v in phases1.items() if v - phases0.get(k, 0.0) > 0}
+    outcome.counts = {k: v - counts0[k] for k, v in dc.compile_counters().items() if v > counts0[k]}
+    return block, outcome
+
+
+def _plan(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule) -> SharedBlock:
+    """How the shared forward hands the backward what it reads (see NOTE [one compile per block]):
+    the forward graph returns the block's outputs and each other distinct non-view tensor the
+    backward reads once; every tensor the backward reads is an input, an output or such a base,
+    seen through view ops that the backward applies again."""
+    n_user = len(_user_outputs(sub))
+    out_node = next(iter(fw.graph.find_nodes(op="output")))
+    fw_out = list(out_node.args[0])
+    placeholders = {p: i for i, p in enumerate(fw.graph.find_nodes(op="placeholder"))}
+    user, bases, saved = fw_out[:n_user], [], []
+    owner: dict[fx.Node, int] = {}  # a root -> the output that hands it out
+    copied = set()
+    for j, node in enumerate(user):
+        root, views = _view_chain(node)
+        if root in placeholders or root in owner:
+            copied.add(j)
+        else:
+            owner[root] = j
+    for node in fw_out[n_user:]:
+        root, views = _view_chain(node)
+        if root in placeholders:
+            saved.append(("input", placeholders[root], views))
+        elif root in owner:
+            j = owner[root]
+            back = (
+                []
+                if user[j] is root
+                else [(torch.ops.aten.as_strided.default, (user[j], *_geometry(root)), {}, user[j])]
+            )
+            saved.append(("output", j, back + views))
+        else:
+            if root not in bases:
+                bases.append(root)
+            saved.append(("base", bases.index(root), views))
+    out_node.args = (tuple(user + bases),)
+    fw.graph.eliminate_dead_code()
+    fw.recompile()
+    bw_inputs = list(bw.graph.find_nodes(op="placeholder"))
+    bw_out = list(next(iter(bw.graph.find_nodes(op="output"))).args[0])
+    n_tangents = len(bw_inputs) - len(saved)
+    if n_tangents != sum(1 for n in user if n.meta["val"].is_floating_point()):
+        raise _NotShareable("the backward takes gradients of other outputs than the block's floating-point ones")
+    return SharedBlock(
+        key=next(_KEYS),
+        forward=aot.boxed(fw),
+        backward=aot.boxed(bw),
+        n_user=n_user,
+        copied=frozenset(copied),
+        saved=saved,
+        n_bases=len(bases),
+        outputs=[_meta(n) for n in user + bases],
+        grads=[_meta(n) if isinstance(n, fx.Node) else None for n in bw_out],
+        n_tangents=n_tangents,
+        input_strides=[tuple(n.meta["val"].stride()) for n in bw_inputs],
+    )
+
+
+def _geometry(node: fx.Node) -> tuple[list[int], list[int], int]:
+    v = node.meta["val"]
+    return list(v.shape), list(v.stride()), v.storage_offset()
+
+
+def _view_chain(node: Any) -> tuple[Any, list[tuple[Any, tuple, dict, Any]]]:
+    """The tensor ``node`` is a view of (through view ops), and those ops from it to ``node``."""
+    views = []
+    while isinstance(node, fx.Node) and aot.aliases_an_input(node):
+        views.append((node.target, node.args, node.kwargs, node.args[0]))
+        node = node.args[0]
+    return node, list(reversed(views))
+
+
+def _meta(node: fx.Node) -> TensorMeta:
+    v = node.meta["val"]
+    return tuple(v.shape), tuple(v.stride()), v.dtype, v.device
+
+
+def _user_outputs(sub: fx.GraphModule) -> list[Any]:
+    out = next(iter(sub.graph.find_nodes(op="output"))).args[0]
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _values(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode: Any) -> dict[fx.Node, Any]:
+    """A fake value of every node: Dynamo's own (``example_value``), placeholders from the
+    example inputs (parameters made fake)."""
+    out: dict[fx.Node, Any] = {}
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        if isinstance(value, torch.Tensor) and not aot.is_fake(value):
+            value = fake_mode.from_tensor(value, static_shapes=True)
+        out[node] = value
+    for node in gm.graph.nodes:
+        if node not in out:
+            out[node] = node.meta.get("example_value", node.meta.get("val"))
+    return out
+
+
+def _symbolic(t: torch.Tensor) -> bool:
+    return any(isinstance(d, torch.SymInt) for d in t.shape)
+
+
+def _mode_switch_across(gm: fx.GraphModule, run: BlockRun) -> str | None:
+    """Why an autocast or grad-mode switch makes the blocks unshareable: one that is open at a
+    block's start (it would not be in the block's own graph), or one left open inside a block."""
+    depth = 0
+    starts = set(run.starts)
+    for pos, node in enumerate(gm.graph.nodes):
+        if pos in starts and depth:
+            return "an autocast or grad-mode region spans the blocks (entered before a block starts)"
+        name = str(getattr(node.target, "__name__", node.target)) if node.op == "call_function" else ""
+        if name in ("_enter_autocast",):
+            depth += 1
+        elif name in ("_exit_autocast",):
+            depth -= 1
+        elif name == "_set_grad_enabled" and run.starts[0] <= pos <= run.end:
+            return "the blocks switch grad mode"
+    return None
