@@ -8,6 +8,8 @@ A recipe turns a freshly built model into the module a training step calls:
   training-step call (Dynamo reads the flag per frame when it converts it, so the patch must be
   active while the step runs, not while ``torch.compile()`` is called).
 - ``local``: ``torch.compile(model)`` without DDP: the compute floor, no gradient traffic.
+- ``regional``: torch's regional compilation recipe: each repeated block compiled in place
+  (``block.compile()``), the embeddings, head and loss eager, eager DDP around it.
 - ``replicate``: torch's DDP successor built on FSDP2 (``replicate()`` from
   ``torch.distributed._composable.replicate_with_fsdp``), applied to each block of the model's
   first ``nn.ModuleList`` and then to the root (torchtitan's order), then ``torch.compile``.
@@ -15,6 +17,8 @@ A recipe turns a freshly built model into the module a training step calls:
 - ``*-ro``: the same with ``mode="reduce-overhead"`` (Inductor's CUDA graphs; CUDA only).
 - ``bw-<strategy>-cg``: ``bucketwise.compile(..., cudagraphs=True)`` (bucketwise's own CUDA-graph
   wrapper; CUDA only). Its floor, like that of the ``*-ro`` configs, is ``local-ro``.
+- ``bw-fused-whole``, ``bw-fused-whole-cg``: ``share_blocks=False`` (every block compiled with the
+  whole graph, as before blocks were shared).
 
 A new strategy is one more line, e.g. ``"bw-fused": Recipe(compiler="bucketwise", strategy="fused")``.
 """
@@ -55,6 +59,9 @@ class Recipe:
     """Wrap the model in DDP (``False``: the local compute floor)."""
     replicate: bool = False
     """Wrap the model with FSDP2's ``replicate()`` instead of DDP."""
+    regional: bool = False
+    """torch's regional compilation: each block of the model's first ``nn.ModuleList`` compiled
+    in place (``block.compile()``), the rest (embeddings, head, loss) and DDP's reducer eager."""
     mode: str | None = None
     """``torch.compile`` mode, e.g. ``reduce-overhead``."""
     optimize_ddp: bool | None = None
@@ -69,6 +76,8 @@ class Recipe:
     second step after the first, within the warm-up)."""
     gather_embedding_rows: bool = True
     """bucketwise ``gather_embedding_rows=`` argument (``False``: all-reduce embedding tables whole)."""
+    share_blocks: bool = True
+    """bucketwise ``share_blocks=`` argument (``False``: every block compiled with the whole graph)."""
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -123,6 +132,10 @@ class Recipe:
         wrapped = self.wrap(model, device=device, bucket_cap_mb=bucket_cap_mb)
         if self.compiler == "none":
             return Prepared(module=wrapped, step_context=contextlib.nullcontext)
+        if self.regional:
+            for block in next((m for m in model.modules() if isinstance(m, nn.ModuleList)), []):
+                block.compile(backend=backend, mode=self.mode)
+            return Prepared(module=wrapped, step_context=contextlib.nullcontext)
         if self.compiler == "torch":
             compiled = torch.compile(wrapped, backend=backend, mode=self.mode)
             if self.optimize_ddp is None:
@@ -138,6 +151,7 @@ class Recipe:
             mode=self.mode,
             cudagraphs=self.cudagraphs,
             gather_embedding_rows=self.gather_embedding_rows,
+            share_blocks=self.share_blocks,
         )
         return Prepared(module=compiled, step_context=contextlib.nullcontext, report=bucketwise.report(compiled))
 
@@ -161,6 +175,7 @@ CONFIGS: dict[str, Recipe] = {
     "torch": Recipe(compiler="torch"),
     "torch-nosplit": Recipe(compiler="torch", optimize_ddp=False),
     "local": Recipe(compiler="torch", ddp=False),
+    "regional": Recipe(compiler="torch", regional=True),
     "replicate": Recipe(compiler="torch", ddp=False, replicate=True),
     "bw-split": Recipe(compiler="bucketwise", strategy="split"),
     "bw-none": Recipe(compiler="bucketwise", strategy="none"),
@@ -184,6 +199,8 @@ CONFIGS: dict[str, Recipe] = {
     "bw-split-cg": Recipe(compiler="bucketwise", strategy="split", cudagraphs=True),
     "bw-none-cg": Recipe(compiler="bucketwise", strategy="none", cudagraphs=True),
     "bw-fused-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True),
+    "bw-fused-whole": Recipe(compiler="bucketwise", strategy="fused", share_blocks=False),
+    "bw-fused-whole-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True, share_blocks=False),
 }
 
 DEFAULT_CONFIGS = ("eager", "torch", "torch-nosplit", "local", "bw-split", "bw-none", "bw-fused")

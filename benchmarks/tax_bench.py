@@ -65,6 +65,7 @@ DEFAULT_CONFIGS = "local,local-ro,torch-nosplit,torch,replicate,bw-fused,bw-fuse
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt-medium", choices=MODELS)
+    p.add_argument("--layers", type=int, default=None, help="the model's depth (default: the model's own)")
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
     p.add_argument("--pairs", type=int, default=4, help="interleaved rounds (>= 3)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per config per round")
@@ -360,7 +361,7 @@ def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": shlex.join(["python3", "benchmarks/tax_bench.py", *sys.argv[1:]]),
         "model": args.model,
-        "sizes": make_spec(args.model, {}).sizes,
+        "sizes": make_spec(args.model, _sizes(args)).sizes,
         "configs": args.configs,
         "pairs": args.pairs,
         "steps": args.steps,
@@ -380,7 +381,7 @@ def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
     from bucketwise.benchmarks import tax_restarts
 
     before = dc.compile_counters()
-    entry = build(args.configs[0], make_spec(args.model, {}), device, args.backend, warmup=0)
+    entry = build(args.configs[0], make_spec(args.model, _sizes(args)), device, args.backend, warmup=0)
     after = dc.compile_counters()
     _sync()
     t0 = time.perf_counter()
@@ -399,8 +400,12 @@ def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
     )
 
 
+def _sizes(args: argparse.Namespace) -> dict[str, int | None]:
+    return {"layers": args.layers}
+
+
 def run(args: argparse.Namespace, device: torch.device) -> None:
-    spec = make_spec(args.model, {})
+    spec = make_spec(args.model, _sizes(args))
     entries: dict[str, dict[str, Any]] = {}
     failed: list[dict[str, Any]] = []
     for i, config in enumerate(args.configs if args.pairs else [], 1):
@@ -430,7 +435,8 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        restarts = tax_restarts.run_restarts(args.model, args.configs, args.backend, args.restarts)
+        extra = ["--layers", str(args.layers)] if args.layers is not None else []
+        restarts = tax_restarts.run_restarts(args.model, args.configs, args.backend, args.restarts, extra_args=extra)
     if dist.get_rank() == 0:
         meta = _meta(args, device)
         os.makedirs(args.out, exist_ok=True)

@@ -44,7 +44,9 @@ def child_env(cache_dir: str) -> dict[str, str]:
     }
 
 
-def run_child(model: str, config: str, backend: str, cache_dir: str, timeout_s: float) -> dict[str, Any]:
+def run_child(
+    model: str, config: str, backend: str, cache_dir: str, timeout_s: float, extra_args: list[str] = ()
+) -> dict[str, Any]:
     """One new process: ``config``'s first step over ``cache_dir``; its JSON line, or the error."""
     cmd = [
         sys.executable,
@@ -58,6 +60,7 @@ def run_child(model: str, config: str, backend: str, cache_dir: str, timeout_s: 
         "--first-step-only",
         "--out",
         cache_dir,
+        *extra_args,
     ]
     try:
         proc = subprocess.run(cmd, env=child_env(cache_dir), capture_output=True, text=True, timeout=timeout_s)
@@ -70,7 +73,7 @@ def run_child(model: str, config: str, backend: str, cache_dir: str, timeout_s: 
 
 
 def run_restarts(
-    model: str, configs: list[str], backend: str, rounds: int, *, timeout_s: float = 900.0
+    model: str, configs: list[str], backend: str, rounds: int, *, timeout_s: float = 900.0, extra_args: list[str] = ()
 ) -> dict[str, Any]:
     """``rounds`` interleaved rounds of a cold and a warm first step per config."""
     root = tempfile.mkdtemp(prefix="bucketwise-restarts-")
@@ -81,8 +84,12 @@ def run_restarts(
             for config in order:
                 cache = os.path.join(root, f"r{r}-{config}")
                 os.makedirs(cache)
-                cold = run_child(model, config, backend, cache, timeout_s)
-                warm = run_child(model, config, backend, cache, timeout_s) if "error" not in cold else cold
+                cold = run_child(model, config, backend, cache, timeout_s, list(extra_args))
+                warm = (
+                    run_child(model, config, backend, cache, timeout_s, list(extra_args))
+                    if "error" not in cold
+                    else cold
+                )
                 runs[config].append({"cold": cold, "warm": warm})
                 print(f"restarts round {r + 1}/{rounds} {config}: cold {_s(cold)}, warm {_s(warm)}", flush=True)
     finally:
