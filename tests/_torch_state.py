@@ -73,9 +73,11 @@ def process_snapshot() -> dict[str, Any]:
 
 
 def _set_by_a_library(name: str) -> bool:
-    """Variables set by pytest itself, by Inductor at its first compile in a process, and by
-    Lightning when it is first imported (``PYTORCH_NVML_BASED_CUDA_CHECK``): not a test's doing."""
-    return name.startswith(("PYTEST_", "_TORCHINDUCTOR_")) or name == "PYTORCH_NVML_BASED_CUDA_CHECK"
+    """Variables set by pytest itself, by Inductor at its first compile in a process (on CUDA
+    also Triton's cache directory and ``ptxas`` path, ``TRITON_CACHE_DIR``, ``TRITON_PTXAS_PATH``),
+    and by Lightning when it is first imported (``PYTORCH_NVML_BASED_CUDA_CHECK``): not a test's
+    doing."""
+    return name.startswith(("PYTEST_", "_TORCHINDUCTOR_", "TRITON_")) or name == "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def process_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
