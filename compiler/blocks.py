@@ -20,10 +20,10 @@ view (a transposed weight, ``q``/``k``/``v`` of one projection) is rebuilt in th
 the tensor it views, an input is taken from the operation's inputs.
 
 A block is not shared, and compiles with the whole graph as before, when its graph differs from
-the others (shapes, dtypes, constants, hooks), when shapes are dynamic, when it draws random
-numbers (dropout in training), writes into an input, or sits in an autocast or grad-mode region
-that starts outside it, and with a backend other than Inductor or ``aot_eager``: the report says
-why (``shared_blocks``).
+the others (shapes, dtypes, constants, hooks), when shapes are dynamic, in a graph without
+gradients (evaluation), when it draws random numbers (dropout in training), writes into an
+input, or sits in an autocast or grad-mode region that starts outside it, and with a backend
+other than Inductor or ``aot_eager``: the report says why (``shared_blocks``).
 """
 
 from __future__ import annotations
@@ -206,6 +206,8 @@ def share_blocks(
         return None, f"blocks are shared with the backends {list(SHAREABLE_BACKENDS)}, not {backend!r}"
     if any(isinstance(a, torch.SymInt) or (isinstance(a, torch.Tensor) and _symbolic(a)) for a in example_inputs):
         return None, "dynamic shapes"
+    if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs):
+        return None, "no gradients in this graph (evaluation, no_grad): blocks share a compile in training graphs"
     run, why = find_block_run(gm)
     if run is None:
         return None, why
