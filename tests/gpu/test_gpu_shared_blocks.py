@@ -1,9 +1,12 @@
 """Shared blocks on a GPU (NOTE [one compile per block]): one rank with NCCL, Inductor.
 
 A GPT of 4 identical blocks trains under ``bucketwise.compile(..., strategy="fused")`` with its
-blocks sharing one compile, with and without ``cudagraphs=True``, next to eager DDP: gradients
-after every backward and parameters after every step agree (fp32, TF32 off), and the report says
-the 4 blocks shared 1 compile. Skipped without CUDA.
+blocks sharing one compile, with and without ``cudagraphs=True``, next to eager DDP and to the
+same compile with every block in the whole graph (``share_blocks=False``). Inductor's kernels
+differ from eager by themselves, so the distance to eager DDP (relative to each gradient's
+largest entry, after every backward over 5 steps: SGD in float64, AdamW in float32 with TF32
+off) must stay within 1e-7 (float64) or 1e-4 (float32), or within three times the whole-graph
+compile's own distance. The report says the 4 blocks shared 1 compile. Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ WORKER = textwrap.dedent(
     from bucketwise.launch.models import GPT, GPTConfig, synthetic_tokens
 
     cudagraphs = sys.argv[1] == "cg"
+    dtype = getattr(torch, sys.argv[3])
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"file://{sys.argv[2]}", rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
@@ -34,38 +38,57 @@ WORKER = textwrap.dedent(
     torch.backends.cudnn.allow_tf32 = False
     cfg = GPTConfig(vocab=512, seq=64, layers=4, d_model=128, heads=4, dropout=0.0)
     torch.manual_seed(0)
-    base = GPT(cfg).cuda()
-    ref_net, net = copy.deepcopy(base), copy.deepcopy(base)
+    base = GPT(cfg).to("cuda", dtype)
+    ref_net, net, whole_net = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     ref = DDP(ref_net, device_ids=[0])
     compiled = bucketwise.compile(DDP(net, device_ids=[0]), strategy="fused", cudagraphs=cudagraphs)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref_net, net)]
-    worst = 0.0
+    whole = bucketwise.compile(
+        DDP(whole_net, device_ids=[0]), strategy="fused", cudagraphs=cudagraphs, share_blocks=False
+    )
+    nets = (ref_net, net, whole_net)
+    # float64: SGD, linear in the gradient, so rounding is not amplified as Adam's division
+    # amplifies it for entries near zero.
+    if dtype == torch.float64:
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in nets]
+    else:
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in nets]
+    worst = {"shared": 0.0, "whole": 0.0}
     for step in range(5):
         x, y = synthetic_tokens(cfg, 8, seed=step, device="cuda")
-        for model in (ref, compiled):
+        for model in (ref, compiled, whole):
             model(x, y).backward()
-        for p, q in zip(ref_net.parameters(), net.parameters()):
-            worst = max(worst, ((p.grad - q.grad).abs().max() / (p.grad.abs().max() + 1e-12)).item())
+        for name, other in (("shared", net), ("whole", whole_net)):
+            for p, q in zip(ref_net.parameters(), other.parameters()):
+                err = ((p.grad - q.grad).abs().max() / (p.grad.abs().max() + 1e-12)).item()
+                worst[name] = max(worst[name], err)
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
     shared = bucketwise.report(compiled).to_dict()["graphs"][0]["shared_blocks"]
-    print("RESULT", worst, shared["count"], shared["compiles"], flush=True)
+    assert bucketwise.report(whole).to_dict()["graphs"][0]["shared_blocks"] is None
+    print("RESULT", worst["shared"], worst["whole"], shared["count"], shared["compiles"], flush=True)
     dist.destroy_process_group()
     """
 )
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("mode", ["plain", "cg"])
-def test_shared_blocks_train_like_eager_ddp_on_a_gpu(tmp_path, mode):
+def test_shared_blocks_train_like_eager_ddp_on_a_gpu(tmp_path, mode, dtype):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "BUCKETWISE_PROGRESS": "0"}
     done = subprocess.run(
-        [sys.executable, str(script), mode, str(tmp_path / "store")], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, str(script), mode, str(tmp_path / "store"), dtype],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
     assert lines, done.stderr[-4000:]
-    worst, count, compiles = lines[-1].split()[1:]
-    assert float(worst) < 1e-4, lines[-1]
+    print(lines[-1])  # RESULT shared whole count compiles
+    shared, whole, count, compiles = lines[-1].split()[1:]
+    tolerance = 1e-7 if dtype == "float64" else 1e-4
+    assert float(shared) < max(tolerance, 3 * float(whole)), lines[-1]
     assert (int(count), int(compiles)) == (4, 1), lines[-1]
