@@ -17,8 +17,8 @@ A recipe turns a freshly built model into the module a training step calls:
 - ``*-ro``: the same with ``mode="reduce-overhead"`` (Inductor's CUDA graphs; CUDA only).
 - ``bw-<strategy>-cg``: ``bucketwise.compile(..., cudagraphs=True)`` (bucketwise's own CUDA-graph
   wrapper; CUDA only). Its floor, like that of the ``*-ro`` configs, is ``local-ro``.
-- ``bw-fused-whole``, ``bw-fused-whole-cg``: ``share_blocks=False`` (every block compiled with the
-  whole graph, as before blocks were shared).
+- ``bw-fused-blocks``, ``bw-fused-blocks-cg``: ``share_blocks=True`` (identical blocks share one
+  compile).
 
 A new strategy is one more line, e.g. ``"bw-fused": Recipe(compiler="bucketwise", strategy="fused")``.
 """
@@ -76,8 +76,8 @@ class Recipe:
     second step after the first, within the warm-up)."""
     gather_embedding_rows: bool = True
     """bucketwise ``gather_embedding_rows=`` argument (``False``: all-reduce embedding tables whole)."""
-    share_blocks: bool = True
-    """bucketwise ``share_blocks=`` argument (``False``: every block compiled with the whole graph)."""
+    share_blocks: bool = False
+    """bucketwise ``share_blocks=`` argument (``True``: identical blocks share one compile)."""
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -199,8 +199,8 @@ CONFIGS: dict[str, Recipe] = {
     "bw-split-cg": Recipe(compiler="bucketwise", strategy="split", cudagraphs=True),
     "bw-none-cg": Recipe(compiler="bucketwise", strategy="none", cudagraphs=True),
     "bw-fused-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True),
-    "bw-fused-whole": Recipe(compiler="bucketwise", strategy="fused", share_blocks=False),
-    "bw-fused-whole-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True, share_blocks=False),
+    "bw-fused-blocks": Recipe(compiler="bucketwise", strategy="fused", share_blocks=True),
+    "bw-fused-blocks-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True, share_blocks=True),
 }
 
 DEFAULT_CONFIGS = ("eager", "torch", "torch-nosplit", "local", "bw-split", "bw-none", "bw-fused")

@@ -31,7 +31,7 @@ def compile(
     gather_embedding_rows: bool = True,
     fallback: str = "eager",
     freeze: bool | str = False,
-    share_blocks: bool = True,
+    share_blocks: bool = False,
 ) -> Any:
     """Compile a DDP-wrapped module, a plain module or a function, like ``torch.compile``.
 
@@ -57,10 +57,11 @@ def compile(
         freeze: ``True``/``"raise"`` or ``"eager"``: after the first call no new compile
             happens; a call that would recompile raises naming the failed guard, or runs
             eagerly (as :func:`bucketwise.freeze`).
-        share_blocks: identical blocks (an ``nn.ModuleList`` of one class) share one compiled
-            forward and backward, so compile time does not grow with depth (the report's
-            ``shared_blocks`` says which, and the seconds saved); ``False``: every block is
-            compiled with the whole graph.
+        share_blocks: ``True``: identical blocks (an ``nn.ModuleList`` of one class) share one
+            compiled forward and backward (the report's ``shared_blocks`` says which, the
+            seconds saved, or why they could not); ``False`` (default): every block is compiled
+            with the whole graph. Opt-in for now: under ``split`` a shared block is never cut,
+            so buckets whose boundaries fall inside a block merge into fewer segments.
 
     Returns:
         For a module, a module with the same parameters and ``state_dict`` keys; for a

@@ -72,10 +72,10 @@ class CompileConfig:
     recompile raise an error naming the failed guard, ``"eager"`` runs that frame eagerly (see
     :func:`bucketwise.freeze`, which freezes at a point of your choosing)."""
 
-    share_blocks: bool = True
-    """Identical blocks of a graph (an ``nn.ModuleList`` of one block class) share one compiled
-    forward and backward, so the first step does not grow with the model's depth (NOTE [one
-    compile per block]); ``False`` compiles every block with the whole graph."""
+    share_blocks: bool = False
+    """``True``: identical blocks of a graph (an ``nn.ModuleList`` of one block class) share one
+    compiled forward and backward, so AOTAutograd and the backend run once per distinct block
+    (NOTE [one compile per block]); ``False`` (default) compiles every block with the whole graph."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.share_blocks, bool):

@@ -309,7 +309,6 @@ def format_table(data: dict[str, Any]) -> str:
             )
     lines = [_align([header, *rows])]
     lines.extend(bucket_table(data["graphs"]))
-    lines.extend(shared_block_lines(data["graphs"]))
     cg_rows = [
         (
             c["name"],
@@ -351,6 +350,7 @@ def format_table(data: dict[str, Any]) -> str:
     lines.extend(f"ran eagerly: {n} call(s): {why}" for why, n in data.get("eager_calls", {}).items())
     lines.extend(f"runs eagerly between graphs: {r}" for r in data.get("eager_regions", []))
     lines.extend(f"note: {n}" for n in data.get("notes", []))
+    lines.extend(shared_block_lines(data["graphs"]))
     times_rows = [
         breakdown_row(str(g["graph_id"]), g["compile_times"]) for g in data["graphs"] if g.get("compile_times")
     ]
@@ -393,7 +393,7 @@ def shared_block_lines(graphs: list[dict[str, Any]]) -> list[str]:
             f"{shared['compiles']} compile{'s' if shared['compiles'] != 1 else ''} ({shared['compile_seconds']:.2f} s; "
             f"about {shared['saved_seconds']:.1f} s of compiles saved)"
         )
-    return ([""] + lines) if lines else []
+    return lines
 
 
 def bucket_table(graphs: list[dict[str, Any]]) -> list[str]:

@@ -41,10 +41,10 @@ WORKER = textwrap.dedent(
     base = GPT(cfg).to("cuda", dtype)
     ref_net, net, whole_net = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     ref = DDP(ref_net, device_ids=[0])
-    compiled = bucketwise.compile(DDP(net, device_ids=[0]), strategy="fused", cudagraphs=cudagraphs)
-    whole = bucketwise.compile(
-        DDP(whole_net, device_ids=[0]), strategy="fused", cudagraphs=cudagraphs, share_blocks=False
+    compiled = bucketwise.compile(
+        DDP(net, device_ids=[0]), strategy="fused", cudagraphs=cudagraphs, share_blocks=True
     )
+    whole = bucketwise.compile(DDP(whole_net, device_ids=[0]), strategy="fused", cudagraphs=cudagraphs)
     nets = (ref_net, net, whole_net)
     # float64: SGD, linear in the gradient, so rounding is not amplified as Adam's division
     # amplifies it for entries near zero.
