@@ -14,7 +14,10 @@ dropped. Memory allocated above what the process held before the model was built
   ``peak_reserved``: ``torch.cuda.max_memory_reserved`` likewise (above the reserved memory at
   the start), and ``steady_peak``: allocated, over the steps after the first two;
 - ``after_gc``: after the drop and one ``gc.collect()``; ``after_reset``: after
-  ``torch._dynamo.reset()`` and ``gc.collect()`` too.
+  ``torch._dynamo.reset()`` and ``gc.collect()`` too; ``after_cublas``: after cuBLAS's
+  per-stream workspaces are cleared as well (torch keeps a workspace for the process from a
+  stream's first matmul on, 32 MiB on an H100, also after plain ``torch.compile``: what stays
+  beyond it is the compile's).
 
 ``--rounds`` repeats every config in new processes, interleaved (A B C, then A B C again).
 Writes ``results.json`` (every process's figures) and ``results.md`` (the median per config).
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 
+from bucketwise._compat import cuda as cuc
 from bucketwise._compat import dynamo as dc
 from bucketwise.benchmarks.bench_configs import recipe_for
 from bucketwise.benchmarks.bench_models import MODELS, SIZE_FLAGS, make_spec
@@ -40,7 +44,7 @@ from bucketwise.benchmarks.ddp_bench import LR, make_step
 from bucketwise.benchmarks.run_meta import run_meta
 
 MIB = 2**20
-FIGURES = ("rest", "rest_reserved", "peak", "peak_reserved", "steady_peak", "after_gc", "after_reset")
+FIGURES = ("rest", "rest_reserved", "peak", "peak_reserved", "steady_peak", "after_gc", "after_reset", "after_cublas")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -115,6 +119,9 @@ def measure(config: str, spec: Any, device: torch.device, backend: str, steps: i
     dc.reset()
     gc.collect()
     out["after_reset"] = _allocated(device) - start
+    if cuda:
+        cuc.clear_cublas_workspaces()
+    out["after_cublas"] = _allocated(device) - start
     return {k: v / MIB for k, v in out.items()}
 
 
@@ -152,12 +159,12 @@ def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         f"median of {meta['rounds']} process(es) per config; `{meta['command']}`",
         "",
         "| config | at rest | reserved at rest | peak | peak reserved | steady-step peak | after `gc.collect()` "
-        "| after `torch._dynamo.reset()` too |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| after `torch._dynamo.reset()` too | and cuBLAS's workspaces cleared |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for config in configs:
         mine = [r for r in runs if r["config"] == config]
-        cells = [f"{statistics.median(r[f] for r in mine):,.1f}" for f in FIGURES]
+        cells = [f"{statistics.median(r[f] for r in mine):,.1f}" if f in mine[0] else "-" for f in FIGURES]
         lines.append(f"| `{config}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -358,3 +358,28 @@ def test_default_out(bench, monkeypatch, tmp_path):
     assert cli.default_out("gpt", "default") == first + "-2"  # a second run in the same minute
     monkeypatch.setenv("RANK", "1")
     assert cli.default_out("gpt", "default") == first  # under torchrun: the same path on every rank
+
+
+def test_memory_bench_runs_each_config_in_a_process_of_its_own(tmp_path):
+    # On CPU the figures are 0 (there is no allocator to read); what is checked is the harness:
+    # one process per config and round, its JSON, the table, and a bad flag named.
+    out = tmp_path / "memory"
+    cmd = [sys.executable, "-m", "bucketwise.benchmarks.memory_bench", "--model", "mlp", "--layers", "2"]
+    cmd += ["--d-model", "16", "--batch", "4", "--steps", "3", "--configs", "local,bw-fused", "--rounds", "2"]
+    done = _run([*cmd, "--out", str(out), "--backend", "aot_eager"], timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:]
+    data = json.loads((out / "results.json").read_text())
+    assert [(r["config"], r["round"]) for r in data["runs"]] == [
+        ("local", 0),
+        ("bw-fused", 0),
+        ("local", 1),
+        ("bw-fused", 1),
+    ]
+    assert data["meta"]["command"].endswith("--backend aot_eager") and data["meta"]["steps"] == 3
+    from bucketwise.benchmarks.memory_bench import FIGURES
+
+    assert all(set(FIGURES) <= set(r) for r in data["runs"]), data["runs"]
+    table = (out / "results.md").read_text()
+    assert "| `bw-fused` |" in table and "cuBLAS" in table
+    bad = _run([*cmd[:3], "--steps", "2", "--one", "local"], timeout=120)
+    assert bad.returncode != 0 and "--steps must be >= 3" in bad.stdout
