@@ -21,12 +21,10 @@ import shlex
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import traceback
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -52,6 +50,7 @@ from bucketwise.benchmarks.bench_cli import (
 from bucketwise.benchmarks.bench_configs import Prepared, Recipe, recipe_for
 from bucketwise.benchmarks.bench_models import ModelSpec, make_spec
 from bucketwise.benchmarks.bench_output import add_floor_ratios, safe_name, write_jsonl, write_markdown
+from bucketwise.benchmarks.run_meta import git_revision
 from bucketwise.distributed.gloo_exit import end_process_group
 
 LR = 1e-4
@@ -91,6 +90,28 @@ def make_step(
         return kept
 
     return step
+
+
+def training_step(
+    recipe: Recipe, spec: ModelSpec, device: torch.device, backend: str
+) -> tuple[torch.nn.Module, Prepared, torch.optim.Optimizer, Callable[[], torch.Tensor]]:
+    """A config's model built (seed 0) and wrapped, its fused AdamW, and one training step on a
+    fixed synthetic batch (:func:`make_step`): what the one-process harnesses (``tax_bench``,
+    ``memory_bench``) time and measure."""
+    torch.manual_seed(0)
+    model = spec.build().to(device)
+    prepared = recipe.prepare(model, device=device, backend=backend, bucket_cap_mb=None)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True if device.type == "cuda" else None)
+    step = make_step(
+        prepared,
+        spec,
+        opt,
+        spec.make_batch(1, device),
+        device,
+        mark_cudagraph_step=recipe.mode == "reduce-overhead",
+        annotate=False,
+    )
+    return model, prepared, opt, step
 
 
 def _fresh_state(device: torch.device) -> None:
@@ -323,20 +344,6 @@ def run_config(args: BenchArgs, config: str, spec: ModelSpec, device: torch.devi
     return merge_ranks(config, recipe, bm.gather(local), spec)
 
 
-def _git_revision() -> str | None:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (rev + ("-dirty" if dirty else "")) or None
-
-
 def build_meta(args: BenchArgs, spec: ModelSpec, device: torch.device, probe: dict) -> dict:
     try:
         import triton
@@ -363,7 +370,7 @@ def build_meta(args: BenchArgs, spec: ModelSpec, device: torch.device, probe: di
         "python": platform.python_version(),
         "host": socket.gethostname(),
         "bucketwise": bucketwise.__version__,
-        "git": _git_revision(),
+        "git": git_revision(),
         "net": args.net,
         "env": {k: os.environ.get(k) for k in (*ALWAYS_ENV, *SOCKET_ENV, *NO_CACHE_ENV, *RECORD_ENV)},
         "compile_cache": args.compile_cache,

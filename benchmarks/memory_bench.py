@@ -40,7 +40,7 @@ from bucketwise._compat import cuda as cuc
 from bucketwise._compat import dynamo as dc
 from bucketwise.benchmarks.bench_configs import recipe_for
 from bucketwise.benchmarks.bench_models import MODELS, SIZE_FLAGS, make_spec
-from bucketwise.benchmarks.ddp_bench import LR, make_step
+from bucketwise.benchmarks.ddp_bench import training_step
 from bucketwise.benchmarks.run_meta import run_meta
 
 MIB = 2**20
@@ -84,20 +84,7 @@ def measure(config: str, spec: Any, device: torch.device, backend: str, steps: i
     start_reserved = torch.cuda.memory_reserved() if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(0)
-    model = spec.build().to(device)
-    recipe = recipe_for(config)
-    prepared = recipe.prepare(model, device=device, backend=backend, bucket_cap_mb=None)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True if cuda else None)
-    step = make_step(
-        prepared,
-        spec,
-        opt,
-        spec.make_batch(1, device),
-        device,
-        mark_cudagraph_step=recipe.mode == "reduce-overhead",
-        annotate=False,
-    )
+    model, prepared, opt, step = training_step(recipe_for(config), spec, device, backend)
     out: dict[str, float] = {}
     for i in range(steps):
         if i == 2 and cuda:

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from bucketwise._compat import dynamo as dc
 from bucketwise.benchmarks.bench_configs import floor_config, recipe_for
 from bucketwise.benchmarks.bench_models import MODELS, make_spec
-from bucketwise.benchmarks.ddp_bench import LR, make_step
+from bucketwise.benchmarks.ddp_bench import training_step
 from bucketwise.benchmarks.tax_restarts import cold_graphs_text
 from bucketwise.distributed.gloo_exit import end_process_group
 
@@ -120,19 +120,7 @@ def build(config: str, spec: Any, device: torch.device, backend: str, warmup: in
     gc.collect()
     before = _allocated()
     _reset_peak()
-    torch.manual_seed(0)
-    model = spec.build().to(device)
-    prepared = recipe.prepare(model, device=device, backend=backend, bucket_cap_mb=None)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True if device.type == "cuda" else None)
-    step = make_step(
-        prepared,
-        spec,
-        opt,
-        spec.make_batch(1, device),
-        device,
-        mark_cudagraph_step=recipe.mode == "reduce-overhead",
-        annotate=False,
-    )
+    _, prepared, _, step = training_step(recipe, spec, device, backend)
     _sync()
     t0 = time.perf_counter()
     step()

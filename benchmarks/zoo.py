@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from bucketwise.benchmarks.run_meta import git_revision
 from bucketwise.benchmarks.zoo_procs import importable, run_ranks
 from bucketwise.benchmarks.zoo_registry import MODELS, select
 from bucketwise.benchmarks.zoo_speed import CONV_TF32
@@ -167,24 +167,6 @@ def meta(args: ZooArgs) -> dict[str, Any]:
         "versions": versions(),
         **({"conv_tf32": CONV_TF32} if args.mode == "speed" else {}),
     }
-
-
-def git_revision() -> str | None:
-    here = Path(__file__).resolve().parent
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=30
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except OSError:
-        return None
-    return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if rev.returncode == 0 else None
 
 
 def run_one(model: Any, args: ZooArgs, work: Path, *, timeout_s: float) -> dict[str, Any]:
