@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +69,8 @@ def _check_steps(row: dict, steps: int, total: int) -> None:
     assert [len(ms) for ms in per_rank["per_step_ms"]] == [steps, steps]
     slowest = per_rank["per_step_ms"][per_rank["slowest_rank"]]
     spread = row["spread"]
-    assert spread["rank"] == per_rank["slowest_rank"] and spread["std_ms"] >= 0
+    assert spread["rank"] == per_rank["slowest_rank"]
+    assert spread["std_ms"] == pytest.approx(statistics.pstdev(slowest), rel=1e-3, abs=1e-3), (spread, slowest)
     assert min(slowest) - 1e-3 <= spread["p10_ms"] <= spread["p50_ms"] <= spread["p90_ms"] <= max(slowest) + 1e-3
     assert spread["p50_ms"] == pytest.approx(row["median_ms"])
     for issue in per_rank["cpu_issue_ms"]:

@@ -36,7 +36,7 @@ import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
-from _dist import WorkerError, run_distributed
+from _dist import run_distributed
 from torch.func import functional_call, grad, vmap
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -248,18 +248,6 @@ def functorch_worker(rank: int, world_size: int, model_name: str, strategy: str)
         "nesting": rec.calls,
         "params": sorted(n.removeprefix("module.") for n, p in compiled.named_parameters() if p.requires_grad),
     }
-
-
-@contextlib.contextmanager
-def _known_bug(fragment: str):
-    """For xfail(raises=WorkerError) tests: a worker failure counts as the known bug only if
-    its message has ``fragment``; anything else fails the test for real."""
-    try:
-        yield
-    except WorkerError as exc:
-        if fragment not in str(exc):
-            pytest.fail(f"failed, but not with the known bug ({fragment!r}):\n{exc}")
-        raise
 
 
 def _run_functorch(tmp_path, model_name: str, strategy: str) -> list[dict[str, Any]]:

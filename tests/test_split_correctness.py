@@ -572,7 +572,6 @@ def test_sequential_container(tmp_path, strategy):
     results = _run(tmp_path, "sequential", strategy)
     for r in results:
         rep = r["report"]
-        assert rep["totals"]["graphs"] >= 1, rep
         assert rep["totals"]["graphs"] == 1 and rep["totals"]["graph_breaks"] == 0, rep
         # DDP's construction-time buckets are not contiguous in forward order here
         # ([l0, extra] and [never, l1] interleave with use order), so the split merges the
