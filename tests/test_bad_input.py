@@ -18,25 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _dist import run_distributed
+from _small_net import Net, _unique_graphs
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
-
-
-def _unique_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l0 = nn.Linear(8, 16)
-        self.l1 = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l1(torch.tanh(self.l0(x)))
 
 
 def _assert_nothing_compiled(before: int, *objs) -> None:

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn as nn
 from _cudagraph_emulator import use_emulated_graphs
+from _ddp_cases import train_and_compare
 from _dist import run_distributed
-from test_split_correctness import train_and_compare
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import bucketwise

@@ -33,8 +33,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _ddp_cases import MLP, BNNet, UnusedBranchNet, _mse, _x  # noqa: E402
 from _dist import run_distributed  # noqa: E402
-from test_split_correctness import MLP, BNNet, UnusedBranchNet, _mse, _x  # noqa: E402
 
 STRATEGIES = ("fused", "split", "none", "auto")
 RTOL, ATOL = 1e-5, 1e-6  # aot_eager runs eager's aten kernels: equal up to summation order

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 from _dist import run_distributed
-from test_bad_input import Net, _unique_graphs
+from _small_net import Net, _unique_graphs
 from torch._dynamo.testing import CompileCounter
 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _ddp_cases import CASES, _run
 from _dist import run_distributed
-from test_split_correctness import CASES, _run
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
