@@ -74,11 +74,6 @@ def wait(t: Any) -> Any:
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
-# Inductor passes that issue collectives early, by preference; the first name this torch
-# version has is used. Waits are then sunk by ``sink_waits_to_consumers`` (NOTE [late waits]).
-_RAISE_PASSES = ("reorder_communication_preserving_peak_memory", "raise_comms")
-
-
 # NOTE [late waits]: Inductor orders the collectives of a graph with "fake" weak dependencies
 # (``WeakDep(is_fake=True)``, ``comms.decide_global_ordering_of_comms``): collective k+1 depends
 # on what collective k wrote, which its wait reads, so the built-in passes leave every wait right
@@ -95,6 +90,13 @@ _RAISE_PASSES = ("reorder_communication_preserving_peak_memory", "raise_comms")
 # and delays every wait, and whatever reads its result (a comm hook's decompress), until nothing
 # else is ready. Cost: a compressed bucket stays allocated until the end of the backward (half
 # or less of the gradient bytes, when activations are mostly freed).
+#
+# It is the only pass: its order already issues every collective as soon as what it reduces is
+# computed, so Inductor's own raise pass (``reorder_communication_preserving_peak_memory``) run
+# before it leaves no trace in the result, and that pass costs time that grows with collectives
+# times nodes. Measured on one H100, torch 2.11, an HF Llama of 32 layers (56 buckets), cold: a
+# first step of 133.9 s with it, 69.3 s without, the same step time at 16 layers; on CPU, a
+# 6-layer gpt-tiny's 26 buckets start at the same fractions of the backward either way.
 def sink_waits_to_consumers(snodes: list[Any]) -> list[Any]:
     """Scheduler pass: a topological order of ``snodes`` where what each collective needs comes
     first, collective by collective, then the rest in the original order, and waits and the
@@ -212,13 +214,7 @@ def _priority_topo_sort(snodes: list[Any], preds: dict[Any, set[Any]], key: Any)
 def comm_overlap_options(key: str) -> dict[str, Any]:
     """Inductor options (applied per compile, never globally) that reorder comm and compute;
     ``key``: the cache key of this module's scheduler pass (``cache_keys.comm_pass_key``)."""
-    try:
-        from torch._inductor import comms
-    except ImportError:  # pragma: no cover - very old torch
-        return {}
-    passes: list[Any] = [name for name in _RAISE_PASSES if hasattr(comms, name)][:1]
-    passes.append(SinkWaitsPass(key))
-    return {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": passes}
+    return {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": [SinkWaitsPass(key)]}
 
 
 class SinkWaitsPass:
