@@ -10,7 +10,7 @@ ranks) wrote, so the check is as sensitive for a weight of norm 30 as for a bias
 Why these tolerances (fp32): two runs that reduce the same gradients in another order, or
 through AOTAutograd's decompositions, differ by float round-off, about 1e-6 of an update;
 ``RTOL`` 1e-3 sits far above that and ten times below the 1% error of a single wrong gradient
-(``tests/test_zoo.py`` injects one and checks it is caught). Integer buffers (BatchNorm's
+(``tests/benchmarks/test_zoo.py`` injects one and checks it is caught). Integer buffers (BatchNorm's
 ``num_batches_tracked``) must be equal.
 """
 

@@ -9,7 +9,7 @@ from bucketwise.benchmarks.zoo_vision import MODELS as VISION_MODELS
 MODELS: dict[str, ZooModel] = {m.name: m for m in [*HF_MODELS, *VISION_MODELS]}
 
 SUBSETS = {
-    # tests/test_zoo.py: a decoder (with changing sequence lengths), an encoder, a mixture of
+    # tests/benchmarks/test_zoo.py: a decoder (with changing sequence lengths), an encoder, a mixture of
     # experts with find_unused_parameters, BatchNorm buffers, frozen weights (LoRA)
     "ci": ("llama-dynamic-seq", "bert", "qwen2-moe", "mobilenet-v3", "llama-lora"),
     # benchmarks/zoo.py --device cuda: the one-GPU speed and memory run, most wanted first

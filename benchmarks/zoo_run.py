@@ -21,6 +21,6 @@ def run_model(rank: int, world_size: int, name: str, opts: dict[str, Any]) -> di
 
 
 def worker(rank: int, world_size: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
-    """``run_model`` with the process group's barrier around it (used by tests/_dist.py)."""
+    """``run_model`` with the process group's barrier around it (used by tests/support/dist.py)."""
     dist.barrier()
     return run_model(rank, world_size, name, opts)

@@ -53,7 +53,7 @@ GPU_RTOL_SCALE = 10.0
 
 PERTURB = 1.05
 """``opts["perturb"]`` names a config whose first gradient is scaled by this (5% off, five times
-the GPU tolerance), as a bug would leave it: ``tests/test_zoo.py`` checks the step check sees it."""
+the GPU tolerance), as a bug would leave it: ``tests/benchmarks/test_zoo.py`` checks the step check sees it."""
 
 
 def step_fn(

@@ -44,7 +44,7 @@ last step (final minus initial value) is within `1e-3` of the largest eager upda
 plus `1e-7` (fp32), and both ranks hold the same parameters; integer buffers must be equal. Round-off
 from reducing in another order or through AOTAutograd stays below {worst} of an update in the
 runs below (the `worst rel. error` column), and one gradient off by 1% is caught
-(`tests/test_zoo.py` checks it): the tolerance sits between the two.
+(`tests/benchmarks/test_zoo.py` checks it): the tolerance sits between the two.
 
 Cells: **pass** (equal, no fallback), **fallback** (some graph ran uncompiled; the reason is
 below), **mismatch** (not equal), **error** (raised; the message is below), **GPU only** (see the

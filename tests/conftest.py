@@ -1,7 +1,7 @@
 """Shared fixtures of the bucketwise test suite.
 
 In-process tests share one interpreter per xdist worker, so Dynamo's caches and counters are
-reset around every test; multi-process tests (tests/_dist.py) start fresh interpreters and
+reset around every test; multi-process tests (tests/support/dist.py) start fresh interpreters and
 need none of this.
 """
 
@@ -16,17 +16,17 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 
-# tests/ on sys.path so test modules can `import _dist` (also inherited by spawned workers).
+# tests/ on sys.path so test modules can `import support.dist` (also inherited by spawned workers).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _torch_state import config_changes, config_snapshot, process_changes, process_snapshot  # noqa: E402
+from support.torch_state import config_changes, config_snapshot, process_changes, process_snapshot  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Fresh Dynamo caches per test and a deterministic seed; the test fails if it left any
     torch config option changed or missing (change them with the config module's own
-    ``patch()``, see tests/_torch_state.py)."""
+    ``patch()``, see tests/support/torch_state.py)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     before, shared = config_snapshot(), process_snapshot()

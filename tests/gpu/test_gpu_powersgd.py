@@ -11,7 +11,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from _ranks import run_two_ranks, step_side_by_side
+from support.gpu_ranks import run_two_ranks, step_side_by_side
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 pytestmark = [

@@ -1,0 +1,387 @@
+"""The DDP benchmark harness (benchmarks/ddp_bench.py): a 2-rank gloo smoke run on CPU, plus
+its trace parsing and flag checking in-process."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+SMOKE_CONFIGS = ("eager", "torch", "torch-nosplit", "local", "bw-split", "bw-none", "bw-fused")
+TIMING_FIELDS = ("median_ms", "min_ms", "max_ms", "mean_ms", "first_step_s", "throughput_per_s", "floor_ratio")
+LAUNCH_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "BUCKETWISE_BENCH_ARGV",
+    "BUCKETWISE_BENCH_COMMAND",
+)
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    from bucketwise.benchmarks import bench_cli, bench_metrics
+
+    return bench_cli, bench_metrics
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: the process group we started
+        out, _ = proc.communicate()
+        pytest.fail(f"benchmark timed out after {timeout} s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def _check_numbers(row: dict) -> None:
+    for key, value in row.items():
+        if isinstance(value, float) and key != "param_spread":
+            assert math.isfinite(value) and value > 0, (row["config"], key, value)
+    for key in TIMING_FIELDS:
+        assert isinstance(row[key], float) and row[key] > 0, (row["config"], key, row[key])
+    if row["config"].startswith("bw-"):
+        assert row["compile_s"] > 0, row
+        assert row["bucketwise"]["fallbacks"] == 0, row["bucketwise"]
+
+
+def _check_steps(row: dict, steps: int, total: int) -> None:
+    """Per-step times, their spread, host issue times and the losses of one result row."""
+    per_rank = row["per_rank"]
+    assert [len(ms) for ms in per_rank["per_step_ms"]] == [steps, steps]
+    slowest = per_rank["per_step_ms"][per_rank["slowest_rank"]]
+    spread = row["spread"]
+    assert spread["rank"] == per_rank["slowest_rank"]
+    assert spread["std_ms"] == pytest.approx(statistics.pstdev(slowest), rel=1e-3, abs=1e-3), (spread, slowest)
+    assert min(slowest) - 1e-3 <= spread["p10_ms"] <= spread["p50_ms"] <= spread["p90_ms"] <= max(slowest) + 1e-3
+    assert spread["p50_ms"] == pytest.approx(row["median_ms"])
+    for issue in per_rank["cpu_issue_ms"]:
+        assert 0 < issue["median"] <= issue["max"]
+    losses = row["losses"]
+    assert losses["steps_total"] == total and len(losses["first"]) == len(losses["last"]) == min(5, total)
+    assert losses["final_loss"] == losses["last"][-1] and math.isfinite(losses["final_loss"])
+    assert losses["final_loss"] == pytest.approx(sum(losses["per_rank_final"]) / 2)
+
+
+def test_smoke_two_gloo_ranks(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable,
+        str(BENCH_DIR / "ddp_bench.py"),
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--model",
+        "mlp",
+        "--configs",
+        ",".join(SMOKE_CONFIGS),
+        "--backend",
+        "aot_eager",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--host-profile",
+        "1",
+        "--out",
+        str(out),
+    ]
+    result = _run(cmd, timeout=240)
+    assert result.returncode == 0, result.stdout[-4000:]
+
+    objs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    meta, rows = objs[0], objs[1:]
+    assert meta["type"] == "meta" and meta["world_size"] == 2 and meta["dist_backend"] == "gloo"
+    assert "ddp_bench.py" in meta["command"] and meta["model"]["model"] == "mlp"
+    assert [r["config"] for r in rows] == list(SMOKE_CONFIGS)
+    assert meta["env"]["CUDA_VISIBLE_DEVICES"] is None and "NCCL_MAX_NCHANNELS" in meta["env"]
+    assert meta["compile_cache"] == "off" and meta["restart"] is False
+    for row in rows:
+        assert "error" not in row, row.get("traceback", row)
+        assert row["type"] == "result" and row["status"] == "ok"
+        assert row["timed_steps"] == 2
+        assert row["warm_first_step_s"] is None, "no --restart"
+        assert row["compile_caches"]["fx_graph"] == {"hit": 0, "miss": 0, "bypass": 0}, "aot_eager, caches off"
+        _check_numbers(row)
+        _check_steps(row, steps=2, total=4)
+    assert next(r for r in rows if r["config"] == "local")["floor_ratio"] == 1.0
+    # Same seed, weights and data in every config: every DDP config trains like eager DDP.
+    eager = next(r for r in rows if r["config"] == "eager")["losses"]
+    for row in rows:
+        if row["config"] != "local":
+            assert row["losses"]["first"] == pytest.approx(eager["first"], rel=1e-4), row["config"]
+            assert row["losses"]["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-4), row["config"]
+            # Data parallelism kept every replica equal (checked by a collective after training).
+            assert row["param_spread"] == 0.0, row["config"]
+        else:
+            assert row["param_spread"] is None
+
+    md = (out / "results.md").read_text()
+    for config in SMOKE_CONFIGS:
+        assert sum(line.startswith(f"| {config} |") for line in md.splitlines()) == 1, config
+    png = (out / "step_time.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # --host-profile: rank 0's cProfile of one more step per config, the DDP forward in it.
+    assert sorted(p.name for p in (out / "host_profile").iterdir()) == sorted(f"{c}.txt" for c in SMOKE_CONFIGS)
+    assert "distributed.py" in (out / "host_profile" / "eager.txt").read_text()
+
+
+@pytest.mark.inductor
+def test_restart_loads_from_the_compile_caches(tmp_path):
+    """--restart: the job, then the same job over its compile caches. The first job's first steps
+    are cold (each config its own empty cache dir: only misses), the restarted job's load every
+    graph from the AOTAutograd cache, the fused one included (NOTE [compile cache keys]); the
+    cache root is removed afterwards."""
+    out = tmp_path / "bench"
+    configs = ("torch-nosplit", "bw-fused")
+    cmd = [
+        sys.executable,
+        str(BENCH_DIR / "ddp_bench.py"),
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--model",
+        "gpt-tiny",
+        "--layers",
+        "1",
+        "--d-model",
+        "32",
+        "--heads",
+        "2",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--vocab",
+        "64",
+        "--configs",
+        ",".join(configs),
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--restart",
+        "--out",
+        str(out),
+    ]
+    result = _run(cmd, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:]
+    meta, *rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    assert meta["compile_cache"] == "on" and meta["restart"] is True
+    assert [r["config"] for r in rows] == list(configs)
+    for row in rows:
+        assert row["status"] == "ok" and "warm_error" not in row, row
+        assert row["first_step_s"] > 0 and row["warm_first_step_s"] > 0
+        assert len(row["per_rank"]["warm_first_step_s"]) == 2
+        cold, warm = row["compile_caches"], row["warm_compile_caches"]
+        assert cold["fx_graph"]["hit"] == 0 and cold["fx_graph"]["miss"] >= 2, (row["config"], cold)
+        assert cold["aot_autograd"] == {"hit": 0, "miss": 1, "bypass": 0}, (row["config"], cold)
+        assert warm["aot_autograd"] == {"hit": 1, "miss": 0, "bypass": 0}, (row["config"], warm)
+        assert warm["fx_graph"]["miss"] == 0 and warm["fx_graph"]["hit"] >= 2, (row["config"], warm)
+    fused = rows[-1]
+    assert fused["bucketwise"]["compile_times"]["backend_s"] > 0
+    assert fused["warm_compile_times"]["aot_autograd_cache"]["hit"] == 1
+    assert fused["warm_compile_times"]["backend_s"] == 0 and fused["warm_compile_times"]["backward_compiles"] == 0
+    md = (out / "results.md").read_text()
+    assert "warm first step s" in md and "| bw-fused | 0/2/0 | 2/0/0 | 0/1/0 | 1/0/0 |" in md, md
+    root = next(line.split(" in ", 1)[1].strip() for line in result.stdout.splitlines() if line.startswith("restart: "))
+    assert not os.path.exists(root), "the compile caches of the job are removed"
+
+
+def test_restart_flag_checks(bench):
+    bench_cli, _ = bench
+    with pytest.raises(SystemExit):
+        bench_cli.parse(["--restart", "--compile-cache", "off", "--device", "cpu"])
+    args = bench_cli.parse(["--restart", "--device", "cpu", "--configs", "local"])
+    assert args.compile_cache == "on" and args.phase == "cold"
+    assert bench_cli.parse(["--device", "cpu", "--configs", "local"]).compile_cache == "off"
+    assert bench_cli.job_env(args)["TORCHINDUCTOR_AUTOGRAD_CACHE"] == "1"
+
+
+def test_overlap_from_trace(bench):
+    _, bm = bench
+
+    def kernel(name, ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def launch(ts, corr):
+        return {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": ts,
+            "dur": 1,
+            "args": {"correlation": corr},
+        }
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": bm.BACKWARD_RANGE, "ts": 0, "dur": 100},
+        launch(1, 1),
+        launch(2, 2),
+        launch(3, 3),
+        launch(200, 4),
+        kernel("gemm", 1000, 500, 1),  # compute 1000-1500
+        kernel("ncclDevKernel_AllReduce_Sum_f32", 1200, 600, 2),  # NCCL 1200-1800: 300 overlapped
+        kernel("triton_fused", 1700, 200, 3),  # compute 1700-1900: 100 more overlapped
+        kernel("adamw", 2000, 100, 4),  # launched after the backward range
+    ]
+    o = bm.overlap_from_events(events, steps=2)
+    assert o["nccl_ms"] == pytest.approx(0.6) and o["overlapped_ms"] == pytest.approx(0.4)
+    assert o["exposed_ms_per_step"] == pytest.approx(0.1) and o["compute_kernels"] == 3
+    t = bm.backward_timeline(events)
+    assert t["kernels"] == 3 and t["compute"] == [[0.0, 0.5], [0.7, 0.9]]
+    assert [n[:2] for n in t["nccl"]] == [[0.2, 0.8]]
+
+
+def test_intervals(bench):
+    _, bm = bench
+    a = bm.merge([(5, 7), (0, 2), (1, 3), (7, 8)])
+    assert a == [(0, 3), (5, 8)]
+    assert bm.intersection_length(a, bm.merge([(2, 6), (7.5, 9)])) == pytest.approx(2.5)
+
+
+def test_two_node_agents(tmp_path):
+    # --net 2node: two `bucketwise launch --nnodes 2 --nproc-per-node 1` agents on this host, one
+    # rank each, meeting through a c10d rendezvous on loopback (gloo here, NCCL over TCP on GPUs).
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable,
+        str(BENCH_DIR / "ddp_bench.py"),
+        "--net",
+        "2node",
+        "--device",
+        "cpu",
+        "--model",
+        "mlp",
+        "--configs",
+        "eager,bw-fused",
+        "--backend",
+        "aot_eager",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+    ]
+    result = _run(cmd, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert result.stdout.count("launching: ") == 2 and "--nnodes 2 --nproc-per-node 1" in result.stdout
+    objs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    meta, rows = objs[0], objs[1:]
+    assert meta["net"] == "2node" and meta["world_size"] == 2, meta
+    assert [r["config"] for r in rows] == ["eager", "bw-fused"] and all(r["status"] == "ok" for r in rows), rows
+    eager, fused = (r["losses"] for r in rows)
+    assert fused["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-4)
+    assert rows[1]["param_spread"] == 0.0
+    # Each agent kept its own stats folder; the node that ran rank 0 printed the job-wide table.
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("stats-node")) == ["stats-node0", "stats-node1"]
+    assert "ranks 2 of 2" in result.stdout, result.stdout[-3000:]
+
+
+def test_two_node_flag_checks(bench, capsys):
+    cli, _ = bench
+    assert cli.parse(["--device", "cpu", "--net", "2node"]).nproc == 2
+    with pytest.raises(SystemExit):
+        cli.parse(["--device", "cpu", "--net", "2node", "--nproc", "4"])
+    assert "--net 2node runs 2 ranks, one per node" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "resnet"], "known models: gpt, gpt-medium, gpt-tiny, llama, convnet, mlp"),
+        (["--configs", "eager,bw-magic"], "known configs: eager, torch, torch-nosplit, local"),
+        (["--model", "mlp", "--heads", "4"], "--heads does not apply to model 'mlp'"),
+        (["--configs", "eager", "--repeat", "torch"], "--repeat 'torch' is not among --configs"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--host-profile", "-1"], "--host-profile must be >= 0"),
+    ],
+)
+def test_bad_flags(bench, capsys, argv, message):
+    cli, _ = bench
+    with pytest.raises(SystemExit):
+        cli.parse(["--device", "cpu", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_spread(bench):
+    _, bm = bench
+    assert bm.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert bm.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 10) == pytest.approx(1.4)
+    assert bm.spread([7.0]) == {"p10_ms": 7.0, "p50_ms": 7.0, "p90_ms": 7.0, "std_ms": 0.0}
+    assert bm.spread([1.0, 3.0])["std_ms"] == pytest.approx(1.0)
+
+
+def test_cudagraph_configs(bench):
+    from bucketwise.benchmarks import bench_configs
+
+    for config in ("bw-split-cg", "bw-none-cg", "bw-fused-cg", "bw-fused-ro", "local-ro"):
+        recipe = bench_configs.recipe_for(config)
+        assert bench_configs.floor_config(config) == "local-ro" and recipe.needs_cuda, config
+    assert bench_configs.recipe_for("bw-fused-cg").cudagraphs is True
+    for config in ("bw-fused", "eager", "torch#2", "local"):
+        assert bench_configs.floor_config(config) == "local", config
+
+
+def test_default_out(bench, monkeypatch, tmp_path):
+    import datetime
+    import types
+
+    cli, _ = bench
+    fixed = datetime.datetime(2026, 11, 22, 9, 30)
+    monkeypatch.setattr(cli, "datetime", types.SimpleNamespace(datetime=types.SimpleNamespace(now=lambda: fixed)))
+    monkeypatch.setattr(cli, "RESULTS_ROOT", tmp_path)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    first = cli.default_out("gpt", "default")
+    assert first == str(tmp_path / "20261122-0930-gpt-default-gpus2,3")
+    os.makedirs(first)
+    assert cli.default_out("gpt", "default") == first + "-2"  # a second run in the same minute
+    monkeypatch.setenv("RANK", "1")
+    assert cli.default_out("gpt", "default") == first  # under torchrun: the same path on every rank
+
+
+def test_memory_bench_runs_each_config_in_a_process_of_its_own(tmp_path):
+    # On CPU the figures are 0 (there is no allocator to read); what is checked is the harness:
+    # one process per config and round, its JSON, the table, and a bad flag named.
+    out = tmp_path / "memory"
+    cmd = [sys.executable, "-m", "bucketwise.benchmarks.memory_bench", "--model", "mlp", "--layers", "2"]
+    cmd += ["--d-model", "16", "--batch", "4", "--steps", "3", "--configs", "local,bw-fused", "--rounds", "2"]
+    done = _run([*cmd, "--out", str(out), "--backend", "aot_eager"], timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:]
+    data = json.loads((out / "results.json").read_text())
+    assert [(r["config"], r["round"]) for r in data["runs"]] == [
+        ("local", 0),
+        ("bw-fused", 0),
+        ("local", 1),
+        ("bw-fused", 1),
+    ]
+    assert data["meta"]["command"].endswith("--backend aot_eager") and data["meta"]["steps"] == 3
+    from bucketwise.benchmarks.memory_bench import FIGURES
+
+    assert all(set(FIGURES) <= set(r) for r in data["runs"]), data["runs"]
+    table = (out / "results.md").read_text()
+    assert "| `bw-fused` |" in table and "cuBLAS" in table
+    bad = _run([*cmd[:3], "--steps", "2", "--one", "local"], timeout=120)
+    assert bad.returncode != 0 and "--steps must be >= 3" in bad.stdout

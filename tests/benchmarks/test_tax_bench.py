@@ -1,0 +1,189 @@
+"""benchmarks/tax_bench.py: configs built side by side and timed in interleaved rounds (a CPU run
+in a fresh process), its table regenerated from the JSON, and the ``llama`` model and
+``replicate`` config it measures, trained against their floors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+RESULTS = BENCH_DIR / "results" / "2026-11-24_1xH100_ddp-tax-one-rank"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    from bucketwise.benchmarks import bench_configs, bench_models, tax_bench
+
+    return tax_bench, bench_configs, bench_models
+
+
+def test_cpu_run_interleaves_and_writes_both_files(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", MASTER_PORT="29631")
+    cmd = [
+        sys.executable,
+        str(BENCH_DIR / "tax_bench.py"),
+        "--model",
+        "mlp",
+        "--configs",
+        "local,bw-fused",
+        "--pairs",
+        "3",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--backend",
+        "aot_eager",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["config"]: r for r in data["rows"]}
+    assert set(rows) == {"local", "bw-fused"}
+    for row in rows.values():
+        assert len(row["issue_ms"]) == len(row["step_ms"]) == 3
+        assert all(t > 0 for t in row["issue_ms"])
+    assert rows["local"]["issue_ratio"] == 1.0
+    assert rows["bw-fused"]["compile_s"] > 0 and rows["local"]["compile_s"] is None
+    assert "`bw-fused` | `local`" in (tmp_path / "results.md").read_text()
+
+
+def test_pairs_below_three_are_refused(bench):
+    tax_bench = bench[0]
+    with pytest.raises(SystemExit):
+        tax_bench._parse(["--pairs", "2", "--out", "x"])
+
+
+def test_ratio_is_the_median_of_per_round_ratios(bench):
+    tax_bench = bench[0]
+
+    def entry(issue, peak):
+        return {
+            "config": "",
+            "first_step_s": 1.0,
+            "compile_s": None,
+            "issue_ms": issue,
+            "step_ms": issue,
+            "kernels": 10,
+            "gpu_ms": 1.0,
+            "rest_bytes": 0,
+            "first_peak_bytes": peak,
+            "peak_bytes": peak,
+        }
+
+    entries = {
+        "local": {**entry([10.0, 20.0, 10.0], 100), "config": "local"},
+        "bw-fused": {**entry([11.0, 10.0, 30.0], 110), "config": "bw-fused"},
+    }
+    rows = {r["config"]: r for r in tax_bench.summarize(entries)}
+    # Per-round ratios 1.1, 0.5, 3.0: the median is 1.1, not the ratio of medians (11/10).
+    assert rows["bw-fused"]["issue_ratio"] == pytest.approx(1.1)
+    assert rows["bw-fused"]["host_us_per_launch"] == pytest.approx(1100.0)
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        f"{day}_1xH100_ddp-tax-one-rank/{model}"
+        for day in ("2026-11-24", "2026-11-25")
+        for model in ("gpt", "gpt-medium", "llama")
+    ]
+    + ["2026-11-25_1xH100_ddp-tax-one-rank/gpt-restarts"],
+)
+def test_committed_tables_are_generated_from_their_json(bench, run, tmp_path):
+    tax_bench = bench[0]
+    folder = RESULTS.parent / run
+    (tmp_path / "results.json").write_text((folder / "results.json").read_text())
+    tax_bench.rewrite_markdown(str(tmp_path))
+    assert (tmp_path / "results.md").read_text() == (folder / "results.md").read_text()
+
+
+def test_replicate_and_llama_train_like_the_local_floor(bench, single_rank_group):
+    _, bench_configs, bench_models = bench
+    pytest.importorskip("transformers")
+    spec = bench_models.make_spec("llama", {"layers": 1, "d_model": 32, "heads": 4, "seq": 8, "batch": 2, "vocab": 64})
+    losses = {}
+    for config in ("local", "replicate"):
+        torch.manual_seed(0)
+        model = spec.build()
+        prepared = bench_configs.CONFIGS[config].prepare(
+            model, device=torch.device("cpu"), backend="eager", bucket_cap_mb=None
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = spec.make_batch(1, torch.device("cpu"))
+        for _ in range(3):
+            loss = spec.loss(prepared.module, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses[config] = loss.item()
+    assert dist.get_world_size() == 1
+    assert losses["replicate"] == pytest.approx(losses["local"], rel=1e-5)
+
+
+def test_replicate_recipe_checks_its_fields(bench):
+    bench_configs = bench[1]
+    with pytest.raises(ValueError, match="replicate"):
+        bench_configs.Recipe(compiler="torch", replicate=True)  # ddp=True left on
+
+
+@pytest.mark.inductor
+def test_restarts_run_cold_then_warm_in_new_processes(bench, monkeypatch):
+    """A cold first step in a new process over empty caches, then a warm one over the same
+    caches: the warm process loads the fused graph from the AOTAutograd cache, and the report's
+    first-step breakdown accounts for the compiled calls."""
+    from bucketwise.benchmarks import tax_restarts
+
+    monkeypatch.setenv("MASTER_PORT", "29633")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    result = tax_restarts.run_restarts("mlp", ["bw-fused"], "inductor", 1, timeout_s=300)
+    (run,) = result["runs"]["bw-fused"]
+    cold, warm = run["cold"], run["warm"]
+    assert "error" not in cold and "error" not in warm, run
+    assert cold["compile_times"]["aot_autograd_cache"]["miss"] == 1
+    assert warm["compile_times"]["aot_autograd_cache"]["hit"] == 1
+    # The child's own cache counters agree with the report's, and the summary counts the cold graphs.
+    assert cold["caches"]["aot_miss"] == 1 and warm["caches"]["aot_hit"] == 1
+    assert cold["caches"]["fx_miss"] == cold["compile_times"]["fx_graph_cache"]["miss"] >= 1
+    summary = result["summary"]["bw-fused"]
+    assert summary["cold_fx_graphs"] == cold["caches"]["fx_miss"] + cold["caches"]["fx_hit"]
+    for r in (cold, warm):
+        first = r["first_step"]
+        assert 0 < first["compiled_calls_s"] <= r["first_step_s"]
+    assert result["summary"]["bw-fused"]["cold_s"] == cold["first_step_s"]
+
+
+def test_restart_ratios_are_medians_of_per_round_ratios(bench):
+    from bucketwise.benchmarks import tax_restarts
+
+    run = lambda cold, warm: {"cold": {"first_step_s": cold}, "warm": {"first_step_s": warm}}  # noqa: E731
+    runs = {
+        "torch": [run(10.0, 2.0), run(20.0, 2.0), run(10.0, 2.0)],
+        "bw-fused": [run(11.0, 1.0), run(10.0, 1.0), run(30.0, 2.0)],
+        "bw-fused-cg": [run(12.0, 1.2), run(12.0, 1.5), {"cold": {"error": "x"}, "warm": {"error": "x"}}],
+    }
+    summary = tax_restarts.summarize(runs)
+    # Per-round ratios 1.1, 0.5, 3.0: the median is 1.1.
+    assert summary["bw-fused"]["cold_over_torch"] == pytest.approx(1.1)
+    # The failed round is left out: warm ratios 1.2 and 1.5.
+    assert summary["bw-fused-cg"]["warm_over_uncaptured"] == pytest.approx(1.35)
+    assert "cold_over_torch" not in summary["torch"] and "warm_over_uncaptured" not in summary["bw-fused"]
+    md = bench[0].markdown(
+        {"model": "gpt", "gpu": "GPU", "device": "cuda", "world_size": 1, "torch": "2.11", "date": "d", "command": "c"},
+        [],
+        {"rounds": 3, "summary": summary},
+    )
+    assert "| `bw-fused` | 11.00 | 1.100 | 1.00 | - | - | - |" in md
