@@ -95,8 +95,9 @@ def wait(t: Any) -> Any:
 # computed, so Inductor's own raise pass (``reorder_communication_preserving_peak_memory``) run
 # before it leaves no trace in the result, and that pass costs time that grows with collectives
 # times nodes. Measured on one H100, torch 2.11, an HF Llama of 32 layers (56 buckets), cold: a
-# first step of 133.9 s with it, 69.3 s without, the same step time at 16 layers; on CPU, a
-# 6-layer gpt-tiny's 26 buckets start at the same fractions of the backward either way.
+# first step of 135.1 s with it, 87.4 s without, the same step time and peak memory at 16 layers
+# (results/2026-11-26_1xH100_comm-pass-cold-start); on CPU, a 6-layer gpt-tiny's 26 buckets start
+# at the same fractions of the backward either way.
 def sink_waits_to_consumers(snodes: list[Any]) -> list[Any]:
     """Scheduler pass: a topological order of ``snodes`` where what each collective needs comes
     first, collective by collective, then the rest in the original order, and waits and the
