@@ -1,3 +1,4 @@
-"""The benchmarks (``bucketwise.benchmarks``): run each script from the repository root, e.g.
-``python3 benchmarks/tax_bench.py --help``; they import the installed package, siblings
-included. benchmarks/README.md says what each measures; results live in benchmarks/results/."""
+"""The benchmarks (``bucketwise.benchmarks``), behind one command: ``python -m bucketwise.benchmarks``
+lists the harnesses, ``python -m bucketwise.benchmarks tax --help`` shows one. They import the
+installed package; benchmarks/README.md says what each measures; results live in
+benchmarks/results/, one folder per run with its command."""

@@ -106,7 +106,7 @@ class BenchArgs:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="ddp_bench.py",
+        prog="python -m bucketwise.benchmarks ddp",
         description="DDP training-step benchmark: eager vs torch.compile vs bucketwise.compile.",
         epilog=f"models: {', '.join(bench_models.MODELS)}; configs: {', '.join(CONFIGS)}",
     )

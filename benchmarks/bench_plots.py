@@ -1,7 +1,7 @@
 """PNG plots of a benchmark run: ``step_time.png`` and ``timeline.png``.
 
 matplotlib is imported lazily; without it the plots are skipped with a note. Re-plot a finished
-run with ``python benchmarks/bench_plots.py RESULTS_DIR [--timeline-config NAME]``.
+run with ``python -m bucketwise.benchmarks plots RESULTS_DIR [--timeline-config NAME]``.
 """
 
 from __future__ import annotations

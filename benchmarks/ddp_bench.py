@@ -1,6 +1,6 @@
 """DDP training-step benchmark: eager DDP vs ``torch.compile`` vs ``bucketwise.compile``.
 
-    python benchmarks/ddp_bench.py --nproc 2 --model gpt --configs eager,torch,local,bw-split \
+    python -m bucketwise.benchmarks ddp --nproc 2 --model gpt --configs eager,torch,local,bw-split \
         --steps 30 --warmup 5 --out DIR
 
 Started without torchrun (no ``RANK`` in the environment) it re-executes itself through
@@ -19,7 +19,6 @@ import os
 import platform
 import shlex
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -50,7 +49,7 @@ from bucketwise.benchmarks.bench_cli import (
 from bucketwise.benchmarks.bench_configs import Prepared, Recipe, recipe_for
 from bucketwise.benchmarks.bench_models import ModelSpec, make_spec
 from bucketwise.benchmarks.bench_output import add_floor_ratios, safe_name, write_jsonl, write_markdown
-from bucketwise.benchmarks.run_meta import git_revision
+from bucketwise.benchmarks.run_meta import run_meta
 from bucketwise.distributed.gloo_exit import end_process_group
 
 LR = 1e-4
@@ -345,32 +344,18 @@ def run_config(args: BenchArgs, config: str, spec: ModelSpec, device: torch.devi
 
 
 def build_meta(args: BenchArgs, spec: ModelSpec, device: torch.device, probe: dict) -> dict:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    import bucketwise
-
+    # The command the user typed: the parent's, handed to the torchrun ranks it started.
     command = os.environ.get(COMMAND_ENV) or shlex.join(getattr(sys, "orig_argv", sys.argv)) + "  # under torchrun"
     cuda = device.type == "cuda"
     return {
+        **run_meta(),
         "type": "meta",
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command,
         "device": device.type,
         "device_name": torch.cuda.get_device_name(device) if cuda else (platform.processor() or "cpu"),
         "gpu": torch.cuda.get_device_name(device) if cuda else None,
         "world_size": dist.get_world_size(),
         "dist_backend": dist.get_backend(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": triton_version,
-        "python": platform.python_version(),
-        "host": socket.gethostname(),
-        "bucketwise": bucketwise.__version__,
-        "git": git_revision(),
         "net": args.net,
         "env": {k: os.environ.get(k) for k in (*ALWAYS_ENV, *SOCKET_ENV, *NO_CACHE_ENV, *RECORD_ENV)},
         "compile_cache": args.compile_cache,

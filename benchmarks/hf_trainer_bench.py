@@ -12,7 +12,7 @@ docs/integrations-recipes.md describes them:
 Per config: the loss of every step, the step times, steps per second (after the warm-up, and
 the Trainer's own ``train_steps_per_second``, warm-up included), in one JSON file.
 
-    python benchmarks/hf_trainer_bench.py --nproc 1 --out benchmarks/results/<run>/hf_trainer.json
+    python -m bucketwise.benchmarks hf-trainer --nproc 1 --out benchmarks/results/<run>/hf_trainer.json
 
 Each config runs in its own ``torchrun`` job (the Trainer's accelerate state is per process);
 this driver starts them one after the other and merges what their rank 0 writes. ``--tiny``:
@@ -22,7 +22,6 @@ sizes and backends for a CPU check (gloo, ``aot_eager``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
 import json
 import os
@@ -36,6 +35,7 @@ import time
 from pathlib import Path
 
 from bucketwise.benchmarks.bench_cli import ALWAYS_ENV
+from bucketwise.benchmarks.run_meta import run_meta
 from bucketwise.distributed.gloo_exit import end_process_group
 
 CONFIGS = ("fused", "split", "torch_compile", "eager")
@@ -208,12 +208,9 @@ def meta(args: argparse.Namespace, argv: list[str]) -> dict:
     cuda = torch.cuda.is_available()
     hidden, inter, layers, heads, vocab, seq, batch = SIZES[args.size]
     return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv[:1], *argv]),
-        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        **run_meta(),
         "device": "cuda" if cuda else (platform.processor() or "cpu"),
         "nproc": args.nproc,
-        "torch": torch.__version__,
         "transformers": transformers.__version__,
         "accelerate": accelerate_version,
         "model": {

@@ -1,6 +1,6 @@
 """What a compiled model holds on the GPU: at rest between steps, at its peak, and after it is dropped.
 
-    python -m bucketwise.benchmarks.memory_bench --model mlp --layers 8 --d-model 3072 \
+    python -m bucketwise.benchmarks memory --model mlp --layers 8 --d-model 3072 \
         --configs local,bw-fused,local-ro,bw-fused-cg --rounds 2 --out DIR
 
 Each config runs in a process of its own (one rank, NCCL world size 1 on CUDA, gloo on CPU):

@@ -1,6 +1,6 @@
 """Training numerics of bucketwise strategies against eager DDP on GPUs (a diagnostic).
 
-    python3 benchmarks/numerics_check.py --nproc 2 [--steps 20] [--layers 6 ...]
+    python3 -m bucketwise.benchmarks numerics --nproc 2 [--steps 20] [--layers 6 ...]
 
 Trains the same GPT (bf16 autocast, AdamW, one fixed batch per rank, as ``ddp_bench.py``) under
 eager DDP and under each variant, from the same initial weights, and prints per variant: the
@@ -105,7 +105,7 @@ def _worker(rank, world, store, args):
     end_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
@@ -117,7 +117,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     for v in args.variants.split(","):
         if v not in VARIANTS:
             p.error(f"unknown variant {v!r}; use {', '.join(VARIANTS)}")

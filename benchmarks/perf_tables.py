@@ -1,7 +1,7 @@
 """The performance tables of the docs, generated from ``benchmarks/results/``.
 
-    python3 benchmarks/perf_tables.py            # rewrite the generated sections
-    python3 benchmarks/perf_tables.py --check    # exit 1 if they are not what this would write
+    python3 -m bucketwise.benchmarks tables            # rewrite the generated sections
+    python3 -m bucketwise.benchmarks tables --check    # exit 1 if they are not what this would write
 
 Every ``results.jsonl`` under ``benchmarks/results/<folder>/`` (at any depth) is one run of
 ``ddp_bench.py``. A folder holds one run, or several of one experiment in sub-folders (the same
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}")
     if args.check and stale:
         print(
-            "perf_tables.py: not current: " + ", ".join(map(str, stale)) + "; run python3 benchmarks/perf_tables.py",
+            "not current: " + ", ".join(map(str, stale)) + "; run python3 -m bucketwise.benchmarks tables",
             file=sys.stderr,
         )
         return 1

@@ -1,7 +1,7 @@
 """``bucket_cap_mb`` sweep: one table and one plot from several ``ddp_bench.py`` runs that differ
 only in ``--bucket-cap-mb``.
 
-    python3 benchmarks/sweep_table.py OUT_DIR DIR1 DIR2 ...
+    python3 -m bucketwise.benchmarks sweep-table OUT_DIR DIR1 DIR2 ...
 
 Each ``DIR`` holds the ``results.jsonl`` of one run; its bucket cap is read from the meta line
 (unset: DDP's default, 25 MiB). Writes ``OUT_DIR/sweep.md`` (a row per bucket cap; per config,

@@ -1,6 +1,6 @@
 """What DDP and bucketwise add to a compiled training step: configs side by side in one process.
 
-    python benchmarks/tax_bench.py --model gpt-medium \
+    python -m bucketwise.benchmarks tax --model gpt-medium \
         --configs local,local-ro,torch-nosplit,torch,replicate,bw-fused,bw-fused-cg --pairs 4 --out DIR
 
 On one GPU and one rank (NCCL, world size 1) no gradient moves, so everything a config costs
@@ -38,12 +38,9 @@ interleaving and rank 0 writes its own figures.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -56,6 +53,7 @@ from bucketwise._compat import dynamo as dc
 from bucketwise.benchmarks.bench_configs import floor_config, recipe_for
 from bucketwise.benchmarks.bench_models import MODELS, make_spec
 from bucketwise.benchmarks.ddp_bench import training_step
+from bucketwise.benchmarks.run_meta import run_meta
 from bucketwise.benchmarks.tax_restarts import cold_graphs_text
 from bucketwise.distributed.gloo_exit import end_process_group
 
@@ -344,10 +342,8 @@ def _steady_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 
 def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    cuda = device.type == "cuda"
     return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join(["python3", "benchmarks/tax_bench.py", *sys.argv[1:]]),
+        **run_meta(),
         "model": args.model,
         "sizes": make_spec(args.model, _sizes(args)).sizes,
         "configs": args.configs,
@@ -356,10 +352,7 @@ def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "warmup": args.warmup,
         "backend": args.backend,
         "device": device.type,
-        "gpu": torch.cuda.get_device_name(device) if cuda else None,
         "world_size": dist.get_world_size(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
     }
 
 

@@ -1,10 +1,10 @@
 """The model zoo: real architectures under ``bucketwise.compile`` against eager DDP.
 
     # CPU, 2 gloo ranks: every model, configs torch, auto, fused, split against eager DDP
-    python3 benchmarks/zoo.py --out benchmarks/results/<date>_cpu-2rank_zoo
+    python3 -m bucketwise.benchmarks zoo --out benchmarks/results/<date>_cpu-2rank_zoo
     # one GPU (NCCL, world size 1, Inductor): step time and peak memory of the ``gpu`` subset,
     # models in order until --budget-s (420 s) is spent
-    python3 benchmarks/zoo.py --device cuda --out /tmp/zoo-gpu
+    python3 -m bucketwise.benchmarks zoo --device cuda --out /tmp/zoo-gpu
 
 Each model runs in fresh processes (one per rank, a gloo or NCCL group through a file store):
 eager DDP trains ``--steps`` steps, then every config trains the same steps from the same
@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import platform
-import shlex
 import sys
 import tempfile
 import time
@@ -30,7 +28,7 @@ from typing import Any
 
 import torch
 
-from bucketwise.benchmarks.run_meta import git_revision
+from bucketwise.benchmarks.run_meta import run_meta
 from bucketwise.benchmarks.zoo_procs import importable, run_ranks
 from bucketwise.benchmarks.zoo_registry import MODELS, select
 from bucketwise.benchmarks.zoo_speed import CONV_TF32
@@ -154,16 +152,14 @@ def meta(args: ZooArgs) -> dict[str, Any]:
     else:
         machine = f"CPU ({os.cpu_count()} cores, {platform.machine()}), {args.nproc} gloo ranks"
     return {
+        **run_meta(),
         "type": "zoo",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "device": args.device,
         "world_size": args.nproc,
         "backend": args.backend,
         "steps": args.steps,
         "mode": args.mode,
-        "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
-        "git": git_revision(),
         "versions": versions(),
         **({"conv_tf32": CONV_TF32} if args.mode == "speed" else {}),
     }

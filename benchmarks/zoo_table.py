@@ -1,7 +1,7 @@
 """``docs/models.md``, generated from the zoo's results (``benchmarks/results/*/zoo.json``).
 
-    python3 benchmarks/zoo_table.py            # rewrite docs/models.md
-    python3 benchmarks/zoo_table.py --check    # exit 1 if docs/models.md is not what this would write
+    python3 -m bucketwise.benchmarks zoo-table            # rewrite docs/models.md
+    python3 -m bucketwise.benchmarks zoo-table --check    # exit 1 if docs/models.md is not what this would write
 
 The CPU runs (``zoo.py``, correctness against eager DDP) give the coverage table and the pass
 counts; the one-GPU runs (``zoo.py --device cuda``), if any, give step time and peak memory. On
@@ -48,15 +48,15 @@ runs below (the `worst rel. error` column), and one gradient off by 1% is caught
 
 Cells: **pass** (equal, no fallback), **fallback** (some graph ran uncompiled; the reason is
 below), **mismatch** (not equal), **error** (raised; the message is below), **GPU only** (see the
-note), **skipped** (a package was missing). Reproduce with `python3 benchmarks/zoo.py --out DIR`
+note), **skipped** (a package was missing). Reproduce with `python3 -m bucketwise.benchmarks zoo --out DIR`
 (`--help` for the options; [zoo.py](../benchmarks/zoo.py) says what it runs) after
 `pip install -e '.[integrations,zoo]'` (install the torchvision build that matches your torch
 first: pip may otherwise replace torch); this page is generated from the results by
-`python3 benchmarks/zoo_table.py`.
+`python3 -m bucketwise.benchmarks zoo-table`.
 """
 
 
-GPU_COMMAND = "python3 benchmarks/zoo.py --device cuda --out DIR"
+GPU_COMMAND = "python3 -m bucketwise.benchmarks zoo --device cuda --out DIR"
 NO_GPU_RUN = (
     f"No one-GPU run is recorded yet. `{GPU_COMMAND}` measures, on one GPU with Inductor, step time "
     "and peak memory of `local` (the model compiled without DDP), `torch`, `bw-fused` and `bw-fused-cg` "
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     if doc.exists() and doc.read_text() == text:
         return 0
     if args.check:
-        print(f"zoo_table.py: {doc} is not current; run python3 benchmarks/zoo_table.py", file=sys.stderr)
+        print(f"zoo_table.py: {doc} is not current; run python3 -m bucketwise.benchmarks zoo-table", file=sys.stderr)
         return 1
     doc.write_text(text)
     print(f"wrote {doc}")

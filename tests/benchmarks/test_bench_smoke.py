@@ -10,11 +10,9 @@ import signal
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 SMOKE_CONFIGS = ("eager", "torch", "torch-nosplit", "local", "bw-split", "bw-none", "bw-fused")
 TIMING_FIELDS = ("median_ms", "min_ms", "max_ms", "mean_ms", "first_step_s", "throughput_per_s", "floor_ratio")
 LAUNCH_ENV = (
@@ -85,7 +83,9 @@ def test_smoke_two_gloo_ranks(tmp_path):
     out = tmp_path / "bench"
     cmd = [
         sys.executable,
-        str(BENCH_DIR / "ddp_bench.py"),
+        "-m",
+        "bucketwise.benchmarks",
+        "ddp",
         "--nproc",
         "2",
         "--device",
@@ -111,7 +111,7 @@ def test_smoke_two_gloo_ranks(tmp_path):
     objs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
     meta, rows = objs[0], objs[1:]
     assert meta["type"] == "meta" and meta["world_size"] == 2 and meta["dist_backend"] == "gloo"
-    assert "ddp_bench.py" in meta["command"] and meta["model"]["model"] == "mlp"
+    assert "-m bucketwise.benchmarks ddp" in meta["command"] and meta["model"]["model"] == "mlp"
     assert [r["config"] for r in rows] == list(SMOKE_CONFIGS)
     assert meta["env"]["CUDA_VISIBLE_DEVICES"] is None and "NCCL_MAX_NCHANNELS" in meta["env"]
     assert meta["compile_cache"] == "off" and meta["restart"] is False
@@ -155,7 +155,9 @@ def test_restart_loads_from_the_compile_caches(tmp_path):
     configs = ("torch-nosplit", "bw-fused")
     cmd = [
         sys.executable,
-        str(BENCH_DIR / "ddp_bench.py"),
+        "-m",
+        "bucketwise.benchmarks",
+        "ddp",
         "--nproc",
         "2",
         "--device",
@@ -266,7 +268,9 @@ def test_two_node_agents(tmp_path):
     out = tmp_path / "bench"
     cmd = [
         sys.executable,
-        str(BENCH_DIR / "ddp_bench.py"),
+        "-m",
+        "bucketwise.benchmarks",
+        "ddp",
         "--net",
         "2node",
         "--device",
@@ -366,7 +370,7 @@ def test_memory_bench_runs_each_config_in_a_process_of_its_own(tmp_path):
     # On CPU the figures are 0 (there is no allocator to read); what is checked is the harness:
     # one process per config and round, its JSON, the table, and a bad flag named.
     out = tmp_path / "memory"
-    cmd = [sys.executable, "-m", "bucketwise.benchmarks.memory_bench", "--model", "mlp", "--layers", "2"]
+    cmd = [sys.executable, "-m", "bucketwise.benchmarks", "memory", "--model", "mlp", "--layers", "2"]
     cmd += ["--d-model", "16", "--batch", "4", "--steps", "3", "--configs", "local,bw-fused", "--rounds", "2"]
     done = _run([*cmd, "--out", str(out), "--backend", "aot_eager"], timeout=600)
     assert done.returncode == 0, done.stdout[-4000:]

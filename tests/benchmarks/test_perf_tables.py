@@ -25,7 +25,7 @@ def _meta(date: str, *, world: int = 2, model: str = "gpt", net: str = "default"
     return {
         "type": "meta",
         "date": f"{date}T10:00:00+00:00",
-        "command": f"python3 benchmarks/ddp_bench.py --model {model}",
+        "command": f"python3 -m bucketwise.benchmarks ddp --model {model}",
         "device_name": "Fake GPU",
         "world_size": world,
         "torch": "2.99.0",

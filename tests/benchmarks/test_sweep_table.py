@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 CAPS = ("0.1", "1")
 CONFIGS = ("eager", "bw-fused")
 LAUNCH_ENV = (
@@ -33,7 +32,9 @@ LAUNCH_ENV = (
 def _bench_cmd(out: Path, cap: str) -> list[str]:
     return [
         sys.executable,
-        str(BENCH_DIR / "ddp_bench.py"),
+        "-m",
+        "bucketwise.benchmarks",
+        "ddp",
         "--nproc",
         "2",
         "--device",
@@ -93,7 +94,7 @@ def test_sweep_table_from_two_runs(tmp_path):
         assert meta["bucket_cap_mb"] == float(CAPS[runs.index(run)])
 
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, str(BENCH_DIR / "sweep_table.py"), str(sweep), *map(str, reversed(runs))]
+    cmd = [sys.executable, "-m", "bucketwise.benchmarks", "sweep-table", str(sweep), *map(str, reversed(runs))]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "warning" not in result.stderr
@@ -122,7 +123,9 @@ def test_sweep_table_refuses_a_cap_twice(tmp_path):
         (tmp_path / name / "results.jsonl").write_text(json.dumps(meta) + "\n")
     cmd = [
         sys.executable,
-        str(BENCH_DIR / "sweep_table.py"),
+        "-m",
+        "bucketwise.benchmarks",
+        "sweep-table",
         str(tmp_path / "out"),
         str(tmp_path / "a"),
         str(tmp_path / "b"),

@@ -30,7 +30,9 @@ def test_cpu_run_interleaves_and_writes_both_files(tmp_path):
     env.update(OMP_NUM_THREADS="1", MASTER_PORT="29631")
     cmd = [
         sys.executable,
-        str(BENCH_DIR / "tax_bench.py"),
+        "-m",
+        "bucketwise.benchmarks",
+        "tax",
         "--model",
         "mlp",
         "--configs",

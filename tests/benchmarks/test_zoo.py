@@ -149,7 +149,7 @@ def test_models_doc_counts_the_records(tmp_path):
 
     run = _check_run(
         "2026-01-01T00:00:00+00:00",
-        command="python3 benchmarks/zoo.py",
+        command="python3 -m bucketwise.benchmarks zoo",
         models=[
             model("a", {"torch": "pass", "auto": "pass", "fused": "pass", "split": "pass"}),
             model("b", {"torch": "error", "auto": "pass", "fused": "pass", "split": "error"}),

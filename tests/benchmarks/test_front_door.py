@@ -1,0 +1,43 @@
+"""``python -m bucketwise.benchmarks``: every harness and probe behind one command, each with its
+own ``--help``; a wrong name exits 2 naming the right ones."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from bucketwise.benchmarks.__main__ import COMMANDS, probes
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "bucketwise.benchmarks", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_without_a_command_it_lists_every_command_and_probe():
+    done = _run()
+    assert done.returncode == 2
+    for name in (*COMMANDS, "probe", *probes()):
+        assert name in done.stdout, (name, done.stdout)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_each_command_has_its_own_help(name):
+    done = _run(name, "--help")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"usage: python -m bucketwise.benchmarks {name}" in done.stdout, done.stdout[:500]
+
+
+def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
+    assert probes() == ["comm_passes"]
+    done = _run("probe", "nope")
+    assert done.returncode == 2 and "expected one of ['comm_passes'], got 'nope'" in done.stderr
+
+
+def test_an_unknown_command_exits_2_naming_the_commands():
+    done = _run("ddp_bench")
+    assert done.returncode == 2
+    assert "unknown command 'ddp_bench'; expected one of ['ddp', 'tax'" in done.stderr
