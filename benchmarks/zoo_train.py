@@ -125,10 +125,10 @@ def autocast(spec: ZooModel, device: torch.device) -> Any:
 
 
 def report_fields(compiled: Any) -> dict[str, Any]:
-    d = bucketwise.report(compiled).to_dict()
-    t = d["totals"]
-    graphs = [g for g in d["graphs"] if g.get("variant") is None]
-    reasons = [s["reason"] for g in d["graphs"] for s in g["segments"] if s["fell_back"]]
+    d = bucketwise.report(compiled).data()
+    t = d.totals
+    graphs = [g for g in d.graphs if g.variant is None]
+    reasons = [s.reason for g in d.graphs for s in g.segments if s.fell_back]
     return {
         "graphs": t["graphs"],
         "graph_breaks": t["graph_breaks"],
@@ -137,10 +137,10 @@ def report_fields(compiled: Any) -> dict[str, Any]:
         "fallbacks": t["fallbacks"],
         "compile_s": round(t["compile_seconds"], 3),
         "eager_calls": t["eager_calls"],
-        "strategies": sorted({g["strategy"] for g in graphs}),
-        "strategy_reasons": sorted({g["strategy_reason"] for g in graphs if g["strategy_reason"]}),
+        "strategies": sorted({g.strategy for g in graphs}),
+        "strategy_reasons": sorted({g.strategy_reason for g in graphs if g.strategy_reason}),
         "fallback_reasons": sorted({(r or "")[:300] for r in reasons}),
-        "break_reasons": sorted({r[:200] for g in graphs for r in g["graph_break_reasons"]})[:5],
+        "break_reasons": sorted({r[:200] for g in graphs for r in g.graph_break_reasons})[:5],
     }
 
 

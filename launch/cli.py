@@ -18,6 +18,7 @@ import sys
 from typing import Sequence
 
 from ..compiler import doctor
+from ..stats.report_data import ReportData
 from . import failures, launcher, stats
 from .demo import add_demo_arguments
 
@@ -203,10 +204,10 @@ def _cmd_stats(args: argparse.Namespace, raw: list[str]) -> int:
     return 0
 
 
-def _single_rank_table(report: dict, merged: dict) -> str:
-    from ..stats.report import format_table
+def _single_rank_table(report: ReportData, merged: dict) -> str:
+    from ..stats.report_format import format_table
 
-    head = f"rank {report['rank']} of {report['world_size']}"
+    head = f"rank {report.rank} of {report.world_size}"
     try:
         return f"{head}\n{format_table(report)}"
     except (KeyError, TypeError):  # an older or partial file: the merged table needs fewer keys

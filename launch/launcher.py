@@ -15,7 +15,7 @@ import sys
 from typing import Sequence, TextIO
 
 from ..stats.profiling import AUTO_WARMUP_MAX, AUTO_WARMUP_MIN, PROFILE_STEPS_ENV, PROFILE_WARMUP_ENV
-from ..stats.report import STATS_DIR_ENV
+from ..stats.rank_file import STATS_DIR_ENV
 from . import stats
 
 DEFAULT_RUNS_DIR = "bucketwise-runs"

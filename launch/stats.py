@@ -29,15 +29,13 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..stats.compile_times import BREAKDOWN_FOOTER, BREAKDOWN_HEADER, breakdown_row
 from ..stats.job_stats import JOB_FILE
-from ..stats.report import bucket_table
+from ..stats.report_data import GraphData, ReportData
+from ..stats.report_format import bucket_table
 from ..stats.table import align
 
 MERGED_SCHEMA = 1
 _RANK_FILE = re.compile(r"^rank(\d+)\.json$")
 _RUNTIME_FILE = re.compile(r"^runtime-rank(\d+)\.json$")
-_REQUIRED = ("rank", "world_size", "totals", "graphs")
-_TOTALS_KEYS = ("graphs", "graph_breaks", "recompiles", "segments", "fallbacks", "compile_seconds")
-_SEGMENT_KEYS = ("index", "params", "bytes", "op_count", "compile_seconds", "backend", "fell_back")
 
 
 class StatsError(Exception):
@@ -56,8 +54,8 @@ def rank_files(path: str) -> list[str]:
     return sorted(found, key=lambda f: int(_RANK_FILE.match(os.path.basename(f)).group(1)))
 
 
-def load_rank_file(path: str) -> dict[str, Any]:
-    """One rank's report dict; raises ``ValueError`` naming what is wrong with the file."""
+def load_rank_file(path: str) -> ReportData:
+    """One rank's report; raises ``ValueError`` naming what is wrong with the file."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -65,27 +63,10 @@ def load_rank_file(path: str) -> dict[str, Any]:
         raise ValueError(f"cannot read it ({e.strerror or e})") from e
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ValueError("not a bucketwise report (top level is not an object)")
-    missing = [k for k in _REQUIRED if k not in data]
-    if missing:
-        raise ValueError(f"not a bucketwise report (missing {', '.join(missing)})")
-    if not isinstance(data["rank"], int) or not isinstance(data["world_size"], int):
-        raise ValueError("not a bucketwise report ('rank' and 'world_size' must be integers)")
-    if not isinstance(data["totals"], dict) or any(k not in data["totals"] for k in _TOTALS_KEYS):
-        raise ValueError(f"not a bucketwise report ('totals' must hold {', '.join(_TOTALS_KEYS)})")
-    if not isinstance(data["graphs"], list):
-        raise ValueError("not a bucketwise report ('graphs' is not a list)")
-    for g in data["graphs"]:
-        if not isinstance(g, dict) or "graph_id" not in g or not isinstance(g.get("segments"), list):
-            raise ValueError("malformed graph entry")
-        for s in g["segments"]:
-            if not isinstance(s, dict) or any(k not in s for k in _SEGMENT_KEYS):
-                raise ValueError(f"malformed segment in graph {g['graph_id']}")
-    return data
+    return ReportData.from_dict(data)
 
 
-def load_reports(path: str | Sequence[str], warn: Callable[[str], None]) -> list[dict[str, Any]]:
+def load_reports(path: str | Sequence[str], warn: Callable[[str], None]) -> list[ReportData]:
     """Every readable rank report under ``path`` (or several paths); unreadable files are
     skipped via ``warn``."""
     reports = []
@@ -94,32 +75,32 @@ def load_reports(path: str | Sequence[str], warn: Callable[[str], None]) -> list
             reports.append(load_rank_file(f))
         except ValueError as e:
             warn(f"skipping {f}: {e}")
-    by_rank: dict[int, dict[str, Any]] = {}
+    by_rank: dict[int, ReportData] = {}
     for r in reports:
-        if r["rank"] in by_rank:
-            warn(f"two files for rank {r['rank']}; keeping the first")
+        if r.rank in by_rank:
+            warn(f"two files for rank {r.rank}; keeping the first")
             continue
-        by_rank[r["rank"]] = r
+        by_rank[r.rank] = r
     return [by_rank[k] for k in sorted(by_rank)]
 
 
 # -- merging -------------------------------------------------------------------------------
 
 
-def plan_of(report: dict[str, Any]) -> dict[tuple[int, str, int], tuple[str, ...]]:
+def plan_of(report: ReportData) -> dict[tuple[int, str, int], tuple[str, ...]]:
     """A rank's bucket plan: ``(graph_id, "segment", index) -> parameter names`` per segment,
     plus ``(graph_id, "bucket", index)`` entries where the file lists planned buckets."""
     plan = {}
-    for g in report["graphs"]:
-        for s in g["segments"]:
-            plan[(g["graph_id"], "segment", s["index"])] = tuple(s["params"])
-        for b in g.get("buckets") or []:
-            if isinstance(b, dict) and "index" in b and isinstance(b.get("params"), list):
-                plan[(g["graph_id"], "bucket", b["index"])] = tuple(b["params"])
+    for g in report.graphs:
+        for s in g.segments:
+            plan[(g.graph_id, "segment", s.index)] = s.params
+        for b in g.buckets:
+            if "index" in b and isinstance(b.get("params"), list):
+                plan[(g.graph_id, "bucket", b["index"])] = tuple(b["params"])
     return plan
 
 
-def plan_differences(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def plan_differences(reports: list[ReportData]) -> list[dict[str, Any]]:
     """Where each rank's plan differs from the reference (first) rank's, segment by segment
     (and bucket by bucket): ``{"rank", "reference_rank", "graph_id", "part", "index",
     "difference"}`` with ``part`` ``"segment"`` or ``"bucket"``."""
@@ -135,15 +116,15 @@ def plan_differences(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if a == b:
                 continue
             if b is None:
-                what = f"{key[1]} missing on rank {other['rank']}"
+                what = f"{key[1]} missing on rank {other.rank}"
             elif a is None:
-                what = f"{key[1]} not on rank {ref['rank']}"
+                what = f"{key[1]} not on rank {ref.rank}"
             else:
-                what = _describe_param_diff(a, b, ref["rank"], other["rank"])
+                what = _describe_param_diff(a, b, ref.rank, other.rank)
             diffs.append(
                 {
-                    "rank": other["rank"],
-                    "reference_rank": ref["rank"],
+                    "rank": other.rank,
+                    "reference_rank": ref.rank,
                     "graph_id": key[0],
                     "part": key[1],
                     "index": key[2],
@@ -171,33 +152,33 @@ def _names(names: list[str], limit: int = 4) -> str:
     return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
 
 
-def _segment_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _segment_rows(reports: list[ReportData]) -> list[dict[str, Any]]:
     rows: dict[tuple[int, int], dict[str, Any]] = {}
     for rep in reports:
-        for g in rep["graphs"]:
-            for s in g["segments"]:
-                key = (g["graph_id"], s["index"])
+        for g in rep.graphs:
+            for s in g.segments:
+                key = (g.graph_id, s.index)
                 row = rows.get(key)
                 if row is None:
                     row = rows[key] = {
                         "graph_id": key[0],
                         "index": key[1],
-                        "params": len(s["params"]),
-                        "bytes": s["bytes"],
-                        "op_count": s["op_count"],
+                        "params": len(s.params),
+                        "bytes": s.bytes,
+                        "op_count": s.op_count,
                         "ranks": [],
                         "per_rank": {},
                         "backends": [],
                         "fallback_ranks": [],
                         "fallback_reasons": [],
                     }
-                row["ranks"].append(rep["rank"])
-                row["per_rank"][str(rep["rank"])] = s["compile_seconds"]
-                if s["backend"] not in row["backends"]:
-                    row["backends"].append(s["backend"])
-                if s["fell_back"]:
-                    row["fallback_ranks"].append(rep["rank"])
-                    reason = s.get("reason") or "unknown reason"
+                row["ranks"].append(rep.rank)
+                row["per_rank"][str(rep.rank)] = s.compile_seconds
+                if s.backend not in row["backends"]:
+                    row["backends"].append(s.backend)
+                if s.fell_back:
+                    row["fallback_ranks"].append(rep.rank)
+                    reason = s.reason or "unknown reason"
                     if reason not in row["fallback_reasons"]:
                         row["fallback_reasons"].append(reason)
     out = []
@@ -215,12 +196,12 @@ def _segment_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _compile_time_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _compile_time_rows(reports: list[ReportData]) -> list[dict[str, Any]]:
     per_graph: dict[int, dict[str, dict[str, Any]]] = {}
     for rep in reports:
-        for g in rep["graphs"]:
-            if isinstance(g.get("compile_times"), dict):
-                per_graph.setdefault(g["graph_id"], {})[str(rep["rank"])] = g["compile_times"]
+        for g in rep.graphs:
+            if g.compile_times is not None:
+                per_graph.setdefault(g.graph_id, {})[str(rep.rank)] = g.compile_times
     return [
         {
             "graph_id": gid,
@@ -245,52 +226,52 @@ def _slowest(times: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
+def merge(reports: list[ReportData]) -> dict[str, Any]:
     """One dict for the whole run (see the module docstring)."""
     if not reports:
         raise StatsError("no rank reports to merge")
     ref = reports[0]
-    ranks = [r["rank"] for r in reports]
-    world = max(r["world_size"] for r in reports)
-    graph_notes, notes = [], []
+    ranks = [r.rank for r in reports]
+    world = max(r.world_size for r in reports)
+    graph_notes: list[str] = []
+    notes: list[str] = []
     for rep in reports:
-        for g in rep["graphs"]:
-            lines = [f"{g['strategy']} ({g['strategy_reason']})"] if g.get("strategy_reason") else []
-            lines += [f"after graph break: {r}" for r in g.get("graph_break_reasons", [])]
+        for g in rep.graphs:
+            lines = [f"{g.strategy} ({g.strategy_reason})"] if g.strategy_reason else []
+            lines += [f"after graph break: {r}" for r in g.graph_break_reasons]
             for line in lines:
-                entry = f"graph {g['graph_id']}: {line}"
+                entry = f"graph {g.graph_id}: {line}"
                 if entry not in graph_notes:
                     graph_notes.append(entry)
-        notes += [n for n in rep.get("notes", []) if n not in notes]
+        notes += [n for n in rep.notes if n not in notes]
     return {
         "schema": MERGED_SCHEMA,
         "ranks": ranks,
         "world_size": world,
         "missing_ranks": [r for r in range(world) if r not in ranks],
-        "target": ref.get("target"),
-        "strategy": ref.get("strategy"),
-        "backend": ref.get("backend"),
+        "target": ref.target,
+        "strategy": ref.strategy,
+        "backend": ref.backend,
         "segments": _segment_rows(reports),
         "plan_differences": plan_differences(reports),
         "compile_times": _compile_time_rows(reports),
-        "totals": {str(r["rank"]): r["totals"] for r in reports},
-        "alignment": {str(r["rank"]): r["totals"].get("alignment") for r in reports},
+        "totals": {str(r.rank): r.totals for r in reports},
+        "alignment": {str(r.rank): r.totals.get("alignment") for r in reports},
         "graph_notes": graph_notes,
         "notes": notes,
-        "eager_calls": {str(r["rank"]): r.get("eager_calls", {}) for r in reports},
+        "eager_calls": {str(r.rank): r.eager_calls for r in reports},
         "fused_buckets": fused_buckets(ref),
     }
 
 
-def fused_buckets(report: dict[str, Any]) -> list[dict[str, Any]]:
+def fused_buckets(report: ReportData) -> list[dict[str, Any]]:
     """The reference rank's fused buckets per graph: ``[{"graph_id", "comm_hook", "buckets"}]``
     (each bucket as ``Report.to_dict()`` has it: collective, ``wire_bytes``, ...). Every rank
     runs the same collectives (the fused layout check), so one rank's view is the run's."""
     out = []
-    for g in report["graphs"]:
-        buckets = [b for b in g.get("buckets") or [] if isinstance(b, dict) and b.get("issued_at") is not None]
-        if buckets:
-            out.append({"graph_id": g["graph_id"], "comm_hook": g.get("comm_hook"), "buckets": buckets})
+    for g in report.graphs:
+        if g.fused_buckets:
+            out.append({"graph_id": g.graph_id, "comm_hook": g.comm_hook, "buckets": g.fused_buckets})
     return out
 
 
@@ -320,7 +301,8 @@ def format_merged(merged: dict[str, Any]) -> str:
         )
     lines = [_align_merged(rows)]
     if merged.get("fused_buckets"):
-        lines.extend(bucket_table(merged["fused_buckets"]))
+        graphs = [GraphData.from_dict({**entry, "segments": []}) for entry in merged["fused_buckets"]]
+        lines.extend(bucket_table(graphs))
         lines.append(f"(buckets as rank {merged['ranks'][0]} reports them)")
     lines.append(totals_line(merged))
     lines.extend(merged["graph_notes"])

@@ -36,7 +36,8 @@ from ..distributed.at_exit import at_exit
 from . import job_stats
 from . import trace_analysis as ta
 from .files import atomic_write_json
-from .report import STATS_DIR_ENV, Report, rank_and_world, report
+from .rank_file import STATS_DIR_ENV, rank_and_world
+from .report import Report, report
 from .runtime_view import HOST_BOUND_PREFIX, STEP_MARK, RuntimeView, analyze, plot_timeline
 
 log = logging.getLogger(__name__)

@@ -4,31 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import weakref
 from typing import Any, Callable
 
-import torch.distributed as dist
-
-from ..distributed.at_exit import at_exit
 from ..distributed.result import BucketStats, VariantStats
-from . import first_step, job_stats
-from .compile_times import (
-    BREAKDOWN_FOOTER,
-    BREAKDOWN_HEADER,
-    POLLS_AFTER_COMPILE,
-    CompileTimes,
-    CompileTimesTracker,
-    breakdown_row,
-    sum_compile_times,
-)
+from . import first_step
+from .compile_times import POLLS_AFTER_COMPILE, CompileTimes, CompileTimesTracker, sum_compile_times
 from .files import atomic_write_json
-from .table import align
-
-STATS_DIR_ENV = "BUCKETWISE_STATS_DIR"
-SCHEMA_VERSION = 1
-
-# Stats folder -> how many compiled objects of this process write into it (see write_rank_file).
-_stats_slots: dict[str, int] = {}
+from .rank_file import RankFile, rank_and_world
+from .report_data import SCHEMA_VERSION, ReportData
+from .report_format import format_table, short_reason
 
 
 @dataclasses.dataclass
@@ -134,7 +118,8 @@ class Report:
         self.eager_calls: dict[str, int] = {}
         """Calls of the compiled object in which no compiled graph ran, by reason."""
         self._alignment_fn: Callable[[], dict[str, Any]] | None = None
-        self._slot: tuple[str, int] | None = None
+        self.rank_file = RankFile()
+        """Where and when this report is written (``rank_file.py``)."""
         self.compile_times = CompileTimesTracker()
         self.first_step = first_step.FirstStep()
         """The first call and its backward, timed (NOTE [first step])."""
@@ -166,10 +151,7 @@ class Report:
         exit, not at every call."""
         count = self.eager_calls.get(reason, 0) + 1
         self.eager_calls[reason] = count
-        if count & (count - 1) == 0:
-            self.write_rank_file()
-        else:
-            _write_at_exit(self)
+        self.rank_file.eager_call(self, count)
         return count == 1
 
     def note(self, text: str) -> None:
@@ -224,11 +206,15 @@ class Report:
             "notes": list(self.notes),
         }
 
+    def data(self) -> ReportData:
+        """What the report holds now, as readers of its file see it."""
+        return ReportData.from_dict(self.to_dict())
+
     def to_json(self, path: str | os.PathLike) -> None:
         atomic_write_json(path, self.to_dict())
 
     def table(self) -> str:
-        return format_table(self.to_dict())
+        return format_table(self.data())
 
     def __repr__(self) -> str:
         t = self.totals
@@ -238,130 +224,8 @@ class Report:
         )
 
     def write_rank_file(self) -> None:
-        """``$BUCKETWISE_STATS_DIR/rank<R>.json``, written whole then renamed (never torn), and
-        sent to rank 0 through the job's store (NOTE [job-wide stats]).
-
-        The first compiled object of a process that writes into a stats folder owns
-        ``rank<R>.json``; further ones (a second model, an eval copy) write
-        ``obj<k>/rank<R>.json`` instead of overwriting it.
-        """
-        out_dir = os.environ.get(STATS_DIR_ENV)
-        if not out_dir:
-            return
-        rank = rank_and_world()[0]
-        key = os.path.abspath(out_dir)
-        if self._slot is None or self._slot[0] != key:
-            index = _stats_slots.get(key, 0)
-            _stats_slots[key] = index + 1
-            self._slot = (key, index)
-        folder = out_dir if self._slot[1] == 0 else os.path.join(out_dir, f"obj{self._slot[1]}")
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"rank{rank}.json")
-        data = self.to_dict()
-        atomic_write_json(path, data)
-        job_stats.publish(out_dir, os.path.relpath(path, out_dir), data)
-
-
-def rank_and_world() -> tuple[int, int]:
-    """This process's rank and world size; torchrun's ``RANK``/``WORLD_SIZE`` without a process
-    group (after ``destroy_process_group()``: the writes at exit)."""
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-_unwritten: "weakref.WeakSet[Report]" = weakref.WeakSet()
-
-
-def _write_at_exit(report: Report) -> None:
-    at_exit("reports", _write_unwritten)
-    _unwritten.add(report)
-
-
-def _write_unwritten() -> None:
-    for report in list(_unwritten):
-        report.write_rank_file()
-    _unwritten.clear()
-
-
-def _graph_label(g: dict[str, Any]) -> str:
-    """A graph's id, with its variant when it is not the training graph (``1 (no_sync)``)."""
-    return f"{g['graph_id']} ({g['variant']})" if g.get("variant") else str(g["graph_id"])
-
-
-def format_table(data: dict[str, Any]) -> str:
-    """Aligned text table of one rank's report dict (also used by ``bucketwise stats``)."""
-    header = ("graph", "seg", "params", "MiB", "ops", "compile s", "backend", "fallback")
-    rows = []
-    for g in data["graphs"]:
-        for s in g["segments"]:
-            rows.append(
-                (
-                    _graph_label(g),
-                    str(s["index"]),
-                    str(s["param_count"]),
-                    f"{s['bytes'] / 2**20:.2f}",
-                    str(s["op_count"]),
-                    f"{s['compile_seconds']:.2f}",
-                    s["backend"],
-                    (s["reason"] or "yes")[:60] if s["fell_back"] else "-",
-                )
-            )
-    lines = [_align([header, *rows])]
-    lines.extend(bucket_table(data["graphs"]))
-    cg_rows = [
-        (
-            c["name"],
-            "yes" if c["captured"] else "no",
-            str(c["replays"]),
-            str(c["records"]),
-            str(c["uncaptured_runs"]),
-            f"{c['pool_bytes'] / 2**20:.1f}",
-            (c["reason"] or c.get("note") or "-")[:70],
-        )
-        for c in data.get("cudagraphs", [])
-    ]
-    if cg_rows:
-        lines.append("")
-        lines.append(
-            _align(
-                [("cuda graph", "captured", "replays", "records", "uncaptured", "pool MiB", "reason"), *cg_rows],
-                right=range(2, 6),
-            )
-        )
-    t = data["totals"]
-    align = t["alignment"]
-    lines.append(
-        f"graphs {t['graphs']}, graph breaks {t['graph_breaks']}, recompiles {t['recompiles']}, "
-        f"segments {t['segments']}, compile {t['compile_seconds']:.2f} s, "
-        f"alignment {'n/a' if align is None else f'{align:.2f}'}"
-        + (f" ({data['alignment'].get('status')})" if align is None and data.get("alignment") else "")
-    )
-    for g in data["graphs"]:
-        if g["strategy_reason"]:
-            lines.append(f"graph {g['graph_id']}: {g['strategy']} ({g['strategy_reason']})")
-        for r in g["graph_break_reasons"]:
-            lines.append(f"graph {g['graph_id']}: ended by graph break: {_short_reason(r)}")
-        if g.get("recompile_reason"):
-            lines.append(f"graph {g['graph_id']}: recompile, guard failed: {g['recompile_reason'][:200]}")
-        for v in g.get("variants", [])[1:]:
-            fell = f", fell back to eager: {(v['reason'] or '')[:80]}" if v["fell_back"] else ""
-            lines.append(f"graph {g['graph_id']}: compiled again for {v['name']}, {v['compile_seconds']:.2f} s{fell}")
-    lines.extend(f"ran eagerly: {n} call(s): {why}" for why, n in data.get("eager_calls", {}).items())
-    lines.extend(f"runs eagerly between graphs: {r}" for r in data.get("eager_regions", []))
-    lines.extend(f"note: {n}" for n in data.get("notes", []))
-    lines.extend(shared_block_lines(data["graphs"]))
-    times_rows = [
-        breakdown_row(str(g["graph_id"]), g["compile_times"]) for g in data["graphs"] if g.get("compile_times")
-    ]
-    if times_rows:
-        lines.append("")
-        lines.append(_align([BREAKDOWN_HEADER, *times_rows], right=range(1, 8)))
-        lines.append(BREAKDOWN_FOOTER)
-    first = first_step.describe(data["totals"].get("first_step"))
-    if first:
-        lines.append(first)
-    return "\n".join(lines)
+        """Write ``$BUCKETWISE_STATS_DIR/rank<R>.json`` now (``rank_file.py``)."""
+        self.rank_file.write(self)
 
 
 def eager_regions(graphs: list[GraphStats]) -> list[str]:
@@ -372,97 +236,10 @@ def eager_regions(graphs: list[GraphStats]) -> list[str]:
         for r in g.graph_break_reasons:
             head = r.lower()
             if "disable" in head or "skip" in head:
-                short = _short_reason(r)
+                short = short_reason(r)
                 if short not in out:
                     out.append(short)
     return out
-
-
-def shared_block_lines(graphs: list[dict[str, Any]]) -> list[str]:
-    """One line per graph whose blocks share a compile, or could not (NOTE [one compile per block])."""
-    lines = []
-    for g in graphs:
-        shared = g.get("shared_blocks")
-        if not shared:
-            continue
-        if "reason" in shared:
-            lines.append(f"graph {_graph_label(g)}: blocks compiled with the whole graph: {shared['reason']}")
-            continue
-        lines.append(
-            f"graph {_graph_label(g)}: {shared['count']} blocks of {shared['blocks']} ({shared['class']}) share "
-            f"{shared['compiles']} compile{'s' if shared['compiles'] != 1 else ''} ({shared['compile_seconds']:.2f} s; "
-            f"about {shared['saved_seconds']:.1f} s of compiles saved)"
-        )
-    return lines
-
-
-def bucket_table(graphs: list[dict[str, Any]]) -> list[str]:
-    """The fused buckets of ``graphs`` (report dicts): where each collective is issued, what it
-    is and the bytes each rank sends into it; with comm hooks, the total against the gradient
-    bytes (also used by ``bucketwise stats``). Empty without fused buckets."""
-    rows = [
-        (
-            str(g["graph_id"]),
-            str(b["index"]),
-            str(len(b["params"])),
-            f"{b['bytes'] / 2**20:.2f}",
-            f"{b['issued_at']:.2f}",
-            b.get("comm_dtype") or "-",
-            b.get("collective") or "all_reduce",
-            "-" if b.get("wire_bytes") is None else f"{b['wire_bytes'] / 2**20:.2f}",
-        )
-        for g in graphs
-        for b in g.get("buckets", [])
-        if b.get("issued_at") is not None
-    ]
-    if not rows:
-        return []
-    header = ("graph", "bucket", "params", "MiB", "issued at", "comm dtype", "collective", "wire MiB")
-    return [
-        "",
-        _align([header, *rows], right=(0, 1, 2, 3, 4, 7)),
-        "issued at: fraction of the backward done when the bucket's collective starts; "
-        "wire MiB: what each rank sends into it",
-        *wire_lines(graphs),
-    ]
-
-
-def wire_lines(graphs: list[dict[str, Any]]) -> list[str]:
-    """Per fused graph that sends other than its gradient bytes (a comm hook, a compressed wire
-    dtype, embedding rows): what its buckets send per step, against the gradient bytes."""
-    lines = []
-    for g in graphs:
-        hook = g.get("comm_hook")
-        buckets = [b for b in g.get("buckets") or [] if b.get("issued_at") is not None]
-        grads = sum(b["bytes"] for b in buckets)
-        known = [b["wire_bytes"] for b in buckets if b.get("wire_bytes") is not None]
-        complete = len(known) == len(buckets) and grads > 0
-        if not buckets or not (hook or complete and sum(known) != grads):
-            continue
-        line = f"graph {g['graph_id']}: " + (hook or "fused")
-        if complete:
-            wire = sum(known)
-            line += (
-                f": {wire / 2**20:.3f} MiB on the wire per step for {grads / 2**20:.3f} MiB of gradients "
-                f"({wire / grads:.1%})"
-            )
-        if hook and hook.startswith("powerSGD_hook"):
-            line += "; before start_powerSGD_iter each bucket is all-reduced whole"
-        lines.append(line)
-    return lines
-
-
-def _short_reason(reason: str, limit: int = 160) -> str:
-    """First sentence of a Dynamo graph-break reason, plus its ``(at file:line)`` suffix."""
-    where = reason[reason.rfind(" (at ") :] if reason.endswith(")") and " (at " in reason else ""
-    head = reason[: len(reason) - len(where)].split(" Explanation:")[0].split(" Hint:")[0]
-    if len(head) > limit:
-        head = head[: limit - 3] + "..."
-    return head + where
-
-
-def _align(rows: list[tuple[str, ...]], right: Any = range(6)) -> str:
-    return align(rows, right=right)
 
 
 WRAPPER_ATTRS = ("_orig_mod", "module", "_forward_module", "_original_module")

@@ -15,7 +15,9 @@ import time
 import pytest
 
 from bucketwise.launch import cli, launcher
-from bucketwise.stats.report import GraphStats, Report, SegmentStats, format_table
+from bucketwise.stats.report import GraphStats, Report, SegmentStats
+from bucketwise.stats.report_data import ReportData
+from bucketwise.stats.report_format import format_table
 
 JOB_TIMEOUT = 300
 
@@ -233,7 +235,7 @@ def test_stats_single_rank_file_uses_report_table(run_dir, capsys):
     assert cli.main(["stats", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("rank 1 of 3\n")
-    assert format_table(json.loads(path.read_text())) in out
+    assert format_table(ReportData.from_dict(json.loads(path.read_text()))) in out
 
 
 def test_stats_bad_paths(tmp_path, capsys):

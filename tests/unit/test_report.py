@@ -18,6 +18,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
+from bucketwise.stats.report_data import ReportData
+from bucketwise.stats.report_format import format_table
 
 
 class MLP(nn.Module):
@@ -135,6 +137,43 @@ def test_to_dict_and_json_round_trip(single_rank_group, tmp_path):
     assert json.loads(path.read_text())["totals"]["segments"] == 4
     assert sorted(os.listdir(out)) == ["report.json"], "no temporary files left behind"
     assert "alignment=1.0" in repr(rep)
+
+
+def test_report_data_reads_back_what_the_report_wrote(single_rank_group, tmp_path):
+    compiled, ref = _pair(MLP())
+    _train(compiled, ref, 5)
+    rep = bucketwise.report(compiled)
+    path = tmp_path / "report.json"
+    rep.to_json(path)
+    data = ReportData.from_dict(json.loads(path.read_text()))
+    assert data.to_dict() == json.loads(path.read_text())
+    assert (data.rank, data.world_size, data.target, data.strategy) == (0, 1, "DDP(MLP)", "split")
+    assert data.totals["segments"] == sum(len(g.segments) for g in data.graphs) == 4
+    live = rep.to_dict()["graphs"]
+    assert [g.graph_id for g in data.graphs] == [g["graph_id"] for g in live]
+    assert [s.params for g in data.graphs for s in g.segments] == [
+        tuple(s["params"]) for g in live for s in g["segments"]
+    ]
+    assert rep.table() == format_table(data)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.pop("graphs"), "missing graphs"),
+        (lambda d: d.update(rank="0"), "'rank' and 'world_size' must be integers"),
+        (lambda d: d["totals"].pop("fallbacks"), "'totals' must hold graphs, graph_breaks"),
+        (lambda d: d.update(schema=2), "report schema 2; this bucketwise reads schema 1"),
+        (lambda d: d["graphs"][0]["segments"][0].pop("bytes"), "malformed segment in graph 0"),
+    ],
+)
+def test_report_data_names_what_is_wrong(single_rank_group, change, message):
+    compiled, ref = _pair(MLP())
+    _train(compiled, ref, 1)
+    d = copy.deepcopy(bucketwise.report(compiled).to_dict())
+    change(d)
+    with pytest.raises(ValueError, match=message):
+        ReportData.from_dict(d)
 
 
 def test_table_has_a_row_per_segment(single_rank_group):
@@ -381,7 +420,7 @@ def test_compile_times_in_the_rank_file(single_rank_group, tmp_path, monkeypatch
     assert bucketwise.report(compiled).totals["compile_times"]["backward_compiles"] == 4
     from bucketwise.launch import stats as launch_stats
 
-    merged = launch_stats.merge([json.loads((stats / "rank0.json").read_text())])
+    merged = launch_stats.merge([launch_stats.load_rank_file(str(stats / "rank0.json"))])
     assert merged["compile_times"][0]["slowest"]["backward_compiles"] == 4
     assert (
         "FX cache h/m/b" in launch_stats.format_merged(merged)
