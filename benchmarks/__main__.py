@@ -22,16 +22,18 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "ddp": Command("ddp_bench", "DDP training steps: eager DDP, torch.compile and bucketwise side by side, N ranks"),
-    "tax": Command("tax_bench", "what DDP and bucketwise add to a compiled step, configs interleaved in one process"),
-    "memory": Command("memory_bench", "memory at rest, at the peak and after the model is dropped, one process each"),
-    "zoo": Command("zoo", "real models (HF, timm, torchvision) under eager DDP and bucketwise: equal, and how fast"),
-    "zoo-table": Command("zoo_table", "the zoo's docs tables from its results"),
-    "hf-trainer": Command("hf_trainer_bench", "the HF Trainer with and without bucketwise"),
-    "numerics": Command("numerics_check", "losses of bucketwise variants against eager DDP over many steps"),
-    "tables": Command("perf_tables", "the performance tables of README.md and docs/performance.md from results/"),
-    "sweep-table": Command("sweep_table", "one table and plot from several ddp runs (a bucket_cap_mb sweep)"),
-    "plots": Command("bench_plots", "re-draw the plots of a finished ddp run"),
+    "ddp": Command("ddp.bench", "DDP training steps: eager DDP, torch.compile and bucketwise side by side, N ranks"),
+    "tax": Command("tax.bench", "what DDP and bucketwise add to a compiled step, configs interleaved in one process"),
+    "memory": Command("ddp.memory", "memory at rest, at the peak and after the model is dropped, one process each"),
+    "zoo": Command(
+        "zoo.main", "real models (HF, timm, torchvision) under eager DDP and bucketwise: equal, and how fast"
+    ),
+    "zoo-table": Command("tables.zoo", "the zoo's docs tables from its results"),
+    "hf-trainer": Command("apps.hf_trainer", "the HF Trainer with and without bucketwise"),
+    "numerics": Command("ddp.numerics", "losses of bucketwise variants against eager DDP over many steps"),
+    "tables": Command("tables.perf", "the performance tables of README.md and docs/performance.md from results/"),
+    "sweep-table": Command("tables.sweep", "one table and plot from several ddp runs (a bucket_cap_mb sweep)"),
+    "plots": Command("tables.plots", "re-draw the plots of a finished ddp run"),
 }
 
 

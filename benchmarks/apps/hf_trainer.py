@@ -22,23 +22,25 @@ sizes and backends for a CPU check (gloo, ``aot_eager``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bucketwise.benchmarks.bench_cli import ALWAYS_ENV
-from bucketwise.benchmarks.run_meta import run_meta
+from bucketwise.benchmarks.core import procs
+from bucketwise.benchmarks.core.meta import run_meta
+from bucketwise.benchmarks.core.names import HF_TRAINER, check_names
+from bucketwise.benchmarks.core.procs import ALWAYS_ENV
 from bucketwise.distributed.gloo_exit import end_process_group
 
-CONFIGS = ("fused", "split", "torch_compile", "eager")
+CONFIGS = HF_TRAINER
 SIZES = {  # name: (hidden, intermediate, layers, heads, vocab, seq, batch per rank)
     "small": (1024, 2816, 4, 16, 32000, 512, 8),
     "tiny": (32, 64, 2, 4, 128, 16, 4),
@@ -62,9 +64,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.tiny:
         args.size, args.inner_backend, args.compile_backend = "tiny", "aot_eager", "aot_eager"
         args.steps, args.warmup = min(args.steps, 6), min(args.warmup, 2)
-    unknown = set(args.configs.split(",")) - set(CONFIGS)
-    if unknown:
-        p.error(f"--configs: unknown {sorted(unknown)}; choose from {list(CONFIGS)}")
+    try:
+        check_names(args.configs.split(","), CONFIGS)
+    except ValueError as exc:
+        p.error(str(exc))
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup must be in [0, --steps), got {args.warmup} with --steps {args.steps}")
     return args
@@ -121,10 +124,10 @@ def worker(args: argparse.Namespace) -> None:
         )
     )
     extra: dict = {}
-    if config_name == "split":
+    if config_name == "bw-split":
         model = torch.compile(model, backend="bucketwise", options={"inner_backend": args.inner_backend})
         extra["remove_unused_columns"] = False
-    elif config_name == "torch_compile":
+    elif config_name == "torch":
         extra.update(torch_compile=True, torch_compile_backend=args.compile_backend)
     out_dir = Path(args.out).parent
     targs = TrainingArguments(
@@ -149,7 +152,7 @@ def worker(args: argparse.Namespace) -> None:
     timer = StepTimes()
     trainer_class = Trainer
     kwargs: dict = {}
-    if config_name == "fused":
+    if config_name == "bw-fused":
         from bucketwise.hf import BucketwiseTrainer
 
         trainer_class, kwargs = BucketwiseTrainer, {"bucketwise_options": {"backend": args.inner_backend}}
@@ -169,13 +172,15 @@ def worker(args: argparse.Namespace) -> None:
         "warmup_s": round(sum(timer.times[: args.warmup]), 3),
         "world_size": trainer.args.world_size,
         "compile": {
-            "fused": f"BucketwiseTrainer(..., bucketwise_options={{'backend': '{args.inner_backend}'}})",
-            "split": f"torch.compile(model, backend='bucketwise', options={{'inner_backend': '{args.inner_backend}'}})",
-            "torch_compile": f"TrainingArguments(torch_compile=True, torch_compile_backend='{args.compile_backend}')",
+            "bw-fused": f"BucketwiseTrainer(..., bucketwise_options={{'backend': '{args.inner_backend}'}})",
+            "bw-split": (
+                f"torch.compile(model, backend='bucketwise', options={{'inner_backend': '{args.inner_backend}'}})"
+            ),
+            "torch": f"TrainingArguments(torch_compile=True, torch_compile_backend='{args.compile_backend}')",
             "eager": None,
         }[config_name],
     }
-    if config_name in ("fused", "split"):
+    if config_name in ("bw-fused", "bw-split"):
         result["bucketwise"] = _bucketwise_summary(trainer, config_name)
     Path(os.environ["HF_BENCH_WORKER_OUT"]).write_text(json.dumps(result))
 
@@ -186,7 +191,7 @@ def _bucketwise_summary(trainer, config_name: str) -> dict:
     import bucketwise
 
     try:
-        rep = trainer.bucketwise_report() if config_name == "fused" else bucketwise.report(trainer.model)
+        rep = trainer.bucketwise_report() if config_name == "bw-fused" else bucketwise.report(trainer.model)
     except TypeError as exc:
         return {"report": None, "why": str(exc)}
     return {"strategies": [g.strategy for g in rep.graphs], "totals": rep.totals, "notes": rep.notes}
@@ -262,48 +267,39 @@ def drive(args: argparse.Namespace, argv: list[str]) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"meta": meta(args, argv), "configs": {}}
     for name in args.configs.split(","):
-        if name == "split" and not _backend_entry_point():
+        if name == "bw-split" and not _backend_entry_point():
             report["configs"][name] = {"config": name, "error": NO_ENTRY_POINT}
-            print(f"[hf_trainer_bench] split: not run: {NO_ENTRY_POINT}", flush=True)
+            print(f"[hf-trainer] bw-split: not run: {NO_ENTRY_POINT}", flush=True)
             out.write_text(json.dumps(report, indent=1))
             continue
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             worker_out = f.name
-        env = {**os.environ, **ALWAYS_ENV, "HF_BENCH_WORKER_OUT": worker_out, "HF_HUB_OFFLINE": "1"}
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(args.nproc),
-            str(Path(__file__).resolve()),
-            *_worker_argv(argv),
-            "--worker",
-            name,
-        ]
-        print(f"[hf_trainer_bench] {name}: {shlex.join(cmd)}", flush=True)
-        proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
+        job = procs.torchrun(
+            str(Path(__file__).resolve()), nproc=args.nproc, script_args=[*_worker_argv(argv), "--worker", name]
+        )
+        job = dataclasses.replace(job, env={"HF_BENCH_WORKER_OUT": worker_out, "HF_HUB_OFFLINE": "1"})
+        print(f"[hf-trainer] {name}: {shlex.join(job.argv)}", flush=True)
+        proc = procs.run([job], capture=procs.Capture.STDERR)
         sys.stderr.write(proc.stderr[-20000:])
         text = Path(worker_out).read_text() if os.path.getsize(worker_out) else ""
         os.unlink(worker_out)
         # A config that fails (e.g. Dynamo stopping in DDP's forward) is recorded, the others still run.
         report["configs"][name] = (
             json.loads(text)
-            if proc.returncode == 0 and text
-            else {"config": name, "error": f"exit code {proc.returncode}", "stderr_tail": proc.stderr[-4000:]}
+            if proc.code == 0 and text
+            else {"config": name, "error": f"exit code {proc.code}", "stderr_tail": proc.stderr[-4000:]}
         )
         out.write_text(json.dumps(report, indent=1))
     eager = report["configs"].get("eager")
     for name, result in report["configs"].items():
         if "error" in result:
-            print(f"[hf_trainer_bench] {name}: FAILED ({result['error']}), see stderr_tail in {out}", flush=True)
+            print(f"[hf-trainer] {name}: FAILED ({result['error']}), see stderr_tail in {out}", flush=True)
             continue
         if eager is not None and "error" not in eager and name != "eager":
             diffs = [abs(a - b) for a, b in zip(result["losses"], eager["losses"])]
             result["max_abs_loss_diff_vs_eager"] = max(diffs) if diffs else None
         print(
-            f"[hf_trainer_bench] {name}: median step {result['median_step_ms']} ms, "
+            f"[hf-trainer] {name}: median step {result['median_step_ms']} ms, "
             f"{result['steps_per_second']} steps/s after warm-up, "
             f"warm-up {result['warmup_s']} s, final loss {result['losses'][-1]:.4f}",
             flush=True,

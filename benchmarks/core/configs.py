@@ -19,6 +19,10 @@ A recipe turns a freshly built model into the module a training step calls:
   wrapper; CUDA only). Its floor, like that of the ``*-ro`` configs, is ``local-ro``.
 - ``bw-fused-blocks``, ``bw-fused-blocks-cg``: ``share_blocks=True`` (identical blocks share one
   compile).
+- ``bw-fused-noreorder``: Inductor's compute/communication reordering off (``options=NO_REORDER``).
+
+The names follow one vocabulary (``core/names.py``), which also says which configs the zoo and the
+HF Trainer harness run.
 
 A new strategy is one more line, e.g. ``"bw-fused": Recipe(compiler="bucketwise", strategy="fused")``.
 """
@@ -78,6 +82,8 @@ class Recipe:
     """bucketwise ``gather_embedding_rows=`` argument (``False``: all-reduce embedding tables whole)."""
     share_blocks: bool = False
     """bucketwise ``share_blocks=`` argument (``True``: identical blocks share one compile)."""
+    options: dict[str, Any] | None = None
+    """bucketwise ``options=`` (Inductor options), e.g. ``NO_REORDER``."""
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -152,6 +158,7 @@ class Recipe:
             cudagraphs=self.cudagraphs,
             gather_embedding_rows=self.gather_embedding_rows,
             share_blocks=self.share_blocks,
+            options=self.options,
         )
         return Prepared(module=compiled, step_context=contextlib.nullcontext, report=bucketwise.report(compiled))
 
@@ -169,6 +176,8 @@ def _replicate(model: nn.Module) -> nn.Module:
 
 
 RO = "reduce-overhead"
+NO_REORDER = {"reorder_for_compute_comm_overlap": False}
+"""Inductor's compute/communication reordering off (``bw-fused-noreorder``)."""
 
 CONFIGS: dict[str, Recipe] = {
     "eager": Recipe(),
@@ -180,6 +189,8 @@ CONFIGS: dict[str, Recipe] = {
     "bw-split": Recipe(compiler="bucketwise", strategy="split"),
     "bw-none": Recipe(compiler="bucketwise", strategy="none"),
     "bw-fused": Recipe(compiler="bucketwise", strategy="fused"),
+    "bw-auto": Recipe(compiler="bucketwise", strategy="auto"),
+    "bw-fused-noreorder": Recipe(compiler="bucketwise", strategy="fused", options=NO_REORDER),
     "bw-fused-bf16": Recipe(compiler="bucketwise", strategy="fused", comm_hook="bf16"),
     "bw-fused-dense": Recipe(compiler="bucketwise", strategy="fused", gather_embedding_rows=False),
     "bw-fused-dense-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True, gather_embedding_rows=False),

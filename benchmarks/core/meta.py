@@ -17,7 +17,7 @@ import torch
 
 def git_revision() -> str | None:
     """The checkout's short commit, ``-dirty`` with uncommitted changes; ``None`` outside git."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     try:
         rev = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10

@@ -8,7 +8,7 @@ import os
 import re
 from typing import Any, Sequence
 
-from bucketwise.benchmarks.bench_configs import floor_config
+from bucketwise.benchmarks.core.configs import floor_config
 
 MD_COLUMNS = (
     "config",
@@ -220,3 +220,10 @@ def _cache_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
         "warm: the same in the restarted job.",
         "",
     ]
+
+
+def cold_graphs_text(row: dict[str, Any]) -> str:
+    """A summary row's cold FX graphs and FX-cache hits as ``graphs / hits`` (``-`` for runs that
+    did not record them)."""
+    graphs, hits = row.get("cold_fx_graphs"), row.get("cold_fx_hits")
+    return "-" if graphs is None else f"{graphs:g} / {hits:g}"

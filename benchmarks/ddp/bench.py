@@ -23,18 +23,21 @@ import statistics
 import sys
 import tempfile
 import traceback
-from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from bucketwise._compat import dynamo as dc
-from bucketwise.benchmarks import bench_metrics as bm
-from bucketwise.benchmarks import bench_restart as br
-from bucketwise.benchmarks.bench_cli import (
-    ALWAYS_ENV,
+from bucketwise.benchmarks.core import metrics as bm
+from bucketwise.benchmarks.core.configs import Recipe, recipe_for
+from bucketwise.benchmarks.core.meta import run_meta
+from bucketwise.benchmarks.core.models import ModelSpec, make_spec
+from bucketwise.benchmarks.core.output import add_floor_ratios, safe_name, write_jsonl, write_markdown
+from bucketwise.benchmarks.core.procs import ALWAYS_ENV
+from bucketwise.benchmarks.core.step import LR, make_step
+from bucketwise.benchmarks.ddp import restart as br
+from bucketwise.benchmarks.ddp.cli import (
     ARGV_ENV,
     COMMAND_ENV,
     NO_CACHE_ENV,
@@ -46,71 +49,7 @@ from bucketwise.benchmarks.bench_cli import (
     rank_argv,
     relaunch,
 )
-from bucketwise.benchmarks.bench_configs import Prepared, Recipe, recipe_for
-from bucketwise.benchmarks.bench_models import ModelSpec, make_spec
-from bucketwise.benchmarks.bench_output import add_floor_ratios, safe_name, write_jsonl, write_markdown
-from bucketwise.benchmarks.run_meta import run_meta
 from bucketwise.distributed.gloo_exit import end_process_group
-
-LR = 1e-4
-
-
-def make_step(
-    prepared: Prepared,
-    spec: ModelSpec,
-    opt: torch.optim.Optimizer,
-    batch: tuple,
-    device: torch.device,
-    *,
-    mark_cudagraph_step: bool,
-    annotate: bool,
-) -> Callable[[], torch.Tensor]:
-    """One training step: forward (bf16 autocast for gpt on CUDA) + backward + optimizer step
-    + ``zero_grad(set_to_none=True)``; ``annotate`` adds the profiler ranges the trace parser uses.
-    Returns a copy of the loss, not read (no host sync): a CUDA-graph output is overwritten by
-    the next replay, so the step clones it (one tiny device copy, in every config alike)."""
-    module = prepared.module
-
-    def rng(name: str):
-        return record_function(name) if annotate else nullcontext()
-
-    def step() -> torch.Tensor:
-        with rng(bm.STEP_RANGE):
-            if mark_cudagraph_step:
-                torch.compiler.cudagraph_mark_step_begin()
-            with prepared.step_context():
-                with spec.autocast(device):
-                    loss = spec.loss(module, batch)
-                with rng(bm.BACKWARD_RANGE):
-                    loss.backward()
-            kept = loss.detach().clone()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return kept
-
-    return step
-
-
-def training_step(
-    recipe: Recipe, spec: ModelSpec, device: torch.device, backend: str
-) -> tuple[torch.nn.Module, Prepared, torch.optim.Optimizer, Callable[[], torch.Tensor]]:
-    """A config's model built (seed 0) and wrapped, its fused AdamW, and one training step on a
-    fixed synthetic batch (:func:`make_step`): what the one-process harnesses (``tax_bench``,
-    ``memory_bench``) time and measure."""
-    torch.manual_seed(0)
-    model = spec.build().to(device)
-    prepared = recipe.prepare(model, device=device, backend=backend, bucket_cap_mb=None)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True if device.type == "cuda" else None)
-    step = make_step(
-        prepared,
-        spec,
-        opt,
-        spec.make_batch(1, device),
-        device,
-        mark_cudagraph_step=recipe.mode == "reduce-overhead",
-        annotate=False,
-    )
-    return model, prepared, opt, step
 
 
 def _fresh_state(device: torch.device) -> None:
@@ -413,7 +352,7 @@ def run_all(args: BenchArgs, device: torch.device) -> None:
             print(_progress(i, len(args.configs), rows[-1]), flush=True)
         dist.barrier()
     if rank == 0:
-        from bucketwise.benchmarks.bench_plots import make_plots
+        from bucketwise.benchmarks.tables.plots import make_plots
 
         make_plots(args.out, meta, rows, args.timeline_config)
         print(f"wrote {os.path.join(args.out, 'results.md')}", flush=True)
@@ -464,7 +403,8 @@ def _prime_compiler(backend: str, device: torch.device) -> None:
 def worker(args: BenchArgs) -> int:
     if args.restart and args.phase == "cold" and ARGV_ENV not in os.environ:
         raise SystemExit(
-            "ddp_bench.py: error: --restart runs the job twice: start ddp_bench.py itself, not under torchrun"
+            "ddp: error: --restart runs the job twice: start `python -m bucketwise.benchmarks ddp` itself, "
+            "not under torchrun"
         )
     os.environ.update(job_env(args))  # NCCL reads these at communicator creation
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -1,4 +1,4 @@
-"""Command line of ``ddp_bench.py``: flags, their validation, the NCCL environment and the
+"""Command line of the ``ddp`` harness: flags, their validation, the NCCL environment and the
 self-relaunch through ``torch.distributed.run``."""
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from bucketwise.benchmarks import bench_launch, bench_models
-from bucketwise.benchmarks.bench_configs import CONFIGS, DEFAULT_CONFIGS, base_name, recipe_for
-from bucketwise.benchmarks.bench_output import RECORD_ENV  # noqa: F401 (ddp_bench reads it here)
+from bucketwise.benchmarks.core import models as bench_models
+from bucketwise.benchmarks.core import procs
+from bucketwise.benchmarks.core.configs import CONFIGS, DEFAULT_CONFIGS, base_name, recipe_for
+from bucketwise.benchmarks.core.output import RECORD_ENV  # noqa: F401 (ddp.bench reads it here)
+from bucketwise.benchmarks.core.procs import ALWAYS_ENV
 
-RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+RESULTS_ROOT = Path(__file__).resolve().parents[1] / "results"
 NETS = ("default", "socket", "2node")
 DEVICES = ("auto", "cuda", "cpu")
 COMMAND_ENV = "BUCKETWISE_BENCH_COMMAND"
@@ -25,8 +27,6 @@ ARGV_ENV = "BUCKETWISE_BENCH_ARGV"
 """The ranks' arguments, as JSON: torchrun's own parser would take ``--nproc`` on the script's
 command line for an abbreviation of its ``--nproc-per-node`` and refuse it."""
 
-# Mandatory on the GPU machines (NVLink multicast / NVLS off), for every launched job.
-ALWAYS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # --net socket / 2node: NCCL over TCP sockets on loopback (emulates multi-node Ethernet).
 SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
 # --compile-cache off: no FX-graph / AOTAutograd cache hits between configs (comparable compile
@@ -248,15 +248,14 @@ def check_launch(args: BenchArgs) -> None:
 
     if args.device == "cuda":
         if not torch.cuda.is_available():
-            raise SystemExit("ddp_bench.py: error: --device cuda but CUDA is not available")
+            raise SystemExit("ddp: error: --device cuda but CUDA is not available")
         if args.nproc > torch.cuda.device_count():
             raise SystemExit(
-                f"ddp_bench.py: error: --nproc {args.nproc} > {torch.cuda.device_count()} visible GPUs "
-                "(one GPU per rank)"
+                f"ddp: error: --nproc {args.nproc} > {torch.cuda.device_count()} visible GPUs (one GPU per rank)"
             )
     known = sorted(torch.compiler.list_backends(exclude_tags=()))
     if args.backend not in known:
-        raise SystemExit(f"ddp_bench.py: error: unknown --backend {args.backend!r}; known: {', '.join(known)}")
+        raise SystemExit(f"ddp: error: unknown --backend {args.backend!r}; known: {', '.join(known)}")
 
 
 def rank_argv(argv: list[str]) -> list[str]:
@@ -276,24 +275,31 @@ def relaunch(args: BenchArgs, argv: list[str]) -> None:
     extra = ["--out", args.out, "--device", args.device, "--nproc", str(args.nproc)]
     cache_root = None
     if args.compile_cache == "on":
-        from bucketwise.benchmarks.bench_restart import new_cache_root
+        from bucketwise.benchmarks.ddp.restart import new_cache_root
 
         cache_root = args.cache_dir or new_cache_root()
         extra += ["--cache-dir", cache_root]
     env[ARGV_ENV] = json.dumps([*argv, *extra])
-    script = str(Path(__file__).resolve().parent / "ddp_bench.py")
-    job = bench_launch.commands(script, nproc=args.nproc, net=args.net, out=args.out, device=args.device)
-    for cmd, extra in job:
-        print(f"launching: {' '.join(f'{k}={v} ' for k, v in extra.items())}{shlex.join(cmd[1:])}", flush=True)
+    script = str(Path(__file__).resolve().parent / "bench.py")
+    job = launchers(script, args)
+    for p in job:
+        print(f"launching: {' '.join(f'{k}={v} ' for k, v in p.env.items())}{shlex.join(p.argv[1:])}", flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     if cache_root is not None:
         # Compile caches: wait for the job (and its restart), then remove the cache root we made.
-        from bucketwise.benchmarks.bench_restart import run_jobs
+        from bucketwise.benchmarks.ddp.restart import run_jobs
 
         sys.exit(
             run_jobs(job, env, cache_root, restart=args.restart, keep=args.keep_cache or args.cache_dir is not None)
         )
-    if len(job) > 1:
-        sys.exit(bench_launch.run(job, env))
-    os.execve(sys.executable, job[0][0], env)
+    sys.exit(procs.run(job, env=env).code)
+
+
+def launchers(script: str, args: BenchArgs) -> list[procs.Proc]:
+    """The launcher processes of one job: a torchrun job, or two node agents (``--net 2node``)."""
+    if args.net != "2node":
+        return [procs.torchrun(script, nproc=args.nproc)]
+    if args.nproc != 2:
+        raise ValueError(f"--net 2node runs 2 ranks (one per node), got --nproc {args.nproc}")
+    return procs.node_agents(script, out=args.out, device=args.device)

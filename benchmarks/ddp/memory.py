@@ -30,7 +30,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 from typing import Any
 
@@ -38,10 +37,11 @@ import torch
 
 from bucketwise._compat import cuda as cuc
 from bucketwise._compat import dynamo as dc
-from bucketwise.benchmarks.bench_configs import recipe_for
-from bucketwise.benchmarks.bench_models import MODELS, SIZE_FLAGS, make_spec
-from bucketwise.benchmarks.ddp_bench import training_step
-from bucketwise.benchmarks.run_meta import run_meta
+from bucketwise.benchmarks.core import procs
+from bucketwise.benchmarks.core.configs import recipe_for
+from bucketwise.benchmarks.core.meta import run_meta
+from bucketwise.benchmarks.core.models import MODELS, SIZE_FLAGS, make_spec
+from bucketwise.benchmarks.core.step import training_step
 
 MIB = 2**20
 FIGURES = ("rest", "rest_reserved", "peak", "peak_reserved", "steady_peak", "after_gc", "after_reset", "after_cublas")
@@ -129,12 +129,14 @@ def _one(ns: argparse.Namespace) -> None:
 
 
 def _child(ns: argparse.Namespace, config: str, argv: list[str]) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "bucketwise.benchmarks.memory_bench", *argv, "--one", config]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    done = procs.run(
+        [procs.Proc(procs.python("-m", "bucketwise.benchmarks", "memory", *argv, "--one", config))],
+        capture=procs.Capture.ALL,
+    )
     for line in done.stdout.splitlines():
         if line.startswith("MEMORY_BENCH "):
             return json.loads(line.removeprefix("MEMORY_BENCH "))
-    raise RuntimeError(f"memory_bench: {config} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    raise RuntimeError(f"memory: {config} failed (exit {done.code}):\n{done.stderr[-3000:]}")
 
 
 def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append({"config": config, "round": round_no, **figures})
             print(config, json.dumps({k: round(v, 1) for k, v in figures.items()}), flush=True)
     spec = make_spec(ns.model, {f: getattr(ns, f) for f in SIZE_FLAGS})
-    meta = run_meta(argv=["python", "-m", "bucketwise.benchmarks.memory_bench", *argv])
+    meta = run_meta(argv=["python", "-m", "bucketwise.benchmarks.ddp.memory", *argv])
     meta.update(model=spec.describe(), rounds=ns.rounds, steps=ns.steps)
     os.makedirs(ns.out, exist_ok=True)
     with open(os.path.join(ns.out, "results.json"), "w") as f:

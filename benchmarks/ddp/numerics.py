@@ -1,12 +1,13 @@
 """Training numerics of bucketwise strategies against eager DDP on GPUs (a diagnostic).
 
-    python3 -m bucketwise.benchmarks numerics --nproc 2 [--steps 20] [--layers 6 ...]
+    python3 -m bucketwise.benchmarks numerics --nproc 2 [--configs bw-none,bw-fused] [--backend aot_eager]
 
-Trains the same GPT (bf16 autocast, AdamW, one fixed batch per rank, as ``ddp_bench.py``) under
-eager DDP and under each variant, from the same initial weights, and prints per variant: the
+Trains the same GPT (bf16 autocast, AdamW, one fixed batch per rank, as the ``ddp`` harness) under
+eager DDP and under each config (names as in every harness, ``core/configs.py``), from the same
+initial weights, with ``--backend``, and prints per config (``variant`` in the JSON): the
 largest gradient difference from eager DDP after the first backward (absolute, and relative to
 the gradient's own largest value), the loss trajectory's largest gap from eager's, and whether
-the parameters are still equal on every rank at the end. Prints one JSON line per variant.
+the parameters are still equal on every rank at the end. Prints one JSON line per config.
 """
 
 from __future__ import annotations
@@ -14,26 +15,20 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bucketwise.benchmarks.bench_metrics import param_spread
+from bucketwise.benchmarks.core import procs
+from bucketwise.benchmarks.core.configs import CONFIGS
+from bucketwise.benchmarks.core.metrics import param_spread
+from bucketwise.benchmarks.core.names import check_names
 from bucketwise.distributed.gloo_exit import end_process_group
 
-NO_REORDER = {"reorder_for_compute_comm_overlap": False}
-VARIANTS = {
-    "bw-none": dict(strategy="none"),
-    "bw-split": dict(strategy="split"),
-    "bw-fused": dict(strategy="fused"),
-    "bw-fused-noreorder": dict(strategy="fused", options=NO_REORDER),
-    "bw-fused-aot_eager": dict(strategy="fused", backend="aot_eager"),
-    "bw-none-aot_eager": dict(strategy="none", backend="aot_eager"),
-}
+DEFAULT_CONFIGS = ("bw-none", "bw-split", "bw-fused", "bw-fused-noreorder")
 
 
 def _train(model, steps, batch, autocast):
@@ -52,12 +47,13 @@ def _train(model, steps, batch, autocast):
 
 
 def _worker(rank, world, store, args):
+    from bucketwise.benchmarks.core.configs import recipe_for
+
     cuda = torch.cuda.is_available()  # CPU (gloo): a smoke run of this script
     if cuda:
         torch.cuda.set_device(rank)
     dev = "cuda" if cuda else "cpu"
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    import bucketwise
     from bucketwise.launch.models import GPT, GPTConfig, synthetic_tokens
 
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, d_model=args.d_model, heads=args.heads)
@@ -67,10 +63,17 @@ def _worker(rank, world, store, args):
     ref_losses, ref_grads = _train(
         DDP(copy.deepcopy(base), device_ids=[rank] if cuda else None), args.steps, batch, not args.fp32
     )
-    for name in args.variants.split(","):
-        kw = dict(VARIANTS[name])
-        kw.setdefault("backend", "inductor")
-        model = bucketwise.compile(DDP(copy.deepcopy(base), device_ids=[rank] if cuda else None), **kw)
+    for name in args.configs.split(","):
+        model = (
+            recipe_for(name)
+            .prepare(
+                copy.deepcopy(base),
+                device=torch.device(dev, rank if cuda else None),
+                backend=args.backend,
+                bucket_cap_mb=None,
+            )
+            .module
+        )
         losses, grads = _train(model, args.steps, batch, not args.fp32)
         worst = max(grads, key=lambda n: (grads[n] - ref_grads[n]).abs().max().item())
         diff = (grads[worst] - ref_grads[worst]).abs().max().item()
@@ -84,6 +87,7 @@ def _worker(rank, world, store, args):
                 json.dumps(
                     {
                         "variant": name,
+                        "backend": args.backend,
                         "grad_absdiff_step1": diff,
                         "worst_param": worst,
                         "grad_reldiff_step1": rel,
@@ -109,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--variants", default="bw-none,bw-fused,bw-fused-noreorder,bw-fused-aot_eager,bw-none-aot_eager")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated configs (``core/configs.py``)")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend of every config")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -118,11 +123,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     args = p.parse_args(argv)
-    for v in args.variants.split(","):
-        if v not in VARIANTS:
-            p.error(f"unknown variant {v!r}; use {', '.join(VARIANTS)}")
+    try:
+        check_names(args.configs.split(","), CONFIGS)
+    except ValueError as exc:
+        p.error(str(exc))
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(args.nproc, os.path.join(d, "store"), args), nprocs=args.nproc)
+        done = procs.spawn_ranks(_worker, (args,), nproc=args.nproc, run_dir=Path(d))
+    if done.code != 0:
+        raise SystemExit(f"numerics: a rank failed (exit codes {done.codes})")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ import tempfile
 from typing import Any, Sequence
 
 from bucketwise._compat import dynamo as dc
-from bucketwise.benchmarks import bench_launch
-from bucketwise.benchmarks.bench_output import read_jsonl, safe_name, write_jsonl, write_markdown
+from bucketwise.benchmarks.core import procs
+from bucketwise.benchmarks.core.output import read_jsonl, safe_name, write_jsonl, write_markdown
 
 PHASES = ("cold", "warm")
 CACHE_ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
@@ -58,21 +58,21 @@ def cache_counts() -> dict[str, dict[str, int]]:
     }
 
 
-def run_jobs(job: Sequence[bench_launch.Command], env: dict[str, str], root: str, *, restart: bool, keep: bool) -> int:
+def run_jobs(job: Sequence[procs.Proc], env: dict[str, str], root: str, *, restart: bool, keep: bool) -> int:
     """The launcher with the compile caches on: the job, then (``restart``) the same job as
     ``--phase warm``, over ``root``; ``root`` is removed afterwards unless ``keep``."""
     try:
-        code = bench_launch.run(job, env)
+        code = procs.run(job, env=env).code
         if not restart:
             return code
         if code != 0:
-            print(f"ddp_bench.py: the first job failed (exit {code}); no restart", flush=True)
+            print(f"ddp: the first job failed (exit {code}); no restart", flush=True)
             return code
         print(f"restart: the same job again over the compile caches in {root}", flush=True)
         warm_env = dict(
             env, **{"BUCKETWISE_BENCH_ARGV": json.dumps([*json.loads(env["BUCKETWISE_BENCH_ARGV"]), "--phase", "warm"])}
         )
-        return bench_launch.run(job, warm_env)
+        return procs.run(job, env=warm_env).code
     finally:
         if keep:
             print(f"compile caches kept in {root}", flush=True)

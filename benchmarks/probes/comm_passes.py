@@ -39,9 +39,9 @@ def _build(model: str, layers: int, passes: str, share: bool) -> tuple[Any, Call
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bucketwise
-    from bucketwise.benchmarks.bench_configs import Prepared
-    from bucketwise.benchmarks.bench_models import make_spec
-    from bucketwise.benchmarks.ddp_bench import LR, make_step
+    from bucketwise.benchmarks.core.configs import Prepared
+    from bucketwise.benchmarks.core.models import make_spec
+    from bucketwise.benchmarks.core.step import LR, make_step
 
     device = torch.device("cuda", 0)
     spec = make_spec(model, {"layers": layers})

@@ -4,11 +4,11 @@
     python3 -m bucketwise.benchmarks tables --check    # exit 1 if they are not what this would write
 
 Every ``results.jsonl`` under ``benchmarks/results/<folder>/`` (at any depth) is one run of
-``ddp_bench.py``. A folder holds one run, or several of one experiment in sub-folders (the same
+the ``ddp`` harness. A folder holds one run, or several of one experiment in sub-folders (the same
 command on several machines, a sweep's bucket caps). For each folder this writes one table: a
 row per config, a column per run, each cell the median step of the slowest rank in ms and its
 ratio to the run's floor (``local``; ``local-ro`` for the CUDA-graph configs when the run has
-it, marked ``ro``), as ``ddp_bench.py`` recorded them. The folder's link text is the first
+it, marked ``ro``), as the ``ddp`` harness recorded them. The folder's link text is the first
 heading of its ``README.md``.
 
 - ``docs/performance.md``, between ``<!-- perf-tables:begin -->`` and ``<!-- perf-tables:end -->``:
@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from bucketwise.benchmarks.sweep_table import load_run
-from bucketwise.benchmarks.tax_restarts import cold_graphs_text
+from bucketwise.benchmarks.core.output import cold_graphs_text
+from bucketwise.benchmarks.tables.sweep import load_run
 
 MAIN = {"model": "gpt", "world_size": 2, "net": "default"}
 """The README's current table: runs of this model, ranks and net, with DDP's default bucket cap."""
@@ -43,7 +43,7 @@ CURRENT_MARKERS = ("<!-- perf-current:begin -->", "<!-- perf-current:end -->")
 REPOSITORY_TREE = "https://github.com/bucketwise/bucketwise/tree/main/"
 TAX_MARKERS = ("<!-- perf-tax:begin -->", "<!-- perf-tax:end -->")
 PROBE_ROW = "all-gradient allreduce"
-"""The last row: ``ddp_bench.py``'s probe, one allreduce of all gradient bytes (the communication floor)."""
+"""The last row: the ``ddp`` harness's probe, one allreduce of all gradient bytes (the communication floor)."""
 NETS = {"default": "NCCL default transport", "socket": "NCCL over loopback TCP sockets"}
 
 
@@ -89,7 +89,7 @@ def collect(results: Path) -> list[Folder]:
         differ = [k for k in (*SAME, "model") if any(_field(r.meta, k) != _field(runs[0].meta, k) for r in runs)]
         if differ:
             raise SystemExit(
-                f"perf_tables.py: error: the runs of {folder} differ in {', '.join(differ)}; "
+                f"tables: error: the runs of {folder} differ in {', '.join(differ)}; "
                 "put runs of other hardware, software, model or net in a folder of their own"
             )
         folders.append(Folder(folder.name, _title(folder), runs))
@@ -208,7 +208,7 @@ def _ratio(value: Any) -> str:
 
 
 def tax_tables(results: Path, link_root: str) -> str:
-    """One table per ``tax_bench.py`` folder (``<folder>/<model>/results.json``): per model and
+    """One table per ``tax`` folder (``<folder>/<model>/results.json``): per model and
     config, peak memory, CPU issue and GPU time over the config's floor."""
     out = []
     for folder in sorted(p for p in results.iterdir() if p.is_dir()):
@@ -252,7 +252,7 @@ def tax_tables(results: Path, link_root: str) -> str:
 
 
 def restart_table(runs: Sequence[dict[str, Any]]) -> list[str]:
-    """First steps in new processes (``tax_bench.py --restarts``): cold and warm, per model and
+    """First steps in new processes (``tax --restarts``): cold and warm, per model and
     config, with the ratios the DDP-tax goals name."""
     if not runs:
         return []
@@ -278,7 +278,7 @@ def restart_table(runs: Sequence[dict[str, Any]]) -> list[str]:
 def replace_between(text: str, markers: tuple[str, str], body: str, where: str) -> str:
     begin, end = markers
     if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
-        raise SystemExit(f"perf_tables.py: error: {where} needs one {begin} line, then one {end} line")
+        raise SystemExit(f"tables: error: {where} needs one {begin} line, then one {end} line")
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{begin}\n{body}\n{end}{tail}"
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 if a generated section is not current; write nothing")
     p.add_argument(
         "--root",
-        default=str(Path(__file__).resolve().parent.parent),
+        default=str(Path(__file__).resolve().parents[2]),
         help="repository root (default: the one holding this script)",
     )
     args = p.parse_args(argv)

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 from bucketwise.stats.runtime_view import plot_timeline, pyplot
 
 
-def _pyplot():
+def pyplot_or_none():
+    """matplotlib's pyplot, or ``None`` (and a note that the plots are skipped) without it."""
     plt = pyplot()
     if plt is None:
         print("note: matplotlib is not installed; skipping plots (pip install matplotlib)", flush=True)
@@ -32,7 +33,7 @@ def _color(config: str) -> str:
 def plot_step_times(rows: Sequence[dict[str, Any]], path: str, title: str) -> bool:
     """Bar per successful config (median, min-max whiskers), floors as horizontal lines."""
     ok = [r for r in rows if r.get("status") == "ok"]
-    plt = _pyplot()
+    plt = pyplot_or_none()
     if plt is None or not ok:
         return False
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(ok) + 2), 4.5))
@@ -68,7 +69,7 @@ def plot_step_times(rows: Sequence[dict[str, Any]], path: str, title: str) -> bo
 def pick_timeline_config(rows: Sequence[dict[str, Any]], wanted: str | None, timeline_dir: str) -> str | None:
     """``wanted`` if given, else the first successful bucketwise config with a timeline, else the
     first config with one."""
-    from bucketwise.benchmarks.bench_output import safe_name
+    from bucketwise.benchmarks.core.output import safe_name
 
     have = [
         r["config"]
@@ -81,7 +82,7 @@ def pick_timeline_config(rows: Sequence[dict[str, Any]], wanted: str | None, tim
 
 
 def make_plots(out_dir: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]], timeline_config: str | None) -> None:
-    from bucketwise.benchmarks.bench_output import safe_name
+    from bucketwise.benchmarks.core.output import safe_name
 
     model = meta["model"]["model"]
     title = f"{model} on {meta['world_size']} x {meta['device_name']} ({meta['net']})"
@@ -103,7 +104,7 @@ def make_plots(out_dir: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out", help="a results directory written by ddp_bench.py")
+    p.add_argument("out", help="a results directory written by the ddp harness")
     p.add_argument("--timeline-config", default=None)
     args = p.parse_args(argv)
     with open(os.path.join(args.out, "results.jsonl")) as f:

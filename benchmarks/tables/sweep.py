@@ -1,4 +1,4 @@
-"""``bucket_cap_mb`` sweep: one table and one plot from several ``ddp_bench.py`` runs that differ
+"""``bucket_cap_mb`` sweep: one table and one plot from several the ``ddp`` harness runs that differ
 only in ``--bucket-cap-mb``.
 
     python3 -m bucketwise.benchmarks sweep-table OUT_DIR DIR1 DIR2 ...
@@ -100,9 +100,9 @@ def markdown(sweep: Sweep, configs: Sequence[str], sources: dict[float, str], me
 
 
 def plot(sweep: Sweep, configs: Sequence[str], path: str, title: str) -> bool:
-    from bucketwise.benchmarks.bench_plots import _pyplot
+    from bucketwise.benchmarks.tables.plots import pyplot_or_none
 
-    plt = _pyplot()
+    plt = pyplot_or_none()
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -126,7 +126,7 @@ def plot(sweep: Sweep, configs: Sequence[str], path: str, title: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0].replace("``", ""))
     p.add_argument("out", help="output directory (sweep.md, sweep.png)")
-    p.add_argument("runs", nargs="+", help="results directories of ddp_bench.py, one per --bucket-cap-mb")
+    p.add_argument("runs", nargs="+", help="results directories of the ddp harness, one per --bucket-cap-mb")
     args = p.parse_args(argv)
     sweep, configs, sources, metas = collect(args.runs)
     os.makedirs(args.out, exist_ok=True)

@@ -19,9 +19,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from bucketwise.benchmarks.core.names import ZOO_CHECK, ZOO_SPEED, canonical, strategy_of
+
 DOC = "docs/models.md"
-CHECK_CONFIGS = ("torch", "auto", "fused", "split")
-SPEED_CONFIGS = ("eager", "local", "torch", "bw-fused", "bw-fused-cg")
+CHECK_CONFIGS = ZOO_CHECK
+SPEED_CONFIGS = ("eager", *ZOO_SPEED)
 FAMILIES = {
     "transformers": "Hugging Face transformers",
     "peft": "peft",
@@ -49,7 +51,7 @@ runs below (the `worst rel. error` column), and one gradient off by 1% is caught
 Cells: **pass** (equal, no fallback), **fallback** (some graph ran uncompiled; the reason is
 below), **mismatch** (not equal), **error** (raised; the message is below), **GPU only** (see the
 note), **skipped** (a package was missing). Reproduce with `python3 -m bucketwise.benchmarks zoo --out DIR`
-(`--help` for the options; [zoo.py](../benchmarks/zoo.py) says what it runs) after
+(`--help` for the options; [zoo/main.py](../benchmarks/zoo/main.py) says what it runs) after
 `pip install -e '.[integrations,zoo]'` (install the torchvision build that matches your torch
 first: pip may otherwise replace torch); this page is generated from the results by
 `python3 -m bucketwise.benchmarks zoo-table`.
@@ -87,7 +89,11 @@ def worst_error(run: dict[str, Any]) -> str:
 def load(results: Path) -> list[tuple[str, dict[str, Any]]]:
     runs = []
     for path in sorted(results.glob("*/zoo.json")):
-        runs.append((path.parent.name, json.loads(path.read_text())))
+        run = json.loads(path.read_text())
+        for model in run.get("models", []):
+            for c in model.get("configs", []):
+                c["config"] = canonical(c["config"])
+        runs.append((path.parent.name, run))
     return runs
 
 
@@ -144,11 +150,11 @@ def summary(names: list[str], runs: dict[str, dict[str, Any]], run: dict[str, An
     models = run["models"]
     ran = [m for m in models if "configs" in m]
     torch_ok = set(passes(ran, "torch"))
-    auto_ok = set(passes(ran, "auto"))
+    auto_ok = set(passes(ran, "bw-auto"))
     others: dict[str, int] = {}
     for m in models:
         if "configs" not in m:
-            others[cell(m, "auto")] = others.get(cell(m, "auto"), 0) + 1
+            others[cell(m, "bw-auto")] = others.get(cell(m, "bw-auto"), 0) + 1
     rest = "".join(f", {n} {status}" for status, n in sorted(others.items()))
     lines = [
         f"## Coverage: {len(models)} models, {len(ran)} run on CPU{rest}",
@@ -168,7 +174,7 @@ def summary(names: list[str], runs: dict[str, dict[str, Any]], run: dict[str, An
         "| --- | ---: |",
     ]
     for config in CHECK_CONFIGS:
-        label = "`torch.compile(DDP(model))`" if config == "torch" else f'bucketwise `strategy="{config}"`'
+        label = "`torch.compile(DDP(model))`" if config == "torch" else f'bucketwise `strategy="{strategy_of(config)}"`'
         lines.append(f"| {label} | {len(passes(ran, config))} of {len(ran)} |")
     lines += [
         "",
@@ -198,7 +204,7 @@ def coverage_table(run: dict[str, Any]) -> list[str]:
 
 def row(m: dict[str, Any]) -> str:
     cfg = by_config(m)
-    eager, auto, split = cfg.get("eager", {}), cfg.get("auto", {}), cfg.get("split", {})
+    eager, auto, split = cfg.get("eager", {}), cfg.get("bw-auto", {}), cfg.get("bw-split", {})
     params = f"{eager['params']:,}" if "params" in eager else "-"
     if eager.get("trainable") not in (None, eager.get("params")):
         params += f" ({eager['trainable']:,} trained)"
@@ -310,7 +316,7 @@ def note_of(c: dict[str, Any]) -> str | None:
         parts.append("fell back: " + "; ".join(f"`{r.splitlines()[0][:200]}`" for r in c["fallback_reasons"]))
     if c.get("eager_calls"):
         parts.append(f"{c['eager_calls']} call(s) ran eagerly")
-    if c.get("strategy_reasons") and c["config"] in ("auto", "fused"):
+    if c.get("strategy_reasons") and c["config"] in ("bw-auto", "bw-fused"):
         parts.append(f"strategy {', '.join(c['strategies'])}: " + "; ".join(c["strategy_reasons"]))
     return "; ".join(parts) or None
 
@@ -421,7 +427,7 @@ def render(results: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0].replace("``", ""))
     p.add_argument("--check", action="store_true", help="exit 1 if docs/models.md is not current; write nothing")
-    p.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="repository root")
+    p.add_argument("--root", default=str(Path(__file__).resolve().parents[2]), help="repository root")
     args = p.parse_args(argv)
     root = Path(args.root)
     text = render(root / "benchmarks" / "results")
@@ -429,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     if doc.exists() and doc.read_text() == text:
         return 0
     if args.check:
-        print(f"zoo_table.py: {doc} is not current; run python3 -m bucketwise.benchmarks zoo-table", file=sys.stderr)
+        print(f"zoo-table: {doc} is not current; run python3 -m bucketwise.benchmarks zoo-table", file=sys.stderr)
         return 1
     doc.write_text(text)
     print(f"wrote {doc}")

@@ -14,7 +14,7 @@ Per config (``results.json`` and ``results.md`` in ``--out``):
 
 - ``first_step_s``: the first step, compile included; not a cold compile where an earlier
   config compiled the same code (Dynamo reuses it: ``torch``, ``torch-nosplit`` after ``local``),
-  so cold and warm compiles are measured by ``ddp_bench.py --restart`` instead;
+  so cold and warm compiles are measured by ``ddp --restart`` instead;
   ``compile_s``: bucketwise's own compile-time total, where it applies; ``compile_breakdown``:
   the report's compile-time breakdown (dynamo, bucketwise, AOTAutograd, backend, caches) and
   ``compile_accounted``, its total over the first step's wall time; ``first_step_breakdown``:
@@ -50,11 +50,11 @@ import torch
 import torch.distributed as dist
 
 from bucketwise._compat import dynamo as dc
-from bucketwise.benchmarks.bench_configs import floor_config, recipe_for
-from bucketwise.benchmarks.bench_models import MODELS, make_spec
-from bucketwise.benchmarks.ddp_bench import training_step
-from bucketwise.benchmarks.run_meta import run_meta
-from bucketwise.benchmarks.tax_restarts import cold_graphs_text
+from bucketwise.benchmarks.core.configs import floor_config, recipe_for
+from bucketwise.benchmarks.core.meta import run_meta
+from bucketwise.benchmarks.core.models import MODELS, make_spec
+from bucketwise.benchmarks.core.output import cold_graphs_text
+from bucketwise.benchmarks.core.step import training_step
 from bucketwise.distributed.gloo_exit import end_process_group
 
 DEFAULT_CONFIGS = "local,local-ro,torch-nosplit,torch,replicate,bw-fused,bw-fused-cg"
@@ -76,7 +76,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         metavar="N",
         help="then N interleaved rounds of cold and warm first steps, each in a new process "
-        "(benchmarks/tax_restarts.py)",
+        "(benchmarks/tax/restarts.py)",
     )
     p.add_argument("--first-step-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", required=True)
@@ -359,7 +359,7 @@ def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
     """A child of ``--restarts``: one config's first step and the step after it, over the
     compile caches its environment names (tax_restarts.py)."""
-    from bucketwise.benchmarks import tax_restarts
+    from bucketwise.benchmarks.tax import restarts as tax_restarts
 
     before = dc.compile_counters()
     entry = build(args.configs[0], make_spec(args.model, _sizes(args)), device, args.backend, warmup=0)
@@ -410,7 +410,7 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
         rows = _steady(args, entries, failed)
     restarts = None
     if args.restarts:
-        from bucketwise.benchmarks import tax_restarts
+        from bucketwise.benchmarks.tax import restarts as tax_restarts
 
         entries.clear()
         gc.collect()

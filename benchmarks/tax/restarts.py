@@ -1,4 +1,4 @@
-"""Cold and warm first steps, configs interleaved across fresh processes (``tax_bench.py --restarts N``).
+"""Cold and warm first steps, configs interleaved across fresh processes (``tax --restarts N``).
 
 A config's first step in a new process is what a user waits for at every (re)start. Measured in
 the process that already compiled other configs it is not cold (Dynamo, Triton and the compile
@@ -21,10 +21,10 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 from typing import Any
+
+from bucketwise.benchmarks.core import procs
 
 RESULT_MARK = "TAX_FIRST_STEP "
 
@@ -48,9 +48,10 @@ def run_child(
     model: str, config: str, backend: str, cache_dir: str, timeout_s: float, extra_args: list[str] = ()
 ) -> dict[str, Any]:
     """One new process: ``config``'s first step over ``cache_dir``; its JSON line, or the error."""
-    cmd = [
-        sys.executable,
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), "tax_bench.py"),
+    cmd = procs.python(
+        "-m",
+        "bucketwise.benchmarks",
+        "tax",
         "--model",
         model,
         "--configs",
@@ -61,15 +62,14 @@ def run_child(
         "--out",
         cache_dir,
         *extra_args,
-    ]
-    try:
-        proc = subprocess.run(cmd, env=child_env(cache_dir), capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    )
+    proc = procs.run([procs.Proc(cmd)], env=child_env(cache_dir), timeout_s=timeout_s, capture=procs.Capture.ALL)
+    if proc.timed_out:
         return {"error": f"timed out after {timeout_s:.0f} s"}
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_MARK):
             return json.loads(line[len(RESULT_MARK) :])
-    return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+    return {"error": f"exit {proc.code}: {(proc.stderr or proc.stdout)[-1500:]}"}
 
 
 def run_restarts(
@@ -139,13 +139,6 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
 def _accounted(run: dict[str, Any]) -> float | None:
     first = run.get("first_step")
     return first["compiled_calls_s"] / run["first_step_s"] if first and run.get("first_step_s") else None
-
-
-def cold_graphs_text(row: dict[str, Any]) -> str:
-    """A summary row's cold FX graphs and FX-cache hits as ``graphs / hits`` (``-`` for runs that
-    did not record them)."""
-    graphs, hits = row.get("cold_fx_graphs"), row.get("cold_fx_hits")
-    return "-" if graphs is None else f"{graphs:g} / {hits:g}"
 
 
 def _fx(run: dict[str, Any], *keys: str) -> float | None:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from bucketwise.benchmarks.zoo_spec import (
+from bucketwise.benchmarks.zoo.spec import (
     BATCH,
     CLASSES,
     IMAGE,

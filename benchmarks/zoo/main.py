@@ -8,9 +8,9 @@
 
 Each model runs in fresh processes (one per rank, a gloo or NCCL group through a file store):
 eager DDP trains ``--steps`` steps, then every config trains the same steps from the same
-parameters on the same batches (``zoo_train.py``). ``OUT/zoo.json`` is rewritten after every
+parameters on the same batches (``zoo/train.py``). ``OUT/zoo.json`` is rewritten after every
 model, so a run that dies keeps the models done so far; a model that fails or hangs is recorded
-and the next one runs. ``benchmarks/zoo_table.py`` turns the results into ``docs/models.md``.
+and the next one runs. ``benchmarks/tables/zoo.py`` turns the results into ``docs/models.md``.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 
-from bucketwise.benchmarks.run_meta import run_meta
-from bucketwise.benchmarks.zoo_procs import importable, run_ranks
-from bucketwise.benchmarks.zoo_registry import MODELS, select
-from bucketwise.benchmarks.zoo_speed import CONV_TF32
-from bucketwise.benchmarks.zoo_train import CHECK_CONFIGS, SPEED_CONFIGS
+from bucketwise.benchmarks.core.meta import run_meta
+from bucketwise.benchmarks.core.names import check_names
+from bucketwise.benchmarks.zoo.procs import importable, run_ranks
+from bucketwise.benchmarks.zoo.registry import MODELS, select
+from bucketwise.benchmarks.zoo.speed import CONV_TF32
+from bucketwise.benchmarks.zoo.train import CHECK_CONFIGS, SPEED_CONFIGS
 
 MIN_MODEL_S = 45.0
 """A model is not started with less of ``--budget-s`` left than this."""
@@ -70,9 +71,7 @@ class ZooArgs:
             raise ValueError("--timeout-s and --budget-s must be positive")
         select(self.models)  # raises KeyError naming the zoo's models
         known = SPEED_CONFIGS if self.mode == "speed" else CHECK_CONFIGS
-        bad = [c for c in self.configs or () if c not in known]
-        if bad:
-            raise ValueError(f"--configs: unknown {bad}; with --mode {self.mode}: {', '.join(known)}")
+        check_names(self.configs or (), known, flag=f"--configs (with --mode {self.mode})")
 
 
 def parse(argv: list[str] | None) -> ZooArgs:

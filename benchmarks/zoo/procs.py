@@ -11,15 +11,12 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-import os
-import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
+from bucketwise.benchmarks.core import procs
 
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
@@ -34,11 +31,11 @@ GRACE_S = 20.0
 ORDER = {"pass": 0, "fallback": 1, "mismatch": 2, "error": 3}
 
 
-def _rank_main(rank: int, nproc: int, name: str, opts: dict[str, Any], store: str, out: str) -> None:
+def _rank_main(rank: int, nproc: int, store: str, name: str, opts: dict[str, Any], out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from bucketwise.benchmarks.zoo_run import run_model
+    from bucketwise.benchmarks.zoo.run import run_model
     from bucketwise.distributed.gloo_exit import end_process_group
 
     try:
@@ -64,11 +61,11 @@ def _rank_main(rank: int, nproc: int, name: str, opts: dict[str, Any], store: st
 @functools.cache
 def importable(package: str) -> str | None:
     """``None`` if ``import package`` works in a fresh interpreter, else its last error line."""
-    proc = subprocess.run([sys.executable, "-c", f"import {package}"], capture_output=True, text=True, timeout=300)
-    if proc.returncode == 0:
+    done = procs.run([procs.Proc(procs.python("-c", f"import {package}"))], timeout_s=300, capture=procs.Capture.ALL)
+    if done.code == 0:
         return None
-    lines = proc.stderr.strip().splitlines()
-    return lines[-1][:300] if lines else f"exit code {proc.returncode}"
+    lines = done.stderr.strip().splitlines()
+    return lines[-1][:300] if lines else f"exit code {done.code}"
 
 
 def run_ranks(
@@ -81,22 +78,16 @@ def run_ranks(
         if device == "cpu"
         else {k: WORKER_ENV[k] for k in ("BUCKETWISE_PROGRESS", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM")}
     )
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    ctx = mp.get_context("spawn")
-    try:
-        procs = [
-            ctx.Process(
-                target=_rank_main, args=(r, nproc, name, opts, str(run_dir / "store"), str(run_dir)), daemon=True
-            )
-            for r in range(nproc)
-        ]
-        for p in procs:
-            p.start()
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    timed_out = _wait(procs, run_dir, timeout_s)
+    done = procs.spawn_ranks(
+        _rank_main,
+        (name, opts, str(run_dir)),
+        nproc=nproc,
+        run_dir=run_dir,
+        env=env,
+        timeout_s=timeout_s,
+        failed=lambda: any(run_dir.glob("*.error")),
+        grace_s=GRACE_S,
+    )
     errors = {
         r: (run_dir / f"rank{r}.error").read_text() for r in range(nproc) if (run_dir / f"rank{r}.error").exists()
     }
@@ -107,36 +98,11 @@ def run_ranks(
     ]
     if len(ranks) == nproc:
         return {"model": name, "status": "ran", **merge(ranks)}
-    why = f"timed out after {timeout_s:g} s" if timed_out else "a rank failed"
+    why = f"timed out after {timeout_s:g} s" if done.timed_out else "a rank failed"
     first = next(iter(errors.values()), "")
-    last = [ln for ln in first.strip().splitlines() if ln.strip()][-1:] or [f"exit codes {[p.exitcode for p in procs]}"]
+    last = [ln for ln in first.strip().splitlines() if ln.strip()][-1:] or [f"exit codes {done.codes}"]
     out = {"model": name, "status": "error", "reason": f"{why}: {last[0][:400]}", "traceback": first[-4000:]}
-    return {**out, "timed_out": True} if timed_out else out
-
-
-def _wait(procs: list[Any], run_dir: Path, timeout_s: float) -> bool:
-    deadline, failed_at, timed_out = time.monotonic() + timeout_s, None, False
-    while any(p.is_alive() for p in procs):
-        now = time.monotonic()
-        if failed_at is None and (
-            any(not p.is_alive() and p.exitcode != 0 for p in procs) or any(run_dir.glob("*.error"))
-        ):
-            failed_at = now
-        if now > deadline:
-            timed_out = True
-            break
-        if failed_at is not None and now - failed_at > GRACE_S:
-            break
-        time.sleep(0.1)
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    return timed_out
+    return {**out, "timed_out": True} if done.timed_out else out
 
 
 def merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bucketwise.benchmarks.zoo_hf import MODELS as HF_MODELS
-from bucketwise.benchmarks.zoo_spec import ZooModel
-from bucketwise.benchmarks.zoo_vision import MODELS as VISION_MODELS
+from bucketwise.benchmarks.zoo.hf import MODELS as HF_MODELS
+from bucketwise.benchmarks.zoo.spec import ZooModel
+from bucketwise.benchmarks.zoo.vision import MODELS as VISION_MODELS
 
 MODELS: dict[str, ZooModel] = {m.name: m for m in [*HF_MODELS, *VISION_MODELS]}
 
@@ -12,7 +12,7 @@ SUBSETS = {
     # tests/benchmarks/test_zoo.py: a decoder (with changing sequence lengths), an encoder, a mixture of
     # experts with find_unused_parameters, BatchNorm buffers, frozen weights (LoRA)
     "ci": ("llama-dynamic-seq", "bert", "qwen2-moe", "mobilenet-v3", "llama-lora"),
-    # benchmarks/zoo.py --device cuda: the one-GPU speed and memory run, most wanted first
+    # benchmarks/zoo/main.py --device cuda: the one-GPU speed and memory run, most wanted first
     "gpu": (
         "llama",
         "gpt2",

@@ -1,4 +1,4 @@
-"""One zoo model on this rank: its check (``zoo_train``) or its speed run (``zoo_speed``)."""
+"""One zoo model on this rank: its check (``zoo.train``) or its speed run (``zoo.speed``)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from bucketwise.benchmarks.zoo_registry import get
-from bucketwise.benchmarks.zoo_speed import run_speed
-from bucketwise.benchmarks.zoo_train import run_check
+from bucketwise.benchmarks.zoo.registry import get
+from bucketwise.benchmarks.zoo.speed import run_speed
+from bucketwise.benchmarks.zoo.train import run_check
 
 
 def run_model(rank: int, world_size: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ Eager DDP runs first as the reference.
 
 NOTE [checking a config step by step]: after the timed steps each config trains
 ``CHECK_STEPS`` more, and before each of them an eager DDP twin is loaded with the config's own
-parameters and buffers and trains the same step: the two updates must agree (``zoo_check``, at
+parameters and buffers and trains the same step: the two updates must agree (``zoo.check``, at
 ten times the CPU tolerance: Inductor fuses and reorders float math). The check so covers the
 steps that replay CUDA graphs. Comparing the final parameters with eager DDP's after all the
 steps (``check``, kept in the record) does not work on GPU: Inductor's round-off grows from
@@ -15,7 +15,7 @@ step to step, and in BatchNorm conv nets by about 1e4 in two steps, so that ``lo
 compiled without DDP) already differs from eager by more than its updates. Even one step of such
 a net on GPU can miss the fp32 tolerance with every compiled config, ``local`` included: a
 float64 twin trains the same step too, and a step also passes when the config's distance from
-the float64 update is within a few times eager fp32's own (``zoo_check.against_fp64``, the
+the float64 update is within a few times eager fp32's own (``zoo.check.against_fp64``, the
 yardstick torch's own benchmark accuracy checks use). Convolutions run
 in fp32 (cuDNN's TF32 off, as matmuls are by default): with TF32 a convolution rounds to about
 1e-3, which one step of a BatchNorm conv net amplifies past any useful tolerance.
@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 import bucketwise
-from bucketwise.benchmarks.zoo_check import against_fp64, compare, snapshot
-from bucketwise.benchmarks.zoo_spec import Built, ZooModel, forward_kwargs
-from bucketwise.benchmarks.zoo_train import (
+from bucketwise.benchmarks.zoo.check import against_fp64, compare, snapshot
+from bucketwise.benchmarks.zoo.spec import Built, ZooModel, forward_kwargs
+from bucketwise.benchmarks.zoo.train import (
     LR,
     SPEED_CONFIGS,
     compiled_for,
@@ -186,7 +186,7 @@ def _run_speed(spec: ZooModel, rank: int, opts: dict[str, Any]) -> list[dict[str
 def step_check(config: str, spec: ZooModel, rank: int, opts: dict[str, Any], built: Built, step: Any) -> dict[str, Any]:
     """The worst of ``CHECK_STEPS`` steps, each against eager twins started from the config's own
     state (``step`` names the worst one; NOTE [checking a config step by step]): one in fp32
-    (``zoo_check.compare``) and one in float64 (``zoo_check.against_fp64``, recorded as ``fp64``).
+    (``zoo.check.compare``) and one in float64 (``zoo.check.against_fp64``, recorded as ``fp64``).
     A step passes when either check passes. Every rank runs both twins every step: their DDP
     steps are collectives."""
     first = WARMUP + opts["steps"]

@@ -2,7 +2,7 @@
 
 ``run_model(rank, world_size, name, opts)`` runs inside an initialised process group and
 returns this rank's record: per config its status, the parameter check against eager DDP
-(``zoo_check``), what ``bucketwise.report`` counted, and seconds. ``opts["mode"]`` is
+(``zoo.check``), what ``bucketwise.report`` counted, and seconds. ``opts["mode"]`` is
 ``"check"`` (CPU: ``torch``, ``auto``, ``fused``, ``split`` against eager DDP) or ``"speed"``
 (one GPU: step time and peak memory of ``local``, ``torch``, ``bw-fused``, ``bw-fused-cg``).
 """
@@ -19,11 +19,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
-from bucketwise.benchmarks.zoo_check import compare, replica_spread, snapshot
-from bucketwise.benchmarks.zoo_spec import Built, ZooModel, forward_kwargs
+from bucketwise.benchmarks.core.names import ZOO_CHECK, ZOO_SPEED, strategy_of
+from bucketwise.benchmarks.zoo.check import compare, replica_spread, snapshot
+from bucketwise.benchmarks.zoo.spec import Built, ZooModel, forward_kwargs
 
-CHECK_CONFIGS = ("torch", "auto", "fused", "split")
-SPEED_CONFIGS = ("local", "torch", "bw-fused", "bw-fused-cg")
+CHECK_CONFIGS = ZOO_CHECK
+SPEED_CONFIGS = ZOO_SPEED
 SEED = 0
 LR = 0.05
 BUCKETS = 6
@@ -50,7 +51,9 @@ def compiled_for(config: str, built: Built, spec: ZooModel, device: torch.device
         ddp = make_ddp(built, spec, device, min_cap_mb=TORCH_MIN_CAP_MB)
         return torch.compile(ddp, backend=backend, **kw), ddp
     ddp = make_ddp(built, spec, device)
-    strategy = config.removeprefix("bw-").removesuffix("-cg")
+    strategy = strategy_of(config)
+    if strategy is None:
+        raise ValueError(f"expected eager, local, torch or a bw- config, got {config!r}")
     cudagraphs = config.endswith("-cg")
     return bucketwise.compile(ddp, backend=backend, strategy=strategy, cudagraphs=cudagraphs, **kw), ddp
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from bucketwise.benchmarks.zoo_spec import CLASSES, Built, ZooModel, images, labels, logits_loss, no_dropout
+from bucketwise.benchmarks.zoo.spec import CLASSES, Built, ZooModel, images, labels, logits_loss, no_dropout
 
 GPU_BATCH, GPU_IMAGE = 8, 64
 """Inputs of the one-GPU runs. With ``BATCH`` 2 images of ``IMAGE`` 32 pixels, a ResNet's last
 BatchNorms normalize two values per channel (1 x 1 maps): their gradients then hang on the
 difference of two nearly equal numbers, and Inductor's round-off alone (``local``) moves one
-step's update by more than the update (NOTE [checking a config step by step] in zoo_speed.py)."""
+step's update by more than the update (NOTE [checking a config step by step] in zoo/speed.py)."""
 
 
 def classifier(make: Callable[[], Any]) -> Callable[[], Built]:

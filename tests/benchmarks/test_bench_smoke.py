@@ -1,4 +1,4 @@
-"""The DDP benchmark harness (benchmarks/ddp_bench.py): a 2-rank gloo smoke run on CPU, plus
+"""The DDP benchmark harness (benchmarks/ddp/bench.py): a 2-rank gloo smoke run on CPU, plus
 its trace parsing and flag checking in-process."""
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ LAUNCH_ENV = (
 
 @pytest.fixture
 def bench(monkeypatch):
-    from bucketwise.benchmarks import bench_cli, bench_metrics
+    from bucketwise.benchmarks.core import metrics as bench_metrics
+    from bucketwise.benchmarks.ddp import cli as bench_cli
 
     return bench_cli, bench_metrics
 
@@ -338,7 +339,7 @@ def test_spread(bench):
 
 
 def test_cudagraph_configs(bench):
-    from bucketwise.benchmarks import bench_configs
+    from bucketwise.benchmarks.core import configs as bench_configs
 
     for config in ("bw-split-cg", "bw-none-cg", "bw-fused-cg", "bw-fused-ro", "local-ro"):
         recipe = bench_configs.recipe_for(config)
@@ -382,7 +383,7 @@ def test_memory_bench_runs_each_config_in_a_process_of_its_own(tmp_path):
         ("bw-fused", 1),
     ]
     assert data["meta"]["command"].endswith("--backend aot_eager") and data["meta"]["steps"] == 3
-    from bucketwise.benchmarks.memory_bench import FIGURES
+    from bucketwise.benchmarks.ddp.memory import FIGURES
 
     assert all(set(FIGURES) <= set(r) for r in data["runs"]), data["runs"]
     table = (out / "results.md").read_text()

@@ -1,4 +1,4 @@
-"""``benchmarks/perf_tables.py``: the docs' performance tables are the records of
+"""``benchmarks/tables/perf.py``: the docs' performance tables are the records of
 ``benchmarks/results/``, and the committed docs are current."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "perf_tables.py"
+SCRIPT = ROOT / "benchmarks" / "tables" / "perf.py"
 CELL = re.compile(r"^(?P<ms>\d+\.\d\d)(?: \((?P<ratio>\d+\.\d\d)x(?P<ro> ro)?\))?$")
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/sweep_table.py on real harness output: two 2-rank gloo runs of ddp_bench.py with
+"""benchmarks/tables/sweep.py on real harness output: two 2-rank gloo runs of the ddp harness with
 different ``--bucket-cap-mb``, started at the same time (each torchrun ``--standalone`` must find
 its own rendezvous port), then the sweep table and plot of the two."""
 

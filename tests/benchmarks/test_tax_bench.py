@@ -1,4 +1,4 @@
-"""benchmarks/tax_bench.py: configs built side by side and timed in interleaved rounds (a CPU run
+"""benchmarks/tax/bench.py: configs built side by side and timed in interleaved rounds (a CPU run
 in a fresh process), its table regenerated from the JSON, and the ``llama`` model and
 ``replicate`` config it measures, trained against their floors."""
 
@@ -20,7 +20,9 @@ RESULTS = BENCH_DIR / "results" / "2026-11-24_1xH100_ddp-tax-one-rank"
 
 @pytest.fixture
 def bench(monkeypatch):
-    from bucketwise.benchmarks import bench_configs, bench_models, tax_bench
+    from bucketwise.benchmarks.core import configs as bench_configs
+    from bucketwise.benchmarks.core import models as bench_models
+    from bucketwise.benchmarks.tax import bench as tax_bench
 
     return tax_bench, bench_configs, bench_models
 
@@ -145,7 +147,7 @@ def test_restarts_run_cold_then_warm_in_new_processes(bench, monkeypatch):
     """A cold first step in a new process over empty caches, then a warm one over the same
     caches: the warm process loads the fused graph from the AOTAutograd cache, and the report's
     first-step breakdown accounts for the compiled calls."""
-    from bucketwise.benchmarks import tax_restarts
+    from bucketwise.benchmarks.tax import restarts as tax_restarts
 
     monkeypatch.setenv("MASTER_PORT", "29633")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -169,7 +171,7 @@ def test_restarts_run_cold_then_warm_in_new_processes(bench, monkeypatch):
 
 
 def test_restart_ratios_are_medians_of_per_round_ratios(bench):
-    from bucketwise.benchmarks import tax_restarts
+    from bucketwise.benchmarks.tax import restarts as tax_restarts
 
     run = lambda cold, warm: {"cold": {"first_step_s": cold}, "warm": {"first_step_s": warm}}  # noqa: E731
     runs = {

@@ -1,4 +1,4 @@
-"""The model zoo (benchmarks/zoo.py): a fast subset of its models on 2 gloo ranks must train
+"""The model zoo (benchmarks/zoo/main.py): a fast subset of its models on 2 gloo ranks must train
 like eager DDP under bucketwise; the check must catch a wrong gradient; docs/models.md must be
 what the committed results generate.
 
@@ -17,15 +17,15 @@ import pytest
 import torch
 from support.dist import run_distributed
 
-from bucketwise.benchmarks.zoo_check import compare
-from bucketwise.benchmarks.zoo_procs import importable
-from bucketwise.benchmarks.zoo_registry import SUBSETS, get
-from bucketwise.benchmarks.zoo_run import worker
+from bucketwise.benchmarks.zoo.check import compare
+from bucketwise.benchmarks.zoo.procs import importable
+from bucketwise.benchmarks.zoo.registry import SUBSETS, get
+from bucketwise.benchmarks.zoo.run import worker
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 
-CONFIGS = ("auto", "split")
+CONFIGS = ("bw-auto", "bw-split")
 """``auto`` is ``fused`` wherever fused applies; ``fused`` is added where ``auto`` picks ``split``."""
 
 
@@ -37,7 +37,7 @@ def _needs(name: str) -> None:
 
 
 def _configs(name: str) -> tuple[str, ...]:
-    return (*CONFIGS, "fused") if get(name).find_unused_parameters else CONFIGS
+    return (*CONFIGS, "bw-fused") if get(name).find_unused_parameters else CONFIGS
 
 
 def _run(tmp_path: Path, name: str, **opts) -> list[dict]:
@@ -57,15 +57,16 @@ def test_zoo_model_trains_like_eager_ddp(tmp_path, name):
             assert rec["fallbacks"] == 0 and rec["replica_spread"] == 0.0
         if get(name).find_unused_parameters:
             # DDP keeps its construction-time buckets, the first of them 1 MiB: one bucket here
-            assert configs["auto"]["strategies"] == ["split"]
+            assert configs["bw-auto"]["strategies"] == ["split"]
         else:
-            assert configs["auto"]["strategies"] == ["fused"]
-            assert configs["split"]["segments"] > configs["split"]["graphs"], "the bucket cap should cut the graphs"
+            assert configs["bw-auto"]["strategies"] == ["fused"]
+            split = configs["bw-split"]
+            assert split["segments"] > split["graphs"], "the bucket cap should cut the graphs"
 
 
 def test_a_wrong_gradient_is_caught(tmp_path):
     """One parameter's gradient 1% off on every rank (as a bug would leave it): a mismatch."""
-    for rank in _run(tmp_path, "llama", configs=("fused",), perturb="fused"):
+    for rank in _run(tmp_path, "llama", configs=("bw-fused",), perturb="bw-fused"):
         rec = rank["configs"][1]
         assert rec["status"] == "mismatch", rec
         assert rec["check"]["ratio"] > 3.0, rec["check"]
@@ -85,7 +86,7 @@ def test_check_tolerance():
 
 def _table(root: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(BENCH / "zoo_table.py"), "--root", str(root), *args],
+        [sys.executable, str(BENCH / "tables" / "zoo.py"), "--root", str(root), *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -121,7 +122,7 @@ def _gpu_only(name: str) -> dict:
 
 
 def _render(root: Path) -> str:
-    """docs/models.md as ``zoo_table.py`` writes it from the runs under ``root``."""
+    """docs/models.md as ``tables/zoo.py`` writes it from the runs under ``root``."""
     (root / "docs").mkdir(exist_ok=True)
     assert _table(root).returncode == 0
     return (root / "docs" / "models.md").read_text()
@@ -253,7 +254,7 @@ def test_models_doc_takes_each_gpu_timing_from_its_newest_run(tmp_path):
 def test_cases_about_inductor_run_with_it_on_cpu(monkeypatch, tmp_path):
     """A case that exists to exercise Inductor (max-autotune) runs with it on CPU unless
     ``--backend`` is given; the record names the backend where it differs from the run's."""
-    from bucketwise.benchmarks import zoo
+    from bucketwise.benchmarks.zoo import main as zoo
 
     seen = []
 
@@ -276,7 +277,7 @@ def test_cases_about_inductor_run_with_it_on_cpu(monkeypatch, tmp_path):
 
 def test_a_model_cut_short_by_the_run_budget_is_not_run(monkeypatch, tmp_path):
     """The run's ``--budget-s``, not the model, stopped it: recorded as not run, with the fix."""
-    from bucketwise.benchmarks import zoo
+    from bucketwise.benchmarks.zoo import main as zoo
 
     calls = []
 
@@ -351,7 +352,7 @@ def test_the_gpu_step_check_catches_a_wrong_gradient(tmp_path):
 def test_the_float64_yardstick():
     """``against_fp64``: a config as far from the float64 update as eager fp32 is (round-off)
     passes even where that is most of the update; a gradient 5% off does not."""
-    from bucketwise.benchmarks.zoo_check import against_fp64
+    from bucketwise.benchmarks.zoo.check import against_fp64
 
     g = torch.Generator().manual_seed(0)
     init = {"param w": torch.zeros(1000), "buffer n": torch.tensor(3)}

@@ -226,7 +226,7 @@ REPOSITORY = "https://github.com/bucketwise/bucketwise"
 
 
 def _readme_outside_generated_tables() -> str:
-    """README.md, the block benchmarks/perf_tables.py writes included."""
+    """README.md, the block benchmarks/tables/perf.py writes included."""
     return (ROOT / "README.md").read_text()
 
 

@@ -1,6 +1,6 @@
 """GPU memory of a compiled model: at rest, at its peak, and once it is dropped (one GPU, one rank).
 
-Each config runs in a process of its own (``benchmarks/memory_bench.py --one``): an MLP of 8
+Each config runs in a process of its own (``benchmarks/ddp/memory.py --one``): an MLP of 8
 layers trained 5 steps with fused AdamW, then dropped. bucketwise's CUDA graphs must hold no more
 device memory than Inductor's (``mode="reduce-overhead"``): at rest and at the peak, counted as
 the memory the allocator reserves (the pools of both included; torch's cudagraph trees hand their
@@ -25,7 +25,7 @@ SLACK_MIB = 1.0
 
 
 def _measure(config: str) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "bucketwise.benchmarks.memory_bench", *MODEL, "--one", config]
+    cmd = [sys.executable, "-m", "bucketwise.benchmarks", "memory", *MODEL, "--one", config]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     for line in done.stdout.splitlines():
         if line.startswith("MEMORY_BENCH "):

@@ -56,4 +56,14 @@ def test_wheel_carries_license_and_metadata(tmp_path):
         assert line in metadata, f"{line!r} not in METADATA:\n{metadata[:2000]}"
     for module in ("bucketwise/__init__.py", "bucketwise/hf.py", "bucketwise/launch/cli.py"):
         assert module in names, module
+    # Every subpackage of the source tree (benchmarks/probes included), not only those named above.
+    packages = [
+        "bucketwise/" + init.relative_to(ROOT).as_posix()
+        for init in ROOT.rglob("__init__.py")
+        if init.relative_to(ROOT).parts[0] not in ("tests", "docs", "build")
+        and "results" not in init.parts
+        and not init.relative_to(ROOT).parts[0].startswith(".")
+    ]
+    missing = [p for p in packages if p not in names]
+    assert not missing, f"subpackages not in the wheel (pyproject.toml's packages): {missing}"
     assert not any(n.startswith(("bucketwise/tests/", "bucketwise/docs/", "tests/")) for n in names), names
