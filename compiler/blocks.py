@@ -16,8 +16,9 @@ activations. The operation's autograd formula runs the shared backward
 AOTAutograd and Inductor compile the rest of the graph (embeddings, head, loss, the bucket
 allreduces of ``fused`` around each block's parameters) as usual, with late waits and CUDA
 graphs over the whole step. What the backward reads is returned once per distinct tensor: a
-view (a transposed weight, ``q``/``k``/``v`` of one projection) is rebuilt in the backward from
-the tensor it views, an input is taken from the operation's inputs.
+view (a transposed weight, ``q``/``k``/``v`` of one projection) is rebuilt from the tensor it
+views at the start of the shared backward graph (free there, where it would be nodes of the
+graph around every block), an input is taken from the operation's inputs.
 
 A block is not shared, and compiles with the whole graph as before, when its graph differs from
 the others (shapes, dtypes, constants, hooks), when shapes are dynamic, in a graph without
@@ -67,9 +68,9 @@ class SharedBlock:
     copied: frozenset[int]
     """Outputs returned as a copy: views of an input, or of the same tensor as an earlier
     output (an operation's outputs may not alias its inputs or each other)."""
-    saved: list[tuple[str, int, list[tuple[Any, tuple, dict, Any]]]]
-    """Per tensor the backward reads: where it comes from (``input``, ``output``, ``base``), which
-    one, and the view ops that make it from there."""
+    roots: list[tuple[str, int]]
+    """What the backward takes before the gradients: each distinct tensor it reads or views, as
+    (``input``, ``output`` or ``base``, which one); the backward graph applies the view ops."""
     n_bases: int
     outputs: list[TensorMeta]
     grads: list[TensorMeta | None]
@@ -133,27 +134,18 @@ def _setup_context(ctx: Any, inputs: tuple[int, list[torch.Tensor]], output: lis
     key, ins = inputs
     block = _BLOCKS[key]
     ctx.key = key
-    needed = {kind: sorted({i for k, i, _ in block.saved if k == kind}) for kind in ("input", "output", "base")}
-    ctx.slots = {(kind, i): n for n, (kind, i) in enumerate((k, i) for k in needed for i in needed[k])}
     pools = {"input": ins, "output": output, "base": output[block.n_user :]}
-    ctx.save_for_backward(*[pools[kind][i] for kind in needed for i in needed[kind]])
+    ctx.save_for_backward(*[pools[kind][i] for kind, i in block.roots])
 
 
 def _backward(ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple[None, list[torch.Tensor | None]]:
     block = _BLOCKS[ctx.key]
-    stash = ctx.saved_tensors
-    saved = []
-    for kind, i, views in block.saved:
-        value = stash[ctx.slots[(kind, i)]]
-        for target, args, kwargs, parent in views:
-            value = target(*[value if a is parent else a for a in args], **kwargs)
-        saved.append(value)
     tangents = []
     for j in range(block.n_user):
         shape, _, dtype, device = block.outputs[j]
         if dtype.is_floating_point:
             tangents.append(grads[j] if grads[j] is not None else torch.zeros(shape, dtype=dtype, device=device))
-    result = shared_block_backward(ctx.key, saved + tangents)
+    result = shared_block_backward(ctx.key, [*ctx.saved_tensors, *tangents])
     return None, [None if meta is None else g for g, meta in zip(result, block.grads)]
 
 
@@ -290,7 +282,7 @@ def _compile(
         raise _NotShareable(f"the block draws random numbers ({random[0]})")
     if any(n.op == "call_function" and dc.written_args(n) for n in fw.graph.nodes):
         raise _NotShareable("the block writes into one of its inputs")
-    block = _plan(sub, fw, bw)
+    block = _plan(sub, fw, bw, fake_mode)
     if backend == "inductor":
         fw_inputs = [n.meta["val"] for n in fw.graph.find_nodes(op="placeholder")]
         bw_inputs = [n.meta["val"] for n in bw.graph.find_nodes(op="placeholder")]
@@ -306,11 +298,11 @@ def _compile(
     return block, outcome
 
 
-def _plan(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule) -> SharedBlock:
+def _plan(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fake_mode: Any) -> SharedBlock:
     """How the shared forward hands the backward what it reads (see NOTE [one compile per block]):
     the forward graph returns the block's outputs and each other distinct non-view tensor the
     backward reads once; every tensor the backward reads is an input, an output or such a base,
-    seen through view ops that the backward applies again."""
+    seen through view ops that the backward graph applies again at its start."""
     n_user = len(_user_outputs(sub))
     out_node = next(iter(fw.graph.find_nodes(op="output")))
     fw_out = list(out_node.args[0])
@@ -343,24 +335,61 @@ def _plan(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule) -> Shared
     out_node.args = (tuple(user + bases),)
     fw.graph.eliminate_dead_code()
     fw.recompile()
-    bw_inputs = list(bw.graph.find_nodes(op="placeholder"))
-    bw_out = list(next(iter(bw.graph.find_nodes(op="output"))).args[0])
-    n_tangents = len(bw_inputs) - len(saved)
+    n_tangents = len(bw.graph.find_nodes(op="placeholder")) - len(saved)
     if n_tangents != sum(1 for n in user if n.meta["val"].is_floating_point()):
         raise _NotShareable("the backward takes gradients of other outputs than the block's floating-point ones")
+    pools = {"input": list(placeholders), "output": user, "base": bases}
+    roots = sorted({(kind, i) for kind, i, _ in saved}, key=lambda r: (("input", "output", "base").index(r[0]), r[1]))
+    _views_into_backward(bw, saved, {r: pools[r[0]][r[1]].meta["val"] for r in roots}, fake_mode)
+    bw_inputs = list(bw.graph.find_nodes(op="placeholder"))
+    bw_out = list(next(iter(bw.graph.find_nodes(op="output"))).args[0])
     return SharedBlock(
         key=next(_KEYS),
         forward=aot.boxed(fw),
         backward=aot.boxed(bw),
         n_user=n_user,
         copied=frozenset(copied),
-        saved=saved,
+        roots=roots,
         n_bases=len(bases),
         outputs=[_meta(n) for n in user + bases],
         grads=[_meta(n) if isinstance(n, fx.Node) else None for n in bw_out],
         n_tangents=n_tangents,
         input_strides=[tuple(n.meta["val"].stride()) for n in bw_inputs],
     )
+
+
+def _views_into_backward(
+    bw: fx.GraphModule,
+    saved: list[tuple[str, int, list[tuple[Any, tuple, dict, Any]]]],
+    roots: dict[tuple[str, int], Any],
+    fake_mode: Any,
+) -> None:
+    """Rewrite ``bw`` in place to take ``roots`` (one placeholder each, in that order) in place of
+    the ``saved`` tensors, which it makes from them with their view ops at the start of its graph:
+    the views are then free reinterpretations inside the compiled backward, not nodes of the graph
+    around every block."""
+    graph = bw.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    with graph.inserting_before(placeholders[0]):
+        root_nodes = {}
+        for kind, i in roots:
+            root_nodes[(kind, i)] = node = graph.placeholder(f"saved_{kind}_{i}")
+            node.meta["val"] = roots[(kind, i)]
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first_op), fake_mode:
+        for ph, (kind, i, views) in zip(placeholders, saved):
+            value = root_nodes[(kind, i)]
+            for target, args, kwargs, parent in views:
+                args = tuple(value if a is parent else a for a in args)
+                if any(isinstance(a, fx.Node) and a is not value for a in args):
+                    raise _NotShareable(f"a tensor the backward reads is a view ({target}) taking a traced value")
+                node = graph.call_function(target, args, dict(kwargs))
+                node.meta["val"] = target(*[value.meta["val"] if a is value else a for a in args], **kwargs)
+                value = node
+            ph.replace_all_uses_with(value)
+            graph.erase_node(ph)
+    graph.lint()
+    bw.recompile()
 
 
 def _geometry(node: fx.Node) -> tuple[list[int], list[int], int]:
