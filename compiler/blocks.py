@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import sys
 import time
 import weakref
 from typing import Any, Callable, Sequence
@@ -41,6 +42,7 @@ import torch.fx as fx
 
 from .._compat import aot
 from .._compat import dynamo as dc
+from ..distributed.fused.cache_keys import source_key
 from ..distributed.result import CompileOutcome
 from ..partitioners.blocks import BlockRun, find_block_run, piece_of, piece_signature
 
@@ -156,6 +158,15 @@ def _laid_out(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
 
 
 torch.library.register_autograd("bucketwise::shared_block", _backward, setup_context=_setup_context)
+
+
+def cache_targets() -> dict[str, str]:
+    """What a graph calling ``bucketwise::shared_block`` must be cache-keyed by (NOTE [compile cache
+    keys]): the graph's compiled backward calls ``shared_block_backward`` with what this module's
+    autograd formula hands it (the roots of the saved tensors, in the order ``_plan`` chose), which
+    AOTAutograd's and Inductor's caches do not see. Keyed by this module's source, a cached graph
+    from another version of it is not loaded."""
+    return {f"{__name__}.shared_block": source_key(sys.modules[__name__])}
 
 
 @dataclasses.dataclass

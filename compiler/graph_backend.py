@@ -33,6 +33,7 @@ from ..stats.compile_times import CompileTimes, backend_call_times
 from ..stats.report import GraphStats, Report, SegmentStats
 from . import doctor
 from .blocks import Sharing, share_blocks
+from .blocks import cache_targets as blocks_cache_targets
 from .config import CompileConfig
 from .decision import Decision, Strategy, Variant, decide
 from .progress import Progress
@@ -104,6 +105,8 @@ class GraphBackend:
         """The backend segments and graphs are compiled with: the user's, or Inductor with every
         compiled graph wrapped in a CUDA-graph runner (``cudagraphs``)."""
         cfg = self.config
+        if cfg.share_blocks and cfg.backend == "inductor":
+            options = dc.cacheable_calls_options(blocks_cache_targets(), options)
         if self.cudagraphs is None:
             return dc.make_backend(cfg.backend, cfg.mode, options, cfg.dynamic)
         make_inner = inner_compile_factory(self.cudagraphs, auto=cfg.cudagraphs == "auto")

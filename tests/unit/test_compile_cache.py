@@ -55,3 +55,12 @@ def test_cacheable_calls_options_keep_the_users_options():
     assert merged["max_autotune"] is False
     assert merged["unsafe_marked_cacheable_functions"] == {"mine.fn": "1", "bucketwise.x.f": "k"}
     assert user["unsafe_marked_cacheable_functions"] == {"mine.fn": "1"}, "the user's dict is not modified"
+
+
+def test_a_shared_block_graph_is_keyed_by_the_blocks_code():
+    """A graph calling ``bucketwise::shared_block`` compiles under options keyed by the source of
+    ``compiler/blocks.py``: its autograd formula decides what the cached backward is handed."""
+    from bucketwise.compiler import blocks
+    from bucketwise.distributed.fused.cache_keys import source_key
+
+    assert blocks.cache_targets() == {"bucketwise.compiler.blocks.shared_block": source_key(blocks)}
