@@ -71,6 +71,17 @@ def inductor_compile(
         return compile_fx_inner(gm, list(example_inputs), is_backward=backward)
 
 
+def trace_into(graph: fx.Graph, fn: Callable[..., Any], args: Sequence[fx.Node], fake_mode: Any) -> fx.Node:
+    """``fn(*args)`` traced to aten ops (``make_fx`` on the nodes' fake values) and copied into
+    ``graph`` at its insertion point; returns the node of its one tensor result."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with fake_mode:
+        traced = make_fx(fn)(*[a.meta["val"] for a in args])
+    val_map: dict[fx.Node, Any] = dict(zip(traced.graph.find_nodes(op="placeholder"), args))
+    return graph.graph_copy(traced.graph, val_map)
+
+
 def boxed(gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
     """``gm`` run as it is (``aot_eager``), boxed like an Inductor-compiled graph."""
 

@@ -20,6 +20,22 @@ view (a transposed weight, ``q``/``k``/``v`` of one projection) is rebuilt from 
 views at the start of the shared backward graph (free there, where it would be nodes of the
 graph around every block), an input is taken from the operation's inputs.
 
+NOTE [a bucket per block]: under ``fused`` the graph around the blocks would carry, for every
+parameter of every block, the ``BucketSync`` view in the forward, its recomputation in the
+backward, the flatten and scale onto the wire, the slice back and the view of the reduced
+gradient: most of what AOTAutograd and Inductor still trace per block. Instead, each shared block
+reduces its own parameters (those read inside it only) as one bucket: its compiled backward
+returns their gradients last as one flat buffer already on the wire (``CommSpec.to_wire``, the
+same rule as ``BucketSync``: so compiled once, with the block), and the operation's autograd
+formula all-reduces it (the traced functional all-reduce of ``BucketSync``, issued as soon as
+the block's backward is done, its wait late, NOTE [late waits]) and hands back views of it. The
+buckets of the other parameters are planned around them as DDP plans its own
+(``fused/apply.py``). A bucket is then a block's parameters whatever the bucket cap: the report
+lists one bucket per block (``bucket_per_block`` in ``shared_blocks``). Not done, and every
+parameter keeps its ``BucketSync``, under comm hooks reduced by a hook program (PowerSGD, a
+traceable hook of the user's), when a block's parameters differ in dtype without a compress
+hook, or when the same block takes parameters at other inputs elsewhere in the graph.
+
 A block is not shared, and compiles with the whole graph as before, when its graph differs from
 the others (shapes, dtypes, constants, hooks), when shapes are dynamic, in a graph without
 gradients (evaluation), when it draws random numbers (dropout in training), writes into an
@@ -41,8 +57,10 @@ import torch
 import torch.fx as fx
 
 from .._compat import aot
+from .._compat import collectives as cc
 from .._compat import dynamo as dc
 from ..distributed.fused.cache_keys import source_key
+from ..distributed.fused.sync import REDUCED_PARAMS_META, CommSpec, unflatten
 from ..distributed.result import CompileOutcome
 from ..partitioners.blocks import BlockRun, find_block_run, piece_of, piece_signature
 
@@ -80,6 +98,26 @@ class SharedBlock:
     """Gradients the backward takes: one per floating-point output, in order."""
     input_strides: list[tuple[int, ...]]
     """The strides the backward was compiled for, per input."""
+    reduced: tuple[int, ...] = ()
+    """``fused``: the inputs (DDP parameters) whose gradients the block reduces itself (NOTE
+    [a bucket per block]): the backward returns them last, as one flat buffer in the wire's
+    format, which the operation's autograd formula all-reduces and hands back as views."""
+    spec: CommSpec | None = None
+    """How ``reduced`` gradients go over the wire (the DDP module's reducer or compress hook)."""
+    reduced_shapes: tuple[torch.Size, ...] = ()
+    grad_dtype: torch.dtype | None = None
+    """The dtype of the ``reduced`` gradients (the wire's may differ: a compress hook)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockBuckets:
+    """``fused``: the DDP parameters whose gradients a shared block may reduce itself, and how
+    (NOTE [a bucket per block])."""
+
+    spec: CommSpec
+    params: frozenset[fx.Node]
+    """Placeholders of dense DDP parameters that need a gradient, each the only placeholder of
+    its tensor."""
 
 
 @torch.library.custom_op("bucketwise::shared_block", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
@@ -148,7 +186,23 @@ def _backward(ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple[None, lis
         if dtype.is_floating_point:
             tangents.append(grads[j] if grads[j] is not None else torch.zeros(shape, dtype=dtype, device=device))
     result = shared_block_backward(ctx.key, [*ctx.saved_tensors, *tangents])
-    return None, [None if meta is None else g for g, meta in zip(result, block.grads)]
+    grads = [None if meta is None else g for g, meta in zip(result, block.grads)]
+    return None, _reduced_grads(block, grads) if block.reduced else grads
+
+
+def _reduced_grads(block: SharedBlock, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The gradient of every input, those of ``block.reduced`` all-reduced from the flat buffer
+    the shared backward returned last (NOTE [a bucket per block])."""
+    *others, wire = grads
+    spec = block.spec
+    if spec is None or wire is None:
+        raise AssertionError(f"expected a spec and a flat gradient buffer, got {spec} and {wire}")
+    reduced = cc.all_reduce_sum(wire, spec.group)
+    if spec.comm_dtype is not None:
+        reduced = reduced.to(block.grad_dtype)
+    params, rest = iter(unflatten(reduced, block.reduced_shapes)), iter(others)
+    positions = set(block.reduced)
+    return [next(params) if i in positions else next(rest) for i in range(len(others) + len(positions))]
 
 
 def _laid_out(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
@@ -183,6 +237,9 @@ class Sharing:
     outcomes: list[CompileOutcome]
     kept: list[SharedBlock] = dataclasses.field(default_factory=list, repr=False)
     """The compiled blocks, alive as long as the graph's backend."""
+    bucket_per_block: bool | str | None = None
+    """``fused``: ``True`` where every shared block reduces its parameters' gradients itself (a
+    bucket per block), else why not; ``None`` under other strategies."""
 
     @property
     def compile_seconds(self) -> float:
@@ -197,14 +254,21 @@ class Sharing:
             "compiles": self.compiles,
             "compile_seconds": round(self.compile_seconds, 6),
             "saved_seconds": round(per * (self.count - self.compiles), 6),
+            **({} if self.bucket_per_block is None else {"bucket_per_block": self.bucket_per_block}),
         }
 
 
 def share_blocks(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], *, backend: str, config_patches: dict
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    backend: str,
+    config_patches: dict,
+    buckets: BlockBuckets | None = None,
 ) -> tuple[Sharing | None, str | None]:
     """Rewrite ``gm`` in place so that its identical blocks call one compiled block; returns what
-    was shared, or ``None`` and why nothing was (NOTE [one compile per block])."""
+    was shared, or ``None`` and why nothing was (NOTE [one compile per block]). ``buckets``
+    (``fused``): the parameters a shared block may reduce itself (NOTE [a bucket per block])."""
     if backend not in SHAREABLE_BACKENDS:
         return None, f"blocks are shared with the backends {list(SHAREABLE_BACKENDS)}, not {backend!r}"
     if any(isinstance(a, torch.SymInt) or (isinstance(a, torch.Tensor) and _symbolic(a)) for a in example_inputs):
@@ -228,13 +292,20 @@ def share_blocks(
     repeated = {sig for sig in signatures if signatures.count(sig) > 1}
     if not repeated:
         return None, f"no two blocks of {run.name} are the same computation (shapes, dtypes or constants differ)"
+    reduced, per_block = _reduced_inputs(graphs, parts, signatures, repeated, values, buckets)
     blocks: dict[tuple, SharedBlock] = {}
     outcomes: list[CompileOutcome] = []
     for k, ((sub, inputs, _), signature) in enumerate(zip(graphs, signatures)):
         if signature in repeated and signature not in blocks:
             try:
                 blocks[signature], outcome = _compile(
-                    sub, [values[n] for n in inputs], fake_mode, backend, config_patches
+                    sub,
+                    [values[n] for n in inputs],
+                    fake_mode,
+                    backend,
+                    config_patches,
+                    reduced=reduced.get(signature, ()),
+                    spec=buckets.spec if buckets is not None else None,
                 )
             except _NotShareable as exc:
                 return None, f"{run.name}.{k}: {exc}"
@@ -243,15 +314,55 @@ def share_blocks(
     with aot.dynamo_sources_kept(gm):
         for k, (part, block) in enumerate(shared):
             _, call = aot.cut_out(gm, part, f"block_{k}")
+            inputs = list(call.args)
             with gm.graph.inserting_before(call):
-                op = gm.graph.call_function(torch.ops.bucketwise.shared_block.default, (block.key, list(call.args)))
+                op = gm.graph.call_function(torch.ops.bucketwise.shared_block.default, (block.key, inputs))
+            if block.reduced:
+                op.meta[REDUCED_PARAMS_META] = [inputs[i] for i in block.reduced]
             call.replace_all_uses_with(op)
             gm.graph.erase_node(call)
             gm.delete_submodule(str(call.target))
         gm.graph.lint()
         gm.recompile()
     kept = list(blocks.values())
-    return Sharing(run.name, run.block_class, len(shared), len(kept), outcomes, kept), None
+    sharing = Sharing(run.name, run.block_class, len(shared), len(kept), outcomes, kept, per_block)
+    return sharing, None
+
+
+def _reduced_inputs(
+    graphs: list[tuple[fx.GraphModule, tuple[fx.Node, ...], tuple[fx.Node, ...]]],
+    parts: list[list[fx.Node]],
+    signatures: list[tuple],
+    repeated: set[tuple],
+    values: dict[fx.Node, Any],
+    buckets: BlockBuckets | None,
+) -> tuple[dict[tuple, tuple[int, ...]], bool | str | None]:
+    """Per repeated signature, the inputs whose gradients its compiled block reduces (NOTE [a
+    bucket per block]); and ``True``, or why no block does (``None`` without ``buckets``)."""
+    if buckets is None:
+        return {}, None
+    reduced: dict[tuple, tuple[int, ...]] = {}
+    for (_, inputs, _), part, signature in zip(graphs, parts, signatures):
+        if signature not in repeated:
+            continue
+        inside = set(part)
+        # A parameter read only inside this block: its gradient is complete when the block's
+        # backward is done.
+        positions = tuple(
+            i for i, node in enumerate(inputs) if node in buckets.params and all(user in inside for user in node.users)
+        )
+        if reduced.setdefault(signature, positions) != positions:
+            return {}, "the same block reads DDP parameters at other inputs in another place of the graph"
+    dtypes = {
+        values[inputs[i]].dtype
+        for (_, inputs, _), signature in zip(graphs, signatures)
+        for i in reduced.get(signature, ())
+    }
+    if len(dtypes) > 1 and buckets.spec.comm_dtype is None:
+        return {}, f"the blocks' parameters have several dtypes ({sorted(map(str, dtypes))})"
+    if not any(reduced.values()):
+        return {}, "no DDP parameter is read only inside one block"
+    return reduced, True
 
 
 def _parts(gm: fx.GraphModule, run: BlockRun) -> list[list[fx.Node]]:
@@ -276,7 +387,14 @@ class _NotShareable(Exception):
 
 
 def _compile(
-    sub: fx.GraphModule, fakes: list[Any], fake_mode: Any, backend: str, config_patches: dict
+    sub: fx.GraphModule,
+    fakes: list[Any],
+    fake_mode: Any,
+    backend: str,
+    config_patches: dict,
+    *,
+    reduced: tuple[int, ...] = (),
+    spec: CommSpec | None = None,
 ) -> tuple[SharedBlock, CompileOutcome]:
     phases0, counts0 = dc.compile_phase_seconds(), dc.compile_counters()
     start = time.perf_counter()
@@ -294,6 +412,10 @@ def _compile(
     if any(n.op == "call_function" and dc.written_args(n) for n in fw.graph.nodes):
         raise _NotShareable("the block writes into one of its inputs")
     block = _plan(sub, fw, bw, fake_mode)
+    if reduced:
+        if spec is None:
+            raise AssertionError(f"expected a comm spec for the reduced inputs {reduced}, got None")
+        _grads_onto_wire(bw, block, [fakes[i] for i in reduced], reduced, spec, fake_mode)
     if backend == "inductor":
         fw_inputs = [n.meta["val"] for n in fw.graph.find_nodes(op="placeholder")]
         bw_inputs = [n.meta["val"] for n in bw.graph.find_nodes(op="placeholder")]
@@ -367,6 +489,53 @@ def _plan(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fake_mode
         n_tangents=n_tangents,
         input_strides=[tuple(n.meta["val"].stride()) for n in bw_inputs],
     )
+
+
+def _grads_onto_wire(
+    bw: fx.GraphModule,
+    block: SharedBlock,
+    params: list[torch.Tensor],
+    reduced: tuple[int, ...],
+    spec: CommSpec,
+    fake_mode: Any,
+) -> None:
+    """Rewrite ``bw`` in place so that it returns the gradients of the ``reduced`` inputs (the
+    block's parameters, fakes ``params``) last, as one flat buffer in the wire's format (each
+    flattened, cast and scaled as ``CommSpec.to_wire`` says, in input order, zeros for a
+    parameter the block leaves without a gradient), and records it in ``block`` (NOTE [a bucket
+    per block])."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1 and spec.comm_dtype is None:
+        raise _NotShareable(f"the block's parameters have several dtypes ({sorted(map(str, dtypes))})")
+    graph = bw.graph
+    out_node = next(iter(graph.find_nodes(op="output")))
+    outs = list(out_node.args[0])
+    grads = [outs[i] for i in reduced]
+    present = [g for g in grads if isinstance(g, fx.Node)]
+
+    def pack(*given: torch.Tensor) -> torch.Tensor:
+        # Zeros for a parameter without a gradient, as ``BucketSync`` fills them.
+        it = iter(given)
+        full = [
+            next(it) if isinstance(g, fx.Node) else torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+            for g, p in zip(grads, params)
+        ]
+        # The graph is traced while the forward compiles, under the forward's autocast if any.
+        with torch.autocast(params[0].device.type, enabled=False):
+            return torch.cat([spec.to_wire(g.reshape(-1)) for g in full])
+
+    with graph.inserting_before(out_node):
+        buffer = aot.trace_into(graph, pack, present, fake_mode)
+    positions = set(reduced)
+    new_outs = [o for i, o in enumerate(outs) if i not in positions] + [buffer]
+    out_node.args = (tuple(new_outs),)
+    graph.eliminate_dead_code()
+    graph.lint()
+    bw.recompile()
+    block.grads = [_meta(n) if isinstance(n, fx.Node) else None for n in new_outs]
+    block.reduced, block.spec = reduced, spec
+    block.reduced_shapes = tuple(torch.Size(p.shape) for p in params)
+    block.grad_dtype = params[0].dtype
 
 
 def _views_into_backward(

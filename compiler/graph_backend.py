@@ -9,6 +9,7 @@ allreduce trigger, run counting).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import logging
@@ -16,6 +17,7 @@ import time
 import weakref
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.fx as fx
 
 from .._compat import ddp as ddpc
@@ -23,6 +25,7 @@ from .._compat import dynamo as dc
 from ..cudagraphs import policy as cudagraph_policy
 from ..cudagraphs.runner import CudaGraphGroup, inner_compile_factory, runner_label
 from ..distributed.fused import FusedState, apply_fused, fused_backend_options
+from ..distributed.fused.apply import HOOK_PROGRAMS
 from ..distributed.result import CompileOutcome, GraphJob, StrategyResult, op_count
 from ..distributed.split import apply_split
 from ..distributed.split.alignment import measure_alignment
@@ -32,7 +35,7 @@ from ..partitioners.param_usage import GraphParam, find_graph_params, higher_ord
 from ..stats.compile_times import CompileTimes, backend_call_times
 from ..stats.report import GraphStats, Report, SegmentStats
 from . import doctor
-from .blocks import Sharing, share_blocks
+from .blocks import BlockBuckets, Sharing, share_blocks
 from .blocks import cache_targets as blocks_cache_targets
 from .config import CompileConfig
 from .decision import Decision, Strategy, Variant, decide
@@ -145,7 +148,7 @@ class GraphBackend:
             "recompile_reason": dc.recompile_reason(),
         }
         # The graph as the strategies see it: identical blocks calling one compile.
-        sharing, unshared = self._share_blocks(gm, example_inputs)
+        sharing, unshared = self._share_blocks(gm, example_inputs, choice, ddp)
         params = self._graph_params(gm, example_inputs, ddp)
         diagnosed_gm = copy.deepcopy(gm) if doctor.enabled() and choice.strategy is not Strategy.SPLIT else None
         job = GraphJob(gm=gm, example_inputs=example_inputs, params=params, graph_id=graph_id, ddp=ddp)
@@ -232,15 +235,26 @@ class GraphBackend:
             self._ddp = weakref.ref(ddp)
         return ddp
 
-    def _share_blocks(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Sharing | None, str | None]:
-        """Identical blocks of the graph share one compile (NOTE [one compile per block])."""
+    def _share_blocks(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], choice: Decision, ddp: Any | None
+    ) -> tuple[Sharing | None, str | None]:
+        """Identical blocks of the graph share one compile (NOTE [one compile per block]); under
+        ``fused`` each reduces its own parameters' bucket (NOTE [a bucket per block])."""
         cfg = self.config
         if not cfg.share_blocks:
             return None, None
         backend = cfg.backend if isinstance(cfg.backend, str) else f"{cfg.backend_name} (a callable)"
         patches = dc.inductor_config_patches(cfg.mode, cfg.options, cfg.dynamic) if backend == "inductor" else {}
+        buckets = None
+        if choice.fused and choice.spec is not None and choice.comm_hook not in HOOK_PROGRAMS:
+            params = self._graph_params(gm, example_inputs, ddp)
+            tensors = collections.Counter(id(a) for a in example_inputs if isinstance(a, torch.Tensor))
+            own = frozenset(p.node for p in params if p.tensor.requires_grad and tensors[id(p.tensor)] == 1)
+            buckets = BlockBuckets(spec=choice.spec, params=own)
         # The blocks run inside the graph's own CUDA graphs (Inductor's or bucketwise's), never in their own.
-        return share_blocks(gm, example_inputs, backend=backend, config_patches={**patches, "triton.cudagraphs": False})
+        return share_blocks(
+            gm, example_inputs, backend=backend, config_patches={**patches, "triton.cudagraphs": False}, buckets=buckets
+        )
 
     def fused_backend(self) -> Callable[..., Any]:
         """The backend, with Inductor's comm/compute reordering on (scoped to its compiles)."""

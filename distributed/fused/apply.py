@@ -31,7 +31,7 @@ from .comm_hooks import HookedGraph, HookProgram, TracedHookProgram
 from .embedding_rows import RowsSync, insert_embedding_rows, plan_embedding_rows, renormed_tables
 from .powersgd_run import PowerSGDRun
 from .runtime import FusedRuntime
-from .sync import CommSpec, backward_positions, insert_bucket_syncs
+from .sync import REDUCED_PARAMS_META, CommSpec, backward_positions, insert_bucket_syncs
 from .variants import VariantCompiler
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,9 @@ class FusedPlan:
     tables: list[RowsSync]
     rank_check_s: float = 0.0
     """Seconds the layout check across ranks took (waiting for the other ranks included)."""
+    in_blocks: frozenset[int] = frozenset()
+    """Reducer indices of the parameters whose buckets shared blocks reduce (NOTE [a bucket per
+    block]): no ``BucketSync`` for those."""
 
 
 def fused_backend_options(user_options: dict[str, Any] | None) -> dict[str, Any]:
@@ -103,7 +106,7 @@ def apply_fused(
     # Rows first: each lookup is replaced in place (node positions unchanged), so the
     # buckets' first-use positions still hold for insert_bucket_syncs.
     insert_embedding_rows(gm, plan.tables, spec)
-    insert_bucket_syncs(gm, plan.buckets, spec)
+    insert_bucket_syncs(gm, [b for b in plan.buckets if b[0].reducer_index not in plan.in_blocks], spec)
     what = f"whole graph + {len(plan.buckets)} bucket allreduces" + (
         f" + {len(plan.tables)} row gathers" if plan.tables else ""
     )
@@ -187,11 +190,16 @@ class FusedRan:
 # -- comm hooks in the graph (comm_hooks.py) -----------------------------------------------
 
 
+HOOK_PROGRAMS = ("powersgd", "traceable")
+"""Comm hook kinds (``comm_hooks.comm_hook_kind``) whose buckets a hook program reduces, not a
+plain ``BucketSync`` (a ``CommSpec``)."""
+
+
 def _hook_program(ddp: Any, spec: CommSpec, runtime: FusedRuntime, kind: str) -> HookProgram | None:
     """The program of the DDP module's comm hook (of ``kind``, ``comm_hooks.comm_hook_kind``),
     shared by its graphs; ``None`` for torch's allreduce/fp16/bf16 hooks and no hook (plain
     ``BucketSync``)."""
-    if kind not in ("powersgd", "traceable"):
+    if kind not in HOOK_PROGRAMS:
         return None
     if runtime.hook is None:
         hook, hook_state = ddpc.comm_hook(ddp)
@@ -223,6 +231,10 @@ def fused_plan(job: GraphJob, spec: CommSpec, caps: BucketCaps, state: FusedStat
     """Buckets to all-reduce and embedding tables to gather as rows (``rows``), agreed on by
     all ranks."""
     params = job.params
+    # NOTE [a bucket per block]: the parameters a shared block reduces itself are its own bucket.
+    inside = block_buckets(job.gm, params)
+    in_blocks = frozenset(p.reducer_index for b in inside for p in b)
+    params = [p for p in params if p.reducer_index not in in_blocks]
     renormed = renormed_tables(job.gm, params)
     if renormed:
         log.info(
@@ -237,6 +249,8 @@ def fused_plan(job: GraphJob, spec: CommSpec, caps: BucketCaps, state: FusedStat
     buckets = (
         plan_buckets(ready_order([p for p in params if p.reducer_index not in gathered]), caps) if tables else dense
     )
+    if inside:
+        dense, buckets = _in_ready_order(dense + inside), _in_ready_order(buckets + inside)
     # NOTE [fused layout check]: a fused graph's collectives line up with the other ranks'
     # only if they run graphs with the same bucket layout. A layout already checked across
     # ranks is safe wherever it shows up again (the same frame recompiled for a new shape on
@@ -249,7 +263,7 @@ def fused_plan(job: GraphJob, spec: CommSpec, caps: BucketCaps, state: FusedStat
     # all fall back to all-reducing the tables.
     layout = tuple(_layout_signature(buckets, spec) + [t.signature(spec) for t in tables])
     if layout in state.checked_layouts:
-        return FusedPlan(buckets, tables)
+        return FusedPlan(buckets, tables, in_blocks=in_blocks)
     dense_layout = tuple(_layout_signature(dense, spec))
     context = _compile_context(recompile_reason=dc.recompile_reason(), graph_id=job.graph_id)
     if tables:
@@ -262,7 +276,7 @@ def fused_plan(job: GraphJob, spec: CommSpec, caps: BucketCaps, state: FusedStat
     everyone = gather_on_all_ranks((layout, dense_layout), pg, what="fused bucket layout", context=context)
     if all(theirs[0] == layout for theirs in everyone):
         state.checked_layouts.add(layout)
-        return FusedPlan(buckets, tables, time.perf_counter() - check_start)
+        return FusedPlan(buckets, tables, time.perf_counter() - check_start, in_blocks)
     if any(theirs[0] != theirs[1] for theirs in everyone):
         log.warning(
             "bucketwise fused: ranks look up different numbers of ids in graph %d; its embedding "
@@ -273,7 +287,7 @@ def fused_plan(job: GraphJob, spec: CommSpec, caps: BucketCaps, state: FusedStat
         dense_layout, pg, what="fused bucket layout", gathered=[t[1] for t in everyone], fix=_LAYOUT_FIX
     )
     state.checked_layouts.add(dense_layout)
-    return FusedPlan(dense, [], time.perf_counter() - check_start)
+    return FusedPlan(dense, [], time.perf_counter() - check_start, in_blocks)
 
 
 _LAYOUT_FIX = (
@@ -281,6 +295,24 @@ _LAYOUT_FIX = (
     "parameters (find_unused_parameters=True, rank-dependent control flow) use strategy='split' or 'auto', "
     "where DDP's reducer reduces"
 )
+
+
+def block_buckets(gm: Any, params: Sequence[GraphParam]) -> list[list[GraphParam]]:
+    """The buckets the graph's shared blocks reduce themselves (NOTE [a bucket per block]), one
+    per block, in the block's input order."""
+    by_node = {p.node: p for p in params}
+    out = []
+    for node in gm.graph.nodes:
+        reduced = node.meta.get(REDUCED_PARAMS_META)
+        if reduced:
+            out.append([by_node[n] for n in reduced])
+    return out
+
+
+def _in_ready_order(buckets: list[list[GraphParam]]) -> list[list[GraphParam]]:
+    """Buckets sorted as their gradients get ready (bucket 0 first), by their first parameter."""
+    rank = {p.reducer_index: i for i, p in enumerate(ready_order([p for b in buckets for p in b]))}
+    return sorted(buckets, key=lambda b: min(rank[p.reducer_index] for p in b))
 
 
 def _compile_context(*, recompile_reason: str | None, graph_id: int) -> str:

@@ -33,6 +33,9 @@ from ...partitioners.split import LazyGraph
 log = logging.getLogger(__name__)
 
 BUCKET_META_KEY = "bucketwise.bucket"
+REDUCED_PARAMS_META = "bucketwise.reduced_params"
+"""``node.meta`` key of a call that reduces a bucket itself (a shared block, NOTE [a bucket per
+block] in ``compiler/blocks.py``): the placeholders of the bucket's parameters."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +112,17 @@ def filled_grads(grads: Sequence[torch.Tensor | None], shapes: Sequence[tuple[An
 
 def split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Views of a flat bucket buffer shaped like each of ``like``, in order."""
+    return unflatten(flat, [g.shape for g in like])
+
+
+def unflatten(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """Views of a flat bucket buffer of each of ``shapes``, in order."""
     out: list[torch.Tensor] = []
     offset = 0
-    for g in like:
-        out.append(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for shape in shapes:
+        n = shape.numel()
+        out.append(flat[offset : offset + n].view(shape))
+        offset += n
     return out
 
 
