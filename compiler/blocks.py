@@ -159,15 +159,14 @@ def shared_block_backward(key: int, saved_and_grads: list[torch.Tensor]) -> list
     # made as zeros with its output's strides; AOTAutograd's own runtime makes those contiguous)
     # is copied into it.
     grads = block.backward([_laid_out(t, stride) for t, stride in zip(saved_and_grads, block.input_strides)])
-    return [g if g is not None else torch.empty(0) for g in grads]
+    # Only the gradients there are: a placeholder for a missing one would be a tensor made on
+    # the host, which no CUDA graph of the compiled backward around this call can capture.
+    return [g for g, meta in zip(grads, block.grads) if meta is not None]
 
 
 @shared_block_backward.register_fake
 def _(key: int, saved_and_grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [
-        torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3]) if m is not None else torch.empty(0)
-        for m in _BLOCKS[key].grads
-    ]
+    return [torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3]) for m in _BLOCKS[key].grads if m is not None]
 
 
 def _setup_context(ctx: Any, inputs: tuple[int, list[torch.Tensor]], output: list[torch.Tensor]) -> None:
@@ -185,8 +184,8 @@ def _backward(ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple[None, lis
         shape, _, dtype, device = block.outputs[j]
         if dtype.is_floating_point:
             tangents.append(grads[j] if grads[j] is not None else torch.zeros(shape, dtype=dtype, device=device))
-    result = shared_block_backward(ctx.key, [*ctx.saved_tensors, *tangents])
-    grads = [None if meta is None else g for g, meta in zip(result, block.grads)]
+    present = iter(shared_block_backward(ctx.key, [*ctx.saved_tensors, *tangents]))
+    grads = [None if meta is None else next(present) for meta in block.grads]
     return None, _reduced_grads(block, grads) if block.reduced else grads
 
 
