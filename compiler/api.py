@@ -61,7 +61,8 @@ def compile(
             compiled forward and backward (the report's ``shared_blocks`` says which, the
             seconds saved, or why they could not); ``False`` (default): every block is compiled
             with the whole graph. Opt-in for now: under ``split`` a shared block is never cut,
-            so buckets whose boundaries fall inside a block merge into fewer segments.
+            so buckets whose boundaries fall inside a block merge into fewer segments; under
+            ``fused`` each shared block reduces its own parameters as one bucket.
 
     Returns:
         For a module, a module with the same parameters and ``state_dict`` keys; for a
