@@ -96,9 +96,19 @@ def shared_block_lines(graphs: Sequence[GraphData]) -> list[str]:
         lines.append(
             f"graph {g.label}: {shared['count']} blocks of {shared['blocks']} ({shared['class']}) share "
             f"{shared['compiles']} compile{'s' if shared['compiles'] != 1 else ''} ({shared['compile_seconds']:.2f} s; "
-            f"about {shared['saved_seconds']:.1f} s of compiles saved)"
+            f"about {shared['saved_seconds']:.1f} s of compiles saved)" + _bucket_per_block(shared)
         )
     return lines
+
+
+def _bucket_per_block(shared: dict) -> str:
+    """``fused``: whether each shared block reduces its own bucket (NOTE [a bucket per block])."""
+    per_block = shared.get("bucket_per_block")
+    if per_block is None:
+        return ""
+    if per_block is True:
+        return "; each reduces its own parameters as one bucket"
+    return f"; their parameters are bucketed across blocks: {per_block}"
 
 
 def bucket_table(graphs: Sequence[GraphData]) -> list[str]:

@@ -126,8 +126,10 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
             opt.zero_grad()
     for p, q in zip(eager_net.parameters(), net.parameters()):
         worst = max(worst, (p - q).abs().max().item())
-    graphs = bucketwise.report(compiled).to_dict()["graphs"]
+    report = bucketwise.report(compiled)
+    graphs = report.to_dict()["graphs"]
     return {
+        "lines": [line for line in report.table().splitlines() if " share " in line],
         "worst": worst,
         "shared": [g["shared_blocks"] for g in graphs],
         "strategies": [g["strategy"] for g in graphs],
@@ -171,6 +173,10 @@ def test_shared_blocks_train_like_eager_ddp_under_every_strategy(tmp_path):
         expected = ["emb.weight", "head.bias", "head.weight"] + (["scale"] if name == "shared_scale" else [])
         assert others == expected, r["buckets"]
     assert "bucket_per_block" not in results[("plain", "split", "aot_eager")]["shared"][0]
+    # The synced graph's blocks reduce their buckets; the no_sync() variant's reduce nothing.
+    lines = results[("plain", "fused", "aot_eager")]["lines"]
+    assert lines[0].startswith("graph 0:") and lines[0].endswith("as one bucket"), lines
+    assert not any("bucket" in line for line in lines[1:]), lines
     assert results[("checkpointed", "fused", "aot_eager")]["shared"][0].get("compiles") == 1, results[
         ("checkpointed", "fused", "aot_eager")
     ]
