@@ -231,7 +231,7 @@ def fused_plan(job: GraphJob, spec: CommSpec, caps: BucketCaps, state: FusedStat
     """Buckets to all-reduce and embedding tables to gather as rows (``rows``), agreed on by
     all ranks."""
     params = job.params
-    # NOTE [a bucket per block]: the parameters a shared block reduces itself are its own bucket.
+    # The parameters a shared block reduces itself are its own bucket (NOTE [a bucket per block]).
     inside = block_buckets(job.gm, params)
     in_blocks = frozenset(p.reducer_index for b in inside for p in b)
     params = [p for p in params if p.reducer_index not in in_blocks]
