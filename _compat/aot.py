@@ -160,3 +160,112 @@ def is_fake(value: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(value, FakeTensor)
+
+
+def all_fake(tensors: Sequence[torch.Tensor]) -> bool:
+    """Every one of ``tensors`` is a fake tensor, and no ``make_fx`` trace is under way: a run
+    for the outputs' metadata (Dynamo's), not a trace (AOTAutograd's)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return bool(tensors) and get_proxy_mode() is None and all(isinstance(t, FakeTensor) for t in tensors)
+
+
+def op_trace_key(fn: Callable[[], Any], inputs: Sequence[torch.Tensor], *, extra: Any) -> tuple[Any, tuple]:
+    """``fn()``'s result, and a key of the computation it ran on ``inputs``: every ATen op it
+    dispatched, with its constants and which earlier tensor each argument was (by order of
+    appearance, ``inputs`` first, never by name or address), the layout of every tensor, and
+    the autograd graph from its outputs back to ``inputs``. Two runs with equal keys computed
+    the same function of their inputs (``extra``: what else the caller knows it depends on)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    numbers: dict[int, int] = {}
+    alive: list[torch.Tensor] = []  # an id is only a tensor's while the tensor lives
+    layouts: list[tuple] = []
+
+    def number(t: torch.Tensor) -> int:
+        n = numbers.get(id(t))
+        if n is None:
+            n = numbers[id(t)] = len(alive)
+            alive.append(t)
+            layouts.append((tuple(t.shape), tuple(t.stride()), t.storage_offset(), str(t.dtype), t.requires_grad))
+        return n
+
+    def key(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return ("t", number(value))
+        if isinstance(value, (tuple, list)):
+            return tuple(key(v) for v in value)
+        if isinstance(value, dict):
+            return tuple((k, key(v)) for k, v in value.items())
+        if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format)):
+            return repr(value)
+        return type(value).__qualname__
+
+    for t in inputs:
+        number(t)
+    rows: list[tuple] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            # A query of metadata (``prim.device``, sizes) returns no tensor; where it is asked
+            # differs between runs of the same computation (fake tensors cache what they know).
+            if _has_tensor(out):
+                rows.append((str(func), key(args), key(kwargs), key(out)))
+            return out
+
+    with Record():
+        out = fn()
+    return out, (tuple(rows), key(out), tuple(layouts), _autograd_key(out, inputs), extra)
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (tuple, list)) and any(_has_tensor(v) for v in value)
+
+
+def _autograd_key(out: Any, inputs: Sequence[torch.Tensor]) -> tuple:
+    """The autograd graph from the tensors of ``out`` back to ``inputs``: each node's type and
+    the nodes it feeds from, by order of appearance; ``inputs``' own nodes end the walk."""
+    stops = {}
+    for i, t in enumerate(inputs):
+        node = t.grad_fn
+        if node is not None:
+            stops[node] = i
+    flat: list[Any] = [out]
+    roots = []
+    while flat:
+        v = flat.pop()
+        if isinstance(v, torch.Tensor):
+            roots.append(v.grad_fn)
+        elif isinstance(v, (tuple, list)):
+            flat.extend(reversed(v))
+        elif isinstance(v, dict):
+            flat.extend(reversed(list(v.values())))
+    seen: dict[Any, int] = {}
+    rows: list[tuple] = []
+    queue = [r for r in roots if r is not None]
+    while queue:
+        node = queue.pop(0)
+        if node in seen:
+            continue
+        seen[node] = len(seen)
+        if node in stops:
+            rows.append(("input", stops[node]))
+            continue
+        nexts = [n for n, _ in node.next_functions]
+        rows.append((type(node).__name__, tuple(id(n) if n is not None else None for n in nexts)))
+        queue.extend(n for n in nexts if n is not None)
+    numbering = {id(n): i for n, i in seen.items()}
+    return tuple(
+        (name, tuple(numbering.get(x) if x is not None else None for x in rest)) if name != "input" else (name, rest)
+        for name, rest in rows
+    ), tuple(seen[r] if r is not None else None for r in roots)
+
+
+def symbolic(t: torch.Tensor) -> bool:
+    """``t`` has a symbolic size (Dynamo's dynamic shapes)."""
+    return any(isinstance(d, torch.SymInt) for d in t.shape)

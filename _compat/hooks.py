@@ -66,3 +66,13 @@ def global_module_hook_dicts() -> Iterator[tuple[str, dict[int, Any]]]:
         hooks = getattr(module_mod, kind, None)
         if hooks is not None:
             yield kind.replace("_global", ""), hooks
+
+
+def module_hooks(module: nn.Module) -> list[str]:
+    """The kinds of forward and backward hooks ``module`` has (:data:`MODULE_HOOKS`), if any."""
+    return [kind.strip("_") for kind, hooks in module_hook_dicts(module) if hooks]
+
+
+def global_module_hooks() -> list[str]:
+    """The kinds of global module hooks registered, if any."""
+    return [kind.strip("_") for kind, hooks in global_module_hook_dicts() if hooks]

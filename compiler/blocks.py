@@ -63,6 +63,7 @@ from ..distributed.fused.cache_keys import source_key
 from ..distributed.fused.sync import REDUCED_PARAMS_META, CommSpec, unflatten
 from ..distributed.result import CompileOutcome
 from ..partitioners.blocks import BlockRun, find_block_run, piece_of, piece_signature
+from . import block_calls
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +240,9 @@ class Sharing:
     bucket_per_block: bool | str | None = None
     """``fused``: ``True`` where every shared block reduces its parameters' gradients itself (a
     bucket per block), else why not; ``None`` under other strategies."""
+    dynamo: bool | str | None = None
+    """``True`` where Dynamo met each block as one call (NOTE [Dynamo calls a block]), else why
+    it traced every block."""
 
     @property
     def compile_seconds(self) -> float:
@@ -254,6 +258,7 @@ class Sharing:
             "compile_seconds": round(self.compile_seconds, 6),
             "saved_seconds": round(per * (self.count - self.compiles), 6),
             **({} if self.bucket_per_block is None else {"bucket_per_block": self.bucket_per_block}),
+            **({} if self.dynamo is None else {"dynamo_calls": self.dynamo}),
         }
 
 
@@ -287,7 +292,9 @@ def share_blocks(
     # changes: a block that cannot be shared leaves the graph as Dynamo gave it. A block that
     # is the only one of its kind stays in the graph.
     graphs = [aot.block_graph(gm, part, f"block_{k}") for k, part in enumerate(parts)]
-    signatures = [piece_signature(sub, [values[n] for n in inputs]) for sub, inputs, _ in graphs]
+    signatures = [
+        piece_signature(sub, [values[n] for n in inputs], opaque=_block_call_key) for sub, inputs, _ in graphs
+    ]
     repeated = {sig for sig in signatures if signatures.count(sig) > 1}
     if not repeated:
         return None, f"no two blocks of {run.name} are the same computation (shapes, dtypes or constants differ)"
@@ -326,6 +333,15 @@ def share_blocks(
     kept = list(blocks.values())
     sharing = Sharing(run.name, run.block_class, len(shared), len(kept), outcomes, kept, per_block)
     return sharing, None
+
+
+def _block_call_key(node: fx.Node) -> tuple[Any, Any] | None:
+    """A block Dynamo called as one op (NOTE [Dynamo calls a block]) computes what its recorded
+    run did; its first argument (which block) takes no part."""
+    if not block_calls.is_block_call(node):
+        return None
+    computation = block_calls.fingerprint(node)
+    return (computation if computation is not None else ("unrecorded", node.args[0])), node.args[1:]
 
 
 def _reduced_inputs(

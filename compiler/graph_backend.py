@@ -35,6 +35,7 @@ from ..partitioners.param_usage import GraphParam, find_graph_params, higher_ord
 from ..stats.compile_times import CompileTimes, backend_call_times
 from ..stats.report import GraphStats, Report, SegmentStats
 from . import doctor
+from .block_calls import BlockCalls, is_block_call
 from .blocks import BlockBuckets, Sharing, share_blocks
 from .blocks import cache_targets as blocks_cache_targets
 from .config import CompileConfig
@@ -81,6 +82,8 @@ class GraphBackend:
         self.param_segments: dict[int, dict[str, int]] = {}
         self._shared: list[Any] = []
         """Blocks compiled for several calls of this backend's graphs (alive as long as it)."""
+        self.block_calls: BlockCalls | None = None
+        """``share_blocks``: the blocks Dynamo meets as one call each (NOTE [Dynamo calls a block])."""
 
     def use(self, decision: Decision, fused: FusedState | None) -> None:
         """The compiled DDP module's decision, and under ``fused`` its runtime's state."""
@@ -251,10 +254,15 @@ class GraphBackend:
             tensors = collections.Counter(id(a) for a in example_inputs if isinstance(a, torch.Tensor))
             own = frozenset(p.node for p in params if p.tensor.requires_grad and tensors[id(p.tensor)] == 1)
             buckets = BlockBuckets(spec=choice.spec, params=own)
+        called = any(is_block_call(node) for node in gm.graph.nodes)
         # The blocks run inside the graph's own CUDA graphs (Inductor's or bucketwise's), never in their own.
-        return share_blocks(
+        sharing, unshared = share_blocks(
             gm, example_inputs, backend=backend, config_patches={**patches, "triton.cudagraphs": False}, buckets=buckets
         )
+        if sharing is not None:
+            calls = self.block_calls
+            sharing.dynamo = True if called else _why_inlined(calls)
+        return sharing, unshared
 
     def fused_backend(self) -> Callable[..., Any]:
         """The backend, with Inductor's comm/compute reordering on (scoped to its compiles)."""
@@ -405,3 +413,18 @@ def _forward_positions(gm: fx.GraphModule, params: Sequence[GraphParam]) -> list
         (p for p in params if p.first_use >= 0 and p.node in index), key=lambda p: (p.first_use, p.arg_position)
     )
     return [index[p.node] for p in used]
+
+
+def _why_inlined(calls: BlockCalls | None) -> str:
+    """Why Dynamo traced every block of a graph whose blocks are shared (NOTE [Dynamo calls a block])."""
+    if calls is None:
+        return (
+            "blocks become one call each under bucketwise.compile with the backends inductor and aot_eager (not "
+            "torch.compile(..., backend='bucketwise'), not another backend)"
+        )
+    if calls.off is not None:
+        return calls.off
+    return (
+        "an argument of the blocks is not a tensor, a number, a string, None or a list or tuple of them (a cache "
+        "object: pass use_cache=False in training)"
+    )

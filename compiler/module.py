@@ -18,6 +18,8 @@ from ..cudagraphs.policy import Decision as CudaGraphDecision
 from ..distributed import gloo_exit, teardown
 from ..distributed.rank_check import prepare_rank_checks
 from ..stats.report import Report
+from .block_calls import BlockCalls, find_block_calls
+from .blocks import SHAREABLE_BACKENDS
 from .config import CompileConfig
 from .ddp_forward import DDPForward
 from .decision import Variant
@@ -154,11 +156,13 @@ def compile_module(module: nn.Module, config: CompileConfig, *, cudagraphs: Cuda
     )
     backend = new_backend(config, report, ddp, cudagraphs=cudagraphs, alignment=ddp is not None)
     forward = _inner_forward(inner)
+    blocks = _block_calls(inner, config)
+    backend.block_calls = blocks
     state = CompiledState(
         config=config,
         report=report,
         backend=backend,
-        call=torch_compile(forward, backend, config),
+        call=_calling_blocks(blocks, torch_compile(forward, backend, config)),
         code=forward.__code__,
         module=module,
         cudagraphs=cudagraphs,
@@ -166,7 +170,7 @@ def compile_module(module: nn.Module, config: CompileConfig, *, cudagraphs: Cuda
     if ddp is None:
         compiled: CompiledModule = CompiledModule(module, state)
     else:
-        state.ddp = _ddp_forward(ddp, forward, state, config, cudagraphs)
+        state.ddp = _ddp_forward(ddp, forward, state, config, cudagraphs, blocks)
         compiled = CompiledDDP(module, state)
     # report(module) finds the compile through the module (and so through the compiled object).
     ddpc.set_owner(module, state)
@@ -174,17 +178,34 @@ def compile_module(module: nn.Module, config: CompileConfig, *, cudagraphs: Cuda
     return compiled
 
 
+def _block_calls(module: nn.Module, config: CompileConfig) -> BlockCalls | None:
+    """``share_blocks``: the blocks Dynamo meets as one call each (NOTE [Dynamo calls a block])."""
+    if not config.share_blocks or config.backend not in SHAREABLE_BACKENDS:
+        return None
+    return find_block_calls(module)
+
+
+def _calling_blocks(blocks: BlockCalls | None, compiled: Callable[..., Any]) -> Callable[..., Any]:
+    return compiled if blocks is None else blocks.wrap(compiled)
+
+
 def _ddp_forward(
-    ddp: Any, forward: Callable[..., Any], state: CompiledState, config: CompileConfig, cudagraphs: CudaGraphDecision
+    ddp: Any,
+    forward: Callable[..., Any],
+    state: CompiledState,
+    config: CompileConfig,
+    cudagraphs: CudaGraphDecision,
+    blocks: BlockCalls | None,
 ) -> DDPForward:
     # no_sync() steps and evaluation run a second compiled variant without collectives; Dynamo
     # keeps one cache entry per backend, so switching costs no recompile.
     nosync = new_backend(config, state.report, ddp, cudagraphs=cudagraphs, variant=Variant.NO_SYNC, alignment=False)
+    nosync.block_calls = blocks
     run = DDPForward(
         ddp=ddp,
         state=state,
         nosync_backend=nosync,
-        call_nosync=torch_compile(forward, nosync, config),
+        call_nosync=_calling_blocks(blocks, torch_compile(forward, nosync, config)),
         hooks=HookWatch(ddp.module.named_modules, lambda: ddpc.reducer_parameters(ddp), lambda: run.own_hook_ids()),
     )
     if config.strategy in ("fused", "auto"):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -106,26 +106,40 @@ def piece_of(run: BlockRun, position: int) -> int:
     return k + 1
 
 
-def piece_signature(gm: fx.GraphModule, inputs: Sequence[Any]) -> tuple:
+Opaque = Callable[[fx.Node], "tuple[Any, Any] | None"]
+"""For a call whose target's computation is not in the graph: ``(what it computes, its args
+that take part)``, else ``None`` (keyed as any other node)."""
+
+
+def piece_signature(gm: fx.GraphModule, inputs: Sequence[Any], *, opaque: Opaque | None = None) -> tuple:
     """What a compiled piece depends on: its nodes (ops, constants, wiring, by position, not
     by name) and the layout of its inputs. Two pieces with equal signatures compute the same
-    function of their inputs, so one compiled piece serves both."""
+    function of their inputs, so one compiled piece serves both. ``opaque``: what a call
+    computes where its target alone does not say (a block called as one op)."""
     layout = tuple(_value_key(v) for v in inputs)
-    return layout, _graph_key(gm)
+    return layout, _graph_key(gm, opaque)
 
 
-def _graph_key(gm: fx.GraphModule) -> tuple:
+def _graph_key(gm: fx.GraphModule, opaque: Opaque | None) -> tuple:
     index = {node: i for i, node in enumerate(gm.graph.nodes)}
     rows = []
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             target = getattr(gm, str(node.target))
             rows.append(
-                ("get_attr", _graph_key(target) if isinstance(target, fx.GraphModule) else ("object", id(target)))
+                (
+                    "get_attr",
+                    _graph_key(target, opaque) if isinstance(target, fx.GraphModule) else ("object", id(target)),
+                )
             )
             continue
+        called = opaque(node) if opaque is not None and node.op == "call_function" else None
+        if called is not None:
+            computation, args = called
+            rows.append(("opaque", computation, _arg_key(args, index)))
+            continue
         if node.op == "call_module":
-            target = _graph_key(getattr(gm, str(node.target)))
+            target = _graph_key(getattr(gm, str(node.target)), opaque)
         elif node.op == "call_function":
             target = _callable_key(node.target)
         else:

@@ -96,9 +96,21 @@ def shared_block_lines(graphs: Sequence[GraphData]) -> list[str]:
         lines.append(
             f"graph {g.label}: {shared['count']} blocks of {shared['blocks']} ({shared['class']}) share "
             f"{shared['compiles']} compile{'s' if shared['compiles'] != 1 else ''} ({shared['compile_seconds']:.2f} s; "
-            f"about {shared['saved_seconds']:.1f} s of compiles saved)" + _bucket_per_block(shared)
+            f"about {shared['saved_seconds']:.1f} s of compiles saved)"
+            + _dynamo_calls(shared)
+            + _bucket_per_block(shared)
         )
     return lines
+
+
+def _dynamo_calls(shared: dict) -> str:
+    """Whether Dynamo met each shared block as one call (NOTE [Dynamo calls a block])."""
+    calls = shared.get("dynamo_calls")
+    if calls is None:
+        return ""
+    if calls is True:
+        return "; Dynamo traced each as one call"
+    return f"; Dynamo traced every block: {calls}"
 
 
 def _bucket_per_block(shared: dict) -> str:

@@ -176,6 +176,7 @@ def _llama_spec(s: dict[str, int]) -> ModelSpec:
             num_attention_heads=s["heads"],
             max_position_embeddings=s["seq"],
             attn_implementation="sdpa",
+            use_cache=False,  # training: no key/value cache built in the forward
         )
         return LlamaForCausalLM(cfg)
 

@@ -72,6 +72,7 @@ def cold(model: str, layers: int, passes: str, share: bool) -> dict[str, Any]:
         "share": share,
         "first_s": round(time.perf_counter() - t0, 2),
         "compile": {k: times[k] for k in ("dynamo_s", "aot_autograd_s", "backend_s", "total_s")},
+        "shared_blocks": [g.get("shared_blocks") for g in prepared.report.to_dict()["graphs"]],
     }
 
 

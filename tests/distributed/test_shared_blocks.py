@@ -25,14 +25,16 @@ STEPS = 4
 
 
 class Block(nn.Module):
-    def __init__(self, d: int = 32, checkpointed: bool = False, dropout: float = 0.0) -> None:
+    def __init__(
+        self, d: int = 32, checkpointed: bool = False, dropout: float = 0.0, counts_calls: bool = False
+    ) -> None:
         super().__init__()
         self.ln = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
         self.fc = nn.Linear(d, 2 * d)
         self.out = nn.Linear(2 * d, d)
-        self.checkpointed, self.dropout = checkpointed, dropout
+        self.checkpointed, self.dropout, self.counts_calls = checkpointed, dropout, counts_calls
 
     def _body(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(self.ln(x)).split(x.shape[-1], dim=-1)
@@ -40,16 +42,18 @@ class Block(nn.Module):
         x = x + self.proj(att)
         return x + F.dropout(self.out(F.gelu(self.fc(x))), self.dropout, self.training)
 
-    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None, extra: object = None) -> torch.Tensor:
         if scale is not None:
             x = x * scale
+        if self.counts_calls:  # a Python side effect Dynamo replays on every call
+            self.calls = getattr(self, "calls", 0) + 1
         if self.checkpointed:
             return checkpoint.checkpoint(self._body, x, use_reentrant=False)
         return self._body(x)
 
 
 class Net(nn.Module):
-    def __init__(self, depth: int = 3, *, shared_scale: bool = False, **block: object) -> None:
+    def __init__(self, depth: int = 3, *, shared_scale: bool = False, extra: object = None, **block: object) -> None:
         super().__init__()
         self.emb = nn.Embedding(64, 32)
         self.blocks = nn.ModuleList(Block(**block) for _ in range(depth))
@@ -57,11 +61,12 @@ class Net(nn.Module):
         # A parameter every block reads: its gradient is complete only after the last block's
         # backward, so no block may reduce it.
         self.scale = nn.Parameter(torch.ones(32)) if shared_scale else None
+        self.extra = extra  # passed to every block: an object Dynamo cannot put into a graph
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
         for block in self.blocks:
-            x = block(x, self.scale)
+            x = block(x, self.scale, self.extra) if self.extra is not None else block(x, self.scale)
         return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
 
 
@@ -97,8 +102,13 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
         "not_shared": {},
         "fp16_hook": {},
         "shared_scale": {"shared_scale": True},
+        "object_arg": {"extra": _Opaque()},
+        "side_effect": {"counts_calls": True},
+        "hooked": {},
     }[name]
     base = Net(depth=4, **kwargs)
+    if name == "hooked":
+        base.blocks[2].fc.register_forward_hook(lambda module, args, out: out * 0.5)
     if name == "two_kinds":  # blocks 0 and 3 differ from the middle ones: the middle ones share
         base.blocks[0].fc, base.blocks[0].out = nn.Linear(32, 16), nn.Linear(16, 32)
     eager_net, net = copy.deepcopy(base), copy.deepcopy(base)
@@ -126,6 +136,11 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
             opt.zero_grad()
     for p, q in zip(eager_net.parameters(), net.parameters()):
         worst = max(worst, (p - q).abs().max().item())
+    # Evaluation after training: the blocks' training flags are guarded (dropout switches off).
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        eager.eval(), compiled.eval()
+        worst = max(worst, (eager(ids) - compiled(ids)).abs().item())
     report = bucketwise.report(compiled)
     graphs = report.to_dict()["graphs"]
     return {
@@ -134,7 +149,13 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
         "shared": [g["shared_blocks"] for g in graphs],
         "strategies": [g["strategy"] for g in graphs],
         "buckets": [[b["params"] for b in g["buckets"]] for g in graphs],
+        "calls": [net.blocks[0].calls, eager_net.blocks[0].calls] if name == "side_effect" else None,
+        "forward_attributes": ["forward" in b.__dict__ for b in net.blocks],
     }
+
+
+class _Opaque:
+    """An argument of every block that is neither a tensor nor a constant."""
 
 
 def _cases(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict:
@@ -182,6 +203,27 @@ def test_shared_blocks_train_like_eager_ddp_under_every_strategy(tmp_path):
     ]
     two = results[("two_kinds", "fused", "aot_eager")]["shared"][0]
     assert (two["count"], two["compiles"]) == (3, 1), two  # block 0 stays in the graph
+    # NOTE [Dynamo calls a block]: Dynamo met every block as one call, and left the model as it was.
+    for case, r in results.items():
+        assert r["shared"][0]["dynamo_calls"] is True, (case, r["shared"])
+        assert r["forward_attributes"] == [False] * 4, case
+    assert "Dynamo traced each as one call" in lines[0], lines
+
+
+def test_blocks_dynamo_must_trace_are_shared_all_the_same_and_say_why(tmp_path):
+    cases = [(name, "fused", "aot_eager") for name in ("object_arg", "side_effect", "hooked")]
+    results = _run(tmp_path, cases)
+    for case, r in results.items():
+        assert r["worst"] <= 1e-6, f"{case}: {r['worst']:.3g} from eager DDP"
+    arg = results[("object_arg", "fused", "aot_eager")]["shared"][0]
+    assert arg["compiles"] == 1 and "not a tensor, a number" in arg["dynamo_calls"], arg
+    side = results[("side_effect", "fused", "aot_eager")]
+    assert "sets module attributes (calls)" in side["shared"][0]["dynamo_calls"], side["shared"]
+    # Every call counted, as eager DDP counts them (7 forwards: 4 steps, the no_sync one, eval).
+    assert side["calls"][0] == side["calls"][1], side["calls"]
+    hooked = results[("hooked", "fused", "aot_eager")]["shared"][0]
+    assert hooked["dynamo_calls"] == "blocks.2: module fc has hooks (forward_hooks)", hooked
+    assert (hooked["count"], hooked["compiles"]) == (3, 1), hooked  # the hooked block is another computation
 
 
 def test_shared_blocks_with_inductor_train_like_eager_ddp(tmp_path):
@@ -189,7 +231,7 @@ def test_shared_blocks_with_inductor_train_like_eager_ddp(tmp_path):
     shared = results[("plain", "fused", "inductor")]
     assert shared["worst"] <= 1e-5, shared
     assert shared["shared"][0]["compiles"] == 1, shared
-    assert results[("not_shared", "fused", "inductor")]["shared"] == [None, None]
+    assert all(s is None for s in results[("not_shared", "fused", "inductor")]["shared"])
 
 
 @pytest.mark.parametrize("why", ["dropout"])

@@ -1,0 +1,283 @@
+"""Dynamo meets each repeated block as one call: ``bucketwise::block_call``.
+
+NOTE [Dynamo calls a block]: compiling once per block (NOTE [one compile per block]) still left
+Dynamo inlining every block of the model, the part of the first step (and of every warm
+restart: Dynamo's work is never cached across processes) that grew with depth. With
+``share_blocks``, while a compiled call runs, each block of a repeated ``nn.ModuleList`` has a
+forward of bucketwise's (the module's ``__dict__``, set and taken back around every call, so
+that outside them the model is untouched: ``deepcopy``, pickling, eager calls), which calls
+:func:`block_call` with the block's parameters, buffers and arguments. Dynamo puts that call into
+the graph as it is (``torch.compiler.allow_in_graph``) and only runs the block on fake tensors
+for its outputs; while it does, the block's ATen ops and autograd graph are recorded
+(``aot.op_trace_key``), so the graph backend can tell which blocks are the same computation
+without a trace of each (``fingerprint``). A block whose call is not shared is traced by
+AOTAutograd through :func:`block_call` as Dynamo would have traced it: the module's forward on
+its own parameters (``torch.func.functional_call``).
+
+What Dynamo gives up on such a block is what it would guard and replay: so a block is called
+this way only where nothing of that applies. No hooks on the block or its modules, and none
+global; no forward attribute of its own (a framework's hook); arguments that are tensors,
+numbers, strings, ``None`` and lists or tuples of them (a cache object is not: ``use_cache=False``
+for training); and the fake run must leave every module's attributes as they were. The modules'
+``training`` flags are read in Dynamo's trace, so ``train()``/``eval()`` recompiles as before.
+Attributes the block's forward reads (a scale, a flag) are read once, when the graph compiles:
+changing them afterwards needs a new ``bucketwise.compile``. Otherwise (or with
+``share_blocks=False``) Dynamo inlines the blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import types
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .._compat import aot
+from .._compat import hooks as hc
+
+log = logging.getLogger(__name__)
+
+_KEYS = itertools.count()
+_CALLS: weakref.WeakValueDictionary[int, BlockEntry] = weakref.WeakValueDictionary()
+_PLAIN = (torch.Tensor, bool, int, float, str, type(None))
+
+
+@dataclasses.dataclass(eq=False)
+class BlockEntry:
+    """One block called as one op."""
+
+    key: int
+    module: weakref.ReferenceType[nn.Module]
+    names: tuple[str, ...]
+    """Its parameters' and buffers' names, in the order :func:`block_call` takes them."""
+    paths: tuple[tuple[tuple[str, ...], str, str], ...]
+    """Each of them as (submodule path, ``_parameters`` or ``_buffers``, name)."""
+    modules: tuple[nn.Module, ...] = dataclasses.field(repr=False, default=())
+    forward: Callable[..., Any] | None = dataclasses.field(repr=False, default=None)
+    fingerprint: tuple | None = None
+    """The block's computation, recorded when Dynamo last ran it on fake tensors."""
+
+
+@dataclasses.dataclass(eq=False)
+class BlockCalls:
+    """The blocks of a compiled module that Dynamo meets as one call each."""
+
+    container: str
+    """The module list (``model.layers``)."""
+    entries: list[BlockEntry]
+    off: str | None = None
+    """Why Dynamo inlines the blocks after all (a block refused to run as one call), else ``None``."""
+
+    def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
+        """``compiled`` (a ``torch.compile``'d frame) called with the blocks' forwards installed;
+        where a block refuses (:class:`BlockCallRefused`, raised while Dynamo traces), the call
+        is made again with Dynamo inlining every block, and so are all later ones."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.off is not None:
+                return compiled(*args, **kwargs)
+            try:
+                with self.installed():
+                    return compiled(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - only a refusal is handled, the rest re-raised
+                refused = _refusal(exc)
+                if refused is None:
+                    raise
+                self.off = str(refused)
+                log.warning("bucketwise: share_blocks: Dynamo traces every block of %s: %s", self.container, self.off)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Each block's forward is bucketwise's for the duration of one compiled call."""
+        placed = []
+        try:
+            for entry in self.entries:
+                module = entry.module()
+                if module is not None and "forward" not in module.__dict__:
+                    module.__dict__["forward"] = entry.forward
+                    placed.append(module)
+            yield
+        finally:
+            for module in placed:
+                module.__dict__.pop("forward", None)
+
+
+class BlockCallRefused(Exception):
+    """A block cannot run as one call (NOTE [Dynamo calls a block]); the message says why."""
+
+
+def _refusal(exc: BaseException) -> BlockCallRefused | None:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, BlockCallRefused):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def find_block_calls(module: nn.Module) -> BlockCalls:
+    """The repeated blocks of ``module`` Dynamo may meet as one call each; ``off`` says why none
+    (NOTE [Dynamo calls a block])."""
+    lists = [
+        (name, child)
+        for name, child in module.named_modules()
+        if isinstance(child, nn.ModuleList) and len(child) > 1 and len({type(b) for b in child}) == 1
+    ]
+    if not lists:
+        return BlockCalls(container="", entries=[], off="no nn.ModuleList of two or more blocks of one class")
+    name, blocks = max(lists, key=lambda item: len(item[1]))
+    name = name or type(module).__name__
+    if hc.global_module_hooks():
+        return BlockCalls(container=name, entries=[], off="global module hooks are registered")
+    for index, block in enumerate(blocks):
+        why = _why_not(block)
+        if why is not None:
+            return BlockCalls(container=name, entries=[], off=f"{name}.{index}: {why}")
+    return BlockCalls(container=name, entries=[_entry(block) for block in blocks])
+
+
+def _why_not(block: nn.Module) -> str | None:
+    if "forward" in block.__dict__:
+        return "it has a forward attribute of its own (a framework's hook)"
+    for name, sub in block.named_modules():
+        if hc.module_hooks(sub):
+            return f"module {name or '(the block)'} has hooks ({', '.join(hc.module_hooks(sub))})"
+    return None
+
+
+def _entry(block: nn.Module) -> BlockEntry:
+    paths = []
+    for prefix, sub in block.named_modules(remove_duplicate=False):
+        path = tuple(prefix.split(".")) if prefix else ()
+        for kind, table in (("_parameters", sub._parameters), ("_buffers", sub._buffers)):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    paths.append((path, kind, name))
+    names = tuple(".".join((*path, name)) for path, _, name in paths)
+    entry = BlockEntry(
+        key=next(_KEYS), module=weakref.ref(block), names=names, paths=tuple(paths), modules=tuple(block.modules())
+    )
+    entry.forward = types.MethodType(_block_forward(entry), block)
+    _CALLS[entry.key] = entry
+    return entry
+
+
+def _block_forward(entry: BlockEntry) -> Callable[..., Any]:
+    """A block's forward while a compiled call runs (NOTE [Dynamo calls a block]); Dynamo
+    traces this function, not the block's."""
+    key, paths, modules = entry.key, entry.paths, entry.modules
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not _plain(args) or not _plain(tuple(kwargs.values())):
+            return type(self).forward(self, *args, **kwargs)
+        tensors = []
+        for path, kind, name in paths:
+            owner = self
+            for part in path:
+                owner = owner._modules[part]
+            tensors.append(getattr(owner, kind)[name])
+        training = tuple(m.training for m in modules)
+        return block_call(key, tuple(tensors), training, args, tuple(kwargs), tuple(kwargs.values()))
+
+    return forward
+
+
+def _plain(values: tuple) -> bool:
+    for value in values:
+        if isinstance(value, (tuple, list)):
+            if not _plain(tuple(value)):
+                return False
+        elif not isinstance(value, _PLAIN):
+            return False
+    return True
+
+
+@torch.compiler.allow_in_graph
+def block_call(key: int, tensors: tuple, training: tuple, args: tuple, names: tuple, values: tuple) -> Any:
+    """Run block ``key``'s forward on ``tensors`` (its parameters and buffers) and its arguments
+    (NOTE [Dynamo calls a block]); on fake tensors (Dynamo's run for the outputs), record its
+    computation in its entry."""
+    entry = _CALLS.get(key)
+    module = entry.module() if entry is not None else None
+    if module is None:
+        raise RuntimeError(f"bucketwise: block call {key} outlived its module")
+    kwargs = dict(zip(names, values))
+
+    def run() -> Any:
+        own = module.__dict__.pop("forward", None)
+        try:
+            return torch.func.functional_call(module, dict(zip(entry.names, tensors)), args, kwargs, strict=True)
+        finally:
+            if own is not None:
+                module.__dict__["forward"] = own
+
+    flat = [t for t in (*tensors, *_tensors(args), *_tensors(values))]
+    if not aot.all_fake(flat):
+        return run()
+    if any(aot.symbolic(t) for t in flat):
+        # Dynamo would guard on the shapes the block's Python branches on; it sees none here.
+        raise BlockCallRefused("dynamic shapes (the block's own shape checks need Dynamo's guards)")
+    before = [dict(m.__dict__) for m in entry.modules]
+    try:
+        out, entry.fingerprint = aot.op_trace_key(
+            run, flat, extra=(training, names, _constants(args), _constants(values))
+        )
+    except Exception as exc:  # noqa: BLE001 - whatever fails here, Dynamo inlining the block handles it as before
+        raise BlockCallRefused(
+            f"{type(module).__name__}.forward does not run on fake tensors on its own: {type(exc).__name__}: {exc}"[
+                :300
+            ]
+        ) from exc
+    changed = [k for m, was in zip(entry.modules, before) for k in _changed(m.__dict__, was)]
+    if changed:
+        for m, was in zip(entry.modules, before):
+            m.__dict__.clear()
+            m.__dict__.update(was)
+        raise BlockCallRefused(
+            f"{type(module).__name__}.forward sets module attributes ({', '.join(sorted(set(changed))[:4])}), "
+            "which Dynamo replays on every call"
+        )
+    return out
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if isinstance(values, (tuple, list)):
+        return [t for v in values for t in _tensors(v)]
+    return []
+
+
+def _constants(values: Any) -> Any:
+    if isinstance(values, torch.Tensor):
+        return "tensor"
+    if isinstance(values, (tuple, list)):
+        return tuple(_constants(v) for v in values)
+    return repr(values)
+
+
+def _changed(now: dict[str, Any], was: dict[str, Any]) -> list[str]:
+    """The attributes of a module that hold another object than before (or came or went)."""
+    return [k for k in now.keys() | was.keys() if now.get(k, _changed) is not was.get(k, _changed)]
+
+
+def is_block_call(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is block_call
+
+
+def fingerprint(node: fx.Node) -> tuple | None:
+    """The computation of the block a ``block_call`` node calls, as last recorded (``None``:
+    never run on fake tensors, or a block that changed module attributes: share nothing)."""
+    entry = _CALLS.get(node.args[0])
+    return entry.fingerprint if entry is not None else None
