@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 import torch
@@ -32,6 +33,7 @@ def compile(
     fallback: str = "eager",
     freeze: bool | str = False,
     share_blocks: bool = False,
+    artifacts: str | os.PathLike | None = None,
 ) -> Any:
     """Compile a DDP-wrapped module, a plain module or a function, like ``torch.compile``.
 
@@ -63,6 +65,11 @@ def compile(
             with the whole graph. Opt-in for now: under ``split`` a shared block is never cut,
             so buckets whose boundaries fall inside a block merge into fewer segments; under
             ``fused`` each shared block reduces its own parameters as one bucket.
+        artifacts: a folder to keep this rank's compiled artifacts in (``rank{R}.bin``): loaded
+            into the local compile caches now if there, saved after the first step, so a
+            restart on a machine with an empty cache compiles from cache hits (NOTE [compile
+            artifacts]). Default: ``BUCKETWISE_COMPILE_ARTIFACTS`` (``bucketwise launch
+            --compile-artifacts DIR``), else none.
 
     Returns:
         For a module, a module with the same parameters and ``state_dict`` keys; for a
@@ -86,6 +93,7 @@ def compile(
         fallback=fallback,
         freeze=freeze,
         share_blocks=share_blocks,
+        artifacts=artifacts,
     )
     return compile_with_config(obj, config)
 

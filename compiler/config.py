@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Callable
 
 import torch
@@ -77,7 +78,15 @@ class CompileConfig:
     compiled forward and backward, so AOTAutograd and the backend run once per distinct block
     (NOTE [one compile per block]); ``False`` (default) compiles every block with the whole graph."""
 
+    artifacts: str | os.PathLike | None = None
+    """A folder for this rank's compiled artifacts, loaded now and saved after the first step
+    (NOTE [compile artifacts]); ``None``: ``BUCKETWISE_COMPILE_ARTIFACTS``, else none."""
+
     def __post_init__(self) -> None:
+        if self.artifacts is not None and not isinstance(self.artifacts, (str, os.PathLike)):
+            raise TypeError(f"artifacts must be a folder path or None, got {type(self.artifacts).__name__}")
+        if isinstance(self.artifacts, (str, os.PathLike)) and os.path.isfile(self.artifacts):
+            raise ValueError(f"artifacts must be a folder (rank files go inside it), got the file {self.artifacts!r}")
         if not isinstance(self.share_blocks, bool):
             raise TypeError(f"share_blocks must be True or False, got {self.share_blocks!r}")
         if self.freeze not in FREEZE or isinstance(self.freeze, int) and not isinstance(self.freeze, bool):

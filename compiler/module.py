@@ -18,6 +18,7 @@ from ..cudagraphs.policy import Decision as CudaGraphDecision
 from ..distributed import gloo_exit, teardown
 from ..distributed.rank_check import prepare_rank_checks
 from ..stats.report import Report
+from .artifacts import artifacts_for
 from .block_calls import BlockCalls, find_block_calls
 from .blocks import SHAREABLE_BACKENDS
 from .config import CompileConfig
@@ -166,7 +167,9 @@ def compile_module(module: nn.Module, config: CompileConfig, *, cudagraphs: Cuda
         code=forward.__code__,
         module=module,
         cudagraphs=cudagraphs,
+        artifacts=artifacts_for(config.artifacts),
     )
+    state.load_artifacts()
     if ddp is None:
         compiled: CompiledModule = CompiledModule(module, state)
     else:
@@ -245,7 +248,9 @@ def compile_function(
         code=getattr(fn, "__code__", None),
         module=None,
         cudagraphs=cudagraphs,
+        artifacts=artifacts_for(config.artifacts),
     )
+    state.load_artifacts()
 
     @functools.wraps(fn)
     def bucketwise_compiled(*args: Any, **kwargs: Any) -> Any:

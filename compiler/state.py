@@ -22,6 +22,7 @@ from .._compat import dynamo as dc
 from ..cudagraphs.policy import Decision as CudaGraphDecision
 from ..stats import profiling
 from ..stats.report import Report
+from .artifacts import Artifacts
 from .config import CompileConfig
 from .decision import Variant
 from .graph_backend import GraphBackend
@@ -62,10 +63,14 @@ class CompiledState:
     first_call: Any = None
     """``torch.compile(ddp, backend="bucketwise")``: the first call's frames to forget
     (``dynamo_backend._FirstCall``)."""
+    artifacts: Artifacts | None = None
+    """Where this rank's compiled artifacts are kept (NOTE [compile artifacts]), else ``None``."""
 
     def run(self, owner: Any, call: Callable[[], Any], *, training: bool) -> Any:
         """One call of the compiled object ``owner``: ``call()`` with the per-call protocol."""
         report = self.report
+        if self.artifacts is not None and self.phase is Phase.WARM:
+            self._save_artifacts()
         profiling.on_call(owner, report, training=training)
         runs = report.graph_runs
         first = report.first_step
@@ -83,6 +88,18 @@ class CompiledState:
                 self.freeze(self.config.freeze_mode)
         report.after_call()
         return out
+
+    def load_artifacts(self) -> None:
+        """Fill the local compile caches from this rank's artifacts, if any (NOTE [compile artifacts])."""
+        if self.artifacts is not None:
+            self.report.note(self.artifacts.load())
+
+    def _save_artifacts(self) -> None:
+        """After the first step: save this rank's artifacts where they are new (NOTE [compile artifacts])."""
+        times = self.report.totals["compile_times"]
+        misses = sum(times.get(cache, {}).get("miss", 0) for cache in ("fx_graph_cache", "aot_autograd_cache"))
+        if self.artifacts.should_save(misses):
+            self.report.note(self.artifacts.save())
 
     # The module a compiled object shares its state with records the compile (``set_owner``): a
     # copy or a pickle of that module does not carry it along (the copy is compiled anew).

@@ -83,7 +83,7 @@ def _add_launch(sub) -> None:
         description=_LAUNCH_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="bucketwise launch [-h] [torchrun options] [--stats-dir DIR] [--profile-steps N [--profile-warmup W]] "
-        "SCRIPT [ARGS ...]",
+        "[--compile-artifacts DIR] SCRIPT [ARGS ...]",
     )
     p.set_defaults(func=_cmd_launch, parser=p)
 
@@ -161,7 +161,7 @@ def _cmd_launch(args: argparse.Namespace, raw: list[str], doctor_dir: str | None
     logs = failures.log_options(options, stats_dir)
     if doctor_dir is not None and args.profile_steps is None:
         args.profile_steps = DOCTOR_PROFILE_STEPS
-    extra = launcher.profile_env(args)
+    extra = {**launcher.profile_env(args), **launcher.compile_artifacts_env(args)}
     if doctor_dir is not None:
         extra[doctor.DOCTOR_ENV] = os.path.join(stats_dir, "doctor")
     code = launcher.run_torchrun(logs + options + script, stats_dir, extra)

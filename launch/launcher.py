@@ -14,6 +14,7 @@ import subprocess
 import sys
 from typing import Sequence, TextIO
 
+from ..compiler.artifacts import ENV as ARTIFACTS_ENV
 from ..stats.profiling import AUTO_WARMUP_MAX, AUTO_WARMUP_MIN, PROFILE_STEPS_ENV, PROFILE_WARMUP_ENV
 from ..stats.rank_file import STATS_DIR_ENV
 from . import stats
@@ -32,7 +33,7 @@ PROFILE_WARMUP_HELP = (
     f"training steps before the profile starts (default: auto: {AUTO_WARMUP_MIN} steps, then until a "
     f"step compiles nothing new, {AUTO_WARMUP_MAX} at most)"
 )
-BUCKETWISE_OPTIONS = ("--stats-dir", "--profile-steps", "--profile-warmup")
+BUCKETWISE_OPTIONS = ("--stats-dir", "--profile-steps", "--profile-warmup", "--compile-artifacts")
 
 
 def default_stats_dir(now: datetime.datetime | None = None) -> str:
@@ -70,6 +71,7 @@ def launch_parser() -> argparse.ArgumentParser:
     group.add_argument("--stats-dir", metavar="DIR", help=STATS_DIR_HELP)
     group.add_argument("--profile-steps", metavar="N", type=positive_int, help=PROFILE_STEPS_HELP)
     group.add_argument("--profile-warmup", metavar="W", type=_warmup, default="auto", help=PROFILE_WARMUP_HELP)
+    group.add_argument("--compile-artifacts", metavar="DIR", help=COMPILE_ARTIFACTS_HELP)
     for action in parser._actions:  # argparse has no public accessor
         if action.dest == "training_script":
             action.required, action.metavar = False, "SCRIPT"
@@ -77,6 +79,20 @@ def launch_parser() -> argparse.ArgumentParser:
         elif action.dest == "training_script_args":
             action.required, action.metavar, action.help = False, "ARGS", "arguments for SCRIPT"
     return parser
+
+
+COMPILE_ARTIFACTS_HELP = (
+    "keep each rank's compiled artifacts in DIR/rank{R}.bin: loaded into the local compile caches when the "
+    "model is compiled, saved after its first step, so a restart on a machine with an empty cache starts warm "
+    "(sets BUCKETWISE_COMPILE_ARTIFACTS; keep DIR next to your checkpoint)"
+)
+
+
+def compile_artifacts_env(args: argparse.Namespace) -> dict[str, str]:
+    """Where the ranks keep their compiled artifacts (NOTE [compile artifacts])."""
+    if args.compile_artifacts is None:
+        return {}
+    return {ARTIFACTS_ENV: os.path.abspath(args.compile_artifacts)}
 
 
 def positive_int(text: str) -> int:

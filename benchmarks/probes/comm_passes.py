@@ -4,7 +4,8 @@
     python3 -m bucketwise.benchmarks.probes.comm_passes cold llama 32 sink 0
     python3 -m bucketwise.benchmarks.probes.comm_passes steady llama 16
 
-``cold MODEL LAYERS {raise,sink} SHARE``: a new process over an empty compile cache, ``fused``,
+``cold MODEL LAYERS {raise,sink} SHARE``: a new process over an empty compile cache (or
+``BUCKETWISE_PROBE_CACHE``'s; with ``BUCKETWISE_COMPILE_ARTIFACTS`` a second step saves them), ``fused``,
 ``share_blocks=SHARE``; prints ``COLD`` and the report's compile-time breakdown. ``steady MODEL
 LAYERS``: both pass lists built in one process, 6 rounds of 10 steps, the order alternating;
 prints ``STEADY`` (per round: CUDA-event ms per step, host ms to issue one, peak MiB above the
@@ -65,6 +66,8 @@ def cold(model: str, layers: int, passes: str, share: bool) -> dict[str, Any]:
     step()
     torch.cuda.synchronize()
     times = prepared.report.totals.get("compile_times")
+    if os.environ.get("BUCKETWISE_COMPILE_ARTIFACTS"):
+        step()  # the artifacts are saved at the second call (NOTE [compile artifacts])
     return {
         "model": model,
         "layers": layers,
@@ -73,6 +76,8 @@ def cold(model: str, layers: int, passes: str, share: bool) -> dict[str, Any]:
         "first_s": round(time.perf_counter() - t0, 2),
         "compile": {k: times[k] for k in ("dynamo_s", "aot_autograd_s", "backend_s", "total_s")},
         "shared_blocks": [g.get("shared_blocks") for g in prepared.report.to_dict()["graphs"]],
+        "artifacts": [n for n in prepared.report.to_dict()["notes"] if n.startswith("compile artifacts")],
+        "caches": {k: times[k] for k in ("fx_graph_cache", "aot_autograd_cache")},
     }
 
 
@@ -107,7 +112,9 @@ def steady(model: str, layers: int, rounds: int = 6, steps: int = 10) -> dict[st
 
 
 def main(argv: list[str]) -> int:
-    cache = tempfile.mkdtemp()
+    # A cache of the caller's (a warm restart, or a fresh one with BUCKETWISE_COMPILE_ARTIFACTS),
+    # else a new empty one.
+    cache = os.environ.get("BUCKETWISE_PROBE_CACHE") or tempfile.mkdtemp()
     os.environ.update(
         TORCHINDUCTOR_CACHE_DIR=cache,
         TRITON_CACHE_DIR=os.path.join(cache, "triton"),
