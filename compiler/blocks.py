@@ -108,6 +108,9 @@ class SharedBlock:
     reduced_shapes: tuple[torch.Size, ...] = ()
     grad_dtype: torch.dtype | None = None
     """The dtype of the ``reduced`` gradients (the wire's may differ: a compress hook)."""
+    aliased: frozenset[int] | None = None
+    """The outputs copied at every call (``copied``, and any found sharing memory with an input
+    or an earlier output at the first call); ``None`` before it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,24 +128,28 @@ class BlockBuckets:
 def shared_block(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     block = _BLOCKS[key]
     out = list(block.forward(list(inputs)))
-    for i in block.copied:
+    if block.aliased is None:
+        # Which outputs share memory is the compiled graph's structure, the same at every call:
+        # found once (the plan avoids it; a view op torch does not mark as one could still do
+        # it), then copied at every call without looking again (host time per block call).
+        block.aliased = block.copied | _aliasing(out, inputs)
+    for i in block.aliased:
         out[i] = out[i].clone()
-    return _unaliased(out, inputs)
+    return out
 
 
-def _unaliased(out: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``out`` with a copy of any tensor that shares memory with an input or an earlier output
-    (the plan avoids it; a view op torch does not mark as one could still do it)."""
+def _aliasing(out: list[torch.Tensor], inputs: list[torch.Tensor]) -> frozenset[int]:
+    """The outputs that share memory with an input or an earlier output."""
     seen = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
+    found = set()
     for i, t in enumerate(out):
         if not t.numel():
             continue
         ptr = t.untyped_storage().data_ptr()
         if ptr in seen:
-            out[i] = t = t.clone()
-            ptr = t.untyped_storage().data_ptr()
+            found.add(i)
         seen.add(ptr)
-    return out
+    return frozenset(found)
 
 
 @shared_block.register_fake
@@ -159,7 +166,11 @@ def shared_block_backward(key: int, saved_and_grads: list[torch.Tensor]) -> list
     # The layout the backward was compiled for: a tensor laid out otherwise (a gradient autograd
     # made as zeros with its output's strides; AOTAutograd's own runtime makes those contiguous)
     # is copied into it.
-    grads = block.backward([_laid_out(t, stride) for t, stride in zip(saved_and_grads, block.input_strides)])
+    # What the forward saved has the layout it was compiled with; only the gradients are looked at.
+    n_saved = len(saved_and_grads) - block.n_tangents
+    given = list(saved_and_grads[:n_saved])
+    given += [_laid_out(t, stride) for t, stride in zip(saved_and_grads[n_saved:], block.input_strides[n_saved:])]
+    grads = block.backward(given)
     # Only the gradients there are: a placeholder for a missing one would be a tensor made on
     # the host, which no CUDA graph of the compiled backward around this call can capture.
     return [g for g, meta in zip(grads, block.grads) if meta is not None]
