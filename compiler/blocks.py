@@ -108,6 +108,11 @@ class SharedBlock:
     reduced_shapes: tuple[torch.Size, ...] = ()
     grad_dtype: torch.dtype | None = None
     """The dtype of the ``reduced`` gradients (the wire's may differ: a compress hook)."""
+    forward_layouts: list[tuple[tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=list)
+    """The shape and strides of each input the forward was compiled for."""
+    saved_meta: list[TensorMeta] = dataclasses.field(default_factory=list)
+    """What the backward takes before the gradients, as compiled."""
+    backward_checked: bool = False
     aliased: frozenset[int] | None = None
     """The outputs copied at every call (``copied``, and any found sharing memory with an input
     or an earlier output at the first call); ``None`` before it."""
@@ -127,6 +132,8 @@ class BlockBuckets:
 @torch.library.custom_op("bucketwise::shared_block", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
 def shared_block(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     block = _BLOCKS[key]
+    if block.aliased is None:
+        _check_layouts("shared_block", inputs, block.forward_layouts)
     out = list(block.forward(list(inputs)))
     if block.aliased is None:
         # Which outputs share memory is the compiled graph's structure, the same at every call:
@@ -136,6 +143,18 @@ def shared_block(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     for i in block.aliased:
         out[i] = out[i].clone()
     return out
+
+
+def _check_layouts(op: str, given: Sequence[torch.Tensor], expected: Sequence[tuple]) -> None:
+    """At a block's first call: its inputs have the shapes and strides its graph was compiled
+    for (Inductor's own per-call checks are off for shared blocks; ``needs_exact_strides``
+    keeps them so)."""
+    for i, (t, (shape, stride)) in enumerate(zip(given, expected)):
+        if tuple(t.shape) != shape or tuple(t.stride()) != stride:
+            raise AssertionError(
+                f"bucketwise::{op}: expected input {i} of shape {shape} and strides {stride}, "
+                f"got {tuple(t.shape)} and {tuple(t.stride())}"
+            )
 
 
 def _aliasing(out: list[torch.Tensor], inputs: list[torch.Tensor]) -> frozenset[int]:
@@ -166,9 +185,15 @@ def shared_block_backward(key: int, saved_and_grads: list[torch.Tensor]) -> list
     # The layout the backward was compiled for: a tensor laid out otherwise (a gradient autograd
     # made as zeros with its output's strides; AOTAutograd's own runtime makes those contiguous)
     # is copied into it.
-    # What the forward saved has the layout it was compiled with; only the gradients are looked at.
+    # What the forward saved has the layout it was compiled with (checked at the first call);
+    # only the gradients are looked at every time.
     n_saved = len(saved_and_grads) - block.n_tangents
     given = list(saved_and_grads[:n_saved])
+    if not block.backward_checked:
+        block.backward_checked = True
+        _check_layouts(
+            "shared_block_backward", given, [(m[0], s) for m, s in zip(block.saved_meta, block.input_strides)]
+        )
     given += [_laid_out(t, stride) for t, stride in zip(saved_and_grads[n_saved:], block.input_strides[n_saved:])]
     grads = block.backward(given)
     # Only the gradients there are: a placeholder for a missing one would be a tensor made on
@@ -514,6 +539,8 @@ def _plan(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fake_mode
         grads=[_meta(n) if isinstance(n, fx.Node) else None for n in bw_out],
         n_tangents=n_tangents,
         input_strides=[tuple(n.meta["val"].stride()) for n in bw_inputs],
+        forward_layouts=[(tuple(p.meta["val"].shape), tuple(p.meta["val"].stride())) for p in placeholders],
+        saved_meta=[_meta(n) for n in bw_inputs],
     )
 
 

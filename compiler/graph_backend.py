@@ -255,10 +255,11 @@ class GraphBackend:
             own = frozenset(p.node for p in params if p.tensor.requires_grad and tensors[id(p.tensor)] == 1)
             buckets = BlockBuckets(spec=choice.spec, params=own)
         called = any(is_block_call(node) for node in gm.graph.nodes)
-        # The blocks run inside the graph's own CUDA graphs (Inductor's or bucketwise's), never in their own.
-        sharing, unshared = share_blocks(
-            gm, example_inputs, backend=backend, config_patches={**patches, "triton.cudagraphs": False}, buckets=buckets
-        )
+        # The blocks run inside the graph's own CUDA graphs (Inductor's or bucketwise's), never in
+        # their own; their inputs' layouts are checked at each block's first call, not at every
+        # call (host time: a block's graph is called once per block).
+        patches = {**patches, "triton.cudagraphs": False, "size_asserts": False}
+        sharing, unshared = share_blocks(gm, example_inputs, backend=backend, config_patches=patches, buckets=buckets)
         if sharing is not None:
             calls = self.block_calls
             sharing.dynamo = True if called else _why_inlined(calls)
