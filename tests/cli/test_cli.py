@@ -350,6 +350,8 @@ def test_launch_runs_job_and_merges_stats(tmp_path):
             "--standalone",
             "--stats-dir",
             str(stats_dir),
+            "--compile-artifacts",
+            "compiled",
             "train.py",
             "--stats-dir",
             "mine",
@@ -358,6 +360,12 @@ def test_launch_runs_job_and_merges_stats(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (stats_dir / "rank0.json").exists() and (stats_dir / "rank1.json").exists()
+    # --compile-artifacts reached every rank (NOTE [compile artifacts]); aot_eager's graphs
+    # go through no compile cache, so there is nothing to save.
+    for rank in (0, 1):
+        text = (stats_dir / f"rank{rank}.json").read_text()
+        assert f"compile artifacts: none at {tmp_path / 'compiled'}/rank{rank}.bin yet" in text, text[:2000]
+        assert "compile artifacts: nothing to save" in text, text[:2000]
     assert "script args ['--stats-dir', 'mine']" in result.stdout  # after SCRIPT: the script's
     assert "compile s min" in result.stdout
     assert "ranks 2 of 2" in result.stdout
