@@ -240,3 +240,41 @@ def test_blocks_that_cannot_be_shared_compile_whole_and_say_why(tmp_path, why):
     r = results[(why, "fused", "aot_eager")]
     assert r["worst"] <= 1e-6, r
     assert "random numbers" in r["shared"][0]["reason"], r["shared"]
+
+
+def _hf_checkpointed(rank: int, world: int) -> dict:
+    import bucketwise
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        max_position_embeddings=16,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    net = LlamaForCausalLM(cfg)
+    net.gradient_checkpointing_enable()  # HF checkpoints around each layer's call
+    eager_net = copy.deepcopy(net)
+    eager, compiled = DDP(eager_net), bucketwise.compile(DDP(net), backend="aot_eager", share_blocks=True)
+    worst = 0.0
+    for step in range(2):
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step + 10 * rank))
+        for model in (eager, compiled):
+            model(input_ids=ids, labels=ids).loss.backward()
+        for p, q in zip(eager_net.parameters(), net.parameters()):
+            worst = max(worst, (p.grad - q.grad).abs().max().item())
+            p.grad = q.grad = None
+    return {"worst": worst, "shared": bucketwise.report(compiled).to_dict()["graphs"][0]["shared_blocks"]}
+
+
+def test_hugging_face_layers_checkpointed_around_each_call_share_like_eager_ddp(tmp_path):
+    pytest.importorskip("transformers")
+    r0, _ = run_distributed(_hf_checkpointed, tmp_path, timeout=900)
+    assert r0["worst"] <= 1e-6, r0
+    shared = r0["shared"]
+    assert (shared["count"], shared["compiles"], shared["dynamo_calls"]) == (3, 1, True), shared
