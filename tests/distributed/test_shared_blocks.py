@@ -243,8 +243,9 @@ def test_blocks_that_cannot_be_shared_compile_whole_and_say_why(tmp_path, why):
 
 
 def _hf_checkpointed(rank: int, world: int) -> dict:
-    import bucketwise
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import bucketwise
 
     cfg = LlamaConfig(
         hidden_size=32,
