@@ -18,7 +18,10 @@ What Dynamo gives up on such a block is what it would guard and replay: so a blo
 this way only where nothing of that applies. No hooks on the block or its modules, and none
 global; no forward attribute of its own (a framework's hook); arguments that are tensors,
 numbers, strings, ``None`` and lists or tuples of them (a cache object is not: ``use_cache=False``
-for training); and the fake run must leave every module's attributes as they were. The modules'
+for training); static shapes (Dynamo would guard on the shapes a block branches on); and the
+fake run must leave every module's attributes as they were. A block that refuses while Dynamo
+traces (:class:`BlockCallRefused`) has its attributes put back, and the call is made again with
+every block inlined, from then on (``BlockCalls.wrap``); the report says why. The modules'
 ``training`` flags are read in Dynamo's trace, so ``train()``/``eval()`` recompiles as before.
 Attributes the block's forward reads (a scale, a flag) are read once, when the graph compiles:
 changing them afterwards needs a new ``bucketwise.compile``. Otherwise (or with
