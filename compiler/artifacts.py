@@ -34,7 +34,8 @@ class Artifacts:
     path: Path
     loaded: dict[str, int] | None = None
     """What was loaded from ``path`` (entries per kind), ``None`` if nothing."""
-    saved: bool = False
+    decided: bool = False
+    """Whether the after-first-step save was decided (done or not needed): never looked at again."""
 
     def load(self) -> str:
         """Fill the local caches from the file, if there is one; says what happened."""
@@ -45,11 +46,10 @@ class Artifacts:
         return f"compile artifacts: loaded {self.path} ({_describe(self.loaded)})"
 
     def should_save(self, cache_misses: int) -> bool:
-        return not self.saved and (self.loaded is None or cache_misses > 0)
+        return self.loaded is None or cache_misses > 0
 
     def save(self) -> str:
         """Write every artifact this process has compiled or loaded so far."""
-        self.saved = True
         out = torch.compiler.save_cache_artifacts()
         if out is None:
             return f"compile artifacts: nothing to save to {self.path} (no compile went through torch's caches)"

@@ -69,7 +69,7 @@ class CompiledState:
     def run(self, owner: Any, call: Callable[[], Any], *, training: bool) -> Any:
         """One call of the compiled object ``owner``: ``call()`` with the per-call protocol."""
         report = self.report
-        if self.artifacts is not None and self.phase is Phase.WARM:
+        if self.artifacts is not None and self.phase is Phase.WARM and not self.artifacts.decided:
             self._save_artifacts()
         profiling.on_call(owner, report, training=training)
         runs = report.graph_runs
@@ -96,6 +96,7 @@ class CompiledState:
 
     def _save_artifacts(self) -> None:
         """After the first step: save this rank's artifacts where they are new (NOTE [compile artifacts])."""
+        self.artifacts.decided = True
         times = self.report.totals["compile_times"]
         misses = sum(times.get(cache, {}).get("miss", 0) for cache in ("fx_graph_cache", "aot_autograd_cache"))
         if self.artifacts.should_save(misses):

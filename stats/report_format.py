@@ -105,22 +105,23 @@ def shared_block_lines(graphs: Sequence[GraphData]) -> list[str]:
 
 def _dynamo_calls(shared: dict) -> str:
     """Whether Dynamo met each shared block as one call (NOTE [Dynamo calls a block])."""
-    calls = shared.get("dynamo_calls")
-    if calls is None:
-        return ""
-    if calls is True:
-        return "; Dynamo traced each as one call"
-    return f"; Dynamo traced every block: {calls}"
+    return _status(shared.get("dynamo_calls"), "Dynamo traced each as one call", "Dynamo traced every block")
 
 
 def _bucket_per_block(shared: dict) -> str:
     """``fused``: whether each shared block reduces its own bucket (NOTE [a bucket per block])."""
-    per_block = shared.get("bucket_per_block")
-    if per_block is None:
+    return _status(
+        shared.get("bucket_per_block"),
+        "each reduces its own parameters as one bucket",
+        "their parameters are bucketed across blocks",
+    )
+
+
+def _status(value: bool | str | None, yes: str, no: str) -> str:
+    """``; yes``, ``; no: why`` (``value`` a reason), or nothing (``None``: not applicable)."""
+    if value is None:
         return ""
-    if per_block is True:
-        return "; each reduces its own parameters as one bucket"
-    return f"; their parameters are bucketed across blocks: {per_block}"
+    return f"; {yes}" if value is True else f"; {no}: {value}"
 
 
 def bucket_table(graphs: Sequence[GraphData]) -> list[str]:
