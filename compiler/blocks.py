@@ -56,7 +56,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .._compat import aot
+from .._compat import aot, ops
 from .._compat import collectives as cc
 from .._compat import dynamo as dc
 from ..distributed.fused.cache_keys import source_key
@@ -126,8 +126,7 @@ class BlockBuckets:
     its tensor."""
 
 
-@torch.library.custom_op("bucketwise::shared_block", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
-def shared_block(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _shared_block(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     block = _BLOCKS[key]
     if block.aliased is None:
         _check_layouts("shared_block", inputs, block.forward_layouts)
@@ -169,28 +168,27 @@ def _aliasing(out: list[torch.Tensor], inputs: list[torch.Tensor]) -> frozenset[
     return frozenset(found)
 
 
-@shared_block.register_fake
-def _(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _shared_block_fake(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [
         torch.empty_strided(shape, stride, dtype=dtype, device=device)
         for shape, stride, dtype, device in _BLOCKS[key].outputs
     ]
 
 
-@torch.library.custom_op("bucketwise::shared_block_backward", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
-def shared_block_backward(key: int, saved_and_grads: list[torch.Tensor]) -> list[torch.Tensor]:
+def _shared_block_backward(key: int, saved_and_grads: list[torch.Tensor]) -> list[torch.Tensor]:
     block = _BLOCKS[key]
     # The layout the backward was compiled for: a tensor laid out otherwise (a gradient autograd
     # made as zeros with its output's strides; AOTAutograd's own runtime makes those contiguous)
     # is copied into it.
-    grads = block.backward([_laid_out(t, stride) for t, stride in zip(saved_and_grads, block.input_strides)])
+    grads = block.backward(
+        [t if t.stride() == stride else _laid_out(t, stride) for t, stride in zip(saved_and_grads, block.input_strides)]
+    )
     # Only the gradients there are: a placeholder for a missing one would be a tensor made on
     # the host, which no CUDA graph of the compiled backward around this call can capture.
     return [g for g, meta in zip(grads, block.grads) if meta is not None]
 
 
-@shared_block_backward.register_fake
-def _(key: int, saved_and_grads: list[torch.Tensor]) -> list[torch.Tensor]:
+def _shared_block_backward_fake(key: int, saved_and_grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3]) for m in _BLOCKS[key].grads if m is not None]
 
 
@@ -209,7 +207,7 @@ def _backward(ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple[None, lis
         shape, _, dtype, device = block.outputs[j]
         if dtype.is_floating_point:
             tangents.append(grads[j] if grads[j] is not None else torch.zeros(shape, dtype=dtype, device=device))
-    present = iter(shared_block_backward(ctx.key, [*ctx.saved_tensors, *tangents]))
+    present = iter(SHARED_BLOCK_BACKWARD(ctx.key, [*ctx.saved_tensors, *tangents]))
     grads = [None if meta is None else next(present) for meta in block.grads]
     return None, _reduced_grads(block, grads) if block.reduced else grads
 
@@ -230,12 +228,41 @@ def _reduced_grads(block: SharedBlock, grads: list[torch.Tensor | None]) -> list
 
 
 def _laid_out(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
-    if tuple(t.stride()) == stride:
-        return t
     return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
-torch.library.register_autograd("bucketwise::shared_block", _backward, setup_context=_setup_context)
+class _SharedBlockFormula(torch.autograd.Function):
+    """The autograd formula of ``bucketwise::shared_block``, used while AOTAutograd traces the
+    joint graph: the shared backward on what the shared forward returned for it."""
+
+    @staticmethod
+    def forward(ctx: Any, key: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = SHARED_BLOCK(key, list(inputs))
+        _setup_context(ctx, (key, list(inputs)), out)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        _, input_grads = _backward(ctx, grads)
+        return (None, *input_grads)
+
+
+# Registered with one Python call per call at run time (NOTE [one Python call per op]).
+SHARED_BLOCK = ops.define(
+    "bucketwise::shared_block",
+    "(int key, Tensor[] inputs) -> Tensor[]",
+    kernel=_shared_block,
+    fake=_shared_block_fake,
+    formula=_SharedBlockFormula,
+    tags=(torch.Tag.needs_exact_strides,),
+)
+SHARED_BLOCK_BACKWARD = ops.define(
+    "bucketwise::shared_block_backward",
+    "(int key, Tensor[] saved_and_grads) -> Tensor[]",
+    kernel=_shared_block_backward,
+    fake=_shared_block_backward_fake,
+    tags=(torch.Tag.needs_exact_strides,),
+)
 
 
 def cache_targets() -> dict[str, str]:
@@ -346,7 +373,7 @@ def share_blocks(
             _, call = aot.cut_out(gm, part, f"block_{k}")
             inputs = list(call.args)
             with gm.graph.inserting_before(call):
-                op = gm.graph.call_function(torch.ops.bucketwise.shared_block.default, (block.key, inputs))
+                op = gm.graph.call_function(SHARED_BLOCK, (block.key, inputs))
             if block.reduced:
                 op.meta[REDUCED_PARAMS_META] = [inputs[i] for i in block.reduced]
             call.replace_all_uses_with(op)
