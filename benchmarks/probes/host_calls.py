@@ -1,0 +1,104 @@
+"""Host work per training step, whole graph against shared blocks, counted rather than timed: the
+Python function calls of one step (``cProfile``'s count, the same from run to run whatever the
+machine is doing), and the host time of one call of the shared block's operator.
+
+    python -m bucketwise.benchmarks probe host_calls [--layers 4]
+
+A tiny HF Llama on the CPU, one rank (gloo), ``fused``, Inductor. Behind NOTE [one Python call per
+op] (``_compat/ops.py``); quoted in
+``benchmarks/results/2026-11-27_1xH200_shared-blocks-op-calls-host-time``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+STEPS = 10
+CALLS = 5000
+
+
+def python_calls_per_step(layers: int, share_blocks: bool) -> float:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import bucketwise
+
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        max_position_embeddings=16,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = bucketwise.compile(DDP(LlamaForCausalLM(config)), strategy="fused", share_blocks=share_blocks)
+    ids = torch.randint(0, 64, (1, 8))
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(STEPS):
+        model(input_ids=ids, labels=ids).loss.backward()
+    prof.disable()
+    return pstats.Stats(prof).total_calls / STEPS
+
+
+def operator_call_us() -> dict[str, float]:
+    """Host time of one call of an operator that takes 30 tensors (parameters) and returns the
+    first, under ``no_grad``: registered as the shared block's are (``_compat.ops.define``) and as
+    a ``torch.library.custom_op``; the two alternate, twice, and the faster round of each counts."""
+    from bucketwise._compat import ops
+
+    def kernel(key: int, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [xs[0].clone()]
+
+    def fake(key: int, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.empty_like(xs[0])]
+
+    defined = ops.define("bucketwise_probe::defined", "(int key, Tensor[] xs) -> Tensor[]", kernel=kernel, fake=fake)
+    custom = torch.library.custom_op("bucketwise_probe::custom", kernel, mutates_args=())
+    custom.register_fake(fake)
+    xs = [torch.nn.Parameter(torch.ones(4)) for _ in range(30)]
+    best = {"ops.define": float("inf"), "custom_op": float("inf")}
+    for _ in range(2):
+        for name, op in (("ops.define", defined), ("custom_op", torch.ops.bucketwise_probe.custom.default)):
+            with torch.no_grad():
+                for _ in range(200):
+                    op(0, xs)
+                start = time.perf_counter()
+                for _ in range(CALLS):
+                    op(0, xs)
+            best[name] = min(best[name], (time.perf_counter() - start) / CALLS * 1e6)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=4)
+    args = p.parse_args(argv)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp())
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29581")
+    os.environ.setdefault("BUCKETWISE_PROGRESS", "0")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        for share in (False, True):
+            calls = python_calls_per_step(args.layers, share)
+            print(f"{'shared blocks' if share else 'whole graph':>13}: {calls:,.1f} Python calls per step")
+        for name, us in operator_call_us().items():
+            print(f"{name:>13}: {us:.1f} us per operator call (30 tensors)")
+    finally:
+        dist.destroy_process_group()
+    return 0
