@@ -27,6 +27,8 @@ LEGACY_NAMES = {
 
 ZOO_CHECK = ("torch", "bw-auto", "bw-fused", "bw-split")
 """The zoo's correctness run (eager DDP is the reference, always run)."""
+ZOO_CHECK_ON_REQUEST = ("bw-auto-blocks",)
+"""Checked against eager DDP when ``--configs`` names it: ``auto`` with ``share_blocks=True``."""
 ZOO_SPEED = ("local", "torch", "bw-fused", "bw-fused-cg")
 """The zoo's one-GPU speed run (eager DDP is the reference, always run)."""
 HF_TRAINER = ("bw-fused", "bw-split", "torch", "eager")

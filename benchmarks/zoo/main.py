@@ -33,7 +33,7 @@ from bucketwise.benchmarks.core.names import check_names
 from bucketwise.benchmarks.zoo.procs import importable, run_ranks
 from bucketwise.benchmarks.zoo.registry import MODELS, select
 from bucketwise.benchmarks.zoo.speed import CONV_TF32
-from bucketwise.benchmarks.zoo.train import CHECK_CONFIGS, SPEED_CONFIGS
+from bucketwise.benchmarks.zoo.train import CHECKABLE_CONFIGS, SPEED_CONFIGS
 
 MIN_MODEL_S = 45.0
 """A model is not started with less of ``--budget-s`` left than this."""
@@ -70,7 +70,7 @@ class ZooArgs:
         if self.timeout_s <= 0 or (self.budget_s is not None and self.budget_s <= 0):
             raise ValueError("--timeout-s and --budget-s must be positive")
         select(self.models)  # raises KeyError naming the zoo's models
-        known = SPEED_CONFIGS if self.mode == "speed" else CHECK_CONFIGS
+        known = SPEED_CONFIGS if self.mode == "speed" else CHECKABLE_CONFIGS
         check_names(self.configs or (), known, flag=f"--configs (with --mode {self.mode})")
 
 

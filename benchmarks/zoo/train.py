@@ -19,11 +19,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
-from bucketwise.benchmarks.core.names import ZOO_CHECK, ZOO_SPEED, strategy_of
+from bucketwise.benchmarks.core.names import ZOO_CHECK, ZOO_CHECK_ON_REQUEST, ZOO_SPEED, strategy_of
 from bucketwise.benchmarks.zoo.check import compare, replica_spread, snapshot
 from bucketwise.benchmarks.zoo.spec import Built, ZooModel, forward_kwargs
 
 CHECK_CONFIGS = ZOO_CHECK
+CHECKABLE_CONFIGS = (*ZOO_CHECK, *ZOO_CHECK_ON_REQUEST)
 SPEED_CONFIGS = ZOO_SPEED
 SEED = 0
 LR = 0.05
@@ -54,8 +55,12 @@ def compiled_for(config: str, built: Built, spec: ZooModel, device: torch.device
     strategy = strategy_of(config)
     if strategy is None:
         raise ValueError(f"expected eager, local, torch or a bw- config, got {config!r}")
-    cudagraphs = config.endswith("-cg")
-    return bucketwise.compile(ddp, backend=backend, strategy=strategy, cudagraphs=cudagraphs, **kw), ddp
+    variants = config.split("-")[2:]  # bw-<strategy>[-cg][-blocks]
+    cudagraphs, share_blocks = "cg" in variants, "blocks" in variants
+    compiled = bucketwise.compile(
+        ddp, backend=backend, strategy=strategy, cudagraphs=cudagraphs, share_blocks=share_blocks, **kw
+    )
+    return compiled, ddp
 
 
 def make_ddp(built: Built, spec: ZooModel, device: torch.device, *, min_cap_mb: float = 0.0) -> DDP:
@@ -144,6 +149,7 @@ def report_fields(compiled: Any) -> dict[str, Any]:
         "strategy_reasons": sorted({g.strategy_reason for g in graphs if g.strategy_reason}),
         "fallback_reasons": sorted({(r or "")[:300] for r in reasons}),
         "break_reasons": sorted({r[:200] for g in graphs for r in g.graph_break_reasons})[:5],
+        "shared_blocks": [g.shared_blocks for g in graphs if g.shared_blocks],
     }
 
 
