@@ -64,6 +64,16 @@ def test_zoo_model_trains_like_eager_ddp(tmp_path, name):
             assert split["segments"] > split["graphs"], "the bucket cap should cut the graphs"
 
 
+def test_auto_with_shared_blocks_trains_like_eager_ddp(tmp_path):
+    """``bw-auto-blocks`` (asked for by name): the decoder's layers share one compile and every
+    parameter ends as eager DDP's."""
+    for rank in _run(tmp_path, "llama", configs=("bw-auto-blocks",)):
+        rec = rank["configs"][1]
+        assert rec["config"] == "bw-auto-blocks" and rec["status"] == "pass", json.dumps(rec, indent=1)[:3000]
+        (shared,) = rec["shared_blocks"]
+        assert shared["class"] == "LlamaDecoderLayer" and shared["count"] >= 2 and shared["compiles"] == 1, shared
+
+
 def test_a_wrong_gradient_is_caught(tmp_path):
     """One parameter's gradient 1% off on every rank (as a bug would leave it): a mismatch."""
     for rank in _run(tmp_path, "llama", configs=("bw-fused",), perturb="bw-fused"):
