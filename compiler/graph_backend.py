@@ -35,7 +35,7 @@ from ..partitioners.param_usage import GraphParam, find_graph_params, higher_ord
 from ..stats.compile_times import CompileTimes, backend_call_times
 from ..stats.report import GraphStats, Report, SegmentStats
 from . import doctor
-from .block_calls import BlockCalls, is_block_call
+from .block_calls import BlockCallRefused, BlockCalls, is_block_call
 from .blocks import BlockBuckets, Sharing, share_blocks
 from .blocks import cache_targets as blocks_cache_targets
 from .config import CompileConfig
@@ -379,15 +379,27 @@ class _Compiler:
         backend = self.backend
         if backend.variant is not Variant.SYNC:
             label = f"{label} ({backend.variant.value})"
+        # A graph that still calls blocks as one op each (NOTE [Dynamo calls a block]) and does not
+        # compile is never run eagerly: the frame is traced again with every block inlined, which
+        # compiles as it would without shared blocks (HF's reentrant activation checkpointing:
+        # AOTAutograd cannot trace its backward around a block call).
+        calls = any(is_block_call(node) for node in gm.graph.nodes)
         with runner_label(label):
-            return compile_with_fallback(
-                gm,
-                example_inputs,
-                backend_fn,
-                backend_name=backend.config.backend_name,
-                fallback=backend.config.fallback,
-                tracing=tracing,
-            )
+            try:
+                return compile_with_fallback(
+                    gm,
+                    example_inputs,
+                    backend_fn,
+                    backend_name=backend.config.backend_name,
+                    fallback="raise" if calls else backend.config.fallback,
+                    tracing=tracing,
+                )
+            except Exception as exc:
+                if not calls:
+                    raise
+                raise BlockCallRefused(
+                    f"the graph calling each block as one op did not compile: {type(exc).__name__}: {exc}"[:300]
+                ) from exc
 
 
 class _Counted:
