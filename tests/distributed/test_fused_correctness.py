@@ -365,3 +365,33 @@ def test_fused_hooks_only_parameters_no_graph_reduces(single_rank_group):
     assert hooked == {id(net.b.weight), id(net.b.bias)}, (hooked, [id(p) for p in net.parameters()])
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def _failing_backend(gm: Any, example_inputs: Any) -> Any:
+    raise RuntimeError("this backend fails on purpose")
+
+
+def _fallback_against_eager(rank: int, world: int, strategy: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ref = DDP(copy.deepcopy(net))
+    compiled = bucketwise.compile(DDP(net), strategy=strategy, backend=_failing_backend)
+    worst = 0.0
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+        for model in (ref, compiled):
+            model(x).pow(2).mean().backward()
+        for p, q in zip(ref.module.parameters(), net.parameters()):
+            worst = max(worst, (p.grad - q.grad).abs().max().item())
+            p.grad = q.grad = None
+    report = bucketwise.report(compiled).to_dict()
+    return {"worst": worst, "fallbacks": report["totals"]["fallbacks"], "strategies": report["graphs"][0]["strategy"]}
+
+
+@pytest.mark.parametrize("strategy", ["fused", "split"])
+def test_a_graph_that_does_not_compile_runs_eagerly_and_still_reduces_like_eager_ddp(tmp_path, strategy):
+    """``fallback="eager"`` (the default): the graph runs uncompiled, said in the report, and every
+    gradient is still reduced across the ranks as eager DDP reduces it."""
+    for r in run_distributed(_fallback_against_eager, tmp_path, args=(strategy,)):
+        assert r["fallbacks"] == 1 and r["strategies"] == strategy, r
+        assert r["worst"] == 0.0, r
