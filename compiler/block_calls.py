@@ -24,8 +24,8 @@ traces (:class:`BlockCallRefused`) has its attributes put back, and the call is 
 every block inlined, from then on (``BlockCalls.wrap``); the report says why. So is a graph
 calling the blocks that does not compile (the backend raises the refusal instead of running it
 eagerly: HF's reentrant activation checkpointing, whose backward AOTAutograd cannot trace around
-a block call). The modules'
-``training`` flags are read in Dynamo's trace, so ``train()``/``eval()`` recompiles as before.
+a block call). The modules' ``training`` flags are read in Dynamo's trace, so
+``train()``/``eval()`` recompiles as before.
 Attributes the block's forward reads (a scale, a flag) are read once, when the graph compiles:
 changing them afterwards needs a new ``bucketwise.compile``. Otherwise (or with
 ``share_blocks=False``) Dynamo inlines the blocks.
