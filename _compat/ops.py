@@ -43,7 +43,9 @@ def define(
     returning its outputs as a tuple) where a gradient is wanted. The operator's last argument is
     its list of tensors. Returns the overload (NOTE [one Python call per op])."""
     namespace, name = qualname.split("::")
-    lib = _LIBRARIES.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
+    lib = _LIBRARIES.get(namespace)
+    if lib is None:
+        lib = _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
     lib.define(f"{name}{schema}", tags=tuple(tags))
     op = getattr(getattr(torch.ops, namespace), name).default
     lib.impl(name, kernel, "CompositeExplicitAutograd")

@@ -237,8 +237,9 @@ class _SharedBlockFormula(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, key: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = SHARED_BLOCK(key, list(inputs))
-        _setup_context(ctx, (key, list(inputs)), out)
+        ins = list(inputs)
+        out = SHARED_BLOCK(key, ins)
+        _setup_context(ctx, (key, ins), out)
         return tuple(out)
 
     @staticmethod
