@@ -116,14 +116,23 @@ def split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.T
 
 
 def unflatten(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
-    """Views of a flat bucket buffer of each of ``shapes``, in order."""
+    """Views of a flat bucket buffer of each of ``shapes``, in order: one ``as_strided`` each
+    (a slice and a view would be two nodes per parameter in every graph that reduces a bucket,
+    traced, partitioned and lowered per parameter)."""
     out: list[torch.Tensor] = []
-    offset = 0
+    offset = flat.storage_offset()
     for shape in shapes:
-        n = shape.numel()
-        out.append(flat[offset : offset + n].view(shape))
-        offset += n
+        out.append(flat.as_strided(shape, _contiguous_strides(shape), offset))
+        offset += shape.numel()
     return out
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def bucket_sync(
