@@ -113,6 +113,9 @@ class SharedBlock:
     aliased: frozenset[int] | None = None
     """The outputs copied at every call (``copied``, and any found sharing memory with an input
     or an earlier output at the first call); ``None`` before it."""
+    restride: tuple[int, ...] | None = None
+    """The backward's inputs whose layout is looked at every call (the gradients, and any saved
+    tensor laid out otherwise at the first call); ``None`` before it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,10 +182,21 @@ def _shared_block_backward(key: int, saved_and_grads: list[torch.Tensor]) -> lis
     block = _BLOCKS[key]
     # The layout the backward was compiled for: a tensor laid out otherwise (a gradient autograd
     # made as zeros with its output's strides; AOTAutograd's own runtime makes those contiguous)
-    # is copied into it.
-    grads = block.backward(
-        [t if t.stride() == stride else _laid_out(t, stride) for t, stride in zip(saved_and_grads, block.input_strides)]
-    )
+    # is copied into it. The saved tensors come from compiled graphs, laid out the same at every
+    # call: looked at once, then only the gradients are (host time per block call).
+    if block.restride is None:
+        n_saved = len(saved_and_grads) - block.n_tangents
+        block.restride = tuple(
+            i
+            for i, (t, stride) in enumerate(zip(saved_and_grads, block.input_strides))
+            if i >= n_saved or t.stride() != stride
+        )
+    inputs = list(saved_and_grads)
+    strides = block.input_strides
+    for i in block.restride:
+        if inputs[i].stride() != strides[i]:
+            inputs[i] = _laid_out(inputs[i], strides[i])
+    grads = block.backward(inputs)
     # Only the gradients there are: a placeholder for a missing one would be a tensor made on
     # the host, which no CUDA graph of the compiled backward around this call can capture.
     return [g for g, meta in zip(grads, block.grads) if meta is not None]
@@ -197,7 +211,12 @@ def _setup_context(ctx: Any, inputs: tuple[int, list[torch.Tensor]], output: lis
     block = _BLOCKS[key]
     ctx.key = key
     pools = {"input": ins, "output": output, "base": output[block.n_user :]}
-    ctx.save_for_backward(*[pools[kind][i] for kind, i in block.roots])
+    # Held by the context, not ``save_for_backward``: the formula runs only while AOTAutograd
+    # traces the joint graph (the compiled forward calls the operator without a gradient), where
+    # a saved tensor would be a ``detach`` in the forward graph and another in the backward for
+    # each tensor the backward reads (28 nodes per block of HF Llama), traced, partitioned and
+    # lowered once per block for nothing.
+    ctx.saved = [pools[kind][i] for kind, i in block.roots]
 
 
 def _backward(ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple[None, list[torch.Tensor | None]]:
@@ -207,7 +226,7 @@ def _backward(ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple[None, lis
         shape, _, dtype, device = block.outputs[j]
         if dtype.is_floating_point:
             tangents.append(grads[j] if grads[j] is not None else torch.zeros(shape, dtype=dtype, device=device))
-    present = iter(SHARED_BLOCK_BACKWARD(ctx.key, [*ctx.saved_tensors, *tangents]))
+    present = iter(SHARED_BLOCK_BACKWARD(ctx.key, [*ctx.saved, *tangents]))
     grads = [None if meta is None else next(present) for meta in block.grads]
     return None, _reduced_grads(block, grads) if block.reduced else grads
 
