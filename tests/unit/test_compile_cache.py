@@ -64,3 +64,92 @@ def test_a_shared_block_graph_is_keyed_by_the_blocks_code():
     from bucketwise.distributed.fused.cache_keys import source_key
 
     assert blocks.cache_targets() == {"bucketwise.compiler.blocks.shared_block": source_key(blocks)}
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, act: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return x + (torch.tanh(y) if self.act == "tanh" else torch.sigmoid(y))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, act: str) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(act) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def _split_cache_run(act: str) -> tuple[list, list[torch.Tensor], list[torch.Tensor]]:
+    """A new compile of a fresh model (Dynamo's caches reset): the block split cache's answers,
+    and the compiled and eager gradients."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bucketwise
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = _Stack(act)
+    eager = copy.deepcopy(net)
+    compiled = bucketwise.compile(DDP(net), strategy="fused", backend="aot_eager", share_blocks=True)
+    x = torch.randn(4, 8)
+    compiled(x).backward()
+    eager(x).backward()
+    shared = [g["shared_blocks"] for g in bucketwise.report(compiled).to_dict()["graphs"] if g.get("shared_blocks")]
+    assert shared and shared[0]["count"] >= 2 and shared[0]["compiles"] == 1, shared
+    return (
+        shared[0]["split_cache"],
+        [p.grad for p in net.parameters()],
+        [p.grad for p in eager.parameters()],
+    )
+
+
+def test_a_shared_block_split_is_kept_and_found_again_by_a_new_compile(
+    single_rank_group, tmp_path, monkeypatch, caplog
+):
+    """NOTE [block split cache]: the second compile of the same block over the same cache reads
+    AOTAutograd's split instead of making it, and trains the same; a damaged entry is made
+    again with a warning; another computation misses; with torch's caches off, nothing is used."""
+    from bucketwise._compat import graph_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    first, grads, eager = _split_cache_run("tanh")
+    assert first == ["miss"], first
+    for g, e in zip(grads, eager):
+        torch.testing.assert_close(g, e)
+    entries = list((tmp_path / "cache" / graph_cache.ARTIFACT_TYPE).glob("*/*"))
+    assert len(entries) == 1, entries
+
+    again, grads_again, _ = _split_cache_run("tanh")
+    assert again == ["hit"], again
+    for g, e in zip(grads_again, eager):
+        torch.testing.assert_close(g, e)
+
+    entries[0].write_bytes(b"not a pickle")
+    with caplog.at_level("WARNING"):
+        damaged, grads_damaged, _ = _split_cache_run("tanh")
+    assert damaged == ["miss"], damaged
+    assert any("did not load" in r.getMessage() for r in caplog.records), caplog.text
+    for g, e in zip(grads_damaged, eager):
+        torch.testing.assert_close(g, e)
+    assert _split_cache_run("tanh")[0] == ["hit"]
+
+    other, grads_other, eager_other = _split_cache_run("sigmoid")
+    assert other == ["miss"], other
+    for g, e in zip(grads_other, eager_other):
+        torch.testing.assert_close(g, e)
+    assert len(list((tmp_path / "cache" / graph_cache.ARTIFACT_TYPE).glob("*/*"))) == 2
+
+    with torch._inductor.config.patch(force_disable_caches=True):
+        off, _, _ = _split_cache_run("tanh")
+    assert off == ["not used: torch's compile caches are off"], off
