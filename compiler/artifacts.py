@@ -7,8 +7,7 @@ nothing where the local caches are empty, and every rank waits for its first ste
 artifacts in ``DIR/rank{R}.bin``, torch's own format (``torch.compiler.save_cache_artifacts``:
 Inductor's compiled graphs, AOTAutograd's, Triton's autotuning results). When the compiled
 object is made and the file exists, it is loaded into the local caches
-(``torch.compiler.load_cache_artifacts``), so the graphs' compiles are cache hits (shared blocks'
-splits too: NOTE [block split cache]). The file
+(``torch.compiler.load_cache_artifacts``), so the graphs' compiles are cache hits. The file
 is written at the start of the second call, when the first step's forward and backward have
 compiled: where none was loaded, or where the first step still missed a cache (the model or the
 versions changed). Dynamo's trace is not an artifact: a restart traces the frames again (with
@@ -25,10 +24,7 @@ from typing import Any
 
 import torch
 
-from .._compat import graph_cache
-
 ENV = "BUCKETWISE_COMPILE_ARTIFACTS"
-_BLOCK_SPLITS = f"{graph_cache.ARTIFACT_TYPE}_artifacts"
 
 
 @dataclasses.dataclass(eq=False)
@@ -82,16 +78,10 @@ def _rank() -> int:
 def _counts(info: Any) -> dict[str, int]:
     if info is None:
         return {}
-    kinds = ("inductor_artifacts", "aot_autograd_artifacts", "autotune_artifacts", "pgo_artifacts", _BLOCK_SPLITS)
+    kinds = ("inductor_artifacts", "aot_autograd_artifacts", "autotune_artifacts", "pgo_artifacts")
     return {kind.removesuffix("_artifacts"): len(getattr(info, kind, None) or ()) for kind in kinds}
 
 
 def _describe(counts: dict[str, int]) -> str:
-    names = {
-        "inductor": "Inductor",
-        "aot_autograd": "AOTAutograd",
-        "autotune": "autotuning",
-        "pgo": "PGO",
-        graph_cache.ARTIFACT_TYPE: "shared block split",
-    }
+    names = {"inductor": "Inductor", "aot_autograd": "AOTAutograd", "autotune": "autotuning", "pgo": "PGO"}
     return ", ".join(f"{n} {names[k]}" for k, n in counts.items() if n) or "no entries"

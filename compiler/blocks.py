@@ -56,7 +56,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .._compat import aot, graph_cache, ops
+from .._compat import aot, ops
 from .._compat import collectives as cc
 from .._compat import dynamo as dc
 from ..distributed.fused.cache_keys import source_key
@@ -330,7 +330,6 @@ class Sharing:
             "saved_seconds": round(per * (self.count - self.compiles), 6),
             **({} if self.bucket_per_block is None else {"bucket_per_block": self.bucket_per_block}),
             **({} if self.dynamo is None else {"dynamo_calls": self.dynamo}),
-            "split_cache": [o.split_cache for o in self.outcomes],
         }
 
 
@@ -382,7 +381,6 @@ def share_blocks(
                     fake_mode,
                     backend,
                     config_patches,
-                    signature=signature,
                     reduced=reduced.get(signature, ()),
                     spec=buckets.spec if buckets is not None else None,
                 )
@@ -481,13 +479,17 @@ def _compile(
     backend: str,
     config_patches: dict,
     *,
-    signature: tuple,
     reduced: tuple[int, ...] = (),
     spec: CommSpec | None = None,
 ) -> tuple[SharedBlock, CompileOutcome]:
     phases0, counts0 = dc.compile_phase_seconds(), dc.compile_counters()
     start = time.perf_counter()
-    fw, bw, split_cache = _split(sub, fakes, fake_mode, backend, signature)
+    try:
+        fw, bw = aot.partition(sub, fakes, fake_mode, decompose=backend == "inductor")
+    except Exception as exc:  # noqa: BLE001 - any failure: the block compiles with the whole graph
+        raise _NotShareable(
+            f"AOTAutograd could not split the block on its own: {type(exc).__name__}: {exc}"[:300]
+        ) from exc
     random = [
         str(n.target) for n in fw.graph.nodes if n.op == "call_function" and any(r in str(n.target) for r in _RANDOM)
     ]
@@ -508,48 +510,11 @@ def _compile(
     else:
         block.forward, block.backward = aot.boxed(fw), aot.boxed(bw)
     _BLOCKS[block.key] = block
-    outcome = CompileOutcome(backend=backend, seconds=time.perf_counter() - start, split_cache=split_cache)
+    outcome = CompileOutcome(backend=backend, seconds=time.perf_counter() - start)
     phases1 = dc.compile_phase_seconds()
     outcome.phases = {k: round(v - phases0.get(k, 0.0), 6) for k, v in phases1.items() if v - phases0.get(k, 0.0) > 0}
     outcome.counts = {k: v - counts0[k] for k, v in dc.compile_counters().items() if v > counts0[k]}
     return block, outcome
-
-
-def _split(
-    sub: fx.GraphModule, fakes: list[Any], fake_mode: Any, backend: str, signature: tuple
-) -> tuple[fx.GraphModule, fx.GraphModule, str]:
-    """AOTAutograd's forward and backward graphs of the block, from the block split cache where
-    it has them (NOTE [block split cache]); and ``hit``, ``miss`` or why the cache was not used."""
-    key, why = _split_key(signature, backend)
-    if key is not None:
-        cached = graph_cache.load(key, fake_mode)
-        if cached is not None:
-            fw, bw = cached
-            return fw, bw, "hit"
-    try:
-        fw, bw = aot.partition(sub, fakes, fake_mode, decompose=backend == "inductor")
-    except Exception as exc:  # noqa: BLE001 - any failure: the block compiles with the whole graph
-        raise _NotShareable(
-            f"AOTAutograd could not split the block on its own: {type(exc).__name__}: {exc}"[:300]
-        ) from exc
-    if key is None:
-        return fw, bw, f"not used: {why}"
-    # Stored before the plan and the gradients' wire format rewrite the backward in place.
-    why = graph_cache.store(key, (fw, bw))
-    return fw, bw, "miss" if why is None else f"not kept: {why}"
-
-
-def _split_key(signature: tuple, backend: str) -> tuple[str | None, str | None]:
-    """The block split cache's key for a block of ``signature`` (its computation and inputs'
-    layout, ``piece_signature``), or ``None`` and why there is none."""
-    if not graph_cache.enabled():
-        return None, "torch's compile caches are off"
-    text = repr((signature, backend))
-    # A function or object known only by its address in this process (a Python function the
-    # graph calls, an attribute it reads) is not the same thing in another process.
-    if " at 0x" in text or "('object', " in text:
-        return None, "the block calls or reads an object known only within this process"
-    return graph_cache.digest(text), None
 
 
 def _plan(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fake_mode: Any) -> SharedBlock:

@@ -30,9 +30,6 @@ class CompileOutcome:
     """Compile-cache lookups and AOTAutograd compiles during it (``_compat/dynamo.compile_counters`` difference)."""
     fell_back: bool = False
     reason: str | None = None
-    split_cache: str | None = None
-    """A shared block's split (NOTE [block split cache]): ``hit``, ``miss``, or why the cache was
-    not used; ``None`` for other compiles."""
 
 
 @dataclasses.dataclass
