@@ -119,6 +119,10 @@ def unflatten(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Te
     """Views of a flat bucket buffer of each of ``shapes``, in order: one ``as_strided`` each
     (a slice and a view would be two nodes per parameter in every graph that reduces a bucket,
     traced, partitioned and lowered per parameter)."""
+    total = sum(shape.numel() for shape in shapes)
+    if flat.dim() != 1 or total > flat.numel():
+        # A slice would have failed here; a view past the buffer's end must not read what follows.
+        raise AssertionError(f"expected a flat buffer of at least {total} elements, got shape {tuple(flat.shape)}")
     out: list[torch.Tensor] = []
     offset = flat.storage_offset()
     for shape in shapes:
