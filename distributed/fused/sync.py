@@ -120,9 +120,13 @@ def unflatten(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Te
     (a slice and a view would be two nodes per parameter in every graph that reduces a bucket,
     traced, partitioned and lowered per parameter)."""
     total = sum(shape.numel() for shape in shapes)
-    if flat.dim() != 1 or total > flat.numel():
-        # A slice would have failed here; a view past the buffer's end must not read what follows.
-        raise AssertionError(f"expected a flat buffer of at least {total} elements, got shape {tuple(flat.shape)}")
+    if flat.dim() != 1 or not flat.is_contiguous() or total > flat.numel():
+        # A slice would have failed here; ``as_strided`` reads past the buffer's end, or across
+        # its gaps, without a word.
+        raise AssertionError(
+            f"expected a contiguous flat buffer of at least {total} elements, "
+            f"got shape {tuple(flat.shape)} and strides {flat.stride()}"
+        )
     out: list[torch.Tensor] = []
     offset = flat.storage_offset()
     for shape in shapes:
