@@ -36,6 +36,19 @@ parameter keeps its ``BucketSync``, under comm hooks reduced by a hook program (
 traceable hook of the user's), when a block's parameters differ in dtype without a compress
 hook, or when the same block takes parameters at other inputs elsewhere in the graph.
 
+NOTE [computed once before the blocks]: what a block computes from values every block reads the
+same (HF Llama's attention mask made an additive bias in each block's attention) the whole graph
+computes once: AOTAutograd's CSE merges the blocks' copies. A shared block computed it again at
+every call, and returned it to its backward as one more tensor kept per block (the bias of a
+batch of 4 x 1024 tokens: 8 MiB per block in bf16). So the part of the shared forward graph that
+reads only such inputs (the same node at that input of every block sharing the compile, no
+gradient) and constants is moved into the graph around the blocks, before the first of them, and
+what it computes becomes the last inputs of every block's call. Only ops that autocast leaves
+alone move (comparisons, selection, casts, element-wise arithmetic without a precision rule,
+shape ops), since the graph around the blocks is traced again under the step's autocast mode;
+views stay in the block, where they are free. The report lists what moved
+(``computed_before_blocks``).
+
 A block is not shared, and compiles with the whole graph as before, when its graph differs from
 the others (shapes, dtypes, constants, hooks), when shapes are dynamic, in a graph without
 gradients (evaluation), when it draws random numbers (dropout in training), writes into an
@@ -116,6 +129,11 @@ class SharedBlock:
     restride: tuple[int, ...] | None = None
     """The backward's inputs whose layout is looked at every call (the gradients, and any saved
     tensor laid out otherwise at the first call); ``None`` before it."""
+    before: fx.GraphModule | None = None
+    """NOTE [computed once before the blocks]: the part of the block's forward moved into the graph
+    around the blocks. It takes the block's inputs at ``invariant`` and returns what every call of
+    the block then takes after its own inputs."""
+    invariant: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,6 +334,19 @@ class Sharing:
     it traced every block."""
 
     @property
+    def computed_before_blocks(self) -> list[str]:
+        """The ops moved out of the blocks (NOTE [computed once before the blocks])."""
+        return sorted(
+            {
+                str(n.target.name()).split(".")[0] if hasattr(n.target, "name") else str(n.target)
+                for block in self.kept
+                if block.before is not None
+                for n in block.before.graph.nodes
+                if n.op == "call_function"
+            }
+        )
+
+    @property
     def compile_seconds(self) -> float:
         return sum(o.seconds for o in self.outcomes)
 
@@ -330,6 +361,7 @@ class Sharing:
             "saved_seconds": round(per * (self.count - self.compiles), 6),
             **({} if self.bucket_per_block is None else {"bucket_per_block": self.bucket_per_block}),
             **({} if self.dynamo is None else {"dynamo_calls": self.dynamo}),
+            **({"computed_before_blocks": moved} if (moved := self.computed_before_blocks) else {}),
         }
 
 
@@ -370,6 +402,7 @@ def share_blocks(
     if not repeated:
         return None, f"no two blocks of {run.name} are the same computation (shapes, dtypes or constants differ)"
     reduced, per_block = _reduced_inputs(graphs, parts, signatures, repeated, values, buckets)
+    invariant = _invariant_inputs(graphs, signatures, repeated, values)
     blocks: dict[tuple, SharedBlock] = {}
     outcomes: list[CompileOutcome] = []
     for k, ((sub, inputs, _), signature) in enumerate(zip(graphs, signatures)):
@@ -383,16 +416,23 @@ def share_blocks(
                     config_patches,
                     reduced=reduced.get(signature, ()),
                     spec=buckets.spec if buckets is not None else None,
+                    invariant=invariant[signature],
                 )
             except _NotShareable as exc:
                 return None, f"{run.name}.{k}: {exc}"
             outcomes.append(outcome)
     shared = [(part, blocks[sig]) for part, sig in zip(parts, signatures) if sig in blocks]
+    computed: dict[int, list[fx.Node]] = {}  # block key -> what ``block.before`` computed
     with aot.dynamo_sources_kept(gm):
         for k, (part, block) in enumerate(shared):
             _, call = aot.cut_out(gm, part, f"block_{k}")
             inputs = list(call.args)
             with gm.graph.inserting_before(call):
+                if block.before is not None:
+                    # Before the first block of its kind, which every other one follows.
+                    if block.key not in computed:
+                        computed[block.key] = _insert(gm.graph, block.before, [inputs[i] for i in block.invariant])
+                    inputs += computed[block.key]
                 op = gm.graph.call_function(SHARED_BLOCK, (block.key, inputs))
             if block.reduced:
                 op.meta[REDUCED_PARAMS_META] = [inputs[i] for i in block.reduced]
@@ -481,6 +521,7 @@ def _compile(
     *,
     reduced: tuple[int, ...] = (),
     spec: CommSpec | None = None,
+    invariant: tuple[int, ...] = (),
 ) -> tuple[SharedBlock, CompileOutcome]:
     phases0, counts0 = dc.compile_phase_seconds(), dc.compile_counters()
     start = time.perf_counter()
@@ -497,7 +538,10 @@ def _compile(
         raise _NotShareable(f"the block draws random numbers ({random[0]})")
     if any(n.op == "call_function" and dc.written_args(n) for n in fw.graph.nodes):
         raise _NotShareable("the block writes into one of its inputs")
+    before = _move_out(fw, bw, invariant)
     block = _plan(sub, fw, bw, fake_mode)
+    if before is not None:
+        block.before, block.invariant = before, invariant
     if reduced:
         if spec is None:
             raise AssertionError(f"expected a comm spec for the reduced inputs {reduced}, got None")
@@ -515,6 +559,113 @@ def _compile(
     outcome.phases = {k: round(v - phases0.get(k, 0.0), 6) for k, v in phases1.items() if v - phases0.get(k, 0.0) > 0}
     outcome.counts = {k: v - counts0[k] for k, v in dc.compile_counters().items() if v > counts0[k]}
     return block, outcome
+
+
+# Ops that autocast leaves alone (no precision rule): moved out of a block (NOTE [computed once
+# before the blocks]), they compute the same when the graph around the blocks is traced again.
+_MOVABLE = frozenset(
+    [
+        *(
+            f"aten::{name}"
+            for name in (
+                "where", "scalar_tensor", "full", "full_like", "zeros", "zeros_like", "ones", "ones_like",
+                "arange", "masked_fill", "logical_not", "logical_and", "logical_or", "eq", "ne", "lt", "le",
+                "gt", "ge", "bitwise_not", "bitwise_and", "bitwise_or", "add", "sub", "mul", "neg", "clone",
+                "expand", "unsqueeze", "squeeze", "view", "reshape", "permute", "slice", "select", "alias",
+                "_to_copy",
+            )
+        ),
+        "prims::convert_element_type",
+    ]
+)  # fmt: skip
+
+
+def _movable(node: fx.Node) -> bool:
+    name = getattr(node.target, "name", None)
+    return node.op == "call_function" and callable(name) and name().split(".")[0] in _MOVABLE
+
+
+def _invariant_inputs(
+    graphs: list[tuple[fx.GraphModule, tuple[fx.Node, ...], tuple[fx.Node, ...]]],
+    signatures: list[tuple],
+    repeated: set[tuple],
+    values: dict[fx.Node, Any],
+) -> dict[tuple, tuple[int, ...]]:
+    """Per repeated signature, the inputs every block of it reads the same: one node at that input
+    of each, a tensor without a gradient (NOTE [computed once before the blocks])."""
+    out = {}
+    for signature in repeated:
+        calls = [inputs for (_, inputs, _), sig in zip(graphs, signatures) if sig == signature]
+        out[signature] = tuple(
+            i
+            for i, node in enumerate(calls[0])
+            if all(inputs[i] is node for inputs in calls)
+            and isinstance(values[node], torch.Tensor)
+            and not values[node].requires_grad
+        )
+    return out
+
+
+def _move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...]) -> fx.GraphModule | None:
+    """Move what ``fw`` computes from its inputs at ``invariant`` alone out of it (NOTE [computed
+    once before the blocks]): ``fw`` then takes those values as its last inputs, ``bw`` gives them
+    no gradient. Returns the moved part as a graph taking the ``invariant`` inputs, or ``None``
+    where nothing moves."""
+    placeholders = list(fw.graph.find_nodes(op="placeholder"))
+    given = {placeholders[i] for i in invariant}
+    movable: dict[fx.Node, bool] = {}  # -> reads one of ``given`` (not constants only)
+    for node in fw.graph.nodes:
+        if _movable(node) and all(a in given or a in movable for a in node.all_input_nodes):
+            movable[node] = any(a in given or movable.get(a, False) for a in node.all_input_nodes)
+    # Moved: the values the block goes on to read that cost a kernel (a view stays: it is free,
+    # and an input of the block would be the view's layout).
+    moved = [
+        n
+        for n, reads in movable.items()
+        if reads and not aot.aliases_an_input(n) and any(u not in movable or aot.aliases_an_input(u) for u in n.users)
+    ]
+    if not moved:
+        return None
+    needed: set[fx.Node] = set()
+    stack = list(moved)
+    while stack:
+        node = stack.pop()
+        if node not in needed and node not in given:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i in invariant:
+        env[placeholders[i]] = graph.placeholder(placeholders[i].name)
+        env[placeholders[i]].meta = dict(placeholders[i].meta)
+    for node in fw.graph.nodes:
+        if node in needed:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(tuple(env[n] for n in moved))
+    anchor = placeholders[-1]
+    for j, node in enumerate(moved):
+        with fw.graph.inserting_after(anchor):
+            anchor = fw.graph.placeholder(f"before_blocks_{j}")
+        anchor.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(anchor)
+    fw.graph.eliminate_dead_code()
+    fw.graph.lint()
+    fw.recompile()
+    out = next(iter(bw.graph.find_nodes(op="output")))
+    out.args = (tuple(out.args[0]) + (None,) * len(moved),)
+    bw.recompile()
+    return fx.GraphModule(fw, graph)
+
+
+def _insert(graph: fx.Graph, before: fx.GraphModule, args: list[fx.Node]) -> list[fx.Node]:
+    """``before``'s nodes copied into ``graph`` at its insertion point, on ``args``; the nodes of
+    its outputs. Each keeps its fake value, also as Dynamo's (``example_value``)."""
+    val_map: dict[fx.Node, Any] = dict(zip(before.graph.find_nodes(op="placeholder"), args))
+    out = graph.graph_copy(before.graph, val_map)
+    for node in val_map.values():
+        if "val" in node.meta and node.op != "placeholder" and node not in args:
+            node.meta.setdefault("example_value", node.meta["val"])
+    return list(out)
 
 
 def _plan(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fake_mode: Any) -> SharedBlock:

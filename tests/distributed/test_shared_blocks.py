@@ -36,24 +36,31 @@ class Block(nn.Module):
         self.out = nn.Linear(2 * d, d)
         self.checkpointed, self.dropout, self.counts_calls = checkpointed, dropout, counts_calls
 
-    def _body(self, x: torch.Tensor) -> torch.Tensor:
+    def _body(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.qkv(self.ln(x)).split(x.shape[-1], dim=-1)
-        att = torch.softmax(q @ k.transpose(-1, -2) / 8, dim=-1) @ v
+        att = q @ k.transpose(-1, -2) / 8
+        if mask is not None:  # made an additive bias in every block, as HF's attention does
+            att = att + torch.where(mask, 0.0, float("-inf"))
+        att = torch.softmax(att, dim=-1) @ v
         x = x + self.proj(att)
         return x + F.dropout(self.out(F.gelu(self.fc(x))), self.dropout, self.training)
 
-    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None, extra: object = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, scale: torch.Tensor | None = None, extra: object = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if scale is not None:
             x = x * scale
         if self.counts_calls:  # a Python side effect Dynamo replays on every call
             self.calls = getattr(self, "calls", 0) + 1
         if self.checkpointed:
-            return checkpoint.checkpoint(self._body, x, use_reentrant=False)
-        return self._body(x)
+            return checkpoint.checkpoint(self._body, x, mask, use_reentrant=False)
+        return self._body(x, mask)
 
 
 class Net(nn.Module):
-    def __init__(self, depth: int = 3, *, shared_scale: bool = False, extra: object = None, **block: object) -> None:
+    def __init__(
+        self, depth: int = 3, *, shared_scale: bool = False, extra: object = None, masked: bool = False, **block: object
+    ) -> None:
         super().__init__()
         self.emb = nn.Embedding(64, 32)
         self.blocks = nn.ModuleList(Block(**block) for _ in range(depth))
@@ -62,11 +69,14 @@ class Net(nn.Module):
         # backward, so no block may reduce it.
         self.scale = nn.Parameter(torch.ones(32)) if shared_scale else None
         self.extra = extra  # passed to every block: an object Dynamo cannot put into a graph
+        self.masked = masked  # a causal mask made once and passed to every block
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
+        n = ids.shape[1]
+        mask = torch.ones(n, n, dtype=torch.bool).tril() if self.masked else None
         for block in self.blocks:
-            x = block(x, self.scale, self.extra) if self.extra is not None else block(x, self.scale)
+            x = block(x, self.scale, self.extra) if self.extra is not None else block(x, self.scale, mask=mask)
         return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
 
 
@@ -102,6 +112,7 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
         "not_shared": {},
         "fp16_hook": {},
         "shared_scale": {"shared_scale": True},
+        "masked": {"masked": True},
         "object_arg": {"extra": _Opaque()},
         "side_effect": {"counts_calls": True},
         "hooked": {},
@@ -172,6 +183,7 @@ def test_shared_blocks_train_like_eager_ddp_under_every_strategy(tmp_path):
     cases = [("plain", strategy, "aot_eager") for strategy in ("fused", "split", "none")]
     cases += [("checkpointed", "fused", "aot_eager"), ("two_kinds", "fused", "aot_eager")]
     cases += [("fp16_hook", "fused", "aot_eager"), ("shared_scale", "fused", "aot_eager")]
+    cases += [("masked", "split", "aot_eager")]
     results = _run(tmp_path, cases)
     for case, r in results.items():
         # fp16 on the wire: eager DDP's hook and the block's rounding of the same values agree
@@ -208,6 +220,9 @@ def test_shared_blocks_train_like_eager_ddp_under_every_strategy(tmp_path):
         assert r["shared"][0]["dynamo_calls"] is True, (case, r["shared"])
         assert r["forward_attributes"] == [False] * 4, case
     assert "Dynamo traced each as one call" in lines[0], lines
+    # NOTE [computed once before the blocks]: the mask's bias is made once, before the blocks.
+    assert "aten::where" in results[("masked", "split", "aot_eager")]["shared"][0]["computed_before_blocks"]
+    assert all("computed_before_blocks" not in r["shared"][0] for c, r in results.items() if c[0] != "masked")
 
 
 def test_blocks_dynamo_must_trace_are_shared_all_the_same_and_say_why(tmp_path):
@@ -227,10 +242,14 @@ def test_blocks_dynamo_must_trace_are_shared_all_the_same_and_say_why(tmp_path):
 
 
 def test_shared_blocks_with_inductor_train_like_eager_ddp(tmp_path):
-    results = _run(tmp_path, [("plain", "fused", "inductor"), ("not_shared", "fused", "inductor")])
-    shared = results[("plain", "fused", "inductor")]
-    assert shared["worst"] <= 1e-5, shared
-    assert shared["shared"][0]["compiles"] == 1, shared
+    cases = [("plain", "fused", "inductor"), ("masked", "fused", "inductor"), ("not_shared", "fused", "inductor")]
+    results = _run(tmp_path, cases)
+    for name in ("plain", "masked"):
+        shared = results[(name, "fused", "inductor")]
+        assert shared["worst"] <= 1e-5, shared
+        assert shared["shared"][0]["compiles"] == 1, shared
+    # NOTE [computed once before the blocks]: the blocks' compiled forward takes the mask's bias.
+    assert "aten::where" in results[("masked", "fused", "inductor")]["shared"][0]["computed_before_blocks"]
     assert all(s is None for s in results[("not_shared", "fused", "inductor")]["shared"])
 
 
