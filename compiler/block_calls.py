@@ -26,9 +26,13 @@ calling the blocks that does not compile (the backend raises the refusal instead
 eagerly: HF's reentrant activation checkpointing, whose backward AOTAutograd cannot trace around
 a block call). The modules' ``training`` flags are read in Dynamo's trace, so
 ``train()``/``eval()`` recompiles as before.
-Attributes the block's forward reads (a scale, a flag) are read once, when the graph compiles:
-changing them afterwards needs a new ``bucketwise.compile``. Otherwise (or with
-``share_blocks=False``) Dynamo inlines the blocks.
+Attributes the block's forward reads (a scale, a flag) are read when the graph compiles, and
+Dynamo does not guard them: so every compiled call first compares the blocks' modules' plain
+attributes (numbers, strings, flags, ``None`` and tuples of them) with what they were at the first
+call (``BlockCalls.changed``, one C-level read per module). Where one changed, Dynamo inlines every
+block from then on, as if a block had refused, and compiles the graph again with its guards on
+the new value; the report says which attribute changed. Otherwise (or with ``share_blocks=False``)
+Dynamo inlines the blocks.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import operator
 import types
 import weakref
 from typing import Any, Callable, Iterator
@@ -79,14 +84,42 @@ class BlockCalls:
     """The module list (``model.layers``)."""
     entries: list[BlockEntry]
     off: str | None = None
-    """Why Dynamo inlines the blocks after all (a block refused to run as one call), else ``None``."""
+    """Why Dynamo inlines the blocks after all (a block refused to run as one call, or one of its
+    attributes changed), else ``None``."""
+    readers: list[tuple[str, nn.Module, tuple[str, ...], Callable[[nn.Module], Any]]] = dataclasses.field(
+        default_factory=list, repr=False
+    )
+    """Per module of every block: its path, the module, its plain attributes' names and a reader
+    of their values (``operator.attrgetter``)."""
+    attributes: list[Any] | None = dataclasses.field(default=None, repr=False)
+    """The values ``readers`` read at the first compiled call."""
+
+    def changed(self) -> str | None:
+        """Which plain attribute of a block's module holds another value than at the first call
+        (NOTE [Dynamo calls a block]), else ``None``."""
+        now = [read(module) for _, module, _, read in self.readers]
+        if self.attributes is None:
+            self.attributes = now
+            return None
+        if now == self.attributes:  # identity first: an unchanged NaN compares equal
+            return None
+        for (path, module, names, _), was in zip(self.readers, self.attributes):
+            for name, before in zip(names, was if len(names) > 1 else (was,)):
+                after = getattr(module, name)
+                if after is not before and after != before:
+                    return f"{path}.{name} changed from {before!r} to {after!r} after the graph was compiled"
+        return "an attribute of a block changed after the graph was compiled"
 
     def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
         """``compiled`` (a ``torch.compile``'d frame) called with the blocks' forwards installed;
         where a block refuses (:class:`BlockCallRefused`, raised while Dynamo traces), the call
-        is made again with Dynamo inlining every block, and so are all later ones."""
+        is made again with Dynamo inlining every block, and so are all later ones; so are they
+        once an attribute of a block changes (:meth:`changed`)."""
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            if self.off is None and (why := self.changed()) is not None:
+                self.off = why
+                log.warning("bucketwise: share_blocks: Dynamo traces every block of %s: %s", self.container, why)
             if self.off is not None:
                 return compiled(*args, **kwargs)
             try:
@@ -150,7 +183,25 @@ def find_block_calls(module: nn.Module) -> BlockCalls:
         why = _why_not(block)
         if why is not None:
             return BlockCalls(container=name, entries=[], off=f"{name}.{index}: {why}")
-    return BlockCalls(container=name, entries=[_entry(block) for block in blocks])
+    readers = [
+        (f"{name}.{index}" + (f".{path}" if path else ""), sub, names, operator.attrgetter(*names))
+        for index, block in enumerate(blocks)
+        for path, sub in block.named_modules()
+        if (names := _plain_attributes(sub))
+    ]
+    return BlockCalls(container=name, entries=[_entry(block) for block in blocks], readers=readers)
+
+
+def _plain_attributes(module: nn.Module) -> tuple[str, ...]:
+    """The names of the attributes of ``module`` a forward may branch on that Dynamo would guard:
+    numbers, strings, flags, ``None`` and tuples of them (``training`` is guarded anyway)."""
+    return tuple(k for k, v in vars(module).items() if not k.startswith("_") and k != "training" and _plain_value(v))
+
+
+def _plain_value(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(map(_plain_value, value))
+    return type(value) in (bool, int, float, str, type(None))
 
 
 def _why_not(block: nn.Module) -> str | None:

@@ -260,9 +260,11 @@ class GraphBackend:
         # call (host time: a block's graph is called once per block).
         patches = {**patches, "triton.cudagraphs": False, "size_asserts": False}
         sharing, unshared = share_blocks(gm, example_inputs, backend=backend, config_patches=patches, buckets=buckets)
+        calls = self.block_calls
         if sharing is not None:
-            calls = self.block_calls
             sharing.dynamo = True if called else _why_inlined(calls)
+        elif not called and calls is not None and calls.off is not None and unshared is not None:
+            unshared = f"{unshared} (Dynamo traced every block: {calls.off})"
         return sharing, unshared
 
     def fused_backend(self) -> Callable[..., Any]:

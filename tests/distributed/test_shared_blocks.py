@@ -35,10 +35,11 @@ class Block(nn.Module):
         self.fc = nn.Linear(d, 2 * d)
         self.out = nn.Linear(2 * d, d)
         self.checkpointed, self.dropout, self.counts_calls = checkpointed, dropout, counts_calls
+        self.temperature = 8.0  # a plain attribute the forward reads
 
     def _body(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.qkv(self.ln(x)).split(x.shape[-1], dim=-1)
-        att = q @ k.transpose(-1, -2) / 8
+        att = q @ k.transpose(-1, -2) / self.temperature
         if mask is not None:  # made an additive bias in every block, as HF's attention does
             att = att + torch.where(mask, 0.0, float("-inf"))
         att = torch.softmax(att, dim=-1) @ v
@@ -113,6 +114,7 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
         "fp16_hook": {},
         "shared_scale": {"shared_scale": True},
         "masked": {"masked": True},
+        "retuned": {},
         "object_arg": {"extra": _Opaque()},
         "side_effect": {"counts_calls": True},
         "hooked": {},
@@ -133,6 +135,9 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager_net, net)]
     worst = 0.0
     for step in range(STEPS):
+        if name == "retuned" and step == 2:  # after the graph compiled: eager DDP reads the new value
+            for block in (*eager_net.blocks, *net.blocks):
+                block.temperature = 4.0
         ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(10 * step + rank))
         for model in (eager, compiled):
             torch.manual_seed(step)  # the same dropout masks
@@ -226,7 +231,7 @@ def test_shared_blocks_train_like_eager_ddp_under_every_strategy(tmp_path):
 
 
 def test_blocks_dynamo_must_trace_are_shared_all_the_same_and_say_why(tmp_path):
-    cases = [(name, "fused", "aot_eager") for name in ("object_arg", "side_effect", "hooked")]
+    cases = [(name, "fused", "aot_eager") for name in ("object_arg", "side_effect", "hooked", "retuned")]
     results = _run(tmp_path, cases)
     for case, r in results.items():
         assert r["worst"] <= 1e-6, f"{case}: {r['worst']:.3g} from eager DDP"
@@ -239,6 +244,12 @@ def test_blocks_dynamo_must_trace_are_shared_all_the_same_and_say_why(tmp_path):
     hooked = results[("hooked", "fused", "aot_eager")]["shared"][0]
     assert hooked["dynamo_calls"] == "blocks.2: module fc has hooks (forward_hooks)", hooked
     assert (hooked["count"], hooked["compiles"]) == (3, 1), hooked  # the hooked block is another computation
+    # An attribute a block reads, changed after the graph compiled: Dynamo traces the blocks again
+    # with its guards on the new value (trained like eager DDP above) and the report says why.
+    retuned = results[("retuned", "fused", "aot_eager")]["shared"]
+    assert retuned[0]["dynamo_calls"] is True, retuned
+    why = "blocks.0.temperature changed from 8.0 to 4.0 after the graph was compiled"
+    assert any(why in f"{s.get('dynamo_calls')} {s.get('reason')}" for s in retuned[1:] if s), retuned
 
 
 def test_shared_blocks_with_inductor_train_like_eager_ddp(tmp_path):
