@@ -29,10 +29,10 @@ a block call). The modules' ``training`` flags are read in Dynamo's trace, so
 Attributes the block's forward reads (a scale, a flag) are read when the graph compiles, and
 Dynamo does not guard them: so every compiled call first compares the blocks' modules' plain
 attributes (numbers, strings, flags, ``None`` and tuples of them) with what they were at the first
-call (``BlockCalls.changed``, one C-level read per module). Where one changed, Dynamo inlines every
-block from then on, as if a block had refused, and compiles the graph again with its guards on
-the new value; the report says which attribute changed. Otherwise (or with ``share_blocks=False``)
-Dynamo inlines the blocks.
+call (``BlockCalls.changed``, one pass in C over the modules' ``__dict__``s). Where one changed,
+Dynamo inlines every block from then on, as if a block had refused, and compiles the graph again
+with its guards on the new value; the report says which attribute changed. Otherwise (or with
+``share_blocks=False``) Dynamo inlines the blocks.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import operator
 import types
 import weakref
 from typing import Any, Callable, Iterator
@@ -86,29 +85,33 @@ class BlockCalls:
     off: str | None = None
     """Why Dynamo inlines the blocks after all (a block refused to run as one call, or one of its
     attributes changed), else ``None``."""
-    readers: list[tuple[str, nn.Module, tuple[str, ...], Callable[[nn.Module], Any]]] = dataclasses.field(
-        default_factory=list, repr=False
-    )
-    """Per module of every block: its path, the module, its plain attributes' names and a reader
-    of their values (``operator.attrgetter``)."""
-    attributes: list[Any] | None = dataclasses.field(default=None, repr=False)
-    """The values ``readers`` read at the first compiled call."""
+    attributes: list[tuple[str, dict[str, Any], str]] = dataclasses.field(default_factory=list, repr=False)
+    """Every plain attribute of every module of the blocks: (its module's path, that module's
+    ``__dict__``, its name)."""
+    values: list[Any] | None = dataclasses.field(default=None, repr=False)
+    """What ``attributes`` held at the first compiled call."""
 
     def changed(self) -> str | None:
         """Which plain attribute of a block's module holds another value than at the first call
-        (NOTE [Dynamo calls a block]), else ``None``."""
-        now = [read(module) for _, module, _, read in self.readers]
-        if self.attributes is None:
-            self.attributes = now
+        (NOTE [Dynamo calls a block]), else ``None``. One pass in C over the modules' ``__dict__``s
+        (host time: it runs before every compiled call)."""
+        now = list(map(dict.get, self._dicts, self._names))
+        if self.values is None:
+            self.values = now
             return None
-        if now == self.attributes:  # identity first: an unchanged NaN compares equal
+        if now == self.values:  # identity first: an unchanged NaN compares equal
             return None
-        for (path, module, names, _), was in zip(self.readers, self.attributes):
-            for name, before in zip(names, was if len(names) > 1 else (was,)):
-                after = getattr(module, name)
-                if after is not before and after != before:
-                    return f"{path}.{name} changed from {before!r} to {after!r} after the graph was compiled"
-        return "an attribute of a block changed after the graph was compiled"
+        for (path, _, name), before, after in zip(self.attributes, self.values, now):
+            if after is not before and after != before:
+                return f"{path}.{name} changed from {before!r} to {after!r} after the graph was compiled"
+        raise AssertionError(f"expected a changed attribute in {self.container}, got none")
+
+    _dicts: list[dict[str, Any]] = dataclasses.field(init=False, repr=False)
+    _names: list[str] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._dicts = [d for _, d, _ in self.attributes]
+        self._names = [name for _, _, name in self.attributes]
 
     def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
         """``compiled`` (a ``torch.compile``'d frame) called with the blocks' forwards installed;
@@ -183,13 +186,13 @@ def find_block_calls(module: nn.Module) -> BlockCalls:
         why = _why_not(block)
         if why is not None:
             return BlockCalls(container=name, entries=[], off=f"{name}.{index}: {why}")
-    readers = [
-        (f"{name}.{index}" + (f".{path}" if path else ""), sub, names, operator.attrgetter(*names))
+    attributes = [
+        (f"{name}.{index}" + (f".{path}" if path else ""), sub.__dict__, attribute)
         for index, block in enumerate(blocks)
         for path, sub in block.named_modules()
-        if (names := _plain_attributes(sub))
+        for attribute in _plain_attributes(sub)
     ]
-    return BlockCalls(container=name, entries=[_entry(block) for block in blocks], readers=readers)
+    return BlockCalls(container=name, entries=[_entry(block) for block in blocks], attributes=attributes)
 
 
 def _plain_attributes(module: nn.Module) -> tuple[str, ...]:
