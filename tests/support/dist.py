@@ -1,7 +1,7 @@
 """Run a worker function on N real processes joined in a gloo process group.
 
-``run_distributed(fn, tmp_path, world_size=2, args=(...))`` spawns ``world_size`` fresh
-interpreters (``spawn`` start method: no forked torch state), initialises a gloo group
+``run_distributed(fn, tmp_path, world_size=2, args=(...))`` starts ``world_size`` processes
+(NOTE [ranks from a fork server]), initialises a gloo group
 through a file store inside ``tmp_path`` (no ports, nothing shared between tests), calls
 ``fn(rank, world_size, *args)`` on every rank and returns the per-rank return values
 (passed back with ``torch.save``); a rank then runs its at-exit handlers and ends without
@@ -9,6 +9,17 @@ tearing its group down (``_leave``). A worker exception is re-raised in the test
 worker's own traceback; a hang is killed after ``timeout`` seconds.
 
 ``fn`` must be a module-level function (it is pickled by reference).
+
+NOTE [ranks from a fork server]: a rank started as a new interpreter spends about 5 s of CPU
+importing torch, Dynamo and Inductor before it runs a line of the test: with two ranks per test
+and two tests at a time on two cores, most of the suite's time. The ranks are forked instead from
+a server process (multiprocessing's ``forkserver``, one per test process) that has imported those
+modules once and done nothing else: no thread, no process group, no compile, no tensor, so a rank
+starts as a fresh interpreter would after the same imports (``spawn`` would import them again).
+What it does not share with a new interpreter is the environment read at import time: the
+server's is the one the first ranks of the test process started with (``_WORKER_ENV`` included),
+and each rank takes the test's environment of the moment as its own first thing (``_entry``), as a
+spawned rank inherits it.
 """
 
 from __future__ import annotations
@@ -41,6 +52,16 @@ _WORKER_ENV = {
 }
 
 
+# What the fork server imports once (NOTE [ranks from a fork server]).
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch._inductor.compile_fx"]
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 class WorkerError(AssertionError):
     """A rank raised; the message carries every failed rank's traceback."""
 
@@ -57,7 +78,11 @@ def _entry(
     store_path: str,
     out_dir: str,
     pg_timeout_s: float,
+    environ: dict[str, str],
 ) -> None:
+    # The test's environment, not the fork server's (NOTE [ranks from a fork server]).
+    os.environ.clear()
+    os.environ.update(environ)
     out = Path(out_dir)
     torch.set_num_threads(1)
     try:
@@ -103,7 +128,7 @@ def run_distributed(
     run_dir = Path(tmp_path) / f"dist-{time.monotonic_ns()}"
     run_dir.mkdir(parents=True)
     store = run_dir / "store"
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     saved = {k: os.environ.get(k) for k in _WORKER_ENV}
     procs = []
     try:
@@ -111,7 +136,7 @@ def run_distributed(
         for rank in range(world_size):
             p = ctx.Process(
                 target=_entry,
-                args=(rank, world_size, fn, tuple(args), str(store), str(run_dir), min(timeout, 120.0)),
+                args=(rank, world_size, fn, tuple(args), str(store), str(run_dir), min(timeout, 120.0), dict(os.environ)),
                 name=f"{getattr(fn, '__name__', 'worker')}-rank{rank}",
                 daemon=True,
             )
