@@ -130,9 +130,9 @@ class SharedBlock:
     """The backward's inputs whose layout is looked at every call (the gradients, and any saved
     tensor laid out otherwise at the first call); ``None`` before it."""
     before: fx.GraphModule | None = None
-    """NOTE [computed once before the blocks]: the part of the block's forward moved into the graph
-    around the blocks. It takes the block's inputs at ``invariant`` and returns what every call of
-    the block then takes after its own inputs."""
+    """The part of the block's forward moved into the graph around the blocks (NOTE [computed once
+    before the blocks]). It takes the block's inputs at ``invariant`` and returns what every call
+    of the block then takes after its own inputs."""
     invariant: tuple[int, ...] = ()
 
 
@@ -538,7 +538,7 @@ def _compile(
         raise _NotShareable(f"the block draws random numbers ({random[0]})")
     if any(n.op == "call_function" and dc.written_args(n) for n in fw.graph.nodes):
         raise _NotShareable("the block writes into one of its inputs")
-    before = _move_out(fw, bw, invariant)
+    before = _move_out(fw, bw, invariant, n_user=len(_user_outputs(sub)))
     block = _plan(sub, fw, bw, fake_mode)
     if before is not None:
         block.before, block.invariant = before, invariant
@@ -606,12 +606,16 @@ def _invariant_inputs(
     return out
 
 
-def _move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...]) -> fx.GraphModule | None:
+def _move_out(
+    fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...], *, n_user: int
+) -> fx.GraphModule | None:
     """Move what ``fw`` computes from its inputs at ``invariant`` alone out of it (NOTE [computed
     once before the blocks]): ``fw`` then takes those values as its last inputs, ``bw`` gives them
     no gradient. Returns the moved part as a graph taking the ``invariant`` inputs, or ``None``
-    where nothing moves."""
+    where nothing moves. A value among the block's first ``n_user`` outputs (the block's own)
+    stays: an output that is an input is copied at every call."""
     placeholders = list(fw.graph.find_nodes(op="placeholder"))
+    returned = set(next(iter(fw.graph.find_nodes(op="output"))).args[0][:n_user])
     given = {placeholders[i] for i in invariant}
     movable: dict[fx.Node, bool] = {}  # -> reads one of ``given`` (not constants only)
     for node in fw.graph.nodes:
@@ -622,7 +626,10 @@ def _move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...]
     moved = [
         n
         for n, reads in movable.items()
-        if reads and not aot.aliases_an_input(n) and any(u not in movable or aot.aliases_an_input(u) for u in n.users)
+        if reads
+        and n not in returned
+        and not aot.aliases_an_input(n)
+        and any(u not in movable or aot.aliases_an_input(u) for u in n.users)
     ]
     if not moved:
         return None

@@ -82,7 +82,7 @@ class _Graph:
 def use_emulated_graphs(monkeypatch=None, **kwargs) -> list[EmulatedGraphs]:
     """Make every bucketwise compile in this process (its GraphBackend) wrap graphs with an
     emulated CUDA-graph group, as ``cudagraphs=True`` does on a GPU. Returns the emulators.
-    Without ``monkeypatch`` (a spawned worker process) the change lasts for the process."""
+    Without ``monkeypatch`` (a rank's own process) the change lasts for the process."""
     from bucketwise.compiler import graph_backend
     from bucketwise.cudagraphs.runner import CudaGraphGroup
 
