@@ -136,7 +136,16 @@ def run_distributed(
         for rank in range(world_size):
             p = ctx.Process(
                 target=_entry,
-                args=(rank, world_size, fn, tuple(args), str(store), str(run_dir), min(timeout, 120.0), dict(os.environ)),
+                args=(
+                    rank,
+                    world_size,
+                    fn,
+                    tuple(args),
+                    str(store),
+                    str(run_dir),
+                    min(timeout, 120.0),
+                    dict(os.environ),
+                ),
                 name=f"{getattr(fn, '__name__', 'worker')}-rank{rank}",
                 daemon=True,
             )
