@@ -90,6 +90,13 @@ class BlockCalls:
     ``__dict__``, its name)."""
     values: list[Any] | None = dataclasses.field(default=None, repr=False)
     """What ``attributes`` held at the first compiled call."""
+    _dicts: list[dict[str, Any]] = dataclasses.field(init=False, repr=False)
+    _names: list[str] = dataclasses.field(init=False, repr=False)
+    """``attributes``' dicts and names apart, for :meth:`changed`'s one pass in C."""
+
+    def __post_init__(self) -> None:
+        self._dicts = [d for _, d, _ in self.attributes]
+        self._names = [name for _, _, name in self.attributes]
 
     def changed(self) -> str | None:
         """Which plain attribute of a block's module holds another value than at the first call
@@ -105,13 +112,6 @@ class BlockCalls:
             if after is not before and after != before:
                 return f"{path}.{name} changed from {before!r} to {after!r} after the graph was compiled"
         raise AssertionError(f"expected a changed attribute in {self.container}, got none")
-
-    _dicts: list[dict[str, Any]] = dataclasses.field(init=False, repr=False)
-    _names: list[str] = dataclasses.field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._dicts = [d for _, d, _ in self.attributes]
-        self._names = [name for _, _, name in self.attributes]
 
     def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
         """``compiled`` (a ``torch.compile``'d frame) called with the blocks' forwards installed;

@@ -338,7 +338,7 @@ class Sharing:
         """The ops moved out of the blocks (NOTE [computed once before the blocks])."""
         return sorted(
             {
-                str(n.target.name()).split(".")[0] if hasattr(n.target, "name") else str(n.target)
+                _op_name(n)
                 for block in self.kept
                 if block.before is not None
                 for n in block.before.graph.nodes
@@ -580,9 +580,14 @@ _MOVABLE = frozenset(
 )  # fmt: skip
 
 
-def _movable(node: fx.Node) -> bool:
+def _op_name(node: fx.Node) -> str:
+    """``aten::where`` for ``aten.where.self``: an operator's name without its overload."""
     name = getattr(node.target, "name", None)
-    return node.op == "call_function" and callable(name) and name().split(".")[0] in _MOVABLE
+    return name().split(".")[0] if callable(name) else str(node.target)
+
+
+def _movable(node: fx.Node) -> bool:
+    return node.op == "call_function" and _op_name(node) in _MOVABLE
 
 
 def _invariant_inputs(
@@ -670,7 +675,7 @@ def _insert(graph: fx.Graph, before: fx.GraphModule, args: list[fx.Node]) -> lis
     val_map: dict[fx.Node, Any] = dict(zip(before.graph.find_nodes(op="placeholder"), args))
     out = graph.graph_copy(before.graph, val_map)
     for node in val_map.values():
-        if "val" in node.meta and node.op != "placeholder" and node not in args:
+        if node not in args and "val" in node.meta:
             node.meta.setdefault("example_value", node.meta["val"])
     return list(out)
 
