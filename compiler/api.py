@@ -32,7 +32,7 @@ def compile(
     gather_embedding_rows: bool = True,
     fallback: str = "eager",
     freeze: bool | str = False,
-    share_blocks: bool = False,
+    share_blocks: bool | str = "auto",
     artifacts: str | os.PathLike | None = None,
 ) -> Any:
     """Compile a DDP-wrapped module, a plain module or a function, like ``torch.compile``.
@@ -61,10 +61,12 @@ def compile(
             eagerly (as :func:`bucketwise.freeze`).
         share_blocks: ``True``: identical blocks (an ``nn.ModuleList`` of one class) share one
             compiled forward and backward (the report's ``shared_blocks`` says which, the
-            seconds saved, or why they could not); ``False`` (default): every block is compiled
-            with the whole graph. Opt-in for now: under ``split`` a shared block is never cut,
-            so buckets whose boundaries fall inside a block merge into fewer segments; under
-            ``fused`` each shared block reduces its own parameters as one bucket.
+            seconds saved, or why they could not); ``False``: every block is compiled with the
+            whole graph; ``"auto"`` (default): shared where ``cudagraphs`` is on and the
+            strategy is not ``split``, else not (the report's notes say why). Under ``split`` a
+            shared block is never cut, so buckets whose boundaries fall inside a block merge
+            into fewer segments; under ``fused`` each shared block reduces its own parameters
+            as one bucket.
         artifacts: a folder to keep this rank's compiled artifacts in (``rank{R}.bin``): loaded
             into the local compile caches now if there, saved after the first step, so a
             restart on a machine with an empty cache compiles from cache hits (NOTE [compile

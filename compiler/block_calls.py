@@ -171,15 +171,10 @@ def _refusal(exc: BaseException) -> BlockCallRefused | None:
 def find_block_calls(module: nn.Module) -> BlockCalls:
     """The repeated blocks of ``module`` Dynamo may meet as one call each; ``off`` says why none
     (NOTE [Dynamo calls a block])."""
-    lists = [
-        (name, child)
-        for name, child in module.named_modules()
-        if isinstance(child, nn.ModuleList) and len(child) > 1 and len({type(b) for b in child}) == 1
-    ]
-    if not lists:
+    found = repeated_blocks(module)
+    if found is None:
         return BlockCalls(container="", entries=[], off="no nn.ModuleList of two or more blocks of one class")
-    name, blocks = max(lists, key=lambda item: len(item[1]))
-    name = name or type(module).__name__
+    name, blocks = found
     if hc.global_module_hooks():
         return BlockCalls(container=name, entries=[], off="global module hooks are registered")
     for index, block in enumerate(blocks):
@@ -193,6 +188,20 @@ def find_block_calls(module: nn.Module) -> BlockCalls:
         for attribute in _plain_attributes(sub)
     ]
     return BlockCalls(container=name, entries=[_entry(block) for block in blocks], attributes=attributes)
+
+
+def repeated_blocks(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The longest ``nn.ModuleList`` of two or more blocks of one class in ``module``, and its
+    name; ``None`` where there is none."""
+    lists = [
+        (name, child)
+        for name, child in module.named_modules()
+        if isinstance(child, nn.ModuleList) and len(child) > 1 and len({type(b) for b in child}) == 1
+    ]
+    if not lists:
+        return None
+    name, blocks = max(lists, key=lambda item: len(item[1]))
+    return name or type(module).__name__, blocks
 
 
 def _plain_attributes(module: nn.Module) -> tuple[str, ...]:

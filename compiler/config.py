@@ -13,6 +13,7 @@ STRATEGIES = ("auto", "split", "fused", "none")
 FALLBACKS = ("eager", "raise")
 CUDAGRAPHS = (True, False, "auto")
 FREEZE = (False, True, "raise", "eager")
+SHARE_BLOCKS = (True, False, "auto")
 
 
 def _known_backends() -> list[str]:
@@ -73,10 +74,12 @@ class CompileConfig:
     recompile raise an error naming the failed guard, ``"eager"`` runs that frame eagerly (see
     :func:`bucketwise.freeze`, which freezes at a point of your choosing)."""
 
-    share_blocks: bool = False
+    share_blocks: bool | str = "auto"
     """``True``: identical blocks of a graph (an ``nn.ModuleList`` of one block class) share one
     compiled forward and backward, so AOTAutograd and the backend run once per distinct block
-    (NOTE [one compile per block]); ``False`` (default) compiles every block with the whole graph."""
+    (NOTE [one compile per block]); ``False`` compiles every block with the whole graph;
+    ``"auto"`` (default): ``True`` where bucketwise's CUDA graphs are on and the strategy is not
+    ``split``, else ``False`` (NOTE [sharing by default]; the report says which and why)."""
 
     artifacts: str | os.PathLike | None = None
     """A folder for this rank's compiled artifacts, loaded now and saved after the first step
@@ -87,8 +90,8 @@ class CompileConfig:
             raise TypeError(f"artifacts must be a folder path or None, got {type(self.artifacts).__name__}")
         if isinstance(self.artifacts, (str, os.PathLike)) and os.path.isfile(self.artifacts):
             raise ValueError(f"artifacts must be a folder (rank files go inside it), got the file {self.artifacts!r}")
-        if not isinstance(self.share_blocks, bool):
-            raise TypeError(f"share_blocks must be True or False, got {self.share_blocks!r}")
+        if self.share_blocks not in SHARE_BLOCKS or type(self.share_blocks) not in (bool, str):
+            raise ValueError(f"share_blocks must be True, False or 'auto', got {self.share_blocks!r}")
         if self.freeze not in FREEZE or isinstance(self.freeze, int) and not isinstance(self.freeze, bool):
             raise ValueError(f"freeze must be False, True, 'raise' or 'eager', got {self.freeze!r}")
         if isinstance(self.backend, str):

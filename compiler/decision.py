@@ -118,3 +118,43 @@ def decide(
             **common,
         )
     return Decision(strategy=Strategy.FUSED, spec=comm_spec(ddp, kind), **common)
+
+
+# NOTE [sharing by default]: sharing one compile among identical blocks (NOTE [one compile per
+# block]) shortens the first step of every job and restart, but each shared block is two more
+# calls, output allocations and a few kernels that no longer fuse across the block's edges: host
+# time every step, which a step that is host-bound pays in full. Bucketwise's CUDA graphs replay
+# all of that as one launch. So ``share_blocks="auto"`` (the default) shares where bucketwise's
+# CUDA graphs are on, and not under ``strategy="split"``, where a shared block is never cut and
+# the bucket segments inside it would merge. ``True`` shares anyway; ``False`` never. The decision
+# is made once per compiled object from what was asked and the CUDA-graph decision, and the
+# report says why blocks were left to the whole graph where ``"auto"`` left them.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSharing:
+    """Whether identical blocks share one compile (NOTE [sharing by default])."""
+
+    enabled: bool
+    reason: str | None = None
+    """Why ``share_blocks="auto"`` left them unshared (``None`` otherwise)."""
+
+
+def decide_sharing(config: CompileConfig, *, cudagraphs: bool) -> BlockSharing:
+    """``config.share_blocks`` resolved; ``cudagraphs``: bucketwise's CUDA graphs are on."""
+    if config.share_blocks != "auto":
+        return BlockSharing(enabled=config.share_blocks)
+    if not cudagraphs:
+        return BlockSharing(
+            enabled=False,
+            reason="share_blocks='auto' shares identical blocks only with bucketwise's CUDA graphs on "
+            "(cudagraphs=True), which replay a shared block's calls in one launch; without them each call costs "
+            "host time every step. Pass share_blocks=True for a shorter first step all the same",
+        )
+    if config.strategy == Strategy.SPLIT.value:
+        return BlockSharing(
+            enabled=False,
+            reason="share_blocks='auto' does not share blocks under strategy='split' (a shared block is never "
+            "cut, so its bucket segments would merge). Pass share_blocks=True to share them all the same",
+        )
+    return BlockSharing(enabled=True)

@@ -39,7 +39,7 @@ from .block_calls import BlockCallRefused, BlockCalls, is_block_call
 from .blocks import BlockBuckets, Sharing, share_blocks
 from .blocks import cache_targets as blocks_cache_targets
 from .config import CompileConfig
-from .decision import Decision, Strategy, Variant, decide
+from .decision import BlockSharing, Decision, Strategy, Variant, decide, decide_sharing
 from .progress import Progress
 from .segments import compile_with_fallback
 
@@ -75,6 +75,8 @@ class GraphBackend:
         self._sparse_noted: set[str] = set()
         self._codes: weakref.WeakSet[Any] = weakref.WeakSet()
         self.cudagraphs = self._cudagraph_group(cudagraphs)
+        self.sharing: BlockSharing = decide_sharing(config, cudagraphs=cudagraphs.enabled)
+        """Whether identical blocks share one compile (NOTE [sharing by default])."""
         self.segment_backend = self._make_backend(config.options)
         self._fused_backend: Callable[..., Any] | None = None
         # Frame -> param name -> segment index (latest compile of each frame): alignment.
@@ -111,7 +113,7 @@ class GraphBackend:
         """The backend segments and graphs are compiled with: the user's, or Inductor with every
         compiled graph wrapped in a CUDA-graph runner (``cudagraphs``)."""
         cfg = self.config
-        if cfg.share_blocks and cfg.backend == "inductor":
+        if self.sharing.enabled and cfg.backend == "inductor":
             options = dc.cacheable_calls_options(blocks_cache_targets(), options)
         if self.cudagraphs is None:
             return dc.make_backend(cfg.backend, cfg.mode, options, cfg.dynamic)
@@ -244,7 +246,7 @@ class GraphBackend:
         """Identical blocks of the graph share one compile (NOTE [one compile per block]); under
         ``fused`` each reduces its own parameters' bucket (NOTE [a bucket per block])."""
         cfg = self.config
-        if not cfg.share_blocks:
+        if not self.sharing.enabled:
             return None, None
         backend = cfg.backend if isinstance(cfg.backend, str) else f"{cfg.backend_name} (a callable)"
         patches = dc.inductor_config_patches(cfg.mode, cfg.options, cfg.dynamic) if backend == "inductor" else {}

@@ -19,11 +19,12 @@ from ..distributed import gloo_exit, teardown
 from ..distributed.rank_check import prepare_rank_checks
 from ..stats.report import Report
 from .artifacts import artifacts_for
-from .block_calls import BlockCalls, find_block_calls
+from .block_calls import BlockCalls, find_block_calls, repeated_blocks
 from .blocks import SHAREABLE_BACKENDS
 from .config import CompileConfig
 from .ddp_forward import DDPForward
 from .decision import Variant
+from .graph_backend import GraphBackend
 from .hook_watch import HookWatch
 from .state import CompiledState, new_backend, torch_compile
 
@@ -157,7 +158,7 @@ def compile_module(module: nn.Module, config: CompileConfig, *, cudagraphs: Cuda
     )
     backend = new_backend(config, report, ddp, cudagraphs=cudagraphs, alignment=ddp is not None)
     forward = _inner_forward(inner)
-    blocks = _block_calls(inner, config)
+    blocks = _block_calls(inner, backend)
     backend.block_calls = blocks
     state = CompiledState(
         config=config,
@@ -181,9 +182,17 @@ def compile_module(module: nn.Module, config: CompileConfig, *, cudagraphs: Cuda
     return compiled
 
 
-def _block_calls(module: nn.Module, config: CompileConfig) -> BlockCalls | None:
-    """``share_blocks``: the blocks Dynamo meets as one call each (NOTE [Dynamo calls a block])."""
-    if not config.share_blocks or config.backend not in SHAREABLE_BACKENDS:
+def _block_calls(module: nn.Module, backend: GraphBackend) -> BlockCalls | None:
+    """Where blocks are shared, the blocks Dynamo meets as one call each (NOTE [Dynamo calls a
+    block]); where ``share_blocks="auto"`` left a model's repeated blocks unshared, the report
+    says why (NOTE [sharing by default])."""
+    sharing = backend.sharing
+    if not sharing.enabled:
+        found = repeated_blocks(module)
+        if sharing.reason is not None and found is not None:
+            backend.report.note(f"{found[0]}: {len(found[1])} blocks compiled with the whole graph: {sharing.reason}")
+        return None
+    if backend.config.backend not in SHAREABLE_BACKENDS:
         return None
     return find_block_calls(module)
 

@@ -1,8 +1,9 @@
 """Shared blocks on a GPU (NOTE [one compile per block]): one rank with NCCL, Inductor.
 
 A GPT of 4 identical blocks trains under ``bucketwise.compile(..., strategy="fused")`` with its
-blocks sharing one compile, with and without ``cudagraphs=True``, next to eager DDP and to the
-same compile with every block in the whole graph (``share_blocks=False``). Inductor's kernels
+blocks sharing one compile, with ``cudagraphs=True`` and the default ``share_blocks`` ("auto",
+which shares there) and without CUDA graphs with ``share_blocks=True``, next to eager DDP and to
+the same compile with every block in the whole graph (``share_blocks=False``). Inductor's kernels
 differ from eager by themselves, so the distance to eager DDP (relative to each gradient's
 largest entry, after every backward over 5 steps: SGD in float64, AdamW in float32 with TF32
 off) must stay within 1e-7 (float64) or 1e-4 (float32), or within three times the whole-graph
@@ -42,10 +43,12 @@ WORKER = textwrap.dedent(
     base = GPT(cfg).to("cuda", dtype)
     ref_net, net, whole_net = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     ref = DDP(ref_net, device_ids=[0])
-    compiled = bucketwise.compile(
-        DDP(net, device_ids=[0]), strategy="fused", cudagraphs=cudagraphs, share_blocks=True
+    # With CUDA graphs the default shares the blocks (NOTE [sharing by default]); without, ask.
+    sharing = {} if cudagraphs else {"share_blocks": True}
+    compiled = bucketwise.compile(DDP(net, device_ids=[0]), strategy="fused", cudagraphs=cudagraphs, **sharing)
+    whole = bucketwise.compile(
+        DDP(whole_net, device_ids=[0]), strategy="fused", cudagraphs=cudagraphs, share_blocks=False
     )
-    whole = bucketwise.compile(DDP(whole_net, device_ids=[0]), strategy="fused", cudagraphs=cudagraphs)
     nets = (ref_net, net, whole_net)
     # float64: SGD, linear in the gradient, so rounding is not amplified as Adam's division
     # amplifies it for entries near zero.

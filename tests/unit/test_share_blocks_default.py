@@ -1,0 +1,69 @@
+"""``share_blocks="auto"`` (the default) shares identical blocks where bucketwise's CUDA graphs are
+on and the strategy is not ``split`` (NOTE [sharing by default]); where it leaves a model's
+repeated blocks to the whole graph, the report says so and why. The shared path itself is
+checked against eager DDP in tests/distributed/test_shared_blocks.py and, with CUDA graphs, in
+tests/gpu/test_gpu_shared_blocks.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import bucketwise
+from bucketwise.compiler.config import CompileConfig
+from bucketwise.compiler.decision import decide_sharing
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize(
+    ("share_blocks", "strategy", "cudagraphs", "enabled", "why"),
+    [
+        ("auto", "auto", True, True, None),
+        ("auto", "fused", True, True, None),
+        ("auto", "none", True, True, None),
+        ("auto", "split", True, False, "strategy='split'"),
+        ("auto", "fused", False, False, "only with bucketwise's CUDA graphs on"),
+        (True, "split", False, True, None),
+        (False, "fused", True, False, None),
+    ],
+)
+def test_the_default_shares_where_cuda_graphs_replay_the_blocks(share_blocks, strategy, cudagraphs, enabled, why):
+    decision = decide_sharing(CompileConfig(share_blocks=share_blocks, strategy=strategy), cudagraphs=cudagraphs)
+    assert decision.enabled is enabled
+    if why is None:
+        assert decision.reason is None, decision.reason
+    else:
+        assert why in decision.reason and "share_blocks=True" in decision.reason, decision.reason
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_a_bad_share_blocks_value_names_the_choices(bad):
+    with pytest.raises(ValueError, match=r"share_blocks must be True, False or 'auto', got"):
+        CompileConfig(share_blocks=bad)
+
+
+def test_blocks_the_default_leaves_unshared_are_named_in_the_report():
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(4, 8)
+    expected = net(x)
+    compiled = bucketwise.compile(net, backend="aot_eager")  # no CUDA graphs here: not shared
+    torch.testing.assert_close(compiled(x), expected)
+    report = bucketwise.report(compiled)
+    (note,) = [n for n in report.notes if "compiled with the whole graph" in n]
+    assert note.startswith("blocks: 3 blocks compiled with the whole graph: share_blocks='auto'"), note
+    assert not report.to_dict().get("shared_blocks"), report.to_dict().get("shared_blocks")
+
+    asked = bucketwise.compile(Net(), backend="aot_eager", share_blocks=False)
+    asked(x)
+    assert not any("compiled with the whole graph" in n for n in bucketwise.report(asked).notes)
