@@ -257,12 +257,20 @@ def restart_table(runs: Sequence[dict[str, Any]]) -> list[str]:
     if not runs:
         return []
     rounds = runs[0]["restarts"]["rounds"]
+    fresh = any("fresh_restart_s" in r for run in runs for r in run["restarts"]["summary"].values())
     out = [
-        f"First steps, each in a new process over its own compile caches, {rounds} interleaved rounds (medians):",
+        f"First steps, each in a new process over its own compile caches, {rounds} interleaved rounds (medians"
+        + (
+            "; a fresh machine restart builds and compiles the model over empty caches from the cold run's "
+            "compiled artifacts, then takes its first step, against the same in the warm process):"
+            if fresh
+            else "):"
+        ),
         "",
         "| model | config | cold first step s | cold x `torch` | warm first step s | warm x non-graphed "
-        "| first step accounted | cold FX graphs / cache hits |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| first step accounted | cold FX graphs / cache hits |"
+        + (" fresh machine restart s | x warm restart |" if fresh else ""),
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if fresh else ""),
     ]
     for run in runs:
         for config, r in run["restarts"]["summary"].items():
@@ -271,6 +279,7 @@ def restart_table(runs: Sequence[dict[str, Any]]) -> list[str]:
                 f"| {run['meta']['model']} | `{config}` | {_ratio(r['cold_s'])} | {_ratio(r.get('cold_over_torch'))} "
                 f"| {_ratio(r['warm_s'])} | {_ratio(r.get('warm_over_uncaptured'))} "
                 f"| {'-' if accounted is None else f'{accounted:.1%}'} | {cold_graphs_text(r)} |"
+                + (f" {_ratio(r.get('fresh_restart_s'))} | {_ratio(r.get('fresh_over_warm'))} |" if fresh else "")
             )
     return [*out, ""]
 

@@ -118,6 +118,7 @@ def build(config: str, spec: Any, device: torch.device, backend: str, warmup: in
     gc.collect()
     before = _allocated()
     _reset_peak()
+    t_build = time.perf_counter()
     _, prepared, _, step = training_step(recipe, spec, device, backend)
     _sync()
     t0 = time.perf_counter()
@@ -133,6 +134,7 @@ def build(config: str, spec: Any, device: torch.device, backend: str, warmup: in
         "config": config,
         "step": step,
         "first_step_s": first_s,
+        "prepare_s": t0 - t_build,
         "rest_bytes": rest,
         "first_peak_bytes": _peak() - before,
         "peak_bytes": 0,
@@ -257,15 +259,25 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], restarts: dict[st
 
 
 def _restarts_markdown(restarts: dict[str, Any]) -> str:
+    # Runs that timed building the model (and so restarts from compiled artifacts) get 3 more columns.
+    restart_cols = any(r.get("warm_restart_s") is not None for r in restarts["summary"].values())
     head = (
         "| config | cold first step s | x `torch` | warm first step s | x non-graphed | first step accounted "
         "| cold FX graphs compiled / cache hits |"
-        "\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+        + (" warm restart s | fresh machine restart s | x warm restart |" if restart_cols else "")
+        + "\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+        + (" ---: | ---: | ---: |" if restart_cols else "")
     )
     rows = [
         f"| `{c}` | {_fmt(r['cold_s'], '.2f')} | {_fmt(r.get('cold_over_torch'), '.3f')} | {_fmt(r['warm_s'], '.2f')} "
         f"| {_fmt(r.get('warm_over_uncaptured'), '.3f')} | {_fmt(r.get('first_step_accounted'), '.1%')} "
         f"| {cold_graphs_text(r)} |"
+        + (
+            f" {_fmt(r.get('warm_restart_s'), '.2f')} | {_fmt(r.get('fresh_restart_s'), '.2f')} "
+            f"| {_fmt(r.get('fresh_over_warm'), '.3f')} |"
+            if restart_cols
+            else ""
+        )
         for c, r in restarts["summary"].items()
     ]
     return "\n".join(
@@ -281,7 +293,16 @@ def _restarts_markdown(restarts: dict[str, Any]) -> str:
             "the report's first-step breakdown (compile, Triton autotuning, other first-call work) over the "
             "cold first step's wall time. cold FX graphs: the graphs Inductor compiled or loaded in the cold "
             "process, and how many of them it found in its FX graph cache, filled earlier in the same process "
-            "(a graph that repeats, e.g. one per identical block, compiles once). Every run is in results.json.",
+            "(a graph that repeats, e.g. one per identical block, compiles once). "
+            + (
+                "warm restart: building and compiling the model in the warm process, then its first step; fresh "
+                "machine restart: the same in a new process over empty caches that loads the compiled artifacts "
+                "the cold process saved (bucketwise configs; NOTE [compile artifacts]), and its median ratio to "
+                "the warm restart. "
+                if restart_cols
+                else ""
+            )
+            + "Every run is in results.json.",
             "",
         ]
     )
@@ -372,6 +393,8 @@ def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
         {
             "config": args.configs[0],
             "first_step_s": entry["first_step_s"],
+            # Building the model and compiling it (artifacts loaded there, NOTE [compile artifacts]).
+            "prepare_s": entry["prepare_s"],
             "second_step_s": time.perf_counter() - t0,
             "compile_times": entry["compile_breakdown"],
             "first_step": entry["first_step_breakdown"],

@@ -6,7 +6,12 @@ workers are warm), so each first step here runs in a process of its own:
 
 - cold: a new process over an empty compile-cache folder (Inductor's FX graph cache, the
   AOTAutograd cache and Triton's kernels, all under it);
-- warm: another new process over the same folder, as a restarted job finds it.
+- warm: another new process over the same folder, as a restarted job finds it;
+- fresh (bucketwise configs): a new process over an empty folder that loads the compiled
+  artifacts the cold run saved (``BUCKETWISE_COMPILE_ARTIFACTS``, NOTE [compile artifacts]), as a
+  job restarted on a new machine finds them. The cold run saves them at its second step, after
+  the first step it is timed on. Loading them is part of building the compiled model, so a
+  restart is compared by ``prepare_s`` (building and compiling the model) plus the first step.
 
 Rounds interleave the configs, the order reversed every other round (A B C, C B A, ...), and a
 ratio to another config is the median of the per-round ratios. Each child process builds one
@@ -25,16 +30,22 @@ import tempfile
 from typing import Any
 
 from bucketwise.benchmarks.core import procs
+from bucketwise.benchmarks.core.configs import recipe_for
+from bucketwise.compiler.artifacts import ENV as ARTIFACTS_ENV
 
 RESULT_MARK = "TAX_FIRST_STEP "
 
 
-def child_env(cache_dir: str) -> dict[str, str]:
-    """The environment of a child process: its compile caches on, under ``cache_dir`` only."""
+def child_env(cache_dir: str, artifacts: str | None = None) -> dict[str, str]:
+    """The environment of a child process: its compile caches on, under ``cache_dir`` only, and
+    with ``artifacts`` its compiled artifacts loaded from and saved to that folder."""
     # Its own rendezvous port: the parent's process group still holds the parent's.
     port = str(int(os.environ.get("MASTER_PORT", "29517")) + 1)
+    env = {k: v for k, v in os.environ.items() if k != ARTIFACTS_ENV}
+    if artifacts is not None:
+        env[ARTIFACTS_ENV] = artifacts
     return {
-        **os.environ,
+        **env,
         "TORCHINDUCTOR_CACHE_DIR": cache_dir,
         "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
         "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
@@ -45,7 +56,13 @@ def child_env(cache_dir: str) -> dict[str, str]:
 
 
 def run_child(
-    model: str, config: str, backend: str, cache_dir: str, timeout_s: float, extra_args: list[str] = ()
+    model: str,
+    config: str,
+    backend: str,
+    cache_dir: str,
+    timeout_s: float,
+    extra_args: list[str] = (),
+    artifacts: str | None = None,
 ) -> dict[str, Any]:
     """One new process: ``config``'s first step over ``cache_dir``; its JSON line, or the error."""
     cmd = procs.python(
@@ -63,7 +80,9 @@ def run_child(
         cache_dir,
         *extra_args,
     )
-    proc = procs.run([procs.Proc(cmd)], env=child_env(cache_dir), timeout_s=timeout_s, capture=procs.Capture.ALL)
+    proc = procs.run(
+        [procs.Proc(cmd)], env=child_env(cache_dir, artifacts), timeout_s=timeout_s, capture=procs.Capture.ALL
+    )
     if proc.timed_out:
         return {"error": f"timed out after {timeout_s:.0f} s"}
     for line in proc.stdout.splitlines():
@@ -82,19 +101,32 @@ def run_restarts(
         for r in range(rounds):
             order = configs if r % 2 == 0 else configs[::-1]
             for config in order:
-                cache = os.path.join(root, f"r{r}-{config}")
+                cache, fresh_cache = os.path.join(root, f"r{r}-{config}"), os.path.join(root, f"r{r}-{config}-fresh")
+                artifacts = os.path.join(root, f"r{r}-{config}-artifacts") if carries_artifacts(config) else None
                 os.makedirs(cache)
-                cold = run_child(model, config, backend, cache, timeout_s, list(extra_args))
-                warm = (
-                    run_child(model, config, backend, cache, timeout_s, list(extra_args))
-                    if "error" not in cold
-                    else cold
+                cold = run_child(model, config, backend, cache, timeout_s, list(extra_args), artifacts)
+                run = {"cold": cold, "warm": cold}
+                if "error" not in cold:
+                    run["warm"] = run_child(model, config, backend, cache, timeout_s, list(extra_args))
+                if artifacts is not None and "error" not in cold:
+                    os.makedirs(fresh_cache)
+                    run["fresh"] = run_child(
+                        model, config, backend, fresh_cache, timeout_s, list(extra_args), artifacts
+                    )
+                runs[config].append(run)
+                fresh = f", fresh machine {_s(run['fresh'])}" if "fresh" in run else ""
+                print(
+                    f"restarts round {r + 1}/{rounds} {config}: cold {_s(cold)}, warm {_s(run['warm'])}{fresh}",
+                    flush=True,
                 )
-                runs[config].append({"cold": cold, "warm": warm})
-                print(f"restarts round {r + 1}/{rounds} {config}: cold {_s(cold)}, warm {_s(warm)}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"rounds": rounds, "runs": runs, "summary": summarize(runs)}
+
+
+def carries_artifacts(config: str) -> bool:
+    """Whether ``config`` keeps compiled artifacts (``bucketwise.compile``'s, NOTE [compile artifacts])."""
+    return recipe_for(config).compiler == "bucketwise"
 
 
 def _s(run: dict[str, Any]) -> str:
@@ -127,6 +159,15 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             "cold_fx_graphs": _median([_fx(r["cold"], "fx_hit", "fx_miss", "fx_bypass") for r in rs]),
             "cold_fx_hits": _median([_fx(r["cold"], "fx_hit") for r in rs]),
         }
+        row["warm_restart_s"] = _median([_restart(r["warm"]) for r in rs])
+        fresh = [r["fresh"] for r in rs if "fresh" in r]
+        if fresh:
+            row["fresh_s"] = _median([f.get("first_step_s") for f in fresh])
+            row["fresh_restart_s"] = _median([_restart(f) for f in fresh])
+            row["fresh_over_warm"] = median_ratio(
+                [_restart(r["fresh"]) for r in rs if "fresh" in r], [_restart(r["warm"]) for r in rs if "fresh" in r]
+            )
+            row["fresh_fx_hits"] = _median([_fx(f, "fx_hit") for f in fresh])
         if "torch" in runs and config != "torch":
             row["cold_over_torch"] = median_ratio(cold, _first(runs["torch"], "cold"))
         twin = config.removesuffix("-cg")
@@ -134,6 +175,13 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             row["warm_over_uncaptured"] = median_ratio(warm, _first(runs[twin], "warm"))
         out[config] = row
     return out
+
+
+def _restart(run: dict[str, Any]) -> float | None:
+    """A restart's wait: building and compiling the model (artifacts loaded), then the first step."""
+    if run.get("first_step_s") is None or run.get("prepare_s") is None:
+        return None
+    return run["prepare_s"] + run["first_step_s"]
 
 
 def _accounted(run: dict[str, Any]) -> float | None:

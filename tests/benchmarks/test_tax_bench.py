@@ -146,7 +146,8 @@ def test_replicate_recipe_checks_its_fields(bench):
 def test_restarts_run_cold_then_warm_in_new_processes(bench, monkeypatch):
     """A cold first step in a new process over empty caches, then a warm one over the same
     caches: the warm process loads the fused graph from the AOTAutograd cache, and the report's
-    first-step breakdown accounts for the compiled calls."""
+    first-step breakdown accounts for the compiled calls. Then a fresh machine: a new process
+    over empty caches that loads the cold process's compiled artifacts finds every graph there."""
     from bucketwise.benchmarks.tax import restarts as tax_restarts
 
     monkeypatch.setenv("MASTER_PORT", "29633")
@@ -168,6 +169,14 @@ def test_restarts_run_cold_then_warm_in_new_processes(bench, monkeypatch):
         first = r["first_step"]
         assert 0 < first["compiled_calls_s"] <= r["first_step_s"]
     assert result["summary"]["bw-fused"]["cold_s"] == cold["first_step_s"]
+    fresh = run["fresh"]
+    assert "error" not in fresh, run
+    assert fresh["caches"]["aot_hit"] == 1 and fresh["caches"]["aot_miss"] == 0, fresh["caches"]
+    assert fresh["caches"]["fx_miss"] == 0, fresh["caches"]
+    assert summary["fresh_restart_s"] == fresh["prepare_s"] + fresh["first_step_s"]
+    assert summary["fresh_over_warm"] == pytest.approx(
+        summary["fresh_restart_s"] / (warm["prepare_s"] + warm["first_step_s"])
+    )
 
 
 def test_restart_ratios_are_medians_of_per_round_ratios(bench):
