@@ -382,6 +382,7 @@ def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
     compile caches its environment names (tax_restarts.py)."""
     from bucketwise.benchmarks.tax import restarts as tax_restarts
 
+    started = tax_restarts.started_s()
     before = dc.compile_counters()
     entry = build(args.configs[0], make_spec(args.model, _sizes(args)), device, args.backend, warmup=0)
     after = dc.compile_counters()
@@ -395,6 +396,7 @@ def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
             "first_step_s": entry["first_step_s"],
             # Building the model and compiling it (artifacts loaded there, NOTE [compile artifacts]).
             "prepare_s": entry["prepare_s"],
+            "started_s": started,
             "second_step_s": time.perf_counter() - t0,
             "compile_times": entry["compile_breakdown"],
             "first_step": entry["first_step_breakdown"],

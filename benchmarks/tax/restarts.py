@@ -13,6 +13,9 @@ workers are warm), so each first step here runs in a process of its own:
   the first step it is timed on. Loading them is part of building the compiled model, so a
   restart is compared by ``prepare_s`` (building and compiling the model) plus the first step.
 
+Each run also records ``started_s`` (from its spawn to building the model: the interpreter and
+the imports) and ``process_s`` (spawn to exit), and is printed as it ends (``TAX_RESTART_RUN``).
+
 Rounds interleave the configs, the order reversed every other round (A B C, C B A, ...), and a
 ratio to another config is the median of the per-round ratios. Each child process builds one
 config, runs its first step and one more, and prints one JSON line: the first step's seconds,
@@ -27,6 +30,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import time
 from typing import Any
 
 from bucketwise.benchmarks.core import procs
@@ -34,6 +38,9 @@ from bucketwise.benchmarks.core.configs import recipe_for
 from bucketwise.compiler.artifacts import ENV as ARTIFACTS_ENV
 
 RESULT_MARK = "TAX_FIRST_STEP "
+RUN_MARK = "TAX_RESTART_RUN "
+SPAWNED_ENV = "BUCKETWISE_TAX_SPAWNED_AT"
+"""A child's spawn time (``time.time()``), set by its parent."""
 
 
 def child_env(cache_dir: str, artifacts: str | None = None) -> dict[str, str]:
@@ -80,15 +87,22 @@ def run_child(
         cache_dir,
         *extra_args,
     )
-    proc = procs.run(
-        [procs.Proc(cmd)], env=child_env(cache_dir, artifacts), timeout_s=timeout_s, capture=procs.Capture.ALL
-    )
+    env = {**child_env(cache_dir, artifacts), SPAWNED_ENV: repr(time.time())}
+    t0 = time.perf_counter()
+    proc = procs.run([procs.Proc(cmd)], env=env, timeout_s=timeout_s, capture=procs.Capture.ALL)
     if proc.timed_out:
         return {"error": f"timed out after {timeout_s:.0f} s"}
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK) :])
+            # The whole process, start to exit: a restart's wait beyond its first step.
+            return {**json.loads(line[len(RESULT_MARK) :]), "process_s": time.perf_counter() - t0}
     return {"error": f"exit {proc.code}: {(proc.stderr or proc.stdout)[-1500:]}"}
+
+
+def started_s() -> float | None:
+    """In a child: seconds from its spawn to now (interpreter start and imports)."""
+    spawned = os.environ.get(SPAWNED_ENV)
+    return time.time() - float(spawned) if spawned else None
 
 
 def run_restarts(
@@ -114,6 +128,8 @@ def run_restarts(
                         model, config, backend, fresh_cache, timeout_s, list(extra_args), artifacts
                     )
                 runs[config].append(run)
+                # Every run as it ends, so a job stopped part-way keeps what it measured.
+                print(RUN_MARK + json.dumps({"round": r, "config": config, **run}), flush=True)
                 fresh = f", fresh machine {_s(run['fresh'])}" if "fresh" in run else ""
                 print(
                     f"restarts round {r + 1}/{rounds} {config}: cold {_s(cold)}, warm {_s(run['warm'])}{fresh}",
