@@ -228,9 +228,9 @@ def tax_tables(results: Path, link_root: str) -> str:
         ]
         if runs:
             out += [
-                "| model | config | floor | peak MiB | peak x floor | CPU issue ms | issue x floor | GPU ms "
-                "| GPU x floor | host us/launch |",
-                "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+                "| model | config | floor | peak MiB | peak x floor | CPU issue ms | issue x floor | step ms "
+                "| step x floor | GPU ms | GPU x floor | host us/launch |",
+                "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
             ]
         for run in runs:
             rows = [r for r in run["rows"] if "error" not in r]
@@ -239,16 +239,23 @@ def tax_tables(results: Path, link_root: str) -> str:
                 peak_ratio = r["first_peak_mib"] / peaks[r["floor"]] if peaks.get(r["floor"]) else None
                 gpu = "-" if r.get("gpu_ms") is None else f"{r['gpu_ms']:.2f}"
                 launch = "-" if r.get("host_us_per_launch") is None else f"{r['host_us_per_launch']:.1f}"
+                step = "-" if r.get("step_ms_median") is None else f"{r['step_ms_median']:.2f}"
                 out.append(
-                    f"| {run['meta']['model']} | `{r['config']}` | `{r['floor']}` | {r['first_peak_mib']:,.0f} "
+                    f"| {_model(run['meta'])} | `{r['config']}` | `{r['floor']}` | {r['first_peak_mib']:,.0f} "
                     f"| {_ratio(peak_ratio)} | {r['issue_ms_median']:.2f} | {_ratio(r.get('issue_ratio'))} "
-                    f"| {gpu} | {_ratio(r.get('gpu_ratio'))} | {launch} |"
+                    f"| {step} | {_ratio(r.get('step_ratio'))} | {gpu} | {_ratio(r.get('gpu_ratio'))} | {launch} |"
                 )
             for r in run["rows"]:
                 if "error" in r:
-                    out.append(f"| {run['meta']['model']} | `{r['config']}` | failed | | | | | | | |")
+                    out.append(f"| {_model(run['meta'])} | `{r['config']}` | failed | | | | | | | | | |")
         out += ["", *restart_table(restarts)] if runs else restart_table(restarts)
     return "\n".join(out).rstrip("\n")
+
+
+def _model(meta: dict[str, Any]) -> str:
+    """The model and its depth (``llama, 32 layers``) where the run recorded it."""
+    layers = (meta.get("sizes") or {}).get("layers")
+    return meta["model"] if layers is None else f"{meta['model']}, {layers} layers"
 
 
 def restart_table(runs: Sequence[dict[str, Any]]) -> list[str]:
@@ -276,7 +283,7 @@ def restart_table(runs: Sequence[dict[str, Any]]) -> list[str]:
         for config, r in run["restarts"]["summary"].items():
             accounted = r.get("first_step_accounted")
             out.append(
-                f"| {run['meta']['model']} | `{config}` | {_ratio(r['cold_s'])} | {_ratio(r.get('cold_over_torch'))} "
+                f"| {_model(run['meta'])} | `{config}` | {_ratio(r['cold_s'])} | {_ratio(r.get('cold_over_torch'))} "
                 f"| {_ratio(r['warm_s'])} | {_ratio(r.get('warm_over_uncaptured'))} "
                 f"| {'-' if accounted is None else f'{accounted:.1%}'} | {cold_graphs_text(r)} |"
                 + (f" {_ratio(r.get('fresh_restart_s'))} | {_ratio(r.get('fresh_over_warm'))} |" if fresh else "")
