@@ -31,8 +31,9 @@ Dynamo does not guard them: so every compiled call first compares the blocks' mo
 attributes (numbers, strings, flags, ``None`` and tuples of them) with what they were at the first
 call (``BlockCalls.changed``, one pass in C over the modules' ``__dict__``s). Where one changed,
 Dynamo inlines every block from then on, as if a block had refused, and compiles the graph again
-with its guards on the new value; the report says which attribute changed. Otherwise (or with
-``share_blocks=False``) Dynamo inlines the blocks.
+with its guards on the new value; the report says which attribute changed. Where blocks are not shared
+(``share_blocks=False``, or ``"auto"`` without CUDA graphs: NOTE [sharing by default]) Dynamo
+inlines the blocks.
 """
 
 from __future__ import annotations

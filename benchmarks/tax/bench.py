@@ -429,10 +429,23 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
             f"first-steps peak {e['first_peak_bytes'] / 2**20:,.0f} MiB",
             flush=True,
         )
+
+    def save(rows: list[dict[str, Any]], restarts: dict[str, Any] | None = None, *, show: bool = False) -> None:
+        if dist.get_rank() != 0:
+            return
+        meta = _meta(args, device)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows, "restarts": restarts}, f, indent=1)
+        with open(os.path.join(args.out, "results.md"), "w") as f:
+            f.write(markdown(meta, rows, restarts))
+        if show:
+            print(markdown(meta, rows, restarts), flush=True)
+
     if not entries and not failed:
         rows: list[dict[str, Any]] = []
     else:
-        rows = _steady(args, entries, failed)
+        rows = _steady(args, entries, failed, save)
     restarts = None
     if args.restarts:
         from bucketwise.benchmarks.tax import restarts as tax_restarts
@@ -443,20 +456,17 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
             torch.cuda.empty_cache()
         extra = ["--layers", str(args.layers)] if args.layers is not None else []
         restarts = tax_restarts.run_restarts(args.model, args.configs, args.backend, args.restarts, extra_args=extra)
-    if dist.get_rank() == 0:
-        meta = _meta(args, device)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows, "restarts": restarts}, f, indent=1)
-        with open(os.path.join(args.out, "results.md"), "w") as f:
-            f.write(markdown(meta, rows, restarts))
-        print(markdown(meta, rows, restarts), flush=True)
+    save(rows, restarts, show=True)
 
 
 def _steady(
-    args: argparse.Namespace, entries: dict[str, dict[str, Any]], failed: list[dict[str, Any]]
+    args: argparse.Namespace,
+    entries: dict[str, dict[str, Any]],
+    failed: list[dict[str, Any]],
+    save: Callable[[list[dict[str, Any]]], None],
 ) -> list[dict[str, Any]]:
-    """The interleaved rounds and the kernel profiles of the configs built in this process."""
+    """The interleaved rounds and the kernel profiles of the configs built in this process;
+    the rounds are saved before the profiles run (a job stopped there keeps them)."""
     at_rest = _allocated()
     built = list(entries)
     for r in range(args.pairs):
@@ -469,6 +479,7 @@ def _steady(
             + " ms issue",
             flush=True,
         )
+    save(summarize(entries) + failed)
     for config in built:
         kernel_profile(entries[config], args.profile_steps)
     return summarize(entries) + failed
