@@ -188,8 +188,8 @@ def _block_calls(module: nn.Module, backend: GraphBackend) -> BlockCalls | None:
     says why (NOTE [sharing by default])."""
     sharing = backend.sharing
     if not sharing.enabled:
-        found = repeated_blocks(module)
-        if sharing.reason is not None and found is not None:
+        found = repeated_blocks(module) if sharing.reason is not None else None
+        if found is not None:
             backend.report.note(f"{found[0]}: {len(found[1])} blocks compiled with the whole graph: {sharing.reason}")
         return None
     if backend.config.backend not in SHAREABLE_BACKENDS:

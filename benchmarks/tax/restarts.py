@@ -176,14 +176,13 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             "cold_fx_hits": _median([_fx(r["cold"], "fx_hit") for r in rs]),
         }
         row["warm_restart_s"] = _median([_restart(r["warm"]) for r in rs])
-        fresh = [r["fresh"] for r in rs if "fresh" in r]
+        fresh = [r for r in rs if "fresh" in r]
         if fresh:
-            row["fresh_s"] = _median([f.get("first_step_s") for f in fresh])
-            row["fresh_restart_s"] = _median([_restart(f) for f in fresh])
-            row["fresh_over_warm"] = median_ratio(
-                [_restart(r["fresh"]) for r in rs if "fresh" in r], [_restart(r["warm"]) for r in rs if "fresh" in r]
-            )
-            row["fresh_fx_hits"] = _median([_fx(f, "fx_hit") for f in fresh])
+            restarts = [_restart(r["fresh"]) for r in fresh]
+            row["fresh_s"] = _median([r["fresh"].get("first_step_s") for r in fresh])
+            row["fresh_restart_s"] = _median(restarts)
+            row["fresh_over_warm"] = median_ratio(restarts, [_restart(r["warm"]) for r in fresh])
+            row["fresh_fx_hits"] = _median([_fx(r["fresh"], "fx_hit") for r in fresh])
         if "torch" in runs and config != "torch":
             row["cold_over_torch"] = median_ratio(cold, _first(runs["torch"], "cold"))
         twin = config.removesuffix("-cg")

@@ -18,9 +18,11 @@ from bucketwise.compiler.decision import decide_sharing
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
+        self.inp = nn.Linear(8, 8)  # so every block's input needs a gradient: the blocks are one computation
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
         for block in self.blocks:
             x = x + block(x)
         return x.sum()
@@ -62,8 +64,13 @@ def test_blocks_the_default_leaves_unshared_are_named_in_the_report():
     report = bucketwise.report(compiled)
     (note,) = [n for n in report.notes if "compiled with the whole graph" in n]
     assert note.startswith("blocks: 3 blocks compiled with the whole graph: share_blocks='auto'"), note
-    assert not report.to_dict().get("shared_blocks"), report.to_dict().get("shared_blocks")
+    assert [g["shared_blocks"] for g in report.to_dict()["graphs"]] == [None]
 
     asked = bucketwise.compile(Net(), backend="aot_eager", share_blocks=False)
     asked(x)
     assert not any("compiled with the whole graph" in n for n in bucketwise.report(asked).notes)
+    # The same model asked to share does share: the check above can tell the two apart.
+    shared = bucketwise.compile(Net(), backend="aot_eager", share_blocks=True)
+    shared(x)
+    (graph,) = bucketwise.report(shared).to_dict()["graphs"]
+    assert graph["shared_blocks"]["compiles"] == 1 and graph["shared_blocks"]["count"] >= 2, graph["shared_blocks"]
