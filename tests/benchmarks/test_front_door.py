@@ -32,10 +32,10 @@ def test_each_command_has_its_own_help(name):
 
 
 def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
-    assert probes() == ["comm_passes", "host_calls", "step_kernels"]
+    assert probes() == ["comm_passes", "graph_launch", "host_calls", "step_kernels"]
     done = _run("probe", "nope")
     assert done.returncode == 2
-    assert "expected one of ['comm_passes', 'host_calls', 'step_kernels'], got 'nope'" in done.stderr
+    assert "expected one of ['comm_passes', 'graph_launch', 'host_calls', 'step_kernels'], got 'nope'" in done.stderr
 
 
 def test_an_unknown_command_exits_2_naming_the_commands():
