@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import linecache
 import logging
 import types
 import weakref
@@ -273,8 +274,12 @@ def _block_forward(entry: BlockEntry, block: nn.Module) -> Callable[..., Any]:
         f"    return block_call({entry.key}, {_tuple(tensors)}, {_tuple(training)}, "
         "args, tuple(kwargs), tuple(kwargs.values()))"
     )
+    source, filename = "\n".join(lines) + "\n", f"<bucketwise block forward {entry.key}>"
     scope = {"_plain": _plain, "block_call": block_call}
-    exec(compile("\n".join(lines), f"<bucketwise block forward {entry.key}>", "exec"), scope)  # noqa: S102
+    exec(compile(source, filename, "exec"), scope)  # noqa: S102
+    # Its lines in tracebacks and in Dynamo's stack traces, for as long as the block lives.
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    weakref.finalize(block, linecache.cache.pop, filename, None)
     return scope["forward"]
 
 

@@ -5,6 +5,9 @@ backend make of the call is checked against eager DDP in tests/distributed/test_
 
 from __future__ import annotations
 
+import gc
+import linecache
+
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -57,6 +60,12 @@ def test_the_block_forward_runs_the_block_on_its_own_tensors():
     ), entry.names
     # Outside a compiled call the block's own forward is untouched.
     assert "forward" not in block.__dict__
+    # A traceback through the generated forward shows its line; the line goes with the block.
+    filename = entry.forward.__code__.co_filename
+    assert "return block_call(" in "".join(linecache.getlines(filename)), linecache.getlines(filename)
+    del block, entry
+    gc.collect()
+    assert not linecache.getlines(filename)
 
 
 def test_the_block_forward_records_every_module_s_training_flag_on_fake_tensors():
