@@ -22,13 +22,13 @@ import time
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from bucketwise.benchmarks.core.configs import recipe_for
 from bucketwise.benchmarks.core.meta import run_meta
 from bucketwise.benchmarks.core.models import MODELS, make_spec
 from bucketwise.benchmarks.core.step import training_step
+from bucketwise.benchmarks.probes._one_gpu import one_gpu_rank
 
 STEPS = 20
 IDLE_SAMPLES = 5
@@ -88,17 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder for results.json")
     args = p.parse_args(argv)
     configs = args.configs.split(",")
-    for c in configs:
-        recipe_for(c)  # names the known configs if not one
-    if not torch.cuda.is_available():
-        p.error("needs a GPU")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29576")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    device = torch.device("cuda", 0)
-    spec = make_spec(args.model, {"layers": args.layers})
-    try:
+    with one_gpu_rank(p, configs, port=29576) as device:
+        spec = make_spec(args.model, {"layers": args.layers})
         steps = {}
         for c in configs:
             steps[c] = training_step(recipe_for(c), spec, device, "inductor")[3]
@@ -116,8 +107,6 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{key}_median"] = statistics.median(x[key] for x in rounds[c])
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
-    finally:
-        dist.destroy_process_group()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         meta = {**run_meta(), "model": args.model, "layers": args.layers, "steps": STEPS, "rounds": args.rounds}

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 
 import torch
-import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from bucketwise.benchmarks.core.configs import recipe_for
 from bucketwise.benchmarks.core.models import MODELS, make_spec
 from bucketwise.benchmarks.core.step import training_step
+from bucketwise.benchmarks.probes._one_gpu import one_gpu_rank
 
 CPU_OPS = ("aten::clone", "aten::copy_", "aten::detach", "torch::autograd::AccumulateGrad", "aten::empty_strided")
 CUDAGRAPH_STATS = ("name", "replays", "records", "inputs_in_place", "inputs_copied", "uncaptured_runs", "note")
@@ -57,18 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = args.configs.split(",")
     if len(configs) != 2:
         p.error(f"--configs: expected two configs, got {configs}")
-    for c in configs:
-        recipe_for(c)  # names the known configs if not one
-    if not torch.cuda.is_available():
-        p.error("needs a GPU")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29577")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    try:
-        a, b = (profile_config(c, args.model, torch.device("cuda", 0)) for c in configs)
-    finally:
-        dist.destroy_process_group()
+    with one_gpu_rank(p, configs, port=29577) as device:
+        a, b = (profile_config(c, args.model, device) for c in configs)
     diff = {k: (a[k] / STEPS, b[k] / STEPS) for k in set(a) | set(b) if a[k] != b[k]}
     print(f"{configs[0]:>10} {configs[1]:>10}  kernel (per step)")
     for name, (x, y) in sorted(diff.items(), key=lambda kv: -abs(kv[1][1] - kv[1][0]))[:25]:
