@@ -9,14 +9,18 @@ thread's CPU time, and the step time; then one step issued with the GPU idle (th
 work, nothing to wait for); then, under the profiler, the host's time in "Command Buffer Full"
 (waiting for the GPU to take more work) and in ``cudaGraphLaunch`` per launch. Where the
 back-to-back issue time is above the idle one by about the command-buffer waits, the difference
-is the GPU's, not the host's. Writes ``results.json`` under ``--out``.
+is the GPU's, not the host's. Writes ``results.json`` under ``--out``; ``--profile N`` then
+prints where the host's own work goes (cProfile of N steps, each issued from an idle GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import time
 from typing import Any, Callable
@@ -62,6 +66,23 @@ def from_idle(step: Callable[[], Any]) -> float:
     return statistics.median(samples)
 
 
+def idle_profile(step: Callable[[], Any], steps: int) -> str:
+    """cProfile of ``steps`` steps, each issued with the GPU idle: the host's own work, by
+    function (the 30 largest by own time, then by cumulative time)."""
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        prof.enable()
+        step()
+        prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(60)
+    return text.getvalue()
+
+
 def host_waits(step: Callable[[], Any]) -> dict[str, float | None]:
     """Under the profiler, ``PROFILED_STEPS`` steps back to back: the host's ms per step in
     command-buffer waits, and per ``cudaGraphLaunch``."""
@@ -86,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="bw-fused-cg,bw-fused-blocks-cg", help="comma-separated")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None, help="folder for results.json")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="then print cProfile of N idle steps per config")
     args = p.parse_args(argv)
     configs = args.configs.split(",")
     with one_gpu_rank(p, configs, port=29576) as device:
@@ -107,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{key}_median"] = statistics.median(x[key] for x in rounds[c])
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
+        for c in configs if args.profile else ():
+            print(f"== {c}: cProfile of {args.profile} steps issued from an idle GPU", flush=True)
+            print(idle_profile(steps[c], args.profile), flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         meta = {**run_meta(), "model": args.model, "layers": args.layers, "steps": STEPS, "rounds": args.rounds}
