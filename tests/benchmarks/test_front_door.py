@@ -38,6 +38,13 @@ def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
     assert "expected one of ['comm_passes', 'graph_launch', 'host_calls', 'step_kernels'], got 'nope'" in done.stderr
 
 
+@pytest.mark.parametrize("probe", ["graph_launch", "step_kernels"])
+def test_a_one_gpu_probe_names_an_unknown_config_before_it_needs_a_gpu(probe):
+    done = _run("probe", probe, "--configs", "bw-fused,nope")
+    assert done.returncode == 2
+    assert "--configs: unknown config 'nope'; known configs: eager," in done.stderr, done.stderr[-500:]
+
+
 def test_an_unknown_command_exits_2_naming_the_commands():
     done = _run("ddp_bench")
     assert done.returncode == 2
