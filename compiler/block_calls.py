@@ -230,7 +230,7 @@ def _why_not(block: nn.Module) -> str | None:
 def _entry(block: nn.Module) -> BlockEntry:
     paths = []
     for prefix, sub in block.named_modules(remove_duplicate=False):
-        path = tuple(prefix.split(".")) if prefix else ()
+        path = _path(prefix)
         for kind, table in (("_parameters", sub._parameters), ("_buffers", sub._buffers)):
             for name, tensor in table.items():
                 if tensor is not None:
@@ -268,8 +268,8 @@ def _block_forward(entry: BlockEntry, block: nn.Module) -> Callable[..., Any]:
             lines.append(f"    {local[path]} = {parent}._modules[{path[-1]!r}]")
         return local[path]
 
-    by_module = {id(sub): tuple(prefix.split(".")) if prefix else () for prefix, sub in block.named_modules()}
-    training = [module(by_module[id(sub)]) + ".training" for sub in entry.modules]
+    # ``named_modules()`` walks the modules in ``entry.modules``' order (``block.modules()``).
+    training = [module(_path(prefix)) + ".training" for prefix, _ in block.named_modules()]
     tensors = [f"{module(path)}.{kind}[{name!r}]" for path, kind, name in entry.paths]
     lines.append(
         f"    return block_call({entry.key}, {_tuple(tensors)}, {_tuple(training)}, "
@@ -282,6 +282,11 @@ def _block_forward(entry: BlockEntry, block: nn.Module) -> Callable[..., Any]:
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     weakref.finalize(block, linecache.cache.pop, filename, None)
     return scope["forward"]
+
+
+def _path(prefix: str) -> tuple[str, ...]:
+    """A submodule's path from its ``named_modules`` prefix (``()`` for the block itself)."""
+    return tuple(prefix.split(".")) if prefix else ()
 
 
 def _tuple(items: list[str]) -> str:
