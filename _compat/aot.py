@@ -71,6 +71,19 @@ def inductor_compile(
         return compile_fx_inner(gm, list(example_inputs), is_backward=backward)
 
 
+def start_compile_workers() -> None:
+    """Start Inductor's pool of Triton compile workers now, where torch starts it when its own
+    ``inductor`` backend is called (NOTE [compile workers from the start])."""
+    from torch._inductor import async_compile
+
+    warm = getattr(async_compile, "maybe_warm_pool", None)
+    if warm is not None:
+        warm()  # honours TORCH_WARM_POOL=0 and TORCHINDUCTOR_COMPILE_THREADS=1
+    else:
+        async_compile.AsyncCompile.warm_pool()
+        async_compile.AsyncCompile.wakeup()
+
+
 def trace_into(graph: fx.Graph, fn: Callable[..., Any], args: Sequence[fx.Node], fake_mode: Any) -> fx.Node:
     """``fn(*args)`` traced to aten ops (``make_fx`` on the nodes' fake values) and copied into
     ``graph`` at its insertion point; returns the node of its one tensor result."""

@@ -102,3 +102,20 @@ def test_an_averaged_copy_of_a_compiled_ddp_module_trains(single_rank_group):
     ema.update_parameters(compiled)
     out = ema(torch.randn(2, 8))
     assert out.shape == (2, 4)
+
+
+def test_compile_workers_start_when_a_gpu_module_is_compiled_for_inductor(monkeypatch):
+    # NOTE [compile workers from the start]; the workers themselves are checked on a GPU
+    # (tests/gpu/test_gpu_compile_workers.py).
+    from bucketwise._compat import aot
+    from bucketwise.compiler import api
+
+    started = []
+    monkeypatch.setattr(aot, "start_compile_workers", lambda: started.append(True))
+    bucketwise.compile(_net())
+    assert started == [], "a module on the CPU starts no Triton compile workers"
+    monkeypatch.setattr(api, "_on_cuda", lambda module: True)
+    bucketwise.compile(_net(), backend="aot_eager")
+    assert started == [], "a backend other than Inductor starts no Triton compile workers"
+    bucketwise.compile(_net())
+    assert started == [True]
