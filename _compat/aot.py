@@ -73,7 +73,8 @@ def inductor_compile(
 
 def start_compile_workers() -> None:
     """Start Inductor's pool of Triton compile workers now, where torch starts it when its own
-    ``inductor`` backend is called (NOTE [compile workers from the start])."""
+    ``inductor`` backend is called (NOTE [compile workers from the start]).
+    ``async_compile.maybe_warm_pool``: checked on torch 2.11.0 and 2.13.0."""
     from torch._inductor import async_compile
 
     warm = getattr(async_compile, "maybe_warm_pool", None)
