@@ -7,7 +7,7 @@ Checked on torch 2.11.0 (device machines), 2.13.0 and 2.15.0 (CPU).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch._guards
@@ -71,10 +71,18 @@ def inductor_compile(
         return compile_fx_inner(gm, list(example_inputs), is_backward=backward)
 
 
-def start_compile_workers() -> None:
-    """Start Inductor's pool of Triton compile workers now, where torch starts it when its own
-    ``inductor`` backend is called (NOTE [compile workers from the start]).
+def start_compile_workers(backend: Any, tensors: Iterable[Any]) -> bool:
+    """Start Inductor's pool of Triton compile workers now if ``backend`` is Inductor and one of
+    ``tensors`` is on a CUDA device; torch starts it only when its own ``inductor`` backend is
+    called (NOTE [compile workers from the start]). Returns whether it was asked to start.
     ``async_compile.maybe_warm_pool``: checked on torch 2.11.0 and 2.13.0."""
+    if backend != "inductor" or not any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
+        return False
+    _warm_pool()
+    return True
+
+
+def _warm_pool() -> None:
     from torch._inductor import async_compile
 
     warm = getattr(async_compile, "maybe_warm_pool", None)

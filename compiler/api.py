@@ -111,8 +111,7 @@ def compile_with_config(obj: nn.Module | Callable[..., Any], config: CompileConf
             raise ValueError(f"obj: cannot compile this DDP module: {problem}")
     cudagraphs = resolve_cudagraphs(config)
     if isinstance(obj, nn.Module):
-        if config.backend == "inductor" and _on_cuda(obj):
-            aot.start_compile_workers()
+        aot.start_compile_workers(config.backend, itertools.chain(obj.parameters(), obj.buffers()))
         return compile_module(obj, config, cudagraphs=cudagraphs)
     return compile_function(obj, config, cudagraphs=cudagraphs)
 
@@ -123,10 +122,10 @@ def compile_with_config(obj: nn.Module | Callable[..., Any], config: CompileConf
 # after Dynamo's trace; bucketwise's backend compiles the shared block (NOTE [one compile per
 # block]) before it calls Inductor's entry point, so the block's kernels were all compiled that
 # way (2.9 s of a 32-layer HF Llama's cold first step on one H100, under py-spy). So the pool is
-# started when a module on the GPU is compiled for Inductor: its workers start while the first
-# call is traced. ``TORCH_WARM_POOL=0`` and ``TORCHINDUCTOR_COMPILE_THREADS=1`` still turn it off.
-def _on_cuda(module: nn.Module) -> bool:
-    return any(t.is_cuda for t in itertools.chain(module.parameters(), module.buffers()))
+# started when a module on the GPU is compiled for Inductor, and its workers start while the
+# first call is traced; and again (a no-op where it runs) before a graph on the GPU shares its
+# blocks, for a module moved to the GPU after ``compile``. ``TORCH_WARM_POOL=0`` and
+# ``TORCHINDUCTOR_COMPILE_THREADS=1`` still turn it off.
 
 
 def resolve_cudagraphs(config: CompileConfig) -> cudagraph_policy.Decision:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from .._compat import aot
 from .._compat import ddp as ddpc
 from .._compat import dynamo as dc
 from ..cudagraphs import policy as cudagraph_policy
@@ -261,6 +262,7 @@ class GraphBackend:
         # their own; their inputs' layouts are checked at each block's first call, not at every
         # call (host time: a block's graph is called once per block).
         patches = {**patches, "triton.cudagraphs": False, "size_asserts": False}
+        aot.start_compile_workers(backend, example_inputs)  # NOTE [compile workers from the start]
         sharing, unshared = share_blocks(gm, example_inputs, backend=backend, config_patches=patches, buckets=buckets)
         calls = self.block_calls
         if sharing is not None:

@@ -104,18 +104,31 @@ def test_an_averaged_copy_of_a_compiled_ddp_module_trains(single_rank_group):
     assert out.shape == (2, 4)
 
 
-def test_compile_workers_start_when_a_gpu_module_is_compiled_for_inductor(monkeypatch):
+def test_compile_workers_start_for_inductor_on_a_gpu(monkeypatch):
     # NOTE [compile workers from the start]; the workers themselves are checked on a GPU
     # (tests/gpu/test_gpu_compile_workers.py).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from bucketwise._compat import aot
-    from bucketwise.compiler import api
 
     started = []
-    monkeypatch.setattr(aot, "start_compile_workers", lambda: started.append(True))
-    bucketwise.compile(_net())
-    assert started == [], "a module on the CPU starts no Triton compile workers"
-    monkeypatch.setattr(api, "_on_cuda", lambda module: True)
-    bucketwise.compile(_net(), backend="aot_eager")
-    assert started == [], "a backend other than Inductor starts no Triton compile workers"
-    bucketwise.compile(_net())
+    monkeypatch.setattr(aot, "_warm_pool", lambda: started.append(True))
+    with FakeTensorMode():
+        on_gpu = [torch.empty(2), torch.empty(2, device="cuda")]
+    assert not aot.start_compile_workers("inductor", on_gpu[:1]), "tensors on the CPU start no workers"
+    assert not aot.start_compile_workers("aot_eager", on_gpu), "a backend other than Inductor starts no workers"
+    assert not aot.start_compile_workers(lambda gm, inputs: gm, on_gpu), "nor does a callable backend"
+    assert started == []
+    assert aot.start_compile_workers("inductor", on_gpu)
     assert started == [True]
+
+
+def test_compile_asks_for_the_compile_workers_with_the_modules_tensors(monkeypatch):
+    from bucketwise._compat import aot
+
+    asked = []
+    monkeypatch.setattr(aot, "start_compile_workers", lambda backend, tensors: asked.append((backend, list(tensors))))
+    net = _net()
+    bucketwise.compile(net, backend="aot_eager")
+    assert len(asked) == 1 and asked[0][0] == "aot_eager"
+    assert [t is p for t, p in zip(asked[0][1], net.parameters())] == [True] * 4
