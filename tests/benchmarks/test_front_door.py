@@ -32,10 +32,13 @@ def test_each_command_has_its_own_help(name):
 
 
 def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
-    assert probes() == ["comm_passes", "graph_launch", "host_calls", "step_kernels"]
+    assert probes() == ["comm_passes", "compile_depth", "graph_launch", "host_calls", "step_kernels"]
     done = _run("probe", "nope")
     assert done.returncode == 2
-    assert "expected one of ['comm_passes', 'graph_launch', 'host_calls', 'step_kernels'], got 'nope'" in done.stderr
+    assert (
+        "expected one of ['comm_passes', 'compile_depth', 'graph_launch', 'host_calls', 'step_kernels'], got 'nope'"
+        in done.stderr
+    )
 
 
 @pytest.mark.parametrize("probe", ["graph_launch", "step_kernels"])
@@ -43,6 +46,30 @@ def test_a_one_gpu_probe_names_an_unknown_config_before_it_needs_a_gpu(probe):
     done = _run("probe", probe, "--configs", "bw-fused,nope")
     assert done.returncode == 2
     assert "--configs: unknown config 'nope'; known configs: eager," in done.stderr, done.stderr[-500:]
+
+
+def test_compile_depth_runs_each_depth_cold_and_gives_the_slope_per_block():
+    import json
+
+    done = _run("probe", "compile_depth", "--layers", "3,2", "--backend", "aot_eager")
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = [json.loads(line[len("DEPTH ") :]) for line in done.stdout.splitlines() if line.startswith("DEPTH ")]
+    assert [r["layers"] for r in runs] == [2, 3]
+    for r in runs:
+        # Every phase was timed, and the shared block's compile is part of AOTAutograd and backend.
+        assert all(r[k] > 0 for k in ("dynamo_s", "aot_autograd_s", "first_step_s")), r
+        assert 0 < r["block_s"] <= r["aot_autograd_s"] + r["backend_s"] + 1e-6, r
+    slope = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("SLOPE "))[len("SLOPE ") :])
+    assert slope["between"] == [2, 3]
+    dynamo = slope["dynamo_s"]
+    assert abs(dynamo["per_block_s"] - (runs[1]["dynamo_s"] - runs[0]["dynamo_s"])) < 1e-3
+    assert abs(dynamo["at_no_blocks_s"] + 2 * dynamo["per_block_s"] - runs[0]["dynamo_s"]) < 2e-3
+
+
+def test_compile_depth_needs_two_depths():
+    done = _run("probe", "compile_depth", "--layers", "8")
+    assert done.returncode == 2
+    assert "--layers: expected two or more depths of 2 blocks or more, got '8'" in done.stderr
 
 
 def test_an_unknown_command_exits_2_naming_the_commands():
