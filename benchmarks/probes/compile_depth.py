@@ -3,14 +3,15 @@ that repeat per block and those paid once, with shared blocks (NOTE [one compile
 
     python -m bucketwise.benchmarks probe compile_depth [--layers 8,32] [--backend inductor]
 
-A tiny HF Llama (d 64) at each depth, ``fused``, ``share_blocks=True``, one rank (gloo), each depth
-a new process over an empty Inductor cache, so every run is cold. Prints each run's compile-time
-breakdown (``bucketwise.report``: Dynamo, AOTAutograd, the backend, and the shared block's own
-compile, which is in the AOTAutograd and backend figures too) as ``DEPTH {json}``, then, between
-the shallowest and the deepest run, the seconds per added block of each phase and what is left
-of it at no blocks (``SLOPE {json}``). The GPU's cold first steps are in ``comm_passes cold`` and
-``tax --restarts``; this probe's figures are the host's work only (and, with Inductor on the CPU,
-its C++ compiles, which are paid once).
+The ``llama`` model of ``benchmarks/core/models.py`` (HF ``LlamaForCausalLM``), tiny (``SIZES``),
+at each depth, ``fused``, ``share_blocks=True``, one rank (gloo), each depth a new process over an
+empty Inductor cache, so every run is cold. Prints each run's compile-time breakdown
+(``bucketwise.report``: Dynamo, AOTAutograd, the backend, and the shared block's own compile,
+which is in the AOTAutograd and backend figures too) as ``DEPTH {json}``, then, between the
+shallowest and the deepest run, the seconds per added block of each phase and what is left of it
+at no blocks (``SLOPE {json}``). The GPU's cold first steps are in ``comm_passes cold`` and ``tax
+--restarts``; this probe's figures are the host's work only (and, with Inductor on the CPU, its
+C++ compiles, which are paid once).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import sys
 import tempfile
 import time
 
+SIZES = {"d_model": 64, "heads": 4, "seq": 32, "batch": 2, "vocab": 256}
+"""The ``llama`` model of ``benchmarks/core/models.py``, tiny, at each depth."""
 PHASES = ("dynamo_s", "aot_autograd_s", "backend_s", "block_s", "first_step_s")
 
 
@@ -31,27 +34,18 @@ def one(layers: int, backend: str) -> dict[str, float]:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import bucketwise
+    from bucketwise.benchmarks.core.models import make_spec
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        config = LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-            max_position_embeddings=64,
-            use_cache=False,
-        )
+        spec = make_spec("llama", {"layers": layers, **SIZES})
         torch.manual_seed(0)
-        model = bucketwise.compile(DDP(LlamaForCausalLM(config)), strategy="fused", share_blocks=True, backend=backend)
-        ids = torch.randint(0, 256, (2, 32))
+        model = bucketwise.compile(DDP(spec.build()), strategy="fused", share_blocks=True, backend=backend)
+        batch = spec.make_batch(0, torch.device("cpu"))
         start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
+        spec.loss(model, batch).backward()
         first = time.perf_counter() - start
         report = bucketwise.report(model).to_dict()
         times = report["totals"]["compile_times"]
