@@ -75,7 +75,7 @@ def start_compile_workers(backend: Any, tensors: Iterable[Any]) -> bool:
     """Start Inductor's pool of Triton compile workers now if ``backend`` is Inductor and one of
     ``tensors`` is on a CUDA device; torch starts it only when its own ``inductor`` backend is
     called (NOTE [compile workers from the start]). Returns whether it was asked to start.
-    ``async_compile.maybe_warm_pool``: checked on torch 2.11.0 and 2.13.0."""
+    ``async_compile.maybe_warm_pool``: checked on torch 2.11.0, 2.13.0 and 2.15.0."""
     if backend != "inductor" or not any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
         return False
     _warm_pool()
