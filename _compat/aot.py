@@ -83,14 +83,9 @@ def start_compile_workers(backend: Any, tensors: Iterable[Any]) -> bool:
 
 
 def _warm_pool() -> None:
-    from torch._inductor import async_compile
+    from torch._inductor.async_compile import maybe_warm_pool
 
-    warm = getattr(async_compile, "maybe_warm_pool", None)
-    if warm is not None:
-        warm()  # honours TORCH_WARM_POOL=0 and TORCHINDUCTOR_COMPILE_THREADS=1
-    else:
-        async_compile.AsyncCompile.warm_pool()
-        async_compile.AsyncCompile.wakeup()
+    maybe_warm_pool()  # honours TORCH_WARM_POOL=0 and TORCHINDUCTOR_COMPILE_THREADS=1
 
 
 def trace_into(graph: fx.Graph, fn: Callable[..., Any], args: Sequence[fx.Node], fake_mode: Any) -> fx.Node:

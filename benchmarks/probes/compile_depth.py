@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 
+from bucketwise.benchmarks.core import procs
+from bucketwise.benchmarks.tax.restarts import child_env
+
 SIZES = {"d_model": 64, "heads": 4, "seq": 32, "batch": 2, "vocab": 256}
 """The ``llama`` model of ``benchmarks/core/models.py``, tiny, at each depth."""
+CHILD_TIMEOUT_S = 1800
+"""A depth's process, at the most (Inductor's C++ compiles on a 2-core CPU included)."""
 PHASES = ("dynamo_s", "aot_autograd_s", "backend_s", "block_s", "first_step_s")
 
 
@@ -96,27 +99,20 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--layers: expected two or more depths of 2 blocks or more, got {args.layers!r}")
     runs = []
     for layers in depths:
-        env = {
-            **os.environ,
-            "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="bucketwise-compile-depth-"),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(29400 + os.getpid() % 300),
-            "BUCKETWISE_PROGRESS": "0",
-        }
-        cmd = [
-            sys.executable,
-            "-m",
-            "bucketwise.benchmarks.probes.compile_depth",
-            "--one",
-            str(layers),
-            "--backend",
-            args.backend,
-        ]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        with tempfile.TemporaryDirectory(prefix="bucketwise-compile-depth-") as cache:
+            cmd = procs.python("-m", "bucketwise.benchmarks.probes.compile_depth", "--one", str(layers))
+            env = {**child_env(cache), "MASTER_ADDR": "127.0.0.1"}
+            done = procs.run(
+                [procs.Proc([*cmd, "--backend", args.backend])],
+                env=env,
+                timeout_s=CHILD_TIMEOUT_S,
+                capture=procs.Capture.ALL,
+            )
         line = next((line for line in done.stdout.splitlines() if line.startswith("DEPTH ")), None)
-        if done.returncode != 0 or line is None:
+        if done.timed_out or done.code != 0 or line is None:
             print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
-            print(f"compile_depth: the run at {layers} layers failed (exit {done.returncode})", file=sys.stderr)
+            why = f"timed out after {CHILD_TIMEOUT_S} s" if done.timed_out else f"exit {done.code}"
+            print(f"compile_depth: the run at {layers} layers failed ({why})", file=sys.stderr)
             return 1
         print(line, flush=True)
         runs.append(json.loads(line[len("DEPTH ") :]))
