@@ -13,6 +13,7 @@ import torch.nn as nn
 from .._compat import aot
 from .._compat import ddp as ddpc
 from ..cudagraphs import policy as cudagraph_policy
+from ..stats import bytecode
 from .config import CompileConfig
 from .module import compile_function, compile_module
 
@@ -110,6 +111,7 @@ def compile_with_config(obj: nn.Module | Callable[..., Any], config: CompileConf
         if problem is not None:
             raise ValueError(f"obj: cannot compile this DDP module: {problem}")
     cudagraphs = resolve_cudagraphs(config)
+    warn_uncached_bytecode()
     if isinstance(obj, nn.Module):
         aot.start_compile_workers(config.backend, itertools.chain(obj.parameters(), obj.buffers()))
         return compile_module(obj, config, cudagraphs=cudagraphs)
@@ -126,6 +128,14 @@ def compile_with_config(obj: nn.Module | Callable[..., Any], config: CompileConf
 # first call is traced; and again (a no-op where it runs) before a graph on the GPU shares its
 # blocks, for a module moved to the GPU after ``compile``. ``TORCH_WARM_POOL=0`` and
 # ``TORCHINDUCTOR_COMPILE_THREADS=1`` still turn it off.
+
+
+def warn_uncached_bytecode() -> None:
+    """Warn, on local rank 0, where every process compiles torch's modules from source (NOTE
+    [compiled bytecode])."""
+    message = bytecode.torch_bytecode().warning()
+    if message and os.environ.get("LOCAL_RANK", "0") == "0":
+        log.warning("%s", message)
 
 
 def resolve_cudagraphs(config: CompileConfig) -> cudagraph_policy.Decision:

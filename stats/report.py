@@ -7,7 +7,7 @@ import os
 from typing import Any, Callable
 
 from ..distributed.result import BucketStats, VariantStats
-from . import first_step
+from . import bytecode, first_step
 from .compile_times import POLLS_AFTER_COMPILE, CompileTimes, CompileTimesTracker, sum_compile_times
 from .files import atomic_write_json
 from .rank_file import RankFile, rank_and_world
@@ -184,6 +184,7 @@ class Report:
             "compile_seconds": round(sum(g.compile_seconds for g in self.graphs), 6),
             "compile_times": sum_compile_times(g.compile_times for g in self.graphs),
             "first_step": self.first_step.summary(self.compile_times.compiled_within),
+            "python_bytecode": bytecode.torch_bytecode().state.value,
             "alignment": self.alignment,
             "eager_calls": sum(self.eager_calls.values()),
         }

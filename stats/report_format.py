@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from . import first_step
+from . import bytecode, first_step
 from .compile_times import BREAKDOWN_FOOTER, BREAKDOWN_HEADER, breakdown_row
 from .report_data import GraphData, ReportData
 from .table import align
@@ -80,6 +80,11 @@ def format_table(data: ReportData) -> str:
     first = first_step.describe(t.get("first_step"))
     if first:
         lines.append(first)
+    if t.get("python_bytecode") == bytecode.BytecodeState.EVERY_PROCESS.value:
+        lines.append(
+            "python bytecode: torch's modules are compiled from source in every process, in its start "
+            "and first step (NOTE [compiled bytecode]; bucketwise.compile's warning names the fix)"
+        )
     return "\n".join(lines)
 
 

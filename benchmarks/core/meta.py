@@ -31,8 +31,10 @@ def git_revision() -> str | None:
 
 
 def versions() -> dict[str, str | None]:
-    """torch, its CUDA and Triton, Python and bucketwise."""
+    """torch, its CUDA and Triton, Python (and whether it runs torch from cached bytecode: NOTE
+    [compiled bytecode]) and bucketwise."""
     import bucketwise
+    from bucketwise.stats import bytecode
 
     try:
         import triton
@@ -46,6 +48,7 @@ def versions() -> dict[str, str | None]:
         "triton": triton_version,
         "python": platform.python_version(),
         "bucketwise": bucketwise.__version__,
+        "python_bytecode": bytecode.torch_bytecode().state.value,
     }
 
 

@@ -1,0 +1,130 @@
+"""Whether this Python runs torch's compile stack from compiled bytecode or compiles its source
+again in every process.
+
+NOTE [compiled bytecode]: Python runs a module from the bytecode it cached in ``__pycache__``
+(or under ``PYTHONPYCACHEPREFIX``) and, where there is none, compiles the source and caches the
+result, unless it may not: ``PYTHONDONTWRITEBYTECODE`` (set in many container images) or a
+read-only installation. Then every process compiles every module it imports again. For a compile
+that costs most where it hurts most: Dynamo, AOTAutograd and Inductor are large modules, mostly
+imported at the first compile, so each rank pays it in its start and in its first step, at every
+restart. On one H200 with such an image, a 32-layer HF Llama's cold first step took 29.2 s
+without torch's bytecode and 19.1 s with it, its warm restart 10.6 s and 5.8 s, and its process
+start 7.6 s and 2.6 s (``benchmarks/results/2026-11-28_1xH200_llama32-restarts-python-bytecode``).
+
+So :func:`torch_bytecode` looks at a few of the large modules a compile
+imports: whether each has up-to-date bytecode (the cached file's header names this Python and
+the source's modification time and size, as Python checks it) and, if not, whether Python will
+keep what it compiles. ``bucketwise.compile`` warns when every process would compile them
+again (on local rank 0 only: it is a fact of the machine) and names the fix;
+the report says which of the three it is (``python_bytecode`` in its totals).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib.util
+import os
+import sys
+
+SAMPLES = (
+    "_dynamo/symbolic_convert.py",
+    "_functorch/partitioners.py",
+    "_inductor/lowering.py",
+    "_inductor/scheduler.py",
+)
+"""Large modules of torch (paths inside its package) that every first compile imports."""
+
+
+class BytecodeState(str, enum.Enum):
+    CACHED = "cached"
+    """Every sampled module has up-to-date bytecode."""
+    SAVED_AT_FIRST_IMPORT = "saved at the first import"
+    """Some have none yet, and Python will cache what it compiles: the first process pays once."""
+    EVERY_PROCESS = "compiled from source in every process"
+    """Some have none, and Python may not cache it: every process pays again."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Bytecode:
+    """What :func:`check` found for one package."""
+
+    state: BytecodeState
+    package: str
+    """The package's folder."""
+    missing: tuple[str, ...] = ()
+    """The sampled modules (paths inside ``package``) without up-to-date bytecode."""
+    kept_from: str | None = None
+    """Why Python does not cache what it compiles (``EVERY_PROCESS`` only)."""
+
+    def warning(self) -> str | None:
+        """The warning ``bucketwise.compile`` gives, or ``None`` where there is nothing to fix."""
+        if self.state is not BytecodeState.EVERY_PROCESS:
+            return None
+        site = os.path.dirname(self.package)
+        if sys.dont_write_bytecode:
+            keep = "unset PYTHONDONTWRITEBYTECODE"
+        else:
+            keep = "point PYTHONPYCACHEPREFIX at a writable folder"
+        return (
+            f"bucketwise: Python compiles torch's modules from source in every process here: "
+            f"{len(self.missing)} of {len(SAMPLES)} of the compile modules checked have no up-to-date "
+            f"bytecode (e.g. {os.path.join(self.package, self.missing[0])}) and {self.kept_from}, so every "
+            f"rank compiles them again at its start and at its first compile, at every restart "
+            f"(NOTE [compiled bytecode]). Fix: compile them once where they are installed, "
+            f"`{sys.executable} -m compileall -q -j 0 {site}` (in a container image: after the pip "
+            f"install), or let Python keep its bytecode ({keep})."
+        )
+
+
+def check(package: str, samples: tuple[str, ...] = SAMPLES) -> Bytecode:
+    """Whether ``samples`` (module paths inside the folder ``package``) have up-to-date bytecode
+    for this Python, and if not whether Python will cache it (NOTE [compiled bytecode])."""
+    missing = tuple(s for s in samples if not _up_to_date(os.path.join(package, s)))
+    if not missing:
+        return Bytecode(BytecodeState.CACHED, package)
+    kept_from = _not_kept(os.path.join(package, missing[0]))
+    if kept_from is None:
+        return Bytecode(BytecodeState.SAVED_AT_FIRST_IMPORT, package, missing)
+    return Bytecode(BytecodeState.EVERY_PROCESS, package, missing, kept_from)
+
+
+def torch_bytecode() -> Bytecode:
+    """:func:`check` of the installed torch (a few ``stat`` calls: not cached, so it follows the
+    process's settings)."""
+    import torch
+
+    return check(os.path.dirname(torch.__file__))
+
+
+def _up_to_date(source: str) -> bool:
+    """The cached bytecode of ``source`` is for this Python and, if it records the source's
+    modification time and size, matches them (what Python's ``SourceLoader`` checks)."""
+    try:
+        cached = importlib.util.cache_from_source(source)
+        with open(cached, "rb") as f:
+            head = f.read(16)
+        st = os.stat(source)
+    except (OSError, NotImplementedError, ValueError):
+        return False
+    if len(head) < 16 or head[:4] != importlib.util.MAGIC_NUMBER:
+        return False
+    if int.from_bytes(head[4:8], "little") & 0b1:
+        return True  # hash-based: Python checks the source's hash itself, or not at all
+    mtime, size = int.from_bytes(head[8:12], "little"), int.from_bytes(head[12:16], "little")
+    return mtime == int(st.st_mtime) & 0xFFFFFFFF and size == st.st_size & 0xFFFFFFFF
+
+
+def _not_kept(source: str) -> str | None:
+    """Why Python would not cache the bytecode it compiles for ``source``, or ``None``."""
+    if sys.dont_write_bytecode:
+        return "PYTHONDONTWRITEBYTECODE is set (or python -B)"
+    folder = os.path.dirname(importlib.util.cache_from_source(source))
+    while not os.path.isdir(folder):
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    if not os.access(folder, os.W_OK):
+        return f"{folder} is not writable"
+    return None
