@@ -20,6 +20,7 @@ heading of its ``README.md``.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import sys
@@ -212,7 +213,7 @@ def tax_tables(results: Path, link_root: str) -> str:
     config, peak memory, CPU issue and GPU time over the config's floor."""
     out = []
     for folder in sorted(p for p in results.iterdir() if p.is_dir()):
-        found = [json.loads(f.read_text()) for f in sorted(folder.glob("*/results.json"))]
+        found = [{**json.loads(f.read_text()), "run": f.parent.name} for f in sorted(folder.glob("*/results.json"))]
         found = [r for r in found if "pairs" in r.get("meta", {})]
         runs = [r for r in found if r["rows"]]
         restarts = [r for r in found if r.get("restarts")]
@@ -223,6 +224,7 @@ def tax_tables(results: Path, link_root: str) -> str:
             f"### [{folder.name}]({link_root}{folder.name}/)",
             "",
             f"{meta['gpu'] or meta['device']}, world size {meta['world_size']}, torch {meta['torch']}"
+            + (f", Python bytecode for torch {meta['python_bytecode']}" if "python_bytecode" in meta else "")
             + (f"; configs side by side in one process, {meta['pairs']} interleaved rounds." if runs else "."),
             "",
         ]
@@ -279,11 +281,15 @@ def restart_table(runs: Sequence[dict[str, Any]]) -> list[str]:
         + (" fresh machine restart s | x warm restart |" if fresh else ""),
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if fresh else ""),
     ]
+    seen = collections.Counter((_model(run["meta"]), c) for run in runs for c in run["restarts"]["summary"])
     for run in runs:
         for config, r in run["restarts"]["summary"].items():
             accounted = r.get("first_step_accounted")
+            model = _model(run["meta"])
+            if seen[model, config] > 1:  # the same model and config in several runs of the folder: name the run
+                model += f" (`{run['run']}/`)"
             out.append(
-                f"| {_model(run['meta'])} | `{config}` | {_ratio(r['cold_s'])} | {_ratio(r.get('cold_over_torch'))} "
+                f"| {model} | `{config}` | {_ratio(r['cold_s'])} | {_ratio(r.get('cold_over_torch'))} "
                 f"| {_ratio(r['warm_s'])} | {_ratio(r.get('warm_over_uncaptured'))} "
                 f"| {'-' if accounted is None else f'{accounted:.1%}'} | {cold_graphs_text(r)} |"
                 + (f" {_ratio(r.get('fresh_restart_s'))} | {_ratio(r.get('fresh_over_warm'))} |" if fresh else "")
