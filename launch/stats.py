@@ -27,6 +27,7 @@ import re
 import statistics
 from typing import Any, Callable, Iterable, Sequence
 
+from ..stats.bytecode import BytecodeState
 from ..stats.compile_times import BREAKDOWN_FOOTER, BREAKDOWN_HEADER, breakdown_row
 from ..stats.job_stats import JOB_FILE
 from ..stats.report_data import GraphData, ReportData
@@ -382,6 +383,15 @@ def totals_line(merged: dict[str, Any]) -> str:
     )
     if merged["missing_ranks"]:
         line += f"\nwarning: no report from rank(s) {', '.join(map(str, merged['missing_ranks']))}"
+    uncached = [
+        int(r) for r, t in merged["totals"].items() if t.get("python_bytecode") == BytecodeState.EVERY_PROCESS.value
+    ]
+    if uncached:
+        line += (
+            f"\nwarning: rank(s) {rank_ranges(uncached)} compiled torch's modules from source (no cached "
+            "bytecode, and Python may not keep it), in their start and first step, as every restart will: "
+            "`python -m compileall -q -j 0 <site-packages>` once fixes it (NOTE [compiled bytecode])"
+        )
     return line
 
 

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from bucketwise.launch import cli, launcher
+from bucketwise.stats.bytecode import BytecodeState
 from bucketwise.stats.report import GraphStats, Report, SegmentStats
 from bucketwise.stats.report_data import ReportData
 from bucketwise.stats.report_format import format_table
@@ -114,6 +115,20 @@ def test_stats_merges_ranks_and_flags_differing_plan(run_dir, capsys):
     assert "rank 2 graph 0 segment 0: only on rank 0: fc2.bias" in out
     assert "rank 2 graph 0 segment 1: only on rank 2: fc2.bias" in out
     assert "rank 1 graph" not in out
+
+
+def test_stats_names_ranks_that_compile_torch_from_source(run_dir, capsys):
+    """Ranks whose report says every process compiles torch's modules from source (NOTE
+    [compiled bytecode]) are named, with the fix; the others are not."""
+    for rank in (1, 2):
+        path = run_dir / f"rank{rank}.json"
+        data = json.loads(path.read_text())
+        data["totals"]["python_bytecode"] = BytecodeState.EVERY_PROCESS.value
+        _write(path, data)
+    assert cli.main(["stats", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "warning: rank(s) 1-2 compiled torch's modules from source" in out
+    assert "compileall" in out
 
 
 def test_stats_json(run_dir, capsys):
