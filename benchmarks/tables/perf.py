@@ -14,7 +14,9 @@ heading of its ``README.md``.
 - ``docs/performance.md``, between ``<!-- perf-tables:begin -->`` and ``<!-- perf-tables:end -->``:
   every folder, grouped by hardware (ranks x GPU) and date, newest first.
 - ``README.md``, between ``<!-- perf-current:begin -->`` and ``<!-- perf-current:end -->``: the
-  newest folder of the main model on the main hardware (``MAIN``) that ran ``torch`` and ``local``.
+  newest folder of the main model on the main hardware (``MAIN``) that ran ``torch`` and ``local``;
+  between ``<!-- perf-first-step:begin -->`` and ``<!-- perf-first-step:end -->``: the newest cold
+  and warm first steps (``tax --restarts``, one GPU, torch's bytecode cached) per model and config.
 """
 
 from __future__ import annotations
@@ -297,6 +299,48 @@ def restart_table(runs: Sequence[dict[str, Any]]) -> list[str]:
     return [*out, ""]
 
 
+FIRST_STEP_MARKERS = ("<!-- perf-first-step:begin -->", "<!-- perf-first-step:end -->")
+FIRST_STEP_CONFIGS = (
+    "local",
+    "torch",
+    "regional",
+    "bw-fused",
+    "bw-fused-cg",
+    "bw-fused-blocks",
+    "bw-fused-blocks-cg",
+)
+"""The README's first-step table: these configs, in this order, where a run has them."""
+
+
+def first_step_table(results: Path, link_root: str) -> str:
+    """The README's first-step table: per model and config, the newest ``tax --restarts`` run
+    over a Python that ran torch from cached bytecode (as after a pip install: NOTE [compiled
+    bytecode]), cold and warm first steps and the fresh-machine restart, with its folder."""
+    newest: dict[tuple[str, str], tuple[str, str, dict[str, Any], dict[str, Any]]] = {}
+    for path in sorted(results.glob("*/*/results.json")):
+        run = json.loads(path.read_text())
+        meta = run.get("meta", {})
+        if not run.get("restarts") or meta.get("python_bytecode") != "cached" or meta.get("world_size") != 1:
+            continue
+        for config, row in run["restarts"]["summary"].items():
+            key = (_model(meta), config)
+            if config in FIRST_STEP_CONFIGS and (key not in newest or meta["date"] > newest[key][0]):
+                newest[key] = (meta["date"], path.parent.parent.name, meta, row)
+    if not newest:
+        return "No first-step runs with torch's bytecode cached yet."
+    out = [
+        "| model | config | cold first step s | warm first step s | fresh machine / warm restart | GPU, torch | run |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- |",
+    ]
+    order = {c: i for i, c in enumerate(FIRST_STEP_CONFIGS)}
+    for (model, config), (_, folder, meta, row) in sorted(newest.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])):
+        out.append(
+            f"| {model} | `{config}` | {_ratio(row['cold_s'])} | {_ratio(row['warm_s'])} "
+            f"| {_ratio(row.get('fresh_over_warm'))} | {meta['gpu']}, {meta['torch']} | [{folder}]({link_root}{folder}/) |"
+        )
+    return "\n".join(out)
+
+
 def replace_between(text: str, markers: tuple[str, str], body: str, where: str) -> str:
     begin, end = markers
     if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
@@ -315,6 +359,7 @@ def generated(root: Path) -> dict[Path, str]:
         # Absolute: a package index shows README.md away from the repository.
         (README, CURRENT_MARKERS, current_table(folders, REPOSITORY_TREE + "benchmarks/results/")),
         (PERF_DOC, TAX_MARKERS, tax_tables(root / "benchmarks" / "results", "../benchmarks/results/")),
+        (README, FIRST_STEP_MARKERS, first_step_table(root / "benchmarks" / "results", REPOSITORY_TREE + "benchmarks/results/")),
     ):
         path = root / name
         out[path] = replace_between(out.get(path, path.read_text()), markers, body, name)
