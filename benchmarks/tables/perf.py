@@ -336,7 +336,8 @@ def first_step_table(results: Path, link_root: str) -> str:
     for (model, config), (_, folder, meta, row) in sorted(newest.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])):
         out.append(
             f"| {model} | `{config}` | {_ratio(row['cold_s'])} | {_ratio(row['warm_s'])} "
-            f"| {_ratio(row.get('fresh_over_warm'))} | {meta['gpu']}, {meta['torch']} | [{folder}]({link_root}{folder}/) |"
+            f"| {_ratio(row.get('fresh_over_warm'))} | {meta['gpu']}, {meta['torch']} "
+            f"| [{folder}]({link_root}{folder}/) |"
         )
     return "\n".join(out)
 
@@ -359,7 +360,11 @@ def generated(root: Path) -> dict[Path, str]:
         # Absolute: a package index shows README.md away from the repository.
         (README, CURRENT_MARKERS, current_table(folders, REPOSITORY_TREE + "benchmarks/results/")),
         (PERF_DOC, TAX_MARKERS, tax_tables(root / "benchmarks" / "results", "../benchmarks/results/")),
-        (README, FIRST_STEP_MARKERS, first_step_table(root / "benchmarks" / "results", REPOSITORY_TREE + "benchmarks/results/")),
+        (
+            README,
+            FIRST_STEP_MARKERS,
+            first_step_table(root / "benchmarks" / "results", REPOSITORY_TREE + "benchmarks/results/"),
+        ),
     ):
         path = root / name
         out[path] = replace_between(out.get(path, path.read_text()), markers, body, name)

@@ -59,7 +59,10 @@ def _fake_repo(root: Path) -> dict[str, list[tuple[dict, list[dict]]]]:
     """A repository with README.md, docs/performance.md and five results folders; returns the
     records of each folder (one entry per run, in run order)."""
     (root / "docs").mkdir(parents=True)
-    (root / "README.md").write_text("# fake\n\n<!-- perf-current:begin -->\nold\n<!-- perf-current:end -->\n\nend\n")
+    (root / "README.md").write_text(
+        "# fake\n\n<!-- perf-current:begin -->\nold\n<!-- perf-current:end -->\n\n"
+        "<!-- perf-first-step:begin -->\nold\n<!-- perf-first-step:end -->\n\nend\n"
+    )
     (root / "docs" / "performance.md").write_text(
         "# perf\n\n<!-- perf-tax:begin -->\n<!-- perf-tax:end -->\n\n"
         "<!-- perf-tables:begin -->\n<!-- perf-tables:end -->\n"
@@ -186,7 +189,9 @@ def test_tables_are_the_records(tmp_path):
         "(https://github.com/bucketwise/bucketwise/tree/main/benchmarks/results/2026-01-02_2xFake_gpt-nvlink/)"
         in current
     )
-    assert readme.startswith("# fake\n") and readme.endswith("<!-- perf-current:end -->\n\nend\n")
+    assert readme.startswith("# fake\n") and readme.endswith("<!-- perf-first-step:end -->\n\nend\n")
+    first_step = readme.split("<!-- perf-first-step:begin -->")[1].split("<!-- perf-first-step:end -->")[0]
+    assert first_step.strip() == "No first-step runs with torch's bytecode cached yet."
 
 
 def test_check_fails_when_a_record_changes(tmp_path):
@@ -229,3 +234,59 @@ def test_every_results_folder_says_what_ran():
         for run in folder.rglob("results.jsonl"):
             command = json.loads(run.read_text().splitlines()[0])["command"]
             assert command in text, f"{readme} does not give the command of {run}: {shlex.quote(command)}"
+
+
+def _restarts(folder: Path, run: str, *, date: str, model: str, configs: dict, bytecode: str | None) -> None:
+    meta = {
+        "date": f"{date}T10:00:00+00:00",
+        "gpu": "Fake GPU",
+        "device": "cuda",
+        "torch": "2.99.0",
+        "world_size": 1,
+        "pairs": 0,
+        "model": model,
+        "sizes": {"layers": 32},
+    }
+    if bytecode is not None:
+        meta["python_bytecode"] = bytecode
+    summary = {c: {"cold_s": cold, "warm_s": warm, "fresh_over_warm": None} for c, (cold, warm) in configs.items()}
+    (folder / run).mkdir(parents=True)
+    (folder / run / "results.json").write_text(
+        json.dumps({"meta": meta, "rows": [], "restarts": {"rounds": 1, "summary": summary, "runs": {}}})
+    )
+
+
+def test_first_step_table_keeps_the_newest_run_with_bytecode_cached(tmp_path):
+    """Per model and config the newest restart run whose Python ran torch from cached bytecode;
+    runs without it, or that did not record it, are left out (NOTE [compiled bytecode])."""
+    from bucketwise.benchmarks.tables.perf import first_step_table
+
+    results = tmp_path / "results"
+    old = dict(date="2026-01-01", model="llama", bytecode="cached")
+    _restarts(results / "2026-01-01_a", "r", configs={"regional": (9.0, 4.0), "bw-fused-blocks": (20.0, 6.0)}, **old)
+    _restarts(
+        results / "2026-01-02_b",
+        "r",
+        date="2026-01-02",
+        model="llama",
+        configs={"regional": (8.0, 3.0)},
+        bytecode="cached",
+    )
+    recompiled = "compiled from source in every process"
+    _restarts(
+        results / "2026-01-03_c",
+        "r",
+        date="2026-01-03",
+        model="llama",
+        configs={"regional": (30.0, 9.0)},
+        bytecode=recompiled,
+    )
+    _restarts(
+        results / "2026-01-04_d", "r", date="2026-01-04", model="llama", configs={"local": (80.0, 7.0)}, bytecode=None
+    )
+    rows = [line for line in first_step_table(results, "L/").splitlines() if line.startswith("| llama")]
+    gpu = "Fake GPU, 2.99.0"
+    assert rows == [
+        f"| llama, 32 layers | `regional` | 8.00 | 3.00 | - | {gpu} | [2026-01-02_b](L/2026-01-02_b/) |",
+        f"| llama, 32 layers | `bw-fused-blocks` | 20.00 | 6.00 | - | {gpu} | [2026-01-01_a](L/2026-01-01_a/) |",
+    ]
