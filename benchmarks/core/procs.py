@@ -37,7 +37,7 @@ ALWAYS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", 
 GRACE_S = 10.0
 
 
-class Capture(enum.StrEnum):
+class Capture(str, enum.Enum):
     """What :func:`run` keeps of the first process's output (the rest goes to the terminal)."""
 
     NONE = "none"
