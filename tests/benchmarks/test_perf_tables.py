@@ -262,28 +262,15 @@ def test_first_step_table_keeps_the_newest_run_with_bytecode_cached(tmp_path):
     from bucketwise.benchmarks.tables.perf import first_step_table
 
     results = tmp_path / "results"
-    old = dict(date="2026-01-01", model="llama", bytecode="cached")
-    _restarts(results / "2026-01-01_a", "r", configs={"regional": (9.0, 4.0), "bw-fused-blocks": (20.0, 6.0)}, **old)
-    _restarts(
-        results / "2026-01-02_b",
-        "r",
-        date="2026-01-02",
-        model="llama",
-        configs={"regional": (8.0, 3.0)},
-        bytecode="cached",
-    )
     recompiled = "compiled from source in every process"
-    _restarts(
-        results / "2026-01-03_c",
-        "r",
-        date="2026-01-03",
-        model="llama",
-        configs={"regional": (30.0, 9.0)},
-        bytecode=recompiled,
-    )
-    _restarts(
-        results / "2026-01-04_d", "r", date="2026-01-04", model="llama", configs={"local": (80.0, 7.0)}, bytecode=None
-    )
+    runs = [  # folder (named by its date), configs (cold, warm s), what the run recorded of the bytecode
+        ("2026-01-01", {"regional": (9.0, 4.0), "bw-fused-blocks": (20.0, 6.0)}, "cached"),
+        ("2026-01-02", {"regional": (8.0, 3.0)}, "cached"),
+        ("2026-01-03", {"regional": (30.0, 9.0)}, recompiled),
+        ("2026-01-04", {"local": (80.0, 7.0)}, None),
+    ]
+    for (date, configs, bytecode), letter in zip(runs, "abcd"):
+        _restarts(results / f"{date}_{letter}", "r", date=date, model="llama", configs=configs, bytecode=bytecode)
     rows = [line for line in first_step_table(results, "L/").splitlines() if line.startswith("| llama")]
     gpu = "Fake GPU, 2.99.0"
     assert rows == [
