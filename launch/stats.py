@@ -27,7 +27,7 @@ import re
 import statistics
 from typing import Any, Callable, Iterable, Sequence
 
-from ..stats.bytecode import BytecodeState
+from ..stats.bytecode import COMPILE_ONCE, BytecodeState
 from ..stats.compile_times import BREAKDOWN_FOOTER, BREAKDOWN_HEADER, breakdown_row
 from ..stats.job_stats import JOB_FILE
 from ..stats.report_data import GraphData, ReportData
@@ -390,7 +390,7 @@ def totals_line(merged: dict[str, Any]) -> str:
         line += (
             f"\nwarning: rank(s) {rank_ranges(uncached)} compiled torch's modules from source (no cached "
             "bytecode, and Python may not keep it), in their start and first step, as every restart will: "
-            "`python -m compileall -q -j 0 <site-packages>` once fixes it (NOTE [compiled bytecode])"
+            f"`{COMPILE_ONCE}` once fixes it (NOTE [compiled bytecode])"
         )
     return line
 

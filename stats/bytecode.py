@@ -34,6 +34,8 @@ SAMPLES = (
     "_inductor/scheduler.py",
 )
 """Large modules of torch (paths inside its package) that every first compile imports."""
+COMPILE_ONCE = "python -m compileall -q -j 0 <site-packages>"
+"""The fix, once per installation, as the report and ``bucketwise stats`` name it."""
 
 
 class BytecodeState(str, enum.Enum):
@@ -56,16 +58,14 @@ class Bytecode:
     """The sampled modules (paths inside ``package``) without up-to-date bytecode."""
     kept_from: str | None = None
     """Why Python does not cache what it compiles (``EVERY_PROCESS`` only)."""
+    keep: str | None = None
+    """What lets Python cache it (``EVERY_PROCESS`` only)."""
 
     def warning(self) -> str | None:
         """The warning ``bucketwise.compile`` gives, or ``None`` where there is nothing to fix."""
         if self.state is not BytecodeState.EVERY_PROCESS:
             return None
         site = os.path.dirname(self.package)
-        if sys.dont_write_bytecode:
-            keep = "unset PYTHONDONTWRITEBYTECODE"
-        else:
-            keep = "point PYTHONPYCACHEPREFIX at a writable folder"
         return (
             f"bucketwise: Python compiles torch's modules from source in every process here: "
             f"{len(self.missing)} of {len(SAMPLES)} of the compile modules checked have no up-to-date "
@@ -73,7 +73,7 @@ class Bytecode:
             f"rank compiles them again at its start and at its first compile, at every restart "
             f"(NOTE [compiled bytecode]). Fix: compile them once where they are installed, "
             f"`{sys.executable} -m compileall -q -j 0 {site}` (in a container image: after the pip "
-            f"install), or let Python keep its bytecode ({keep})."
+            f"install), or let Python keep its bytecode ({self.keep})."
         )
 
 
@@ -83,10 +83,10 @@ def check(package: str, samples: tuple[str, ...] = SAMPLES) -> Bytecode:
     missing = tuple(s for s in samples if not _up_to_date(os.path.join(package, s)))
     if not missing:
         return Bytecode(BytecodeState.CACHED, package)
-    kept_from = _not_kept(os.path.join(package, missing[0]))
-    if kept_from is None:
+    not_kept = _not_kept(os.path.join(package, missing[0]))
+    if not_kept is None:
         return Bytecode(BytecodeState.SAVED_AT_FIRST_IMPORT, package, missing)
-    return Bytecode(BytecodeState.EVERY_PROCESS, package, missing, kept_from)
+    return Bytecode(BytecodeState.EVERY_PROCESS, package, missing, *not_kept)
 
 
 def torch_bytecode() -> Bytecode:
@@ -115,10 +115,11 @@ def _up_to_date(source: str) -> bool:
     return mtime == int(st.st_mtime) & 0xFFFFFFFF and size == st.st_size & 0xFFFFFFFF
 
 
-def _not_kept(source: str) -> str | None:
-    """Why Python would not cache the bytecode it compiles for ``source``, or ``None``."""
+def _not_kept(source: str) -> tuple[str, str] | None:
+    """Why Python would not cache the bytecode it compiles for ``source``, and what would let
+    it; ``None`` where it will."""
     if sys.dont_write_bytecode:
-        return "PYTHONDONTWRITEBYTECODE is set (or python -B)"
+        return "PYTHONDONTWRITEBYTECODE is set (or python -B)", "unset PYTHONDONTWRITEBYTECODE"
     folder = os.path.dirname(importlib.util.cache_from_source(source))
     while not os.path.isdir(folder):
         parent = os.path.dirname(folder)
@@ -126,5 +127,5 @@ def _not_kept(source: str) -> str | None:
             break
         folder = parent
     if not os.access(folder, os.W_OK):
-        return f"{folder} is not writable"
+        return f"{folder} is not writable", "point PYTHONPYCACHEPREFIX at a writable folder"
     return None
