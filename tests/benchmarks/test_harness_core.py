@@ -114,3 +114,48 @@ def test_numerics_runs_registry_configs_against_eager_ddp(tmp_path):
     assert [(r["variant"], r["backend"]) for r in records] == [("bw-none", "aot_eager"), ("bw-fused", "aot_eager")]
     for r in records:
         assert r["loss_gap_max"] < 1e-6 and r["param_spread_across_ranks"] == 0.0, r
+
+
+def test_a_result_names_the_tree_of_the_code_on_disk_as_git_would(tmp_path):
+    """NOTE [the code a result ran]: the files as they are, not the checkout's commit."""
+    import os
+    import shutil
+    import subprocess
+
+    from bucketwise.benchmarks.core import meta
+
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+
+    def git(*args: str) -> str:
+        env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
+        env["GIT_COMMITTER_EMAIL"] = "t@t"
+        return subprocess.run(
+            ["git", "-C", str(tmp_path), *args], capture_output=True, text=True, check=True, env=env
+        ).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "a.py").write_text("A = 1\n")
+    (tmp_path / "pkg" / "sub" / "b.py").write_text("B = 2\n")
+    (tmp_path / "pkg-x.txt").write_text("sorts before pkg/ in a tree\n")
+    (tmp_path / "run.sh").write_text("#!/bin/sh\n")
+    (tmp_path / "run.sh").chmod(0o755)
+    (tmp_path / ".gitignore").write_text("*.log\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "one")
+    assert meta.source_tree(tmp_path) == git("rev-parse", "HEAD^{tree}")
+
+    # Another checkout's copy over this one: a changed file, a new one, one the index still
+    # lists that is gone, and an ignored one. The hash is that of what is on disk, as a commit
+    # of it would have it.
+    (tmp_path / "pkg" / "a.py").write_text("A = 3\n")
+    (tmp_path / "pkg" / "new.py").write_text("N = 1\n")
+    (tmp_path / "pkg" / "sub" / "b.py").unlink()
+    (tmp_path / "out.log").write_text("ignored\n")
+    on_disk = meta.source_tree(tmp_path)
+    assert on_disk != git("rev-parse", "HEAD^{tree}")
+    git("add", "-A")
+    git("commit", "-q", "-m", "two")
+    assert on_disk == git("rev-parse", "HEAD^{tree}")
+    assert meta.source_tree(tmp_path / "nowhere") is None
