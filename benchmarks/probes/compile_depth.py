@@ -1,7 +1,7 @@
 """Where a cold first step's compile goes as the model deepens, on the CPU: per phase, the seconds
 that repeat per block and those paid once, with shared blocks (NOTE [one compile per block]).
 
-    python -m bucketwise.benchmarks probe compile_depth [--layers 8,32] [--backend inductor]
+    python -m bucketwise.benchmarks probe compile_depth [--layers 8,32] [--backend inductor] [--floor]
 
 The ``llama`` model of ``benchmarks/core/models.py`` (HF ``LlamaForCausalLM``), tiny (``SIZES``),
 at each depth, ``fused``, ``share_blocks=True``, one rank (gloo), each depth a new process over an
@@ -12,6 +12,13 @@ shallowest and the deepest run, the seconds per added block of each phase and wh
 at no blocks (``SLOPE {json}``). The GPU's cold first steps are in ``comm_passes cold`` and ``tax
 --restarts``; this probe's figures are the host's work only (and, with Inductor on the CPU, its
 C++ compiles, which are paid once).
+
+``--floor`` measures, instead, what any design that keeps every block inside the one graph
+Dynamo, AOTAutograd and the backend see must pay per block, whatever it does inside the block:
+the same model with each block's forward one opaque operator on its hidden state and its own
+parameters (``bucketwise_probe::opaque_block``, whose backward is one operator too, returning a
+gradient per parameter), under plain ``torch.compile`` without DDP, so no all-reduce either.
+Only the first step is timed (``FLOOR {json}`` per depth, ``FLOOR_SLOPE {json}``).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ SIZES = {"d_model": 64, "heads": 4, "seq": 32, "batch": 2, "vocab": 256}
 CHILD_TIMEOUT_S = 1800
 """A depth's process, at the most (Inductor's C++ compiles on a 2-core CPU included)."""
 PHASES = ("dynamo_s", "aot_autograd_s", "backend_s", "block_s", "first_step_s")
+FLOOR_PHASES = ("first_step_s",)
 
 
 def one(layers: int, backend: str) -> dict[str, float]:
@@ -67,11 +75,87 @@ def one(layers: int, backend: str) -> dict[str, float]:
         dist.destroy_process_group()
 
 
-def slope(shallow: dict[str, float], deep: dict[str, float]) -> dict[str, dict[str, float]]:
+def floor(layers: int, backend: str) -> dict[str, float]:
+    """One cold first step at ``layers`` blocks, each one opaque operator (``--floor``), in this
+    process."""
+    import types
+
+    import torch
+
+    from bucketwise.benchmarks.core.models import make_spec
+
+    spec = make_spec("llama", {"layers": layers, **SIZES})
+    torch.manual_seed(0)
+    model = spec.build()
+    opaque = _opaque_ops()
+    for block in model.model.layers:
+        block.forward = types.MethodType(_opaque_forward(block, opaque), block)
+    compiled = torch.compile(model, backend=backend)
+    batch = spec.make_batch(0, torch.device("cpu"))
+    start = time.perf_counter()
+    spec.loss(compiled, batch).backward()
+    first = time.perf_counter() - start
+    missing = [n for n, p in model.named_parameters() if p.grad is None and ".layers." in n]
+    if missing:
+        raise AssertionError(f"expected a gradient for every block parameter, got none for {missing[:3]}")
+    return {"layers": layers, "first_step_s": round(first, 3)}
+
+
+def _opaque_forward(block, opaque):
+    """The block's forward as one ``opaque`` call on its parameters, in straight lines (as
+    bucketwise's own block forward: NOTE [a block call in straight lines]), so that Dynamo's
+    cost per block is that of the call, not of a loop over the parameters."""
+    params = ", ".join(f"self.{name}" for name, _ in block.named_parameters())
+    scope = {"opaque": opaque}
+    exec(f"def forward(self, hidden_states, *args, **kwargs):\n    return opaque(hidden_states, [{params}])\n", scope)  # noqa: S102
+    return scope["forward"]
+
+
+def _opaque_ops():
+    """``bucketwise_probe::opaque_block(x, params)``: a copy of ``x``; its backward one operator
+    too, the gradient of ``x`` and a zero gradient per parameter. Defined once per process."""
+    import torch
+
+    lib = torch.library.Library("bucketwise_probe", "FRAGMENT")
+    lib.define("opaque_block(Tensor x, Tensor[] params) -> Tensor")
+    lib.define("opaque_block_backward(Tensor grad, Tensor x, Tensor[] params) -> Tensor[]")
+
+    def forward(x, params):
+        return x.clone()
+
+    def backward_kernel(grad, x, params):
+        return [grad.clone(), *(torch.zeros_like(p) for p in params)]
+
+    def backward_fake(grad, x, params):
+        return [torch.empty_like(grad), *(torch.empty_like(p) for p in params)]
+
+    def setup_context(ctx, inputs, output):
+        ctx.x, ctx.params = inputs
+
+    def backward(ctx, grad):
+        grads = torch.ops.bucketwise_probe.opaque_block_backward(grad, ctx.x, ctx.params)
+        return grads[0], list(grads[1:])
+
+    lib.impl("opaque_block", forward, "CompositeExplicitAutograd")
+    lib.impl("opaque_block_backward", backward_kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake("bucketwise_probe::opaque_block", lambda x, params: torch.empty_like(x), lib=lib)
+    torch.library.register_fake("bucketwise_probe::opaque_block_backward", backward_fake, lib=lib)
+    torch.library.register_autograd("bucketwise_probe::opaque_block", backward, setup_context=setup_context, lib=lib)
+    _LIBS.append(lib)
+    return torch.ops.bucketwise_probe.opaque_block
+
+
+_LIBS: list = []
+"""The operators' library, alive as long as the process."""
+
+
+def slope(
+    shallow: dict[str, float], deep: dict[str, float], phases: tuple[str, ...] = PHASES
+) -> dict[str, dict[str, float]]:
     """Per phase: seconds per added block between two runs, and the line's value at no blocks."""
     blocks = deep["layers"] - shallow["layers"]
     out = {}
-    for phase in PHASES:
+    for phase in phases:
         per_block = (deep[phase] - shallow[phase]) / blocks
         out[phase] = {
             "per_block_s": round(per_block, 4),
@@ -86,10 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--layers", default="8,32", help="depths, comma-separated, at least two (default 8,32)")
     p.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"))
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="each block one opaque operator under plain torch.compile: the cost per block of the graph alone",
+    )
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one depth
     args = p.parse_args(argv)
+    label = "FLOOR" if args.floor else "DEPTH"
     if args.one is not None:
-        print("DEPTH", json.dumps(one(args.one, args.backend)), flush=True)
+        result = floor(args.one, args.backend) if args.floor else one(args.one, args.backend)
+        print(label, json.dumps(result), flush=True)
         return 0
     try:
         depths = sorted({int(n) for n in args.layers.split(",")})
@@ -101,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     for layers in depths:
         with tempfile.TemporaryDirectory(prefix="bucketwise-compile-depth-") as cache:
             cmd = procs.python("-m", "bucketwise.benchmarks.probes.compile_depth", "--one", str(layers))
+            cmd += ["--floor"] if args.floor else []
             env = {**child_env(cache), "MASTER_ADDR": "127.0.0.1"}
             done = procs.run(
                 [procs.Proc([*cmd, "--backend", args.backend])],
@@ -108,15 +200,17 @@ def main(argv: list[str] | None = None) -> int:
                 timeout_s=CHILD_TIMEOUT_S,
                 capture=procs.Capture.ALL,
             )
-        line = next((line for line in done.stdout.splitlines() if line.startswith("DEPTH ")), None)
+        line = next((line for line in done.stdout.splitlines() if line.startswith(f"{label} ")), None)
         if done.timed_out or done.code != 0 or line is None:
             print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
             why = f"timed out after {CHILD_TIMEOUT_S} s" if done.timed_out else f"exit {done.code}"
             print(f"compile_depth: the run at {layers} layers failed ({why})", file=sys.stderr)
             return 1
         print(line, flush=True)
-        runs.append(json.loads(line[len("DEPTH ") :]))
-    print("SLOPE", json.dumps({"between": [depths[0], depths[-1]], **slope(runs[0], runs[-1])}), flush=True)
+        runs.append(json.loads(line[len(label) + 1 :]))
+    phases = FLOOR_PHASES if args.floor else PHASES
+    between = {"between": [depths[0], depths[-1]], **slope(runs[0], runs[-1], phases)}
+    print(f"{label}_SLOPE" if args.floor else "SLOPE", json.dumps(between), flush=True)
     return 0
 
 

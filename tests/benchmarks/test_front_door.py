@@ -66,6 +66,19 @@ def test_compile_depth_runs_each_depth_cold_and_gives_the_slope_per_block():
     assert abs(dynamo["at_no_blocks_s"] + 2 * dynamo["per_block_s"] - runs[0]["dynamo_s"]) < 2e-3
 
 
+def test_compile_depth_floor_times_each_depth_with_opaque_blocks():
+    import json
+
+    done = _run("probe", "compile_depth", "--layers", "2,3", "--backend", "aot_eager", "--floor")
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = [json.loads(line[len("FLOOR ") :]) for line in done.stdout.splitlines() if line.startswith("FLOOR ")]
+    assert [r["layers"] for r in runs] == [2, 3] and all(r["first_step_s"] > 0 for r in runs), runs
+    line = next(line for line in done.stdout.splitlines() if line.startswith("FLOOR_SLOPE "))
+    slope = json.loads(line[len("FLOOR_SLOPE ") :])
+    assert slope["between"] == [2, 3] and set(slope) == {"between", "first_step_s"}, slope
+    assert abs(slope["first_step_s"]["per_block_s"] - (runs[1]["first_step_s"] - runs[0]["first_step_s"])) < 1e-3
+
+
 def test_compile_depth_needs_two_depths():
     done = _run("probe", "compile_depth", "--layers", "8")
     assert done.returncode == 2
