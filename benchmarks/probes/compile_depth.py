@@ -1,17 +1,20 @@
-"""Where a cold first step's compile goes as the model deepens, on the CPU: per phase, the seconds
+"""Where a cold first step's compile goes as the model deepens: per phase, the seconds
 that repeat per block and those paid once, with shared blocks (NOTE [one compile per block]).
 
     python -m bucketwise.benchmarks probe compile_depth [--layers 8,32] [--backend inductor] [--floor]
+        [--device cpu]
 
 The ``llama`` model of ``benchmarks/core/models.py`` (HF ``LlamaForCausalLM``), tiny (``SIZES``),
 at each depth, ``fused``, ``share_blocks=True``, one rank (gloo), each depth a new process over an
-empty Inductor cache, so every run is cold. Prints each run's compile-time breakdown
-(``bucketwise.report``: Dynamo, AOTAutograd, the backend, and the shared block's own compile,
-which is in the AOTAutograd and backend figures too) as ``DEPTH {json}``, then, between the
-shallowest and the deepest run, the seconds per added block of each phase and what is left of it
-at no blocks (``SLOPE {json}``). The GPU's cold first steps are in ``comm_passes cold`` and ``tax
---restarts``; this probe's figures are the host's work only (and, with Inductor on the CPU, its
-C++ compiles, which are paid once).
+empty Inductor cache, so every run is cold. ``--device cuda`` runs it on the GPU instead, at the
+benchmarks' own sizes for the model (those of ``tax``), under bf16 autocast, one rank (NCCL).
+Prints each run's compile-time breakdown (``bucketwise.report``: Dynamo, AOTAutograd, the
+backend, and the shared block's own compile, which is in the AOTAutograd and backend figures too)
+as ``DEPTH {json}``, then, between the shallowest and the deepest run, the seconds per added
+block of each phase and what is left of it at no blocks (``SLOPE {json}``). On the CPU, the
+figures are the host's work only (and Inductor's C++ compiles, paid once, which on a slow host
+drown the per-block part: hosts of 16 slower cores took 40 s for them); the GPU's cold first steps
+of whole training steps are in ``tax --restarts``.
 
 ``--floor`` measures, instead, what any design that keeps every block inside the one graph
 Dynamo, AOTAutograd and the backend see must pay per block, whatever it does inside the block:
@@ -40,24 +43,22 @@ PHASES = ("dynamo_s", "aot_autograd_s", "backend_s", "block_s", "first_step_s")
 FLOOR_PHASES = ("first_step_s",)
 
 
-def one(layers: int, backend: str) -> dict[str, float]:
+def one(layers: int, backend: str, device: str = "cpu") -> dict[str, float]:
     """One cold first step (forward and backward) at ``layers`` blocks, in this process."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bucketwise
-    from bucketwise.benchmarks.core.models import make_spec
 
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    cuda = device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     try:
-        spec = make_spec("llama", {"layers": layers, **SIZES})
+        spec, dev = _spec(layers, device)
         torch.manual_seed(0)
-        model = bucketwise.compile(DDP(spec.build()), strategy="fused", share_blocks=True, backend=backend)
-        batch = spec.make_batch(0, torch.device("cpu"))
-        start = time.perf_counter()
-        spec.loss(model, batch).backward()
-        first = time.perf_counter() - start
+        ddp = DDP(spec.build().to(dev), device_ids=[0] if cuda else None)
+        model = bucketwise.compile(ddp, strategy="fused", share_blocks=True, backend=backend)
+        first = _first_step(spec, model, dev)
         report = bucketwise.report(model).to_dict()
         times = report["totals"]["compile_times"]
         shared = [g["shared_blocks"] for g in report["graphs"] if g.get("shared_blocks")]
@@ -75,26 +76,46 @@ def one(layers: int, backend: str) -> dict[str, float]:
         dist.destroy_process_group()
 
 
-def floor(layers: int, backend: str) -> dict[str, float]:
+def _spec(layers: int, device: str):
+    """The model at ``layers`` blocks, tiny on the CPU, at the benchmarks' sizes on the GPU."""
+    import torch
+
+    from bucketwise.benchmarks.core.models import make_spec
+
+    sizes = {} if device == "cuda" else SIZES
+    return make_spec("llama", {"layers": layers, **sizes}), torch.device(
+        device, 0
+    ) if device == "cuda" else torch.device(device)
+
+
+def _first_step(spec, model, dev) -> float:
+    """Seconds of the first forward and backward (the compile), the GPU synchronised."""
+    import torch
+
+    batch = spec.make_batch(0, dev)
+    start = time.perf_counter()
+    with spec.autocast(dev):
+        loss = spec.loss(model, batch)
+    loss.backward()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter() - start
+
+
+def floor(layers: int, backend: str, device: str = "cpu") -> dict[str, float]:
     """One cold first step at ``layers`` blocks, each one opaque operator (``--floor``), in this
     process."""
     import types
 
     import torch
 
-    from bucketwise.benchmarks.core.models import make_spec
-
-    spec = make_spec("llama", {"layers": layers, **SIZES})
+    spec, dev = _spec(layers, device)
     torch.manual_seed(0)
-    model = spec.build()
+    model = spec.build().to(dev)
     opaque = _opaque_ops()
     for block in model.model.layers:
         block.forward = types.MethodType(_opaque_forward(block, opaque), block)
-    compiled = torch.compile(model, backend=backend)
-    batch = spec.make_batch(0, torch.device("cpu"))
-    start = time.perf_counter()
-    spec.loss(compiled, batch).backward()
-    first = time.perf_counter() - start
+    first = _first_step(spec, torch.compile(model, backend=backend), dev)
     missing = [n for n, p in model.named_parameters() if p.grad is None and ".layers." in n]
     if missing:
         raise AssertionError(f"expected a gradient for every block parameter, got none for {missing[:3]}")
@@ -175,11 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="each block one opaque operator under plain torch.compile: the cost per block of the graph alone",
     )
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one depth
     args = p.parse_args(argv)
     label = "FLOOR" if args.floor else "DEPTH"
     if args.one is not None:
-        result = floor(args.one, args.backend) if args.floor else one(args.one, args.backend)
+        run = floor if args.floor else one
+        result = run(args.one, args.backend, args.device)
         print(label, json.dumps(result), flush=True)
         return 0
     try:
@@ -192,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     for layers in depths:
         with tempfile.TemporaryDirectory(prefix="bucketwise-compile-depth-") as cache:
             cmd = procs.python("-m", "bucketwise.benchmarks.probes.compile_depth", "--one", str(layers))
-            cmd += ["--floor"] if args.floor else []
+            cmd += ["--device", args.device, *(["--floor"] if args.floor else [])]
             env = {**child_env(cache), "MASTER_ADDR": "127.0.0.1"}
             done = procs.run(
                 [procs.Proc([*cmd, "--backend", args.backend])],
