@@ -333,7 +333,12 @@ def first_step_table(results: Path, link_root: str) -> str:
         "| --- | --- | ---: | ---: | ---: | --- | --- |",
     ]
     order = {c: i for i, c in enumerate(FIRST_STEP_CONFIGS)}
-    for (model, config), (_, folder, meta, row) in sorted(newest.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])):
+
+    def by_model_depth_config(item: tuple) -> tuple:
+        (_, config), (_, _, meta, _) = item
+        return meta["model"], (meta.get("sizes") or {}).get("layers") or 0, order[config]
+
+    for (model, config), (_, folder, meta, row) in sorted(newest.items(), key=by_model_depth_config):
         out.append(
             f"| {model} | `{config}` | {_ratio(row['cold_s'])} | {_ratio(row['warm_s'])} "
             f"| {_ratio(row.get('fresh_over_warm'))} | {meta['gpu']}, {meta['torch']} "

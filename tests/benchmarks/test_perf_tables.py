@@ -236,7 +236,9 @@ def test_every_results_folder_says_what_ran():
             assert command in text, f"{readme} does not give the command of {run}: {shlex.quote(command)}"
 
 
-def _restarts(folder: Path, run: str, *, date: str, model: str, configs: dict, bytecode: str | None) -> None:
+def _restarts(
+    folder: Path, run: str, *, date: str, model: str, configs: dict, bytecode: str | None, layers: int = 32
+) -> None:
     meta = {
         "date": f"{date}T10:00:00+00:00",
         "gpu": "Fake GPU",
@@ -245,7 +247,7 @@ def _restarts(folder: Path, run: str, *, date: str, model: str, configs: dict, b
         "world_size": 1,
         "pairs": 0,
         "model": model,
-        "sizes": {"layers": 32},
+        "sizes": {"layers": layers},
     }
     if bytecode is not None:
         meta["python_bytecode"] = bytecode
@@ -277,3 +279,26 @@ def test_first_step_table_keeps_the_newest_run_with_bytecode_cached(tmp_path):
         f"| llama, 32 layers | `regional` | 8.00 | 3.00 | - | {gpu} | [2026-01-02_b](L/2026-01-02_b/) |",
         f"| llama, 32 layers | `bw-fused-blocks` | 20.00 | 6.00 | - | {gpu} | [2026-01-01_a](L/2026-01-01_a/) |",
     ]
+
+
+def test_first_step_table_orders_models_by_depth_then_config(tmp_path):
+    from bucketwise.benchmarks.tables.perf import first_step_table
+
+    results = tmp_path / "results"
+    for layers in (32, 8, 16):
+        configs = {"bw-fused-blocks": (float(layers), 1.0), "regional": (1.0, 1.0)}
+        _restarts(
+            results / f"2026-01-01_l{layers}",
+            "r",
+            date="2026-01-01",
+            model="llama",
+            configs=configs,
+            bytecode="cached",
+            layers=layers,
+        )
+    rows = [
+        line.split(" | ")[:2] for line in first_step_table(results, "L/").splitlines() if line.startswith("| llama")
+    ]
+    assert rows == [[f"| llama, {n} layers", f"`{c}`"] for n in (8, 16, 32) for c in ("regional", "bw-fused-blocks")], (
+        rows
+    )
