@@ -32,8 +32,8 @@ def git_revision() -> str | None:
 
 
 def source_tree(root: Path | None = None) -> str | None:
-    """The git tree hash of the files the checkout at ``root`` (default: this one) holds (tracked, and untracked ones git does not
-    ignore), as they are on disk; ``None`` outside git.
+    """The git tree hash of the files the checkout at ``root`` (default: this one) holds (tracked,
+    and untracked ones git does not ignore), as they are on disk; ``None`` outside git.
 
     NOTE [the code a result ran]: a result's ``git`` names the checkout's commit, which is not
     the code that ran where the files were copied over another checkout (a GPU machine's copy of
