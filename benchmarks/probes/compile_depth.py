@@ -2,7 +2,7 @@
 that repeat per block and those paid once, with shared blocks (NOTE [one compile per block]).
 
     python -m bucketwise.benchmarks probe compile_depth [--layers 8,32] [--backend inductor] [--floor]
-        [--device cpu]
+        [--device cpu] [--out DIR]
 
 The ``llama`` model of ``benchmarks/core/models.py`` (HF ``LlamaForCausalLM``), tiny (``SIZES``),
 at each depth, ``fused``, ``share_blocks=True``, one rank (gloo), each depth a new process over an
@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         help="each block one opaque operator under plain torch.compile: the cost per block of the graph alone",
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--out", help="a folder to write results.json to: the run's meta, every depth and the slope")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one depth
     args = p.parse_args(argv)
     label = "FLOOR" if args.floor else "DEPTH"
@@ -234,7 +235,27 @@ def main(argv: list[str] | None = None) -> int:
     phases = FLOOR_PHASES if args.floor else PHASES
     between = {"between": [depths[0], depths[-1]], **slope(runs[0], runs[-1], phases)}
     print(f"{label}_SLOPE" if args.floor else "SLOPE", json.dumps(between), flush=True)
+    if args.out:
+        _write(args, runs, between)
     return 0
+
+
+def _write(args: argparse.Namespace, runs: list[dict[str, float]], between: dict) -> None:
+    import os
+
+    from bucketwise.benchmarks.core.meta import run_meta
+
+    spec, _ = _spec(runs[0]["layers"], args.device)
+    meta = {
+        **run_meta(),
+        "variant": "floor" if args.floor else "shared",
+        "backend": args.backend,
+        "model": spec.name,
+        "sizes": {k: v for k, v in spec.sizes.items() if k != "layers"},
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"meta": meta, "depths": runs, "slope": between}, f, indent=1)
 
 
 if __name__ == "__main__":

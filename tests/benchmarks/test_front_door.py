@@ -66,10 +66,11 @@ def test_compile_depth_runs_each_depth_cold_and_gives_the_slope_per_block():
     assert abs(dynamo["at_no_blocks_s"] + 2 * dynamo["per_block_s"] - runs[0]["dynamo_s"]) < 2e-3
 
 
-def test_compile_depth_floor_times_each_depth_with_opaque_blocks():
+def test_compile_depth_floor_times_each_depth_with_opaque_blocks(tmp_path):
     import json
 
-    done = _run("probe", "compile_depth", "--layers", "2,3", "--backend", "aot_eager", "--floor")
+    out = tmp_path / "out"
+    done = _run("probe", "compile_depth", "--layers", "2,3", "--backend", "aot_eager", "--floor", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     runs = [json.loads(line[len("FLOOR ") :]) for line in done.stdout.splitlines() if line.startswith("FLOOR ")]
     assert [r["layers"] for r in runs] == [2, 3] and all(r["first_step_s"] > 0 for r in runs), runs
@@ -77,6 +78,12 @@ def test_compile_depth_floor_times_each_depth_with_opaque_blocks():
     slope = json.loads(line[len("FLOOR_SLOPE ") :])
     assert slope["between"] == [2, 3] and set(slope) == {"between", "first_step_s"}, slope
     assert abs(slope["first_step_s"]["per_block_s"] - (runs[1]["first_step_s"] - runs[0]["first_step_s"])) < 1e-3
+    # --out: what it printed, with the run's meta (the code that ran included).
+    written = json.loads((out / "results.json").read_text())
+    assert written["depths"] == runs and written["slope"] == slope
+    meta = written["meta"]
+    assert meta["variant"] == "floor" and meta["backend"] == "aot_eager" and meta["model"] == "llama", meta
+    assert "probe compile_depth" in meta["command"] and "source_tree" in meta and meta["sizes"]["d_model"] == 64
 
 
 def test_compile_depth_needs_two_depths():
