@@ -27,10 +27,13 @@ Only the first step is timed (``FLOOR {json}`` per depth, ``FLOOR_SLOPE {json}``
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import sys
 import tempfile
 import time
+from typing import Callable
 
 from bucketwise.benchmarks.core import procs
 from bucketwise.benchmarks.tax.restarts import child_env
@@ -40,7 +43,6 @@ SIZES = {"d_model": 64, "heads": 4, "seq": 32, "batch": 2, "vocab": 256}
 CHILD_TIMEOUT_S = 1800
 """A depth's process, at the most (Inductor's C++ compiles on a 2-core CPU included)."""
 PHASES = ("dynamo_s", "aot_autograd_s", "backend_s", "block_s", "first_step_s")
-FLOOR_PHASES = ("first_step_s",)
 
 
 def one(layers: int, backend: str, device: str = "cpu") -> dict[str, float]:
@@ -82,10 +84,9 @@ def _spec(layers: int, device: str):
 
     from bucketwise.benchmarks.core.models import make_spec
 
-    sizes = {} if device == "cuda" else SIZES
-    return make_spec("llama", {"layers": layers, **sizes}), torch.device(
-        device, 0
-    ) if device == "cuda" else torch.device(device)
+    if device == "cuda":
+        return make_spec("llama", {"layers": layers}), torch.device("cuda", 0)
+    return make_spec("llama", {"layers": layers, **SIZES}), torch.device("cpu")
 
 
 def _first_step(spec, model, dev) -> float:
@@ -112,7 +113,7 @@ def floor(layers: int, backend: str, device: str = "cpu") -> dict[str, float]:
     spec, dev = _spec(layers, device)
     torch.manual_seed(0)
     model = spec.build().to(dev)
-    opaque = _opaque_ops()
+    _, opaque = _opaque_ops()
     for block in model.model.layers:
         block.forward = types.MethodType(_opaque_forward(block, opaque), block)
     first = _first_step(spec, torch.compile(model, backend=backend), dev)
@@ -132,9 +133,11 @@ def _opaque_forward(block, opaque):
     return scope["forward"]
 
 
+@functools.cache
 def _opaque_ops():
     """``bucketwise_probe::opaque_block(x, params)``: a copy of ``x``; its backward one operator
-    too, the gradient of ``x`` and a zero gradient per parameter. Defined once per process."""
+    too, the gradient of ``x`` and a zero gradient per parameter. Defined once per process (the
+    cache keeps the library, and so the operators, alive)."""
     import torch
 
     lib = torch.library.Library("bucketwise_probe", "FRAGMENT")
@@ -162,12 +165,7 @@ def _opaque_ops():
     torch.library.register_fake("bucketwise_probe::opaque_block", lambda x, params: torch.empty_like(x), lib=lib)
     torch.library.register_fake("bucketwise_probe::opaque_block_backward", backward_fake, lib=lib)
     torch.library.register_autograd("bucketwise_probe::opaque_block", backward, setup_context=setup_context, lib=lib)
-    _LIBS.append(lib)
-    return torch.ops.bucketwise_probe.opaque_block
-
-
-_LIBS: list = []
-"""The operators' library, alive as long as the process."""
+    return lib, torch.ops.bucketwise_probe.opaque_block
 
 
 def slope(
@@ -185,6 +183,28 @@ def slope(
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """What the probe measures: shared blocks, or the floor (``--floor``)."""
+
+    name: str
+    run: Callable[[int, str, str], dict[str, float]]
+    """One depth, in this process: ``run(layers, backend, device)``."""
+    label: str
+    """The prefix of a depth's printed line."""
+    slope_label: str
+    """The prefix of the slope's."""
+    phases: tuple[str, ...]
+    """What the slope is taken of."""
+
+
+VARIANTS = {
+    False: Variant("shared", one, "DEPTH", "SLOPE", PHASES),
+    True: Variant("floor", floor, "FLOOR", "FLOOR_SLOPE", ("first_step_s",)),
+}
+"""By ``--floor``."""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bucketwise.benchmarks probe compile_depth", description=__doc__.splitlines()[0]
@@ -200,11 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="a folder to write results.json to: the run's meta, every depth and the slope")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one depth
     args = p.parse_args(argv)
-    label = "FLOOR" if args.floor else "DEPTH"
+    variant = VARIANTS[args.floor]
     if args.one is not None:
-        run = floor if args.floor else one
-        result = run(args.one, args.backend, args.device)
-        print(label, json.dumps(result), flush=True)
+        print(variant.label, json.dumps(variant.run(args.one, args.backend, args.device)), flush=True)
         return 0
     try:
         depths = sorted({int(n) for n in args.layers.split(",")})
@@ -224,23 +242,22 @@ def main(argv: list[str] | None = None) -> int:
                 timeout_s=CHILD_TIMEOUT_S,
                 capture=procs.Capture.ALL,
             )
-        line = next((line for line in done.stdout.splitlines() if line.startswith(f"{label} ")), None)
+        line = next((line for line in done.stdout.splitlines() if line.startswith(f"{variant.label} ")), None)
         if done.timed_out or done.code != 0 or line is None:
             print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
             why = f"timed out after {CHILD_TIMEOUT_S} s" if done.timed_out else f"exit {done.code}"
             print(f"compile_depth: the run at {layers} layers failed ({why})", file=sys.stderr)
             return 1
         print(line, flush=True)
-        runs.append(json.loads(line[len(label) + 1 :]))
-    phases = FLOOR_PHASES if args.floor else PHASES
-    between = {"between": [depths[0], depths[-1]], **slope(runs[0], runs[-1], phases)}
-    print(f"{label}_SLOPE" if args.floor else "SLOPE", json.dumps(between), flush=True)
+        runs.append(json.loads(line[len(variant.label) + 1 :]))
+    between = {"between": [depths[0], depths[-1]], **slope(runs[0], runs[-1], variant.phases)}
+    print(variant.slope_label, json.dumps(between), flush=True)
     if args.out:
-        _write(args, runs, between)
+        _write(args, variant, runs, between)
     return 0
 
 
-def _write(args: argparse.Namespace, runs: list[dict[str, float]], between: dict) -> None:
+def _write(args: argparse.Namespace, variant: Variant, runs: list[dict[str, float]], between: dict) -> None:
     import os
 
     from bucketwise.benchmarks.core.meta import run_meta
@@ -248,7 +265,7 @@ def _write(args: argparse.Namespace, runs: list[dict[str, float]], between: dict
     spec, _ = _spec(runs[0]["layers"], args.device)
     meta = {
         **run_meta(),
-        "variant": "floor" if args.floor else "shared",
+        "variant": variant.name,
         "backend": args.backend,
         "model": spec.name,
         "sizes": {k: v for k, v in spec.sizes.items() if k != "layers"},

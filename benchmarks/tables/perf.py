@@ -256,9 +256,14 @@ def tax_tables(results: Path, link_root: str) -> str:
     return "\n".join(out).rstrip("\n")
 
 
+def _layers(meta: dict[str, Any]) -> int | None:
+    """The model's depth, where the run recorded it."""
+    return (meta.get("sizes") or {}).get("layers")
+
+
 def _model(meta: dict[str, Any]) -> str:
     """The model and its depth (``llama, 32 layers``) where the run recorded it."""
-    layers = (meta.get("sizes") or {}).get("layers")
+    layers = _layers(meta)
     return meta["model"] if layers is None else f"{meta['model']}, {layers} layers"
 
 
@@ -336,7 +341,7 @@ def first_step_table(results: Path, link_root: str) -> str:
 
     def by_model_depth_config(item: tuple) -> tuple:
         (_, config), (_, _, meta, _) = item
-        return meta["model"], (meta.get("sizes") or {}).get("layers") or 0, order[config]
+        return meta["model"], _layers(meta) or 0, order[config]
 
     for (model, config), (_, folder, meta, row) in sorted(newest.items(), key=by_model_depth_config):
         out.append(
