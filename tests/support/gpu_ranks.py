@@ -1,4 +1,4 @@
-"""Run a GPU test's worker on 2 spawned ranks (one GPU each) and fail with every rank's error."""
+"""Run a GPU test's worker on spawned ranks (one GPU each) and fail with every rank's error."""
 
 from __future__ import annotations
 
@@ -11,9 +11,15 @@ import torch.multiprocessing as mp
 def run_two_ranks(worker: Callable[..., None], store: str, *args: Any, timeout: float = 400) -> None:
     """``worker(rank, 2, store, *args, errors)`` on ranks 0 and 1; a rank puts its traceback into
     ``errors`` (a queue) when it fails."""
+    run_ranks(2, worker, store, *args, timeout=timeout)
+
+
+def run_ranks(world: int, worker: Callable[..., None], store: str, *args: Any, timeout: float = 400) -> None:
+    """``worker(rank, world, store, *args, errors)`` on ranks ``0 .. world - 1``, as
+    :func:`run_two_ranks`."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=worker, args=(r, 2, store, *args, errors)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, world, store, *args, errors)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
