@@ -53,14 +53,14 @@ def make_step(
 
 
 def training_step(
-    recipe: Recipe, spec: ModelSpec, device: torch.device, backend: str
+    recipe: Recipe, spec: ModelSpec, device: torch.device, backend: str, *, bucket_cap_mb: float | None = None
 ) -> tuple[torch.nn.Module, Prepared, torch.optim.Optimizer, Callable[[], torch.Tensor]]:
     """A config's model built (seed 0) and wrapped, its fused AdamW, and one training step on a
     fixed synthetic batch (:func:`make_step`): what the one-process harnesses (``tax``,
     ``memory``) time and measure."""
     torch.manual_seed(0)
     model = spec.build().to(device)
-    prepared = recipe.prepare(model, device=device, backend=backend, bucket_cap_mb=None)
+    prepared = recipe.prepare(model, device=device, backend=backend, bucket_cap_mb=bucket_cap_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True if device.type == "cuda" else None)
     step = make_step(
         prepared,

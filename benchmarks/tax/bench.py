@@ -112,14 +112,17 @@ def _peak() -> int:
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 
 
-def build(config: str, spec: Any, device: torch.device, backend: str, warmup: int) -> dict[str, Any]:
-    """One config's model, compiled, its first step timed and ``warmup`` more steps run."""
+def build(
+    config: str, spec: Any, device: torch.device, backend: str, warmup: int, bucket_cap_mb: float | None = None
+) -> dict[str, Any]:
+    """One config's model, compiled, its first step timed and ``warmup`` more steps run
+    (``bucket_cap_mb``: DDP's, where the config wraps the model in DDP)."""
     recipe = recipe_for(config)
     gc.collect()
     before = _allocated()
     _reset_peak()
     t_build = time.perf_counter()
-    _, prepared, _, step = training_step(recipe, spec, device, backend)
+    _, prepared, _, step = training_step(recipe, spec, device, backend, bucket_cap_mb=bucket_cap_mb)
     _sync()
     t0 = time.perf_counter()
     step()

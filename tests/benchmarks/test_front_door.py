@@ -32,11 +32,11 @@ def test_each_command_has_its_own_help(name):
 
 
 def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
-    assert probes() == ["comm_passes", "compile_depth", "graph_launch", "host_calls", "step_kernels"]
+    assert probes() == ["comm_passes", "compile_depth", "graph_launch", "host_calls", "host_tax", "step_kernels"]
     done = _run("probe", "nope")
     assert done.returncode == 2
     assert (
-        "expected one of ['comm_passes', 'compile_depth', 'graph_launch', 'host_calls', 'step_kernels'], got 'nope'"
+        "expected one of ['comm_passes', 'compile_depth', 'graph_launch', 'host_calls', 'host_tax', 'step_kernels'], got 'nope'"
         in done.stderr
     )
 
