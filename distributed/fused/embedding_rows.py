@@ -17,9 +17,10 @@ is all-reduced as before).
 Every rank must compute the same bits from the same gathered rows, or DDP's replicas drift apart.
 Inductor lowers ``embedding_dense_backward`` to an atomic scatter-add whose order varies from
 run to run, so the table gradient is built by ``bucketwise::embedding_rows_grad``, an op Inductor
-cannot see into: on CUDA a sort and a sum per id in a fixed order, with no device-to-host sync
-(NOTE [rows without a sync] in ``rows_kernel.py``: ATen's deterministic CUDA kernel reads a
-count back to the host above 3072 ids); elsewhere ATen's kernel.
+cannot see into that runs ATen's kernel (deterministic: sorted ids, or a per-feature pass). On
+CUDA that kernel keeps the count of distinct ids on the device (CUB's ``unique_by_key``): no
+device-to-host sync, which ``tests/gpu/test_gpu_no_sync.py`` checks for the op and for whole
+steps of every strategy (torch 2.11, CUDA 13).
 
 A parameter qualifies when every use of it in the graph is such a lookup (``F.embedding``)
 outside torch.func transforms, with a static number of ids and no ``max_norm``,
@@ -55,17 +56,9 @@ _EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
 
 @torch.library.custom_op("bucketwise::embedding_rows_grad", mutates_args=())
 def embedding_rows_grad(rows: torch.Tensor, ids: torch.Tensor, num_weights: int, padding_idx: int) -> torch.Tensor:
-    """The table gradient of gathered lookups, deterministic (an extern call for Inductor, never
-    its atomic scatter-add): ATen's kernel here, ``rows_kernel.table_grad`` on CUDA (NOTE
-    [embedding rows])."""
+    """The table gradient of gathered lookups, by ATen's deterministic kernel (an extern call
+    for Inductor, never its atomic scatter-add): see NOTE [embedding rows]."""
     return torch.ops.aten.embedding_dense_backward(rows, ids, num_weights, padding_idx, False)
-
-
-@embedding_rows_grad.register_kernel("cuda")
-def _(rows: torch.Tensor, ids: torch.Tensor, num_weights: int, padding_idx: int) -> torch.Tensor:
-    from .rows_kernel import table_grad  # Triton, which comes with CUDA builds of torch
-
-    return table_grad(rows, ids, num_weights, padding_idx)
 
 
 @embedding_rows_grad.register_fake

@@ -36,7 +36,8 @@ def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
     done = _run("probe", "nope")
     assert done.returncode == 2
     assert (
-        "expected one of ['comm_passes', 'compile_depth', 'graph_launch', 'host_calls', 'host_tax', 'step_kernels'], got 'nope'"
+        "expected one of ['comm_passes', 'compile_depth', 'graph_launch', 'host_calls', 'host_tax', "
+        "'step_kernels'], got 'nope'"
         in done.stderr
     )
 
