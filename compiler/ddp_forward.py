@@ -38,6 +38,8 @@ class DDPForward:
     call_nosync: Callable[..., Any]
     """The frame compiled for ``no_sync()`` steps: a second cache without collectives."""
     hooks: HookWatch
+    buffers: ddpc.BufferBroadcast
+    """DDP's buffer broadcast before a synced forward (NOTE [buffer broadcast])."""
     decision: Decision | None = None
     """``None``: decide at the next call (NOTE [one decision])."""
     fused: FusedState | None = None
@@ -106,6 +108,11 @@ class DDPForward:
             self.fused.runtime.remove_hooks()
             self.fused = None
             ddpc.rebuild_reducer(ddp, why=f"strategy {new.strategy}: DDP's reducer reduces")
+        if new.fused and new.caps is not None and new.caps.for_overlap:
+            state.report.note(
+                f"fused buckets {new.caps.describe()} (NOTE [fused bucket sizes]): fewer collectives than DDP's "
+                "25 MiB buckets; pass bucket_cap_mb for fixed caps"
+            )
         if not new.fused:
             state.report.set_alignment_source(state.backend.alignment)
             if self.alignment is None:
@@ -143,7 +150,7 @@ class DDPForward:
         variant = Variant.SYNC if sync else Variant.NO_SYNC
         call = self.state.call if sync else self.call_nosync
         with self._stance(variant):
-            out = ddpc.run_forward_with_idle_reducer(ddp, args, kwargs, call)
+            out = ddpc.run_forward_with_idle_reducer(ddp, args, kwargs, call, self.buffers)
         runtime.after_forward(out, sync)
         return out
 
@@ -182,7 +189,7 @@ class DDPForward:
     def _with_reducer(self, call: Callable[..., Any], variant: Variant, args: tuple, kwargs: dict) -> Any:
         """DDP's own forward around a compiled call: the reducer reduces in the backward."""
         ddp = self.ddp
-        args, kwargs = ddpc.pre_forward(ddp, args, kwargs)
+        args, kwargs = ddpc.pre_forward(ddp, args, kwargs, self.buffers)
         with self._stance(variant):
             out = call(*args, **kwargs)
         out = ddpc.post_forward(ddp, out)

@@ -18,7 +18,7 @@ import enum
 from typing import Any, Collection
 
 from .._compat import ddp as ddpc
-from ..distributed.fused.apply import comm_spec
+from ..distributed.fused.apply import HOOK_PROGRAMS, comm_spec
 from ..distributed.fused.comm_hooks import comm_hook_kind
 from ..distributed.fused.policy import hooked_gradients, why_not_fused
 from ..distributed.fused.sync import CommSpec
@@ -60,7 +60,8 @@ class Decision:
     hooked: tuple[str, ...] = ()
     """Parameters with gradient hooks (NOTE [gradient hooks before the reduction])."""
     caps: BucketCaps | None = None
-    """The bucket caps, DDP's with the user's overrides (``None`` without a DDP module)."""
+    """The bucket caps, DDP's with the user's overrides, or ``fused``'s sized for the overlap
+    (NOTE [fused bucket sizes]; ``None`` without a DDP module)."""
     spec: CommSpec | None = None
     """``fused``: how each bucket is reduced (DDP's reducer or its comm hook)."""
     ddp_id: int | None = None
@@ -117,6 +118,9 @@ def decide(
             reason="fused needs bucketwise to run the DDP forward: compile the DDP module itself",
             **common,
         )
+    if kind not in HOOK_PROGRAMS and config.bucket_cap_mb is None and config.first_bucket_cap_mb is None:
+        if ddpc.default_bucket_caps(ddp):
+            common["caps"] = dataclasses.replace(caps, for_overlap=True)  # NOTE [fused bucket sizes]
     return Decision(strategy=Strategy.FUSED, spec=comm_spec(ddp, kind), **common)
 
 

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from bucketwise._compat import ddp as ddpc
 from bucketwise._compat import dynamo as dc
 from bucketwise.compiler.segments import compile_with_fallback
-from bucketwise.distributed.plan import BucketCaps, plan_buckets
+from bucketwise.distributed.plan import BucketCaps, overlap_limits, plan_buckets
 from bucketwise.distributed.result import GraphJob
 from bucketwise.distributed.split.apply import split_and_compile
 from bucketwise.launch.models import GPT, GPTConfig, mlp, synthetic_tokens
@@ -288,6 +288,46 @@ def test_plan_matches_ddp_assignment_routine(seed):
         assert len({dtypes[i] for i in b}) == 1
     # Returned in ready order of their first member.
     assert [min(b) for b in plan] == sorted(min(b) for b in plan)
+
+
+def test_plan_for_overlap_quarters_then_halves_down_to_the_cap():
+    """NOTE [fused bucket sizes]: a quarter of the bytes each, then halving, none below the cap;
+    the allreduce of every bucket but the last has the rest of the backward to hide in."""
+    assert overlap_limits(1000, 50) == [250, 250, 250, 125, 62, 50]
+    assert overlap_limits(40, 50) == [50]  # all of it within one cap: one bucket, as DDP
+    # 70 caps' worth of gradients (a 32-layer Llama's 1.76 GB against DDP's 25 MiB), scaled down.
+    cap = 2**18
+    params = synthetic_params([70 * cap // 100 // 4 * 4] * 100)
+    total = sum(p.nbytes for p in params)
+    buckets = plan_buckets(params, BucketCaps(first_bytes=cap // 25, bytes=cap, for_overlap=True))
+    sizes = [sum(p.nbytes for p in b) for b in buckets]
+    assert len(buckets) <= 10, sizes
+    assert [p.name for b in buckets for p in b] == names(params)
+    assert sizes[-1] <= 2 * cap and sizes[0] <= total // 4 + params[0].nbytes
+    assert all(a >= b for a, b in zip(sizes, sizes[1:])), sizes  # never growing towards the end
+    # DDP's own caps on the same parameters: a bucket per two parameters, a small one first.
+    assert len(plan_buckets(params, BucketCaps(first_bytes=cap // 25, bytes=cap))) == 51
+
+
+def test_fused_sizes_its_buckets_only_where_ddp_kept_its_default_caps(single_rank_group):
+    from bucketwise.compiler.config import CompileConfig
+    from bucketwise.compiler.decision import decide
+
+    def caps(ddp, **config):
+        return decide(CompileConfig(strategy="fused", **config), ddp, runs_ddp_forward=True).caps
+
+    default = DDP(nn.Linear(4, 4))
+    assert caps(default).for_overlap
+    assert not caps(default, bucket_cap_mb=25).for_overlap
+    assert not caps(DDP(nn.Linear(4, 4), bucket_cap_mb=25)).for_overlap
+    assert not caps(DDP(nn.Linear(4, 4), bucket_cap_mb_list=[1, 2])).for_overlap
+    split = decide(CompileConfig(strategy="split"), default, runs_ddp_forward=True)
+    assert not split.caps.for_overlap and split.caps.matches_ddp(default)
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+    hooked = DDP(nn.Linear(4, 4))
+    hooked.register_comm_hook(ps.PowerSGDState(None), ps.powerSGD_hook)  # it sees DDP's buckets, as in eager DDP
+    assert not caps(hooked).for_overlap
 
 
 def test_plan_per_bucket_caps_match_ddp_routine():
