@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 log = logging.getLogger(__name__)
@@ -29,9 +30,96 @@ def is_ddp(obj: Any) -> bool:
 # --- forward -----------------------------------------------------------------------------
 
 
-def pre_forward(ddp: DDP, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """DDP's own ``_pre_forward``: reducer prepare, bucket rebuild, buffer sync, input moves."""
-    return ddp._pre_forward(*args, **kwargs)
+def pre_forward(ddp: DDP, args: tuple, kwargs: dict, buffers: BufferBroadcast) -> tuple[tuple, dict]:
+    """DDP's own ``_pre_forward``: reducer prepare, bucket rebuild, buffer sync (``buffers``'s,
+    where it takes DDP's place: NOTE [buffer broadcast]), input moves."""
+    with buffers.instead_of_ddp():
+        return ddp._pre_forward(*args, **kwargs)
+
+
+# NOTE [buffer broadcast]: before every forward that syncs, DDP broadcasts rank 0's buffers to
+# the other ranks, and to find them it walks every module of the model again
+# (``_assign_modules_buffers``, for buffers the user reassigned): on a 16-layer HF Llama about
+# 0.65 ms of host time per step in ``named_modules`` alone, with one buffer to send (one H200,
+# results/2026-11-28_1xH200_host-tax-llama16), a step bound by its host pays it in full.
+# bucketwise broadcasts the same buffers from the same rank at the same point instead, and walks
+# the modules again only when something may have changed: a buffer or a module registered
+# anywhere in the process (torch's global registration hooks count them), or one of the buffers
+# found last time no longer the one its module holds (reassigned, deleted, or replaced by
+# ``.to()``/``.half()``, which bypass the hooks). With one rank there is nothing to broadcast, so
+# nothing is sent. Where DDP's broadcast is not the plain one (a buffer comm hook, ``join()``,
+# which first agrees on the rank to send from) DDP does it itself, as before.
+
+
+class BufferBroadcast:
+    """DDP's buffer broadcast before the forward for one DDP module (NOTE [buffer broadcast])."""
+
+    def __init__(self, ddp: DDP) -> None:
+        self._ddp = weakref.ref(ddp)
+        self._registered = 0
+        """Buffers and modules registered in the process since the hooks went in."""
+        self._seen = -1
+        self._found: list[tuple[nn.Module, str, torch.Tensor]] = []
+        self._hooks: list[Any] = []
+
+    @contextlib.contextmanager
+    def instead_of_ddp(self) -> Iterator[None]:
+        """Around DDP's ``_pre_forward``: its buffer sync is this object's while inside."""
+        ddp = self._ddp()
+        if ddp is None or not ddp._check_sync_bufs_pre_fwd() or hasattr(ddp, "buffer_hook") or join_enabled(ddp):
+            yield
+            return
+        self._broadcast(ddp)
+        ddp.require_forward_param_sync = False  # DDP's _pre_forward then skips _sync_buffers
+        try:
+            yield
+        finally:
+            ddp.require_forward_param_sync = True
+
+    def _broadcast(self, ddp: DDP) -> None:
+        if world_size(ddp) == 1:
+            return
+        if self._seen != self._registered or any(m._buffers.get(n) is not t for m, n, t in self._found):
+            self._find(ddp)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(ddp.modules_buffers)):
+            dist._broadcast_coalesced(ddp.process_group, ddp.modules_buffers, ddp.broadcast_bucket_size, 0)
+
+    def _find(self, ddp: DDP) -> None:
+        if not self._hooks:
+            self._count_registrations()
+        self._seen = self._registered
+        ddp._assign_modules_buffers()  # DDP's own list, as its _sync_buffers makes it
+        wanted = {id(t) for t in ddp.modules_buffers}
+        found, done = [], set()
+        for module in ddp.module.modules():
+            for name, t in module._buffers.items():
+                if t is not None and id(t) in wanted and id(t) not in done:
+                    done.add(id(t))
+                    found.append((module, name, t))
+        self._found = found
+
+    def _count_registrations(self) -> None:
+        """torch's global buffer and module registration hooks count into ``_registered``
+        while this object lives."""
+        from torch.nn.modules import module as module_mod
+
+        me = weakref.ref(self)
+
+        def bump(*_: Any) -> None:
+            this = me()
+            if this is not None:
+                this._registered += 1
+
+        self._hooks = [
+            module_mod.register_module_buffer_registration_hook(bump),
+            module_mod.register_module_module_registration_hook(bump),
+        ]
+        weakref.finalize(self, _remove_all, list(self._hooks))
+
+
+def _remove_all(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def post_forward(ddp: DDP, output: Any) -> Any:
@@ -80,6 +168,12 @@ def bucket_caps(ddp: DDP) -> tuple[int, int, list[int]]:
     first = int(dist._DEFAULT_FIRST_BUCKET_BYTES) if default else cap
     per_bucket = [int(c) for c in getattr(ddp, "bucket_bytes_cap_list", None) or []]
     return first, cap, per_bucket
+
+
+def default_bucket_caps(ddp: DDP) -> bool:
+    """The DDP module was built with DDP's default bucket caps (no ``bucket_cap_mb``, no
+    ``bucket_cap_mb_list``)."""
+    return bool(getattr(ddp, "bucket_bytes_cap_default", False)) and not getattr(ddp, "bucket_bytes_cap_list", None)
 
 
 def ignored_names(ddp: DDP) -> set[str]:
@@ -260,7 +354,7 @@ def grad_sync_requested(ddp: DDP) -> bool:
     return bool(ddp.require_backward_grad_sync)
 
 
-def run_forward_with_idle_reducer(ddp: DDP, args: tuple, kwargs: dict, call: Any) -> Any:
+def run_forward_with_idle_reducer(ddp: DDP, args: tuple, kwargs: dict, call: Any, buffers: BufferBroadcast) -> Any:
     """DDP's forward with the reducer kept out of the backward.
 
     ``require_backward_grad_sync=False`` (what ``no_sync()`` sets) makes ``_pre_forward`` and
@@ -275,7 +369,7 @@ def run_forward_with_idle_reducer(ddp: DDP, args: tuple, kwargs: dict, call: Any
         ddp._static_graph_delay_allreduce_enqueued = True
     ddp.require_backward_grad_sync = False
     try:
-        args, kwargs = ddp._pre_forward(*args, **kwargs)
+        args, kwargs = pre_forward(ddp, args, kwargs, buffers)
         out = ddp._post_forward(call(*args, **kwargs))
     finally:
         ddp.require_backward_grad_sync = user_sync

@@ -219,6 +219,7 @@ def _ddp_forward(
         nosync_backend=nosync,
         call_nosync=_calling_blocks(blocks, torch_compile(forward, nosync, config)),
         hooks=HookWatch(ddp.module.named_modules, lambda: ddpc.reducer_parameters(ddp), lambda: run.own_hook_ids()),
+        buffers=ddpc.BufferBroadcast(ddp),
     )
     if config.strategy in ("fused", "auto"):
         # Collectives on every rank at compile time: the rank checks' side group, and the CUDA
