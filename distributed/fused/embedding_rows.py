@@ -12,7 +12,9 @@ so instead of all-reducing the table, the fused strategy all-gathers the gradien
 the lookup (ids x dim) with the ids, and every rank builds the averaged table gradient from all
 ranks' rows. That sends ``world x ids x dim`` elements instead of about ``2 x rows x dim``; it is
 used when ``world x ids <= rows`` (``gpt`` on 2 ranks: 16384 of 50304 rows; on 8 ranks the table
-is all-reduced as before).
+is all-reduced as before), and not on one rank, where nothing is sent either way and the lookup's
+own backward, which Inductor fuses, launches about 20 fewer kernels than the gather, the ids'
+digits and ATen's sorted kernel (one H200, 16-layer HF Llama).
 
 Every rank must compute the same bits from the same gathered rows, or DDP's replicas drift apart.
 Inductor lowers ``embedding_dense_backward`` to an atomic scatter-add whose order varies from
@@ -152,6 +154,8 @@ def plan_embedding_rows(gm: fx.GraphModule, params: Sequence[GraphParam], world:
             sync = RowsSync(param=p, lookups=tuple(lookups))
             if any(s <= position[lk.node] <= e for lk in lookups for s, e in regions):
                 why = "inside a torch.func transform"
+            elif world == 1:
+                why = "one rank: nothing is sent either way, and the table's own backward is cheaper"
             elif world * sync.ids > rows:
                 why = f"{world} ranks x {sync.ids} ids > {rows} rows: the allreduce sends less"
             else:

@@ -3,7 +3,7 @@
 Against eager DDP on 2 gloo ranks: gradients after every step (padding rows, two lookups of one
 table, ``no_sync()`` accumulation), identical bits on every rank (replicas must not drift), the
 report's collectives and wire bytes; uneven batches fall back to the table allreduce on every
-rank. On one rank: which tables qualify.
+rank; which tables qualify; on one rank, none (nothing is sent either way).
 """
 
 from __future__ import annotations
@@ -110,16 +110,26 @@ def _collectives(net: nn.Module, ids: torch.Tensor, **kw: Any) -> dict[str, str]
     }
 
 
-def test_which_tables_are_gathered(single_rank_group):
+def _which_tables(rank: int, world: int) -> None:
     torch.manual_seed(0)
-    ids = _ids(0, 0)  # 12 ids per lookup, 24 per table: fewer than its 64 rows
+    ids = _ids(rank, 0)  # 12 ids per lookup, 24 per table: 2 x 24 fewer than its 64 rows
     assert _collectives(TwoLookups(), ids)["tok.weight"] == "all_gather rows"
     assert _collectives(TwoLookups(padding_idx=None), ids)["tok.weight"] == "all_gather rows"
     # Kept whole: switched off, a tied head (another use), and more ids than rows (the
     # allreduce sends less).
     assert _collectives(TwoLookups(), ids, gather_embedding_rows=False)["tok.weight"] == "all_reduce"
     assert _collectives(TwoLookups(tied=True), ids)["tok.weight"] == "all_reduce"
-    assert _collectives(TwoLookups(), _ids(0, 0, batch=6))["tok.weight"] == "all_reduce"
+    assert _collectives(TwoLookups(), _ids(rank, 0, batch=3))["tok.weight"] == "all_reduce"
+
+
+def test_which_tables_are_gathered(tmp_path):
+    run_distributed(_which_tables, tmp_path)
+
+
+def test_one_rank_keeps_the_table_allreduce(single_rank_group):
+    # Nothing is sent either way: the lookup's own backward, without the gather, the ids'
+    # digits and the sorted kernel.
+    assert _collectives(TwoLookups(), _ids(0, 0))["tok.weight"] == "all_reduce"
 
 
 def test_max_norm_table_is_reduced_after_the_backward(single_rank_group):
@@ -150,18 +160,22 @@ def _failing_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
     raise RuntimeError("backend failed on purpose")
 
 
-def test_fused_graph_whose_compile_fails_runs_uncompiled(single_rank_group):
-    # fallback="eager" runs the rewritten graph module itself: its generated code must be able
-    # to call the bucket syncs and row gathers (plain functions, CommSpec fields as arguments).
+def _uncompiled(rank: int, world: int) -> None:
     torch.manual_seed(0)
     net = TwoLookups()
     ref = DDP(copy.deepcopy(net))
     compiled = bucketwise.compile(DDP(net), backend=_failing_backend, strategy="fused")
     for step in range(2):
-        compiled(_ids(0, step)).backward()
-        ref(_ids(0, step)).backward()
+        compiled(_ids(rank, step)).backward()
+        ref(_ids(rank, step)).backward()
     for (name, p), q in zip(ref.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=lambda s: f"{name}: {s}")
     report = bucketwise.report(compiled).to_dict()
     assert report["totals"]["fallbacks"] >= 1, report
     assert {b["collective"] for g in report["graphs"] for b in g["buckets"]} == {"all_reduce", "all_gather rows"}
+
+
+def test_fused_graph_whose_compile_fails_runs_uncompiled(tmp_path):
+    # fallback="eager" runs the rewritten graph module itself: its generated code must be able
+    # to call the bucket syncs and row gathers (plain functions, CommSpec fields as arguments).
+    run_distributed(_uncompiled, tmp_path)

@@ -3,9 +3,10 @@
 warm-up, on one GPU (NCCL, world size 1). Run on the device machines:
 ``pytest tests/gpu/test_gpu_no_sync.py -m gpu``.
 
-The batch looks up 4096 token ids (more than 3072, where ATen's deterministic CUDA embedding
-backward sorts them) from a table of 8192 rows, so the default gathers the token table's
-gradient as rows (NOTE [embedding rows]) and builds it with bucketwise's op.
+The batch looks up 4096 token ids from a table of 8192 rows. One rank keeps the table's
+allreduce (NOTE [embedding rows]); the op that builds a gathered table's gradient, used from
+two ranks on, is checked on its own, above 3072 ids (where ATen's deterministic CUDA embedding
+backward sorts them) and below. ``test_gpu_split.py`` runs the gathered rows on 2 GPUs.
 """
 
 from __future__ import annotations
