@@ -39,16 +39,17 @@ def pre_forward(ddp: DDP, args: tuple, kwargs: dict, buffers: BufferBroadcast) -
 
 # NOTE [buffer broadcast]: before every forward that syncs, DDP broadcasts rank 0's buffers to
 # the other ranks, and to find them it walks every module of the model again
-# (``_assign_modules_buffers``, for buffers the user reassigned): on a 16-layer HF Llama about
-# 0.65 ms of host time per step in ``named_modules`` alone, with one buffer to send (one H200,
-# results/2026-11-28_1xH200_host-tax-llama16), a step bound by its host pays it in full.
-# bucketwise broadcasts the same buffers from the same rank at the same point instead, and walks
-# the modules again only when something may have changed: a buffer or a module registered
-# anywhere in the process (torch's global registration hooks count them), or one of the buffers
-# found last time no longer the one its module holds (reassigned, deleted, or replaced by
-# ``.to()``/``.half()``, which bypass the hooks). With one rank there is nothing to broadcast, so
-# nothing is sent. Where DDP's broadcast is not the plain one (a buffer comm hook, ``join()``,
-# which first agrees on the rank to send from) DDP does it itself, as before.
+# (``_assign_modules_buffers``, for buffers the user reassigned): on a 16-layer HF Llama, 0.65
+# ms of host time per step in ``named_modules`` alone, and 0.37 ms to send its one buffer to a
+# world of one (one H200, results/2026-11-28_1xH200_host-tax-llama16-ddp-buckets); a step bound
+# by its host pays it in full. bucketwise broadcasts the same buffers from the same rank at the
+# same point instead, and walks the modules again only when something may have changed: a
+# buffer or a module registered anywhere in the process (torch's global registration hooks
+# count them), or one of the buffers found last time no longer the one its module holds
+# (reassigned, deleted, or replaced by ``.to()``/``.half()``, which bypass the hooks). With one
+# rank there is nothing to broadcast, so nothing is sent. Where DDP's broadcast is not the plain
+# one (a buffer comm hook, ``join()``, which first agrees on the rank to send from) DDP does it
+# itself, as before.
 
 
 class BufferBroadcast:
