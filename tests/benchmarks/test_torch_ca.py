@@ -1,0 +1,73 @@
+"""The ``torch-ca`` config: torch's compiled-DDP path with compiled autograd (DDP's Python
+reducer, ``optimize_ddp="python_reducer"``), trained on 2 gloo ranks against eager DDP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.dist import run_distributed
+
+from bucketwise._compat import dynamo as dc
+from bucketwise.benchmarks.core.configs import CONFIGS, Recipe
+from bucketwise.benchmarks.core.models import make_spec
+from bucketwise.benchmarks.core.step import make_step
+
+SIZES = {"layers": 1, "d_model": 32, "heads": 2, "seq": 8, "batch": 2, "vocab": 64}
+STEPS = 4
+
+
+def _train(rank: int, world_size: int, config: str) -> dict:
+    """``config`` built from seed 0 and trained ``STEPS`` steps on this rank's own batch."""
+    dc.reset()
+    spec = make_spec("gpt-tiny", SIZES)
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    model = spec.build()
+    prepared = CONFIGS[config].prepare(model, device=device, backend="aot_eager", bucket_cap_mb=None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = make_step(
+        prepared, spec, opt, spec.make_batch(1 + rank, device), device, mark_cudagraph_step=False, annotate=False
+    )
+    losses = [step().item() for _ in range(STEPS)]
+    ddp = dc.uncompiled(prepared.module)
+    return {
+        "losses": losses,
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        "python_reducer": dc.uses_python_reducer(ddp),
+        "captures": dc.compiled_autograd_captures(),
+        "graphs": dc.graph_counts(),
+    }
+
+
+def _eager_and_torch_ca(rank: int, world_size: int) -> dict:
+    return {config: _train(rank, world_size, config) for config in ("eager", "torch-ca")}
+
+
+def test_torch_ca_trains_like_eager_ddp_on_two_ranks(tmp_path):
+    """Each rank trains on its own batch: the final parameters equal eager DDP's only if every
+    step's gradients were averaged over the ranks (a reducer that did not reduce leaves each rank
+    with its own parameters), and the backward ran as a compiled autograd graph."""
+    ranks = run_distributed(_eager_and_torch_ca, tmp_path, world_size=2)
+    for rank, out in enumerate(ranks):
+        eager, ca = out["eager"], out["torch-ca"]
+        assert ca["python_reducer"] and not eager["python_reducer"]
+        assert ca["captures"] >= 1, "the backward did not run under compiled autograd"
+        # One forward graph (torch.compile of DDP, no graph break) and one backward graph.
+        assert ca["graphs"] == {"unique_graphs": 2, "graph_breaks": 0}, ca["graphs"]
+        assert ca["losses"] == pytest.approx(eager["losses"], rel=1e-5), rank
+        torch.testing.assert_close(ca["params"], eager["params"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ranks[0]["torch-ca"]["params"], ranks[1]["torch-ca"]["params"], rtol=0, atol=0)
+    # The ranks' batches differ, so training without averaging would have left them apart.
+    assert ranks[0]["eager"]["losses"][0] != ranks[1]["eager"]["losses"][0]
+
+
+def test_torch_ca_recipe_checks_its_fields():
+    assert CONFIGS["torch-ca"].compiled_autograd and CONFIGS["torch-ca"].compiler == "torch"
+    for kwargs, message in (
+        ({"compiler": "bucketwise", "strategy": "fused"}, "compiler='bucketwise'"),
+        ({"compiler": "torch", "ddp": False}, "ddp=False"),
+        ({"compiler": "torch", "optimize_ddp": False}, "drop optimize_ddp"),
+        ({"compiler": "torch", "comm_hook": "bf16"}, "drop comm_hook"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            Recipe(compiled_autograd=True, **kwargs)
