@@ -671,3 +671,21 @@ def compiled_autograd_enabled() -> bool:
     from torch._dynamo import compiled_autograd
 
     return bool(compiled_autograd.compiled_autograd_enabled)
+
+
+@contextlib.contextmanager
+def side_by_side_compile_limits(configs: int) -> Iterator[None]:
+    """Within the block, Dynamo's ``recompile_limit`` (and ``accumulated_recompile_limit``, at
+    least as much) is ``configs`` times its value: for ``configs`` compiled objects alive side by
+    side in one process. Objects compiled by separate ``torch.compile`` calls share the code
+    objects they run (the model's ``forward``, ``torch.compile``'s wrapper of a module) and keep
+    their compiled versions apart by backend, but each counts against that code object's limit:
+    the 9th would run eagerly."""
+    config = torch._dynamo.config
+    limit = recompile_limit() * max(1, configs)
+    changes = {"recompile_limit": limit}
+    accumulated = getattr(config, "accumulated_recompile_limit", None)
+    if accumulated is not None:
+        changes["accumulated_recompile_limit"] = max(int(accumulated), limit)
+    with config.patch(changes):
+        yield
