@@ -579,7 +579,7 @@ def clear_inductor_caches() -> None:
 
 # --- torch's python reducer and compiled autograd (the benchmarks' ``torch-ca``) ----------------
 # Checked on torch 2.13.0 (CI) and 2.11.0 (device machines): the same config names, the same
-# side effects in DDP's constructor, ``compiled_autograd._enable``.
+# side effects in DDP's constructor, ``compiled_autograd._enable`` (``enable`` in older torch).
 
 _PYTHON_REDUCER_INDUCTOR_OPTIONS = ("_fuse_ddp_communication", "_fuse_ddp_bucket_size")
 """The Inductor options DDP's constructor sets for its python reducer."""
@@ -589,7 +589,7 @@ _PYTHON_REDUCER_INDUCTOR_OPTIONS = ("_fuse_ddp_communication", "_fuse_ddp_bucket
 class PythonReducerBuild:
     """A module built by :func:`build_for_python_reducer` and the Inductor options DDP's
     constructor set for it (``_fuse_ddp_communication``, ``_fuse_ddp_bucket_size``: its
-    gradient all-reduces fused into buckets), for :func:`python_reducer_steps`."""
+    gradient all-reduces fused into buckets), for the ``torch.compile`` calls that compile it."""
 
     module: Any
     inductor_options: dict[str, Any]
@@ -609,9 +609,10 @@ def build_for_python_reducer(build: Callable[[], Any]) -> PythonReducerBuild:
     into the C++ reducer's calls and break its graph there instead of running DDP's forward
     eagerly). Both are put back as they were on return: the Inductor options through the config's
     own ``patch()``, the inline list by taking out what the build added. The options DDP set come
-    back with the module; the inline list is not needed afterwards (a DDP forward called from a
-    compiled frame is inlined under ``torch.nn``'s own rule, and the python reducer's forward has
-    nothing that breaks the graph).
+    back with the module, for ``torch.compile(..., options=)`` (they are what torch's own path
+    compiles with, DDP having set them for the whole process). The inline list is not needed
+    afterwards: a DDP forward called from ``torch.compile``'s frame is inlined under ``torch.nn``'s
+    own rule, and the Python reducer's forward has nothing that breaks the graph.
     """
     from torch._dynamo import trace_rules
 
@@ -631,20 +632,15 @@ def build_for_python_reducer(build: Callable[[], Any]) -> PythonReducerBuild:
 
 
 @contextlib.contextmanager
-def python_reducer_steps(inductor_options: dict[str, Any], compiler: Callable[..., Any]) -> Iterator[None]:
+def python_reducer_steps(compiler: Callable[..., Any]) -> Iterator[None]:
     """Within the block, torch's compiled-DDP path with compiled autograd: ``optimize_ddp``
-    is ``"python_reducer"`` (Dynamo reads it per frame), the Inductor options DDP set for its
-    python reducer (:class:`PythonReducerBuild`) are in force, and every backward pass is captured
-    by compiled autograd and compiled by ``compiler`` (e.g. ``torch.compile(backend=...)``). Enter
-    it around the forward as well as the backward; on exit all of it is as it was."""
+    is ``"python_reducer"`` (Dynamo reads it per frame) and every backward pass is captured by
+    compiled autograd and compiled by ``compiler`` (e.g. ``torch.compile(backend=...)``). Enter
+    it around the forward as well as the backward; on exit both are as they were."""
     from torch._dynamo import compiled_autograd
 
     enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
-    with (
-        torch._dynamo.config.patch(optimize_ddp="python_reducer"),
-        torch._inductor.config.patch(inductor_options),
-        enable(compiler),
-    ):
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"), enable(compiler):
         yield
 
 

@@ -11,7 +11,8 @@ A recipe turns a freshly built model into the module a training step calls:
   ``optimize_ddp="python_reducer"`` (its Python reducer: a hook per parameter all-reduces the
   gradient with functional collectives), ``torch.compile(DDP(model))`` for the forward, and every
   step run with that mode in force and its backward captured by compiled autograd and compiled by
-  ``torch.compile`` with the run's backend (``bucketwise._compat.dynamo.python_reducer_steps``).
+  ``torch.compile`` with the run's backend (``bucketwise._compat.dynamo.python_reducer_steps``);
+  both compiles get the Inductor options DDP sets for that mode (``options=``).
   What DDP's constructor changes process-wide for that mode is put back once it is built, so
   configs built beside it in one process are unchanged (``build_for_python_reducer``).
 - ``local``: ``torch.compile(model)`` without DDP: the compute floor, no gradient traffic.
@@ -95,7 +96,7 @@ class Recipe:
     """torch's compiled-DDP path with compiled autograd (``torch-ca``): DDP built for its Python
     reducer (``optimize_ddp="python_reducer"``), that mode in force during every step, and the
     backward captured by compiled autograd and compiled by ``torch.compile`` with the run's
-    backend and ``mode``."""
+    backend; both compiles get the Inductor options DDP sets for its Python reducer."""
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -126,6 +127,11 @@ class Recipe:
                 raise ValueError(
                     f"comm_hook={self.comm_hook!r} is a hook of DDP's C++ reducer, which compiled_autograd=True "
                     "replaces with the Python reducer: drop comm_hook"
+                )
+            if self.mode is not None:
+                raise ValueError(
+                    f"compiled_autograd=True compiles with the Inductor options DDP sets for its Python reducer, "
+                    f"and torch.compile takes options or a mode, not both: drop mode={self.mode!r}"
                 )
 
     @property
@@ -168,10 +174,13 @@ class Recipe:
             # DDP reads optimize_ddp in its constructor; what it changes process-wide for the
             # python reducer is put back once it is built, and put in force around each step.
             built = dc.build_for_python_reducer(lambda: self.wrap(model, device=device, bucket_cap_mb=bucket_cap_mb))
-            compiled = torch.compile(built.module, backend=backend, mode=self.mode)
-            backward_compiler = torch.compile(backend=backend, mode=self.mode)
+            # Both compiles get the Inductor options DDP set for the whole process in torch's own
+            # path; they also keep torch-ca's compiled frames apart from those of other
+            # torch.compile(DDP(model)) configs in one process (NOTE [configs side by side]).
             options = built.inductor_options
-            return Prepared(module=compiled, step_context=lambda: dc.python_reducer_steps(options, backward_compiler))
+            compiled = torch.compile(built.module, backend=backend, options=options)
+            backward_compiler = torch.compile(backend=backend, options=options)
+            return Prepared(module=compiled, step_context=lambda: dc.python_reducer_steps(backward_compiler))
         wrapped = self.wrap(model, device=device, bucket_cap_mb=bucket_cap_mb)
         if self.compiler == "none":
             return Prepared(module=wrapped, step_context=contextlib.nullcontext)

@@ -11,10 +11,13 @@ torch 2.13; every config compiled under its own backend object would still count
 code object's ``recompile_limit``, see ``_compat.dynamo.side_by_side_compile_limits``).
 :func:`own_code` gives a config's model classes of its own, whose methods are copies with code
 objects of their own, so each config compiles and finds only its own frames, as in a process of
-its own. torch's own frames (``nn.Module.__call__``, ``DistributedDataParallel.forward``) stay
-shared: Dynamo runs them eagerly or, for ``torch.compile``'s wrapper frame, keeps what it compiled
-apart by the module it wraps. Functions outside the model's classes stay shared too: a graph
-break inside one of them would make it a frame of its own, shared by the configs.
+its own. torch's own frames stay shared: Dynamo runs ``nn.Module.__call__`` and
+``DistributedDataParallel.forward`` eagerly, and in the wrapper frame of
+``torch.compile(DDP(model))`` the configs that break the graph at DDP's C++ reducer (``torch``,
+``torch-nosplit``, ...) compile only that break, the same for each; ``torch-ca``, which compiles
+DDP's whole forward in that frame, compiles with options of its own (``core/configs.py``), so
+with a backend that compares unequal. Functions outside the model's classes stay shared too: a
+graph break inside one of them would make it a frame of its own, shared by the configs.
 """
 
 from __future__ import annotations

@@ -83,7 +83,9 @@ def test_torch_ca_beside_other_configs_leaves_them_unchanged(single_rank_group):
     steps the process is as before (no Python-reducer mode, no DDP fusion in Inductor, DDP's
     forward skipped by Dynamo as usual, compiled autograd off), and ``torch`` compiles the same
     graphs, breaks them in the same places and trains to the same losses as when built alone
-    (also beside ``local``, which compiles the same model code: NOTE [configs side by side])."""
+    (also beside ``local``, which compiles the same model code: NOTE [configs side by side]);
+    torch-ca compiles nothing after its first step (``torch`` compiles the same wrapper frame of
+    ``torch.compile(DDP(model))``, whose entry would otherwise serve torch-ca's calls too)."""
     spec = make_spec("gpt-tiny", SIZES)
     device = torch.device("cpu")
     state = _process_state()
@@ -110,9 +112,12 @@ def test_torch_ca_beside_other_configs_leaves_them_unchanged(single_rank_group):
     assert not dc.uses_python_reducer(torch_ddp)
     assert not dc.uses_python_reducer(others["bw-auto"]["prepared"].module)
     ca_losses, torch_graphs = [], dict.fromkeys(alone_graphs, 0)
-    for _ in range(3):
+    for i in range(3):
+        compiled = (dc.graph_counts(), dc.compiled_autograd_captures())
         ca_losses.append(ca_step().item())
         assert _process_state() == state, "a torch-ca step left its settings in force"
+        if i:  # torch-ca runs what it compiled in its first step, not what torch compiled in the same frame
+            assert (dc.graph_counts(), dc.compiled_autograd_captures()) == compiled, i
         for config, o in others.items():
             before = dc.graph_counts()
             o["losses"].append(o["step"]().item())
@@ -134,6 +139,7 @@ def test_torch_ca_recipe_checks_its_fields():
         ({"compiler": "torch", "ddp": False}, "ddp=False"),
         ({"compiler": "torch", "optimize_ddp": False}, "drop optimize_ddp"),
         ({"compiler": "torch", "comm_hook": "bf16"}, "drop comm_hook"),
+        ({"compiler": "torch", "mode": "reduce-overhead"}, "drop mode"),
     ):
         with pytest.raises(ValueError, match=message):
             Recipe(compiled_autograd=True, **kwargs)
