@@ -6,9 +6,9 @@ model from the same classes, so their frames share code objects (``GPT.forward``
 ``Block.forward``). A compiled version is found again for another config when its guards pass
 and its backend compares equal, which it does for two ``torch.compile`` calls with the same
 backend and mode: ``torch`` built after ``local`` ran ``local``'s whole graph instead of its own
-DDPOptimizer graphs, ``torch-nosplit`` after ``torch`` ran ``torch``'s split ones (measured on
-torch 2.13; every config compiled under its own backend object would still count against each
-code object's ``recompile_limit``, see ``_compat.dynamo.side_by_side_compile_limits``).
+DDPOptimizer graphs, ``torch-nosplit`` after ``torch`` ran ``torch``'s split ones (seen on
+torch 2.11 and 2.13; configs compiled under backends that compare unequal would still count
+against each code object's ``recompile_limit``: ``_compat.dynamo.side_by_side_compile_limits``).
 :func:`own_code` gives a config's model classes of its own, whose methods are copies with code
 objects of their own, so each config compiles and finds only its own frames, as in a process of
 its own. torch's own frames stay shared: Dynamo runs ``nn.Module.__call__`` and
