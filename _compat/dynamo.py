@@ -578,8 +578,11 @@ def clear_inductor_caches() -> None:
 
 
 # --- torch's python reducer and compiled autograd (the benchmarks' ``torch-ca``) ----------------
-# Checked on torch 2.13.0 (CI) and 2.11.0 (device machines): the same config names, the same
-# side effects in DDP's constructor, ``compiled_autograd._enable`` (``enable`` in older torch).
+# Checked on torch 2.13.0 (CI, run by tests/benchmarks/test_torch_ca.py) and against the source of
+# 2.11.0 (device machines): the same config names (``optimize_ddp``, ``_fuse_ddp_communication``,
+# ``_fuse_ddp_bucket_size``, ``recompile_limit``, ``accumulated_recompile_limit``), the same side
+# effects in DDP's constructor, ``compiled_autograd._enable`` (``enable`` in older torch) and its
+# ``captures`` counter.
 
 _PYTHON_REDUCER_INDUCTOR_OPTIONS = ("_fuse_ddp_communication", "_fuse_ddp_bucket_size")
 """The Inductor options DDP's constructor sets for its python reducer."""
