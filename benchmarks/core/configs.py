@@ -7,6 +7,14 @@ A recipe turns a freshly built model into the module a training step calls:
 - ``torch-nosplit``: the same with ``optimize_ddp=False`` (``bucketwise._compat.dynamo.optimize_ddp``) around every
   training-step call (Dynamo reads the flag per frame when it converts it, so the patch must be
   active while the step runs, not while ``torch.compile()`` is called).
+- ``torch-ca``: torch's compiled-DDP path with compiled autograd: DDP built under
+  ``optimize_ddp="python_reducer"`` (its Python reducer: a hook per parameter all-reduces the
+  gradient with functional collectives), ``torch.compile(DDP(model))`` for the forward, and every
+  step run with that mode in force and its backward captured by compiled autograd and compiled by
+  ``torch.compile`` with the run's backend (``bucketwise._compat.dynamo.python_reducer_steps``);
+  both compiles get the Inductor options DDP sets for that mode (``options=``).
+  What DDP's constructor changes process-wide for that mode is put back once it is built, so
+  configs built beside it in one process are unchanged (``build_for_python_reducer``).
 - ``local``: ``torch.compile(model)`` without DDP: the compute floor, no gradient traffic.
 - ``regional``: torch's regional compilation recipe: each repeated block compiled in place
   (``block.compile()``), the embeddings, head and loss eager, eager DDP around it.
@@ -84,6 +92,11 @@ class Recipe:
     """bucketwise ``share_blocks=`` argument (``True``: identical blocks share one compile)."""
     options: dict[str, Any] | None = None
     """bucketwise ``options=`` (Inductor options), e.g. ``NO_REORDER``."""
+    compiled_autograd: bool = False
+    """torch's compiled-DDP path with compiled autograd (``torch-ca``): DDP built for its Python
+    reducer (``optimize_ddp="python_reducer"``), that mode in force during every step, and the
+    backward captured by compiled autograd and compiled by ``torch.compile`` with the run's
+    backend; both compiles get the Inductor options DDP sets for its Python reducer."""
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -98,6 +111,28 @@ class Recipe:
             raise ValueError("replicate recipes compile with torch.compile and use no DDP (ddp=False)")
         if self.compiler == "none" and (self.mode or self.optimize_ddp is not None):
             raise ValueError("mode/optimize_ddp need a compiler")
+        if self.compiled_autograd:
+            if self.compiler != "torch" or not self.ddp or self.replicate or self.regional:
+                raise ValueError(
+                    "compiled_autograd=True is torch's compiled DDP path: use compiler='torch' with ddp=True "
+                    f"(no replicate or regional), got compiler={self.compiler!r}, ddp={self.ddp}, "
+                    f"replicate={self.replicate}, regional={self.regional}"
+                )
+            if self.optimize_ddp is not None:
+                raise ValueError(
+                    f"compiled_autograd=True sets optimize_ddp='python_reducer' itself: drop optimize_ddp "
+                    f"(got {self.optimize_ddp!r})"
+                )
+            if self.comm_hook is not None:
+                raise ValueError(
+                    f"comm_hook={self.comm_hook!r} is a hook of DDP's C++ reducer, which compiled_autograd=True "
+                    "replaces with the Python reducer: drop comm_hook"
+                )
+            if self.mode is not None:
+                raise ValueError(
+                    f"compiled_autograd=True compiles with the Inductor options DDP sets for its Python reducer, "
+                    f"and torch.compile takes options or a mode, not both: drop mode={self.mode!r}"
+                )
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -135,6 +170,17 @@ class Recipe:
         return ddp
 
     def prepare(self, model: nn.Module, *, device: torch.device, backend: str, bucket_cap_mb: float | None) -> Prepared:
+        if self.compiled_autograd:
+            # DDP reads optimize_ddp in its constructor; what it changes process-wide for the
+            # python reducer is put back once it is built, and put in force around each step.
+            built = dc.build_for_python_reducer(lambda: self.wrap(model, device=device, bucket_cap_mb=bucket_cap_mb))
+            # Both compiles get the Inductor options DDP set for the whole process in torch's own
+            # path; they also keep torch-ca's compiled frames apart from those of other
+            # torch.compile(DDP(model)) configs in one process (NOTE [configs side by side]).
+            options = built.inductor_options
+            compiled = torch.compile(built.module, backend=backend, options=options)
+            backward_compiler = torch.compile(backend=backend, options=options)
+            return Prepared(module=compiled, step_context=lambda: dc.python_reducer_steps(backward_compiler))
         wrapped = self.wrap(model, device=device, bucket_cap_mb=bucket_cap_mb)
         if self.compiler == "none":
             return Prepared(module=wrapped, step_context=contextlib.nullcontext)
@@ -184,6 +230,7 @@ CONFIGS: dict[str, Recipe] = {
     "torch": Recipe(compiler="torch"),
     "torch-nosplit": Recipe(compiler="torch", optimize_ddp=False),
     "local": Recipe(compiler="torch", ddp=False),
+    "torch-ca": Recipe(compiler="torch", compiled_autograd=True),
     "regional": Recipe(compiler="torch", regional=True),
     "replicate": Recipe(compiler="torch", ddp=False, replicate=True),
     "bw-split": Recipe(compiler="bucketwise", strategy="split"),

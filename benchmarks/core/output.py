@@ -76,8 +76,12 @@ def read_jsonl(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 def add_floor_ratios(rows: list[dict[str, Any]]) -> None:
     """``floor_ratio`` = median step / median step of the compute floor (``local``, or
-    ``local-ro`` for the CUDA-graph configs, ``*-ro`` and ``*-cg``, when it ran)."""
-    medians = {r["config"]: r.get("median_ms") for r in rows if r.get("status") == "ok"}
+    ``local-ro`` for the CUDA-graph configs, ``*-ro`` and ``*-cg``, when it ran). With
+    ``--rounds`` (rows with ``rounds``) the medians are those over rounds, each round gets its
+    own ``floor_ratio`` (its median over the floor's in the same round) and the row
+    ``max_round_floor_ratio``, the largest of them."""
+    ok = {r["config"]: r for r in rows if r.get("status") == "ok"}
+    medians = {c: r.get("median_ms") for c, r in ok.items()}
     for r in rows:
         if r.get("status") != "ok":
             continue
@@ -87,6 +91,12 @@ def add_floor_ratios(rows: list[dict[str, Any]]) -> None:
         base = medians.get(floor)
         r["floor_config"] = floor if base else None
         r["floor_ratio"] = r["median_ms"] / base if base else None
+        if "rounds" in r:
+            floor_rounds = ok[floor]["rounds"] if base else []
+            ratios = [mine["median_ms"] / theirs["median_ms"] for mine, theirs in zip(r["rounds"], floor_rounds)]
+            for mine, ratio in zip(r["rounds"], ratios):
+                mine["floor_ratio"] = ratio
+            r["max_round_floor_ratio"] = max(ratios) if ratios else None
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
@@ -97,22 +107,47 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
-def _md_row(r: dict[str, Any]) -> list[str]:
+ROUND_COLUMNS = {"p90 ms": ("round medians ms", "round spread"), "x floor": ("max round x floor",)}
+"""With ``--rounds``: the columns after each of these."""
+
+
+def md_columns(rounds: bool) -> list[str]:
+    """The table's columns, ``ROUND_COLUMNS`` added for a run of several rounds."""
+    if not rounds:
+        return list(MD_COLUMNS)
+    return [c for column in MD_COLUMNS for c in (column, *ROUND_COLUMNS.get(column, ()))]
+
+
+def _md_row(r: dict[str, Any], rounds: bool = False) -> list[str]:
     name = r["config"]
+    width = len(md_columns(rounds))
+    where = f" (round {r['round']})" if r.get("round") else ""
     if r.get("status") == "error":
-        return [name] + ["-"] * (len(MD_COLUMNS) - 2) + ["error: " + _one_line(r.get("error", ""), 160)]
+        return [name] + ["-"] * (width - 2) + [f"error{where}: " + _one_line(r.get("error", ""), 160)]
     if r.get("status") == "skipped":
-        return [name] + ["-"] * (len(MD_COLUMNS) - 2) + ["skipped: " + _one_line(r.get("skipped", ""), 160)]
+        return [name] + ["-"] * (width - 2) + ["skipped: " + _one_line(r.get("skipped", ""), 160)]
     ratio = r.get("floor_ratio")
     issue = r.get("per_rank", {}).get("cpu_issue_ms")
+    spread = r.get("round_spread")
+    by_round = (
+        [
+            "-" if spread is None else f"{spread['min_ms']:,.2f}-{spread['max_ms']:,.2f}",
+            "-" if spread is None else f"{spread['pct']:.1f}%",
+        ]
+        if rounds
+        else []
+    )
+    max_round = r.get("max_round_floor_ratio")
     return [
         name,
         _fmt(r["median_ms"]),
         _fmt(r["min_ms"]),
         _fmt(r["max_ms"]),
         _fmt(r.get("spread", {}).get("p90_ms")),
+        *by_round,
         _fmt(max(d["median"] for d in issue) if issue else None),
         "-" if ratio is None else f"{ratio:.2f}",
+        *(["-" if max_round is None else f"{max_round:.2f}"] if rounds else []),
         _fmt(r["first_step_s"]),
         _fmt(r.get("warm_first_step_s")),
         _fmt(r.get("compile_s")),
@@ -135,6 +170,7 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
     model = meta["model"]
     sizes = ", ".join(f"{k}={model[k]}" for k in model["size_meaning"])
     probe = meta.get("allreduce_probe") or {}
+    rounds = meta.get("rounds", 1)
     lines = [
         f"- date: {meta['date']}",
         f"- command: `{meta['command']}`",
@@ -147,6 +183,14 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
         f"- {meta['steps']} timed steps after the first step and {meta['warmup']} warm-up step(s) "
         f"({1 + meta['warmup'] + meta['steps']} training steps per config); step times of the slowest rank",
     ]
+    if rounds > 1:
+        lines[-1] = (
+            f"- {rounds} interleaved rounds (every config, then every config again): each config built and "
+            f"compiled once, in round 1 (its first step and {meta['warmup']} warm-up step(s), then "
+            f"{meta['steps']} timed steps); each later round {meta['warmup']} warm-up and {meta['steps']} timed "
+            f"steps more ({1 + rounds * (meta['warmup'] + meta['steps'])} training steps per config); step "
+            "times of the slowest rank in each round, their median over rounds"
+        )
     cache = meta.get("compile_cache")
     if cache:
         lines.append(
@@ -167,16 +211,20 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
             f"- allreduce probe ({probe['bytes'] / 2**20:,.1f} MiB fp32, the gradient bytes): "
             f"{probe['median_ms']:.2f} ms" + (f", bus bandwidth {bus:.1f} GB/s" if bus else "")
         )
+        by_round = meta.get("allreduce_probe_rounds") or []
+        if len(by_round) > 1:
+            lines[-1] += " in round 1; per round: " + ", ".join(f"{p['median_ms']:.2f}" for p in by_round) + " ms"
     return lines
 
 
 def write_markdown(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
     unit = meta["model"]["unit"]
-    header = [c.format(unit=unit) for c in MD_COLUMNS]
+    rounds = meta.get("rounds", 1) > 1
+    header = [c.format(unit=unit) for c in md_columns(rounds)]
     lines = [f"# DDP benchmark: {meta['model']['model']}", "", *_meta_lines(meta), ""]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join("---" if i in (0, len(header) - 1) else "---:" for i in range(len(header))) + "|")
-    lines.extend("| " + " | ".join(_md_row(r)) + " |" for r in rows)
+    lines.extend("| " + " | ".join(_md_row(r, rounds)) + " |" for r in rows)
     lines += [
         "",
         "p90: 90th percentile of the slowest rank's timed steps. CPU issue: median host time of the "
@@ -191,6 +239,17 @@ def write_markdown(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any
         "least NCCL time, the one the others waited for; every rank's under `per_rank` in results.jsonl).",
         "",
     ]
+    if rounds:
+        lines[-2:-1] = [
+            lines[-2],
+            "",
+            "Rounds: median, x floor and the other step figures are the medians over rounds of each round's "
+            "median (min/max: the lowest and highest timed step of any round); round medians: the lowest and "
+            "highest of them; round spread: (highest - lowest) / median; max round x floor: the largest ratio of "
+            "a round's median to the floor's median in the same round. first step and compile s: round 1; peak: "
+            "the largest over rounds, above what the other configs held; final loss: after every round. Each "
+            "round's figures are under `rounds` in results.jsonl.",
+        ]
     if meta.get("compile_cache") == "on":
         lines += _cache_lines(rows)
     with open(path, "w") as f:

@@ -10,6 +10,7 @@ from torch.profiler import record_function
 
 from bucketwise.benchmarks.core import metrics as bm
 from bucketwise.benchmarks.core.configs import Prepared, Recipe
+from bucketwise.benchmarks.core.isolation import own_code
 from bucketwise.benchmarks.core.models import ModelSpec
 
 LR = 1e-4
@@ -53,13 +54,23 @@ def make_step(
 
 
 def training_step(
-    recipe: Recipe, spec: ModelSpec, device: torch.device, backend: str, *, bucket_cap_mb: float | None = None
+    recipe: Recipe,
+    spec: ModelSpec,
+    device: torch.device,
+    backend: str,
+    *,
+    isolated: bool = False,
+    bucket_cap_mb: float | None = None,
 ) -> tuple[torch.nn.Module, Prepared, torch.optim.Optimizer, Callable[[], torch.Tensor]]:
     """A config's model built (seed 0) and wrapped, its fused AdamW, and one training step on a
     fixed synthetic batch (:func:`make_step`): what the one-process harnesses (``tax``,
-    ``memory``) time and measure."""
+    ``memory``) time and measure. ``isolated``: the model gets code of its own
+    (:func:`~bucketwise.benchmarks.core.isolation.own_code`), for a config built beside others in
+    one process (NOTE [configs side by side])."""
     torch.manual_seed(0)
     model = spec.build().to(device)
+    if isolated:
+        own_code(model)
     prepared = recipe.prepare(model, device=device, backend=backend, bucket_cap_mb=bucket_cap_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True if device.type == "cuda" else None)
     step = make_step(

@@ -6,7 +6,10 @@
 Started without torchrun (no ``RANK`` in the environment) it re-executes itself through
 ``python -m torch.distributed.run --standalone --nproc-per-node N``. Every rank then runs the
 configs in turn (fresh model, same seed, Dynamo reset between configs); rank 0
-writes ``results.jsonl``, ``results.md`` and the plots. See benchmarks/README.md.
+writes ``results.jsonl``, ``results.md`` and the plots. With ``--rounds N`` every config runs N
+times, interleaved: built and compiled once, kept alive beside the others (no Dynamo reset, each
+model with code of its own: NOTE [configs side by side]) and timed again in each later round.
+See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch.distributed as dist
 
 from bucketwise._compat import dynamo as dc
 from bucketwise.benchmarks.core import metrics as bm
-from bucketwise.benchmarks.core.configs import Recipe, recipe_for
+from bucketwise.benchmarks.core.configs import Prepared, Recipe, recipe_for
+from bucketwise.benchmarks.core.isolation import own_code
 from bucketwise.benchmarks.core.meta import run_meta
 from bucketwise.benchmarks.core.models import ModelSpec, make_spec
 from bucketwise.benchmarks.core.output import add_floor_ratios, safe_name, write_jsonl, write_markdown
@@ -52,8 +56,11 @@ from bucketwise.benchmarks.ddp.cli import (
 from bucketwise.distributed.gloo_exit import end_process_group
 
 
-def _fresh_state(device: torch.device) -> None:
-    dc.reset()
+def _fresh_state(device: torch.device, *, reset: bool = True) -> None:
+    """Memory freed and its peak reset; ``reset``: Dynamo's compiled frames and counters dropped
+    too (not with ``--rounds``, whose configs stay compiled)."""
+    if reset:
+        dc.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -82,30 +89,48 @@ def _profile(args: BenchArgs, config: str, step: Callable[[], Any], device: torc
     return overlap
 
 
-def _train_and_time(args: BenchArgs, step: Callable[[], torch.Tensor], device: torch.device) -> dict[str, Any]:
-    """The first step, the warm-up steps and the timed steps; the loss of every one of them is
-    read after the timed loop, in one host sync."""
-    first_s, first_loss = bm.time_first_step(step, device)
+def _train_and_time(
+    args: BenchArgs, step: Callable[[], torch.Tensor], device: torch.device, *, first: bool = True
+) -> dict[str, Any]:
+    """The first step (``first``; a later round of ``--rounds`` has none), the warm-up steps and
+    the timed steps; the loss of every one of them is read after the timed loop, in one host sync."""
+    first_s, first_loss = bm.time_first_step(step, device) if first else (None, None)
     warm = [step() for _ in range(args.warmup)]
     timed = bm.time_steps(step, args.steps, device)
     issue = timed.cpu_issue_ms
-    return {
+    out = {
         **bm.summarize(timed.per_step_ms),
         "mean_ms": timed.mean_ms,
         "first_step_s": first_s,
         "notes": [],
         "per_step_ms": timed.per_step_ms,
         "cpu_issue_ms": {"median": statistics.median(issue), "max": max(issue)},
-        "losses": bm.read_scalars([first_loss, *warm, *timed.outputs]),
+        "losses": bm.read_scalars([*([first_loss] if first else []), *warm, *timed.outputs]),
     }
+    if not first:
+        del out["first_step_s"]
+    return out
 
 
-def _setup(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, device: torch.device, rank: int):
-    """A fresh model, compiled by ``recipe`` over ``config``'s compile caches, its optimizer and batch."""
-    _fresh_state(device)
+def _setup(
+    args: BenchArgs,
+    config: str,
+    recipe: Recipe,
+    spec: ModelSpec,
+    device: torch.device,
+    rank: int,
+    *,
+    side_by_side: bool = False,
+):
+    """A fresh model, compiled by ``recipe`` over ``config``'s compile caches, its optimizer and
+    batch. ``side_by_side`` (``--rounds``): the configs built earlier stay compiled (no Dynamo
+    reset) and the model gets code of its own (NOTE [configs side by side])."""
+    _fresh_state(device, reset=not side_by_side)
     br.use_config_cache(args.cache_dir, config, cold=args.phase == "cold")
     torch.manual_seed(args.seed)
     model = spec.build().to(device)
+    if side_by_side:
+        own_code(model)
     prepared = recipe.prepare(model, device=device, backend=args.backend, bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True if device.type == "cuda" else None)
     batch = spec.make_batch(args.seed + 1 + rank, device)
@@ -123,13 +148,38 @@ def measure(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, devic
     out["param_spread"] = bm.param_spread(model.parameters()) if recipe.ddp else None
     out["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     out["dynamo"] = _dynamo_counts() if recipe.compiler != "none" else None
+    _report(out, prepared)
+    _report_file_and_profiles(args, config, recipe, prepared, spec, opt, batch, step, device, rank, out)
+    return out
+
+
+def _report(out: dict, prepared: Prepared) -> None:
+    """The bucketwise report's totals and compile seconds (``None`` for the other compilers)."""
     out["bucketwise"] = dict(prepared.report.totals) if prepared.report is not None else None
     out["compile_s"] = out["bucketwise"]["compile_seconds"] if out["bucketwise"] else None
+
+
+def _report_file_and_profiles(
+    args: BenchArgs,
+    config: str,
+    recipe: Recipe,
+    prepared: Prepared,
+    spec: ModelSpec,
+    opt: torch.optim.Optimizer,
+    batch: tuple,
+    step: Callable[[], torch.Tensor],
+    device: torch.device,
+    rank: int,
+    out: dict,
+) -> None:
+    """After the timed steps: rank 0's bucketwise report to ``OUT/reports``, the profiled steps
+    (``overlap``, CUDA) and the host profile (``--host-profile``)."""
     if prepared.report is not None and rank == 0:
         os.makedirs(os.path.join(args.out, "reports"), exist_ok=True)
         prepared.report.to_json(os.path.join(args.out, "reports", safe_name(config) + ".json"))
     out["overlap"] = None
     if device.type == "cuda" and args.profile_steps > 0:
+        kw = dict(mark_cudagraph_step=recipe.mode == "reduce-overhead")
         annotated = make_step(prepared, spec, opt, batch, device, annotate=True, **kw)
         try:
             out["overlap"] = _profile(args, config, annotated, device, rank)
@@ -139,7 +189,6 @@ def measure(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, devic
         os.makedirs(os.path.join(args.out, "host_profile"), exist_ok=True)
         path = os.path.join(args.out, "host_profile", safe_name(config) + ".txt")
         bm.host_profile(step, args.host_profile, device, path, enabled=rank == 0)
-    return out
 
 
 def measure_restart(
@@ -261,17 +310,16 @@ def merge_ranks(config: str, recipe: Recipe, ranks: list[dict], spec: ModelSpec)
     return row
 
 
+def _skipped_row(config: str, recipe: Recipe) -> dict:
+    return {"type": "result", "config": config, "status": "skipped", "skipped": f"{recipe.needs_cuda}; not run on CPU"}
+
+
 def run_config(args: BenchArgs, config: str, spec: ModelSpec, device: torch.device, rank: int) -> dict:
     """Measure one config on every rank; every rank returns the same merged row. A failure is
     caught per rank and becomes an ``error`` row; all ranks still meet at the gather."""
     recipe = recipe_for(config)
     if recipe.needs_cuda and device.type != "cuda":
-        return {
-            "type": "result",
-            "config": config,
-            "status": "skipped",
-            "skipped": f"{recipe.needs_cuda}; not run on CPU",
-        }
+        return _skipped_row(config, recipe)
     try:
         local = measure(args, config, recipe, spec, device, rank)
         local["timed_steps"] = args.steps
@@ -280,6 +328,251 @@ def run_config(args: BenchArgs, config: str, spec: ModelSpec, device: torch.devi
         print(f"[rank {rank}] {config} failed:\n{local['error']}", file=sys.stderr, flush=True)
     _fresh_state(device)
     return merge_ranks(config, recipe, bm.gather(local), spec)
+
+
+# --- --rounds N: every config built once, then timed again in each round ---------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Built:
+    """A config built and compiled in the first round of ``--rounds``, kept for the others."""
+
+    model: torch.nn.Module
+    prepared: Prepared
+    opt: torch.optim.Optimizer
+    batch: tuple
+    step: Callable[[], torch.Tensor]
+    rest_bytes: int
+    """Device memory it holds between steps: allocated after its first round less what was
+    allocated before it was built (0 on CPU)."""
+
+
+def _allocated(device: torch.device) -> int:
+    bm.sync(device)
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _counts() -> dict[str, dict]:
+    return {"dynamo": _dynamo_counts(), "caches": br.cache_counts()}
+
+
+def _since(before: Any, after: Any) -> Any:
+    """``after - before`` of nested dicts of counts."""
+    if isinstance(after, dict):
+        return {k: _since(before[k], v) for k, v in after.items()}
+    return after - before
+
+
+def measure_round(
+    args: BenchArgs,
+    config: str,
+    recipe: Recipe,
+    spec: ModelSpec,
+    device: torch.device,
+    rank: int,
+    built: dict[str, Built],
+    k: int,
+) -> dict:
+    """This rank's measurements of one config in round ``k`` of ``--rounds`` (raises on failure).
+    Round 1 builds the config beside those built before it (kept in ``built``) and times its
+    first step as a one-round run does; a later round times ``--warmup`` + ``--steps`` more steps
+    of the same objects. Peak memory is the config's own: the peak above what the other configs
+    held when its block began. Dynamo's and the compile caches' counts are this block's. The
+    last round adds what a one-round run measures after the timed steps (``param_spread``, the
+    report file, the profiled steps, the host profile)."""
+    cuda = device.type == "cuda"
+    if k == 1:
+        _fresh_state(device, reset=False)
+        others, before = _allocated(device), _counts()
+        model, prepared, opt, batch = _setup(args, config, recipe, spec, device, rank, side_by_side=True)
+        kw = dict(mark_cudagraph_step=recipe.mode == "reduce-overhead")
+        step = make_step(prepared, spec, opt, batch, device, annotate=False, **kw)
+        out = _train_and_time(args, step, device)
+        b = Built(
+            model=model,
+            prepared=prepared,
+            opt=opt,
+            batch=batch,
+            step=step,
+            rest_bytes=_allocated(device) - others,
+        )
+        built[config] = b
+    else:
+        b = built[config]
+        others, before = _allocated(device) - b.rest_bytes, _counts()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        out = _train_and_time(args, b.step, device, first=False)
+    out["timed_steps"] = args.steps
+    out["peak_mib"] = (torch.cuda.max_memory_allocated(device) - others) / 2**20 if cuda else None
+    counts = _since(before, _counts())
+    out["compile_caches"] = counts["caches"]
+    out["dynamo"] = counts["dynamo"] if recipe.compiler != "none" else None
+    _report(out, b.prepared)
+    out["param_spread"], out["overlap"] = None, None
+    if k == args.rounds:
+        out["param_spread"] = bm.param_spread(b.model.parameters()) if recipe.ddp else None
+        _report_file_and_profiles(args, config, recipe, b.prepared, spec, b.opt, b.batch, b.step, device, rank, out)
+    return out
+
+
+def _sum(counts: list[Any]) -> Any:
+    """The sum of nested dicts of counts."""
+    if isinstance(counts[0], dict):
+        return {k: _sum([c[k] for c in counts]) for k in counts[0]}
+    return sum(counts)
+
+
+def _rank_over_rounds(rounds: list[dict]) -> dict:
+    """One rank's measurements of every round as one (what :func:`merge_ranks` merges): the
+    median over rounds of its round medians, the lowest and highest step, every timed step and
+    loss in training order, CPU issue times (median of round medians, largest maximum), the
+    highest peak, the counts summed; the first step from round 1, ``param_spread``, the profile
+    and the report's totals from the last round."""
+    first, last = rounds[0], rounds[-1]
+    return {
+        **first,
+        **{k: last[k] for k in ("param_spread", "overlap", "bucketwise", "compile_s")},
+        "timed_steps": sum(d["timed_steps"] for d in rounds),
+        "median_ms": statistics.median(d["median_ms"] for d in rounds),
+        "min_ms": min(d["min_ms"] for d in rounds),
+        "max_ms": max(d["max_ms"] for d in rounds),
+        "mean_ms": statistics.fmean(d["mean_ms"] for d in rounds),
+        "per_step_ms": [t for d in rounds for t in d["per_step_ms"]],
+        "cpu_issue_ms": {
+            "median": statistics.median(d["cpu_issue_ms"]["median"] for d in rounds),
+            "max": max(d["cpu_issue_ms"]["max"] for d in rounds),
+        },
+        "losses": [x for d in rounds for x in d["losses"]],
+        "peak_mib": None if first["peak_mib"] is None else max(d["peak_mib"] for d in rounds),
+        "compile_caches": _sum([d["compile_caches"] for d in rounds]),
+        "dynamo": None if first["dynamo"] is None else _sum([d["dynamo"] for d in rounds]),
+        "notes": [n for d in rounds for n in d["notes"]],
+    }
+
+
+def _round_figures(k: int, ranks: list[dict]) -> dict[str, Any]:
+    """Round ``k``'s own figures: the step times of its slowest rank (largest median), its
+    spread, the largest CPU issue median and peak over ranks, every rank's median and timed
+    steps, the loss of its last step (mean over ranks) and the graphs Dynamo compiled in it."""
+    slow = max(range(len(ranks)), key=lambda r: ranks[r]["median_ms"])
+    s = ranks[slow]
+    figures: dict[str, Any] = {"round": k, **{key: s[key] for key in ("median_ms", "min_ms", "max_ms", "mean_ms")}}
+    if k == 1:
+        figures["first_step_s"] = max(d["first_step_s"] for d in ranks)
+    figures.update(
+        spread={"rank": slow, **bm.spread(s["per_step_ms"])},
+        cpu_issue_ms=max(d["cpu_issue_ms"]["median"] for d in ranks),
+        peak_mib=None if s["peak_mib"] is None else max(d["peak_mib"] for d in ranks),
+        final_loss=statistics.fmean(d["losses"][-1] for d in ranks),
+        graphs_compiled=None if s["dynamo"] is None else ranks[0]["dynamo"]["unique_graphs"],
+        per_rank={
+            "median_ms": [d["median_ms"] for d in ranks],
+            "per_step_ms": [[round(t, 3) for t in d["per_step_ms"]] for d in ranks],
+        },
+    )
+    return figures
+
+
+def merge_rounds(config: str, recipe: Recipe, rounds: list[list[dict]], spec: ModelSpec) -> dict:
+    """One result row from the rounds of ``--rounds`` done so far: ``rounds[k][r]`` is rank
+    ``r``'s measurements in round ``k + 1``. ``median_ms`` is the median over rounds of each
+    round's median (the slowest rank's, as :func:`merge_ranks` takes it), ``min_ms``/``max_ms``
+    the lowest and highest timed step of those ranks, ``mean_ms`` the mean of the rounds' wall-clock
+    means; ``round_spread``: the lowest and highest round median and (max - min) / median in
+    percent; ``rounds``: each round's own figures (:func:`_round_figures`). The rest is
+    :func:`merge_ranks`'s over every round (:func:`_rank_over_rounds`): ``losses`` cover every
+    step in training order, ``per_rank`` every round's steps, ``spread`` the steps of the rank
+    with the largest median of round medians. An error in any round makes the row an ``error``
+    row naming the round."""
+    for k, ranks in enumerate(rounds, 1):
+        if any("error" in d for d in ranks):
+            return {**merge_ranks(config, recipe, ranks, spec), "round": k}
+    per_round = [_round_figures(k, ranks) for k, ranks in enumerate(rounds, 1)]
+    row = merge_ranks(config, recipe, [_rank_over_rounds(list(r)) for r in zip(*rounds)], spec)
+    medians = [f["median_ms"] for f in per_round]
+    median = statistics.median(medians)
+    row.update(
+        median_ms=median,
+        min_ms=min(f["min_ms"] for f in per_round),
+        max_ms=max(f["max_ms"] for f in per_round),
+        mean_ms=statistics.fmean(f["mean_ms"] for f in per_round),
+        throughput_per_s=spec.items_per_batch * len(rounds[0]) / (median / 1e3),
+    )
+    row["round_spread"] = {
+        "min_ms": min(medians),
+        "max_ms": max(medians),
+        "pct": 100 * (max(medians) - min(medians)) / median,
+    }
+    row["rounds"] = per_round
+    later = sum(f["graphs_compiled"] or 0 for f in per_round[1:])
+    if later:
+        row["notes"].append(f"Dynamo compiled {later} graph(s) after round 1: those rounds' times include compiling")
+    return row
+
+
+def _round_progress(k: int, rounds: int, i: int, n: int, row: dict) -> str:
+    if row["status"] != "ok" or k == 1:
+        return f"[round {k}/{rounds}] " + _progress(i, n, row)
+    r = row["rounds"][-1]
+    return (
+        f"[round {k}/{rounds}] [{i}/{n}] {row['config']}: median {r['median_ms']:.2f} ms "
+        f"(min {r['min_ms']:.2f}, max {r['max_ms']:.2f}); over rounds {row['median_ms']:.2f} ms, "
+        f"spread {row['round_spread']['pct']:.1f}%, loss {row['losses']['final_loss']:.4f} "
+        f"after {row['losses']['steps_total']} steps"
+    )
+
+
+def run_rounds(args: BenchArgs, spec: ModelSpec, device: torch.device, rank: int, meta: dict) -> list[dict]:
+    """``--rounds N``: every config in turn, N times (A B C, A B C, ...), each built and
+    compiled once in round 1 and kept alive beside the others; rounds 2..N start with the
+    allreduce probe (``meta["allreduce_probe_rounds"]``). Rank 0 rewrites the records after
+    every config of every round. A config that fails on any rank in any round becomes an
+    ``error`` row and is dropped from the later rounds."""
+    built: dict[str, Built] = {}
+    measured: dict[str, list[list[dict]]] = {}
+    ended: dict[str, dict] = {}
+    n = len(args.configs)
+    rows: list[dict] = []
+    for k in range(1, args.rounds + 1):
+        if k > 1:
+            meta["allreduce_probe_rounds"].append(
+                bm.allreduce_probe(spec.describe()["params"], device, args.probe_iters)
+            )
+        for i, config in enumerate(args.configs, 1):
+            if config in ended:
+                continue
+            recipe = recipe_for(config)
+            if recipe.needs_cuda and device.type != "cuda":
+                ended[config] = _skipped_row(config, recipe)
+            else:
+                if rank == 0:
+                    print(f"[round {k}/{args.rounds}] [{i}/{n}] {config} ...", flush=True)
+                try:
+                    local = measure_round(args, config, recipe, spec, device, rank, built, k)
+                except Exception:  # noqa: BLE001 - one config failing must not stop the others
+                    local = {"error": traceback.format_exc()}
+                    print(f"[rank {rank}] {config} failed in round {k}:\n{local['error']}", file=sys.stderr, flush=True)
+                measured.setdefault(config, []).append(bm.gather(local))
+                if any("error" in d for d in measured[config][-1]):
+                    built.pop(config, None)
+                    _fresh_state(device, reset=False)
+                    ended[config] = merge_rounds(config, recipe, measured[config], spec)
+            rows = [
+                ended.get(c) or merge_rounds(c, recipe_for(c), measured[c], spec)
+                for c in args.configs
+                if c in ended or c in measured
+            ]
+            if rank == 0:
+                add_floor_ratios(rows)
+                write_jsonl(os.path.join(args.out, "results.jsonl"), meta, rows)
+                write_markdown(os.path.join(args.out, "results.md"), meta, rows)
+                row = next(r for r in rows if r["config"] == config)
+                print(_round_progress(k, args.rounds, i, n, row), flush=True)
+            dist.barrier()
+    built.clear()
+    _fresh_state(device, reset=False)
+    return rows
 
 
 def build_meta(args: BenchArgs, spec: ModelSpec, device: torch.device, probe: dict) -> dict:
@@ -304,6 +597,7 @@ def build_meta(args: BenchArgs, spec: ModelSpec, device: torch.device, probe: di
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "steps": args.steps,
         "warmup": args.warmup,
+        **({"rounds": args.rounds} if args.rounds > 1 else {}),
         "profile_steps": args.profile_steps if cuda else 0,
         "seed": args.seed,
         "configs": list(args.configs),
@@ -341,7 +635,12 @@ def run_all(args: BenchArgs, device: torch.device) -> None:
             flush=True,
         )
     rows: list[dict] = []
-    for i, config in enumerate(args.configs, 1):
+    if args.rounds > 1:
+        meta["allreduce_probe_rounds"] = [probe]
+        # Each config keeps Dynamo's per-frame budget it has alone (NOTE [configs side by side]).
+        with dc.side_by_side_compile_limits(len(args.configs)):
+            rows = run_rounds(args, spec, device, rank, meta)
+    for i, config in enumerate(args.configs if args.rounds == 1 else [], 1):
         if rank == 0:
             print(f"[{i}/{len(args.configs)}] {config} ...", flush=True)
         rows.append(run_config(args, config, spec, device, rank))

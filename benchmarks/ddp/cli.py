@@ -66,9 +66,12 @@ class BenchArgs:
     cache_dir: str | None = None
     """The jobs' compile-cache root (``--compile-cache on``); default: a fresh one per job."""
     keep_cache: bool = False
+    rounds: int = 1
+    """Every config this many times, interleaved (A B C, A B C, ...): built and compiled once, in
+    the first round; each later round times ``warmup`` + ``steps`` more steps of it."""
 
     def __post_init__(self) -> None:
-        for name in ("nproc", "steps", "probe_iters"):
+        for name in ("nproc", "steps", "probe_iters", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("warmup", "profile_steps", "host_profile"):
@@ -88,6 +91,17 @@ class BenchArgs:
             raise ValueError("--restart measures a restart over warm compile caches: drop --compile-cache off")
         if self.phase not in PHASES:
             raise ValueError(f"unknown --phase {self.phase!r}; use one of {', '.join(PHASES)}")
+        if self.rounds > 1 and self.restart:
+            raise ValueError(
+                f"--restart measures first steps in new processes; --rounds {self.rounds} times the same "
+                "processes' steps again: run them as two jobs"
+            )
+        repeats = [c for c in self.configs if c != base_name(c)]
+        if self.rounds > 1 and repeats:
+            raise ValueError(
+                f"--rounds {self.rounds} already runs every config {self.rounds} times: drop --repeat "
+                f"({', '.join(base_name(c) for c in repeats)})"
+            )
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
         if self.timeout_min <= 0:
@@ -121,6 +135,15 @@ def parser() -> argparse.ArgumentParser:
         help="run CONFIG a second time at the end, as CONFIG#2 (run-to-run spread); repeatable",
     )
     p.add_argument("--steps", type=int, default=30, help="timed steps (default 30; use >= 20)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every config N times, interleaved (A B C, A B C, ...): each built and compiled once, "
+        "later rounds time --warmup + --steps more steps of it; rows show the median of the round medians "
+        "and their spread (default 1)",
+    )
     p.add_argument("--warmup", type=int, default=5, help="untimed steps after the first (compiling) step")
     p.add_argument("--out", default=None, help="output directory (default benchmarks/results/<date>-<model>-<net>)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager for CPU smoke tests)")
@@ -206,6 +229,7 @@ def parse(argv: list[str]) -> BenchArgs:
             phase=ns.phase,
             cache_dir=os.path.abspath(ns.cache_dir) if ns.cache_dir else None,
             keep_cache=ns.keep_cache,
+            rounds=ns.rounds,
         )
     except ValueError as exc:
         p.error(str(exc))

@@ -8,8 +8,9 @@ the ``ddp`` harness. A folder holds one run, or several of one experiment in sub
 command on several machines, a sweep's bucket caps). For each folder this writes one table: a
 row per config, a column per run, each cell the median step of the slowest rank in ms and its
 ratio to the run's floor (``local``; ``local-ro`` for the CUDA-graph configs when the run has
-it, marked ``ro``), as the ``ddp`` harness recorded them. The folder's link text is the first
-heading of its ``README.md``.
+it, marked ``ro``), as the ``ddp`` harness recorded them; for a run of several rounds
+(``--rounds``) the medians over rounds, then the largest per-round ratio and the spread of the
+round medians. The folder's link text is the first heading of its ``README.md``.
 
 - ``docs/performance.md``, between ``<!-- perf-tables:begin -->`` and ``<!-- perf-tables:end -->``:
   every folder, grouped by hardware (ranks x GPU) and date, newest first.
@@ -25,6 +26,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -118,10 +120,14 @@ def _cell(row: dict[str, Any] | None) -> str:
     if row.get("status") != "ok":
         return str(row.get("status", "-"))
     ratio = row.get("floor_ratio")
+    spread = row.get("round_spread")
+    rounds = "" if spread is None else f"spread {spread['pct']:.1f}%"
     if ratio is None:
-        return f"{row['median_ms']:.2f}"
+        return f"{row['median_ms']:.2f}" + (f" ({rounds})" if rounds else "")
     mark = " ro" if row.get("floor_config") == "local-ro" else ""
-    return f"{row['median_ms']:.2f} ({ratio:.2f}x{mark})"
+    if rounds:
+        rounds = f"; max round {row['max_round_floor_ratio']:.2f}x, {rounds}"
+    return f"{row['median_ms']:.2f} ({ratio:.2f}x{mark}{rounds})"
 
 
 def _configs(runs: Sequence[Run]) -> list[str]:
@@ -146,10 +152,12 @@ def folder_table(folder: Folder, link: str) -> list[str]:
     m = folder.meta
     model = m["model"]
     steps = sorted({r.meta["steps"] for r in folder.runs})
+    rounds = sorted({r.meta.get("rounds", 1) for r in folder.runs})
     caption = (
         f"[{folder.title}]({link}): {folder.hardware}, torch {m['torch']}, model `{model['model']}` "
         f"({model['params']:,} parameters), {NETS.get(m['net'], m['net'])}, {folder.newest[:10]}; "
         f"{'/'.join(map(str, steps))} timed steps"
+        + (f", {'/'.join(map(str, rounds))} interleaved rounds (medians over rounds)" if rounds != [1] else "")
     )
     single = len(folder.runs) == 1
     lines = [
@@ -161,10 +169,18 @@ def folder_table(folder: Folder, link: str) -> list[str]:
     for config in _configs(folder.runs):
         cells = [_cell(next((r for r in run.rows if r["config"] == config), None)) for run in folder.runs]
         lines.append(f"| `{config}` | " + " | ".join(cells) + " |")
-    probes = [(r.meta.get("allreduce_probe") or {}).get("median_ms") for r in folder.runs]
+    probes = [_probe_ms(r.meta) for r in folder.runs]
     if any(p is not None for p in probes):
         lines.append(f"| {PROBE_ROW} | " + " | ".join("-" if p is None else f"{p:.2f}" for p in probes) + " |")
     return lines
+
+
+def _probe_ms(meta: dict[str, Any]) -> float | None:
+    """The run's allreduce probe: the median over rounds of each round's (``--rounds``), else its one."""
+    by_round = [p["median_ms"] for p in meta.get("allreduce_probe_rounds") or []]
+    if by_round:
+        return statistics.median(by_round)
+    return (meta.get("allreduce_probe") or {}).get("median_ms")
 
 
 def all_tables(folders: Sequence[Folder], link_root: str) -> str:

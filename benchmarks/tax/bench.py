@@ -1,7 +1,7 @@
 """What DDP and bucketwise add to a compiled training step: configs side by side in one process.
 
     python -m bucketwise.benchmarks tax --model gpt-medium \
-        --configs local,local-ro,torch-nosplit,torch,replicate,bw-fused,bw-fused-cg --pairs 4 --out DIR
+        --configs local,local-ro,torch-nosplit,torch,torch-ca,replicate,bw-fused,bw-fused-cg --pairs 4 --out DIR
 
 On one GPU and one rank (NCCL, world size 1) no gradient moves, so everything a config costs
 above ``local`` (``local-ro`` for the CUDA-graph configs) is what the wrapper adds: memory, host
@@ -12,9 +12,10 @@ is the median of the per-pair ratios of CPU issue time.
 
 Per config (``results.json`` and ``results.md`` in ``--out``):
 
-- ``first_step_s``: the first step, compile included; not a cold compile where an earlier
-  config compiled the same code (Dynamo reuses it: ``torch``, ``torch-nosplit`` after ``local``),
-  so cold and warm compiles are measured by ``ddp --restart`` instead;
+- ``first_step_s``: the first step, compile included. Each config's model has code of its own
+  (NOTE [configs side by side]), so Dynamo compiles every config's frames afresh; the compile
+  caches are off, but a kernel an earlier config built may still be found in memory or in
+  Triton's cache, so cold and warm compiles are measured by ``ddp --restart`` instead;
   ``compile_s``: bucketwise's own compile-time total, where it applies; ``compile_breakdown``:
   the report's compile-time breakdown (dynamo, bucketwise, AOTAutograd, backend, caches) and
   ``compile_accounted``, its total over the first step's wall time; ``first_step_breakdown``:
@@ -57,7 +58,7 @@ from bucketwise.benchmarks.core.output import cold_graphs_text
 from bucketwise.benchmarks.core.step import training_step
 from bucketwise.distributed.gloo_exit import end_process_group
 
-DEFAULT_CONFIGS = "local,local-ro,torch-nosplit,torch,replicate,bw-fused,bw-fused-cg"
+DEFAULT_CONFIGS = "local,local-ro,torch-nosplit,torch,torch-ca,replicate,bw-fused,bw-fused-cg"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -122,7 +123,7 @@ def build(
     before = _allocated()
     _reset_peak()
     t_build = time.perf_counter()
-    _, prepared, _, step = training_step(recipe, spec, device, backend, bucket_cap_mb=bucket_cap_mb)
+    _, prepared, _, step = training_step(recipe, spec, device, backend, isolated=True, bucket_cap_mb=bucket_cap_mb)
     _sync()
     t0 = time.perf_counter()
     step()
@@ -524,7 +525,9 @@ def main(argv: list[str] | None = None) -> int:
             # The process's compiler start-up (imports, workers) before the first config's first step.
             x = torch.ones(8, 8, device=device, requires_grad=True)
             torch.compile(lambda t: torch.relu(t @ t) * 2, backend=args.backend)(x).sum().backward()
-            run(args, device)
+            # Every config compiled beside the others keeps Dynamo's per-frame budget of its own.
+            with dc.side_by_side_compile_limits(len(args.configs)):
+                run(args, device)
     finally:
         end_process_group()
     return 0

@@ -116,6 +116,9 @@ def test_smoke_two_gloo_ranks(tmp_path):
     assert [r["config"] for r in rows] == list(SMOKE_CONFIGS)
     assert meta["env"]["CUDA_VISIBLE_DEVICES"] is None and "NCCL_MAX_NCHANNELS" in meta["env"]
     assert meta["compile_cache"] == "off" and meta["restart"] is False
+    # One round (the default): no trace of rounds in the records or the table.
+    assert "rounds" not in meta and "allreduce_probe_rounds" not in meta
+    assert not any(k in r for r in rows for k in ("rounds", "round_spread", "max_round_floor_ratio", "round"))
     for row in rows:
         assert "error" not in row, row.get("traceback", row)
         assert row["type"] == "result" and row["status"] == "ok"
@@ -139,6 +142,7 @@ def test_smoke_two_gloo_ranks(tmp_path):
     md = (out / "results.md").read_text()
     for config in SMOKE_CONFIGS:
         assert sum(line.startswith(f"| {config} |") for line in md.splitlines()) == 1, config
+    assert "round" not in md.lower()
     png = (out / "step_time.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     # --host-profile: rank 0's cProfile of one more step per config, the DDP forward in it.
@@ -321,6 +325,9 @@ def test_two_node_flag_checks(bench, capsys):
         (["--configs", "eager", "--repeat", "torch"], "--repeat 'torch' is not among --configs"),
         (["--steps", "0"], "--steps must be at least 1"),
         (["--host-profile", "-1"], "--host-profile must be >= 0"),
+        (["--rounds", "0"], "--rounds must be at least 1"),
+        (["--rounds", "2", "--restart"], "--restart measures first steps in new processes"),
+        (["--rounds", "2", "--configs", "eager", "--repeat", "eager"], "drop --repeat (eager)"),
     ],
 )
 def test_bad_flags(bench, capsys, argv, message):
@@ -390,3 +397,127 @@ def test_memory_bench_runs_each_config_in_a_process_of_its_own(tmp_path):
     assert "| `bw-fused` |" in table and "cuBLAS" in table
     bad = _run([*cmd[:4], "--steps", "2", "--one", "local"], timeout=120)
     assert bad.returncode != 0 and "--steps must be >= 3" in bad.stdout
+
+
+ROUND_CONFIGS = ("local", "bw-auto", "torch-ca")
+
+
+def test_rounds_build_each_config_once_and_interleave(tmp_path):
+    """--rounds 3: every config built and compiled in round 1 (its first step measured there,
+    nothing compiled later), the configs interleaved round by round, each row the median of its
+    round medians with every round's figures, and the DDP configs still training alike."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "bucketwise.benchmarks", "ddp", "--nproc", "2", "--device", "cpu"]
+    cmd += ["--model", "mlp", "--configs", ",".join(ROUND_CONFIGS), "--backend", "aot_eager"]
+    cmd += ["--steps", "2", "--warmup", "1", "--rounds", "3", "--out", str(out)]
+    result = _run(cmd, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    started = [line.split(" ...")[0] for line in result.stdout.splitlines() if line.endswith(" ...")]
+    assert started == [f"[round {k}/3] [{i}/3] {c}" for k in (1, 2, 3) for i, c in enumerate(ROUND_CONFIGS, 1)]
+
+    meta, *rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    assert meta["rounds"] == 3 and len(meta["allreduce_probe_rounds"]) == 3
+    assert meta["allreduce_probe_rounds"][0] == meta["allreduce_probe"]
+    assert [r["config"] for r in rows] == list(ROUND_CONFIGS)
+    by = {r["config"]: r for r in rows}
+    for row in rows:
+        assert row["status"] == "ok", row.get("traceback", row)
+        rounds = row["rounds"]
+        assert [r["round"] for r in rounds] == [1, 2, 3]
+        # Built once: the first step in round 1 only, Dynamo compiled nothing afterwards.
+        assert ["first_step_s" in r for r in rounds] == [True, False, False]
+        assert row["first_step_s"] == rounds[0]["first_step_s"] > 0
+        assert [r["graphs_compiled"] for r in rounds[1:]] == [0, 0], row["config"]
+        assert rounds[0]["graphs_compiled"] >= 1 and not any("after round 1" in n for n in row["notes"])
+        medians = [r["median_ms"] for r in rounds]
+        assert row["median_ms"] == pytest.approx(statistics.median(medians))
+        spread = row["round_spread"]
+        assert (spread["min_ms"], spread["max_ms"]) == (min(medians), max(medians))
+        assert spread["pct"] == pytest.approx(100 * (max(medians) - min(medians)) / row["median_ms"])
+        assert row["timed_steps"] == 6 and [len(ms) for ms in row["per_rank"]["per_step_ms"]] == [6, 6]
+        assert all([len(ms) for ms in r["per_rank"]["per_step_ms"]] == [2, 2] for r in rounds)
+        assert row["losses"]["steps_total"] == 1 + 3 * (1 + 2)
+        assert row["losses"]["final_loss"] == pytest.approx(rounds[-1]["final_loss"])
+        # Floor ratios: of the medians over rounds, and per round against the floor's same round.
+        local = by["local"]
+        assert row["floor_ratio"] == pytest.approx(row["median_ms"] / local["median_ms"])
+        ratios = [mine["median_ms"] / floor["median_ms"] for mine, floor in zip(rounds, local["rounds"])]
+        assert [r["floor_ratio"] for r in rounds] == pytest.approx(ratios)
+        assert row["max_round_floor_ratio"] == pytest.approx(max(ratios))
+    assert by["local"]["floor_ratio"] == 1.0 and by["local"]["max_round_floor_ratio"] == 1.0
+    assert by["torch-ca"]["dynamo"] == {"unique_graphs": 2, "graph_breaks": 0}, "forward and compiled-autograd backward"
+    for config in ("bw-auto", "torch-ca"):
+        assert by[config]["param_spread"] == 0.0, config
+    assert by["torch-ca"]["losses"]["last"] == pytest.approx(by["bw-auto"]["losses"]["last"], rel=1e-4)
+    md = (out / "results.md").read_text()
+    assert "| round medians ms | round spread |" in md and "| max round x floor |" in md
+    assert "3 interleaved rounds" in md and "per round: " in md
+    for config in ROUND_CONFIGS:
+        assert sum(line.startswith(f"| {config} |") for line in md.splitlines()) == 1, config
+
+
+def _rank_round(median: float, losses: list[float], *, first: float | None = None, graphs: int = 0) -> dict:
+    """One rank's measurements of one round as the ranks hand them to ``merge_rounds``."""
+    steps = [median - 1.0, median, median + 1.0]
+    d = {
+        "median_ms": median,
+        "min_ms": min(steps),
+        "max_ms": max(steps),
+        "mean_ms": median,
+        "per_step_ms": steps,
+        "cpu_issue_ms": {"median": median / 2, "max": median},
+        "losses": losses,
+        "timed_steps": len(steps),
+        "peak_mib": None,
+        "dynamo": {"unique_graphs": graphs, "graph_breaks": 0},
+        "compile_caches": {"fx_graph": {"hit": 0, "miss": graphs, "bypass": 0}},
+        "bucketwise": None,
+        "compile_s": None,
+        "param_spread": 0.0,
+        "overlap": None,
+        "notes": [],
+    }
+    if first is not None:
+        d["first_step_s"] = first
+    return d
+
+
+def test_merge_rounds_takes_the_median_of_round_medians():
+    from bucketwise.benchmarks.core.configs import recipe_for
+    from bucketwise.benchmarks.core.models import make_spec
+    from bucketwise.benchmarks.core.output import add_floor_ratios
+    from bucketwise.benchmarks.ddp.bench import merge_rounds
+
+    spec = make_spec("mlp", {})
+    # Round medians (the slowest rank's): 12 (rank 1), 20 (rank 0), 16 (rank 1): their median is 16,
+    # not the largest of the ranks' medians over rounds (rank 1's: 14).
+    rounds = [
+        [_rank_round(10.0, [3.0, 2.9, 2.8], first=1.0, graphs=1), _rank_round(12.0, [2.9, 2.8, 2.7], first=2.0)],
+        [_rank_round(20.0, [2.7, 2.6]), _rank_round(14.0, [2.6, 2.5])],
+        [_rank_round(11.0, [2.5, 2.4], graphs=1), _rank_round(16.0, [2.4, 2.3])],
+    ]
+    row = merge_rounds("bw-fused", recipe_for("bw-fused"), rounds, spec)
+    assert row["status"] == "ok" and row["median_ms"] == 16.0
+    assert (row["min_ms"], row["max_ms"]) == (11.0, 21.0)
+    assert row["round_spread"] == {"min_ms": 12.0, "max_ms": 20.0, "pct": 50.0}
+    assert [r["median_ms"] for r in row["rounds"]] == [12.0, 20.0, 16.0]
+    assert [r["spread"]["rank"] for r in row["rounds"]] == [1, 0, 1]
+    assert row["first_step_s"] == 2.0 and row["rounds"][0]["first_step_s"] == 2.0
+    assert row["throughput_per_s"] == pytest.approx(spec.items_per_batch * 2 / 0.016)
+    assert row["timed_steps"] == 9 and row["losses"]["steps_total"] == 7
+    assert row["losses"]["final_loss"] == pytest.approx(2.35) and row["losses"]["per_rank_final"] == [2.4, 2.3]
+    assert row["compile_caches"] == {"fx_graph": {"hit": 0, "miss": 2, "bypass": 0}}
+    assert [r["graphs_compiled"] for r in row["rounds"]] == [1, 0, 1]
+    assert any("1 graph(s) after round 1" in n for n in row["notes"])
+
+    floor_rounds = [[_rank_round(m, [1.0], first=0.5 if k == 0 else None)] * 2 for k, m in enumerate((10.0, 10.0, 8.0))]
+    floor = merge_rounds("local", recipe_for("local"), floor_rounds, spec)
+    rows = [floor, row]
+    add_floor_ratios(rows)
+    assert floor["floor_ratio"] == 1.0 and row["floor_ratio"] == pytest.approx(1.6)
+    assert [r["floor_ratio"] for r in row["rounds"]] == pytest.approx([1.2, 2.0, 2.0])
+    assert row["max_round_floor_ratio"] == pytest.approx(2.0)
+
+    failed = [rounds[0], [rounds[1][0], {"error": "Traceback ...\nRuntimeError: boom"}]]
+    row = merge_rounds("bw-fused", recipe_for("bw-fused"), failed, spec)
+    assert row["status"] == "error" and row["round"] == 2 and "rank 1: RuntimeError: boom" in row["error"]

@@ -302,3 +302,29 @@ def test_first_step_table_orders_models_by_depth_then_config(tmp_path):
     assert rows == [[f"| llama, {n} layers", f"`{c}`"] for n in (8, 16, 32) for c in ("regional", "bw-fused-blocks")], (
         rows
     )
+
+
+def test_a_run_of_several_rounds_shows_its_worst_round_and_spread(tmp_path):
+    """``ddp --rounds``: the cell is the median over rounds and its ratio, then the largest
+    per-round ratio and the spread of the round medians; the caption says the rounds, and the
+    probe row is the median of the per-round probes."""
+    _fake_repo(tmp_path)
+    meta = _meta("2026-01-05", steps=30)
+    meta.update(rounds=3, allreduce_probe_rounds=[{"median_ms": m} for m in (1.0, 3.0, 2.5)])
+    local = {**_row("local", 10.0, ratio=1.0), "round_spread": {"min_ms": 9.5, "max_ms": 10.5, "pct": 10.0}}
+    local["max_round_floor_ratio"] = 1.0
+    fused = {**_row("bw-fused", 11.0, ratio=1.1), "round_spread": {"min_ms": 10.0, "max_ms": 12.0, "pct": 18.18}}
+    fused["max_round_floor_ratio"] = 1.2
+    eager = {**_row("eager", 30.0, floor=None), "round_spread": {"min_ms": 29.0, "max_ms": 31.0, "pct": 6.67}}
+    _write_run(tmp_path / "benchmarks" / "results" / "2026-01-05_2xFake_gpt-rounds", meta, [local, fused, eager])
+    (tmp_path / "benchmarks" / "results" / "2026-01-05_2xFake_gpt-rounds" / "README.md").write_text("# rounds\n")
+    result = _perf_tables(tmp_path)
+    assert result.returncode == 0, result.stderr
+    perf = (tmp_path / "docs" / "performance.md").read_text()
+    caption = next(line for line in perf.splitlines() if line.startswith("[rounds]"))
+    assert "30 timed steps, 3 interleaved rounds (medians over rounds)" in caption
+    assert "| `bw-fused` | 11.00 (1.10x; max round 1.20x, spread 18.2%) |" in perf
+    assert "| `local` | 10.00 (1.00x; max round 1.00x, spread 10.0%) |" in perf
+    assert "| `eager` | 30.00 (spread 6.7%) |" in perf
+    section = perf.split("[rounds]")[1]
+    assert "| all-gradient allreduce | 2.50 |" in section
