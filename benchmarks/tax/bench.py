@@ -65,6 +65,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt-medium", choices=MODELS)
     p.add_argument("--layers", type=int, default=None, help="the model's depth (default: the model's own)")
+    p.add_argument("--batch", type=int, default=None, help="the model's batch (default: the model's own)")
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
     p.add_argument("--pairs", type=int, default=4, help="interleaved rounds (>= 3)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per config per round")
@@ -411,7 +412,7 @@ def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
 
 
 def _sizes(args: argparse.Namespace) -> dict[str, int | None]:
-    return {"layers": args.layers}
+    return {k: v for k, v in (("layers", args.layers), ("batch", args.batch)) if v is not None}
 
 
 def run(args: argparse.Namespace, device: torch.device) -> None:
@@ -458,7 +459,7 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        extra = ["--layers", str(args.layers)] if args.layers is not None else []
+        extra = [f"--{k}={v}" for k, v in _sizes(args).items()]
         restarts = tax_restarts.run_restarts(args.model, args.configs, args.backend, args.restarts, extra_args=extra)
     save(rows, restarts, show=True)
 
