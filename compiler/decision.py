@@ -120,8 +120,7 @@ def decide(
         )
     if kind not in HOOK_PROGRAMS and config.bucket_cap_mb is None and config.first_bucket_cap_mb is None:
         if ddpc.default_bucket_caps(ddp):
-            one = ddpc.world_size(ddp) == 1
-            common["caps"] = dataclasses.replace(caps, for_overlap=True, one_rank=one)  # NOTE [fused bucket sizes]
+            common["caps"] = dataclasses.replace(caps, for_overlap=True)  # NOTE [fused bucket sizes]
     return Decision(strategy=Strategy.FUSED, spec=comm_spec(ddp, kind), **common)
 
 

@@ -27,9 +27,7 @@ class BucketCaps:
     """Explicit per-bucket caps (DDP's ``bucket_cap_mb_list``), used instead of the two above."""
     for_overlap: bool = False
     """Sized for the overlap (NOTE [fused bucket sizes]): a quarter of the gradient bytes each,
-    then halving towards the end of the backward, down to ``bytes``; with ``one_rank``, one
-    bucket (nothing to overlap)."""
-    one_rank: bool = False
+    then halving towards the end of the backward, down to ``bytes``."""
 
     def __post_init__(self) -> None:
         # 0 is a cap DDP accepts: every bucket closes after its first parameter.
@@ -44,7 +42,7 @@ class BucketCaps:
         if self.per_bucket:
             return list(self.per_bucket)
         if self.for_overlap:
-            return [max(total_bytes, 1)] if self.one_rank else overlap_limits(total_bytes, self.bytes)
+            return overlap_limits(total_bytes, self.bytes)
         return [self.first_bytes, self.bytes]
 
     @classmethod
@@ -76,8 +74,6 @@ class BucketCaps:
         return not self.for_overlap and self.limits() == (per_bucket or [first, cap])
 
     def describe(self) -> str:
-        if self.for_overlap and self.one_rank:
-            return "one bucket: one rank, nothing to overlap"
         if self.for_overlap:
             return f"sized for the overlap: a quarter of the gradient bytes, halving down to {self.bytes / _MIB:g} MiB"
         return "caps " + ", ".join(f"{c / _MIB:g}" for c in self.limits()) + " MiB"
@@ -97,8 +93,7 @@ class BucketCaps:
 # allreduce ends before the next bucket is ready, the first starts a quarter into the backward,
 # and the exposed tail is one bucket of DDP's cap, as with DDP's buckets. The count is about
 # 3 + log2(bytes / 4 / cap): 8 for those 1.76 GB of gradients (the 16-layer Llama: 8 instead of
-# 29, and a step at ``local``'s, results/2026-11-28_1xH200_host-tax-llama16-sized-buckets). On
-# one rank nothing is sent and nothing is to be hidden: one bucket, one collective. This
+# 29, and a step at ``local``'s, results/2026-11-28_1xH200_host-tax-llama16-sized-buckets). This
 # is the fused default where the DDP module's caps are DDP's defaults and the buckets are
 # reduced elementwise (DDP's reducer, torch's allreduce/fp16/bf16 hooks); caps the user set
 # (``bucket_cap_mb`` on DDP or bucketwise, DDP's ``bucket_cap_mb_list``) are kept, and so are

@@ -317,8 +317,7 @@ def test_fused_sizes_its_buckets_only_where_ddp_kept_its_default_caps(single_ran
         return decide(CompileConfig(strategy="fused", **config), ddp, runs_ddp_forward=True).caps
 
     default = DDP(nn.Linear(4, 4))
-    assert caps(default).for_overlap and caps(default).one_rank  # one rank: one bucket
-    assert caps(default).limits(10_000) == [10_000]
+    assert caps(default).for_overlap
     assert not caps(default, bucket_cap_mb=25).for_overlap
     assert not caps(DDP(nn.Linear(4, 4), bucket_cap_mb=25)).for_overlap
     assert not caps(DDP(nn.Linear(4, 4), bucket_cap_mb_list=[1, 2])).for_overlap
