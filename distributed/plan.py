@@ -93,7 +93,11 @@ class BucketCaps:
 # allreduce ends before the next bucket is ready, the first starts a quarter into the backward,
 # and the exposed tail is one bucket of DDP's cap, as with DDP's buckets. The count is about
 # 3 + log2(bytes / 4 / cap): 8 for those 1.76 GB of gradients (the 16-layer Llama: 8 instead of
-# 29, and a step at ``local``'s, results/2026-11-28_1xH200_host-tax-llama16-sized-buckets). This
+# 29, and a step at ``local``'s, results/2026-11-28_1xH200_host-tax-llama16-sized-buckets). One
+# rank keeps these sizes too: one bucket there showed no clear gain (an 8-layer Llama's host
+# issue 1.04x `local`'s against 1.06x, on other hosts) and raised gpt-medium's peak by 6%, its
+# flat buffer allocated at the first gradient, under the activations
+# (results/2026-11-28_1xH200_tax-gpt-medium-b8-one-bucket). This
 # is the fused default where the DDP module's caps are DDP's defaults and the buckets are
 # reduced elementwise (DDP's reducer, torch's allreduce/fp16/bf16 hooks); caps the user set
 # (``bucket_cap_mb`` on DDP or bucketwise, DDP's ``bucket_cap_mb_list``) are kept, and so are
