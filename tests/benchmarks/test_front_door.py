@@ -37,8 +37,7 @@ def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
     assert done.returncode == 2
     assert (
         "expected one of ['comm_passes', 'compile_depth', 'graph_launch', 'host_calls', 'host_tax', "
-        "'step_kernels'], got 'nope'"
-        in done.stderr
+        "'step_kernels'], got 'nope'" in done.stderr
     )
 
 
