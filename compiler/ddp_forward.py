@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._compat import c10d
 from .._compat import ddp as ddpc
 from .._compat import dynamo as dc
 from ..distributed.fused import FusedState
@@ -130,6 +131,8 @@ class DDPForward:
         ddp = self.ddp
         if self.fused is None:
             return self._with_reducer(self.state.call, Variant.SYNC, args, kwargs)
+        if not c10d.registered(ddpc.process_group(ddp)):
+            raise RuntimeError(GROUP_DESTROYED)
         sync = ddpc.grad_sync_requested(ddp) and torch.is_grad_enabled()
         if sync and ddpc.join_enabled(ddp):
             return self._in_join(args, kwargs)
@@ -210,6 +213,13 @@ class DDPForward:
                 f"DDP's reducer bucket buffers released ({freed / 2**20:.1f} MiB, a second copy of the gradients): the "
                 "fused backward reduces into buffers that become param.grad (NOTE [released reducer])"
             )
+
+
+GROUP_DESTROYED = (
+    "bucketwise: this DDP module's process group was destroyed (destroy_process_group() was called); its "
+    "compiled graphs (strategy 'fused') reduce gradients through that group and cannot run without it. Call "
+    "the model before destroy_process_group(), or init_process_group() again and compile a new DDP module"
+)
 
 
 def _fused_alignment() -> dict[str, Any]:

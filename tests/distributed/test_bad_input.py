@@ -148,6 +148,22 @@ def test_destroyed_process_group(single_rank_group):
     _assert_nothing_compiled(before, ddp)
 
 
+@pytest.mark.parametrize("strategy", ["fused", "split"])
+def test_call_after_destroy_process_group(single_rank_group, strategy):
+    eager = DDP(Net())
+    compiled = bucketwise.compile(DDP(Net()), backend="aot_eager", strategy=strategy)
+    for model in (eager, compiled):
+        _step(model)
+    dist.destroy_process_group()
+    _step(eager)  # eager DDP over gloo keeps using the destroyed group's object
+    if strategy == "split":
+        _step(compiled)  # DDP's reducer reduces, as in eager DDP
+        return
+    # fused graphs find the group by its registered name: say that the group is gone
+    with pytest.raises(RuntimeError, match=r"process group was destroyed \(destroy_process_group\(\) was called\)"):
+        _step(compiled)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 @pytest.mark.parametrize("cudagraphs", [True, "auto"])
 def test_cudagraphs_on_cpu_warns(ddp_model, caplog, cudagraphs):
