@@ -547,12 +547,18 @@ def test_doctor_names_the_failing_stage_and_segment(tmp_path, monkeypatch, bad_s
 
 def test_doctor_passes_a_healthy_model(tmp_path):
     (tmp_path / "train.py").write_text(DOCTOR_SCRIPT)
+    stats = str(tmp_path / "s")
+    # The second of the script's two steps is profiled (closed at exit).
+    profile = ["--profile-steps", "1", "--profile-warmup", "1"]
     result = _run_cli(
-        ["doctor", "--nproc-per-node", "2", "--standalone", "--stats-dir", str(tmp_path / "s"), "train.py"], tmp_path
+        ["doctor", "--nproc-per-node", "2", "--standalone", "--stats-dir", stats, *profile, "train.py"], tmp_path
     )
     assert result.returncode == 0, result.stdout + result.stderr
     # aot_eager is the backend in use: the ladder stops there.
     assert "4 segment run(s) checked through eager -> aot_eager, 0 failing" in result.stdout
+    assert "bucketwise doctor: no step was profiled" not in result.stdout, result.stdout
+    # The profiler library's start/stop markers stay out of the output (NOTE [kineto's markers]).
+    assert "USDT:" not in result.stdout + result.stderr, result.stderr
 
 
 # -- demo ----------------------------------------------------------------------------------
