@@ -34,7 +34,7 @@ from ..distributed.split.ready_order import FirstIterationOrder, ReadyLast
 from ..distributed.whole import apply_whole
 from ..partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops
 from ..stats.compile_times import CompileTimes, backend_call_times
-from ..stats.report import GraphStats, Report, SegmentStats
+from ..stats.report import GraphStats, Report, SegmentStats, eager_regions
 from . import doctor
 from .block_calls import BlockCallRefused, BlockCalls, is_block_call
 from .blocks import BlockBuckets, Sharing, share_blocks
@@ -101,7 +101,9 @@ class GraphBackend:
         ddp = self.ddp
         if ddp is None:
             return {"alignment": None, "status": "no DDP module seen"}
-        return measure_alignment(ddp, self.param_segments)
+        report = self.report
+        eager_code = bool(report.eager_calls) or bool(eager_regions(report.graphs))
+        return measure_alignment(ddp, self.param_segments, eager_code=eager_code)
 
     def _cudagraph_group(self, decision: cudagraph_policy.Decision) -> CudaGraphGroup | None:
         """The runners' group of this backend where ``decision`` (resolved once per compiled
