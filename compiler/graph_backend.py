@@ -87,6 +87,8 @@ class GraphBackend:
         """Blocks compiled for several calls of this backend's graphs (alive as long as it)."""
         self.block_calls: BlockCalls | None = None
         """``share_blocks``: the blocks Dynamo meets as one call each (NOTE [Dynamo calls a block])."""
+        self.module: weakref.ref[torch.nn.Module] | None = None
+        """A plain module compiled without DDP: the parameters its graphs read are counted."""
 
     def use(self, decision: Decision, fused: FusedState | None) -> None:
         """The compiled DDP module's decision, and under ``fused`` its runtime's state."""
@@ -222,7 +224,12 @@ class GraphBackend:
         those on its own as a sparse tensor, and so do they stay here, outside every bucket
         (DDP's reducer under ``split``/``none``, the fused runtime under ``fused``)."""
         if ddp is None:
-            return []
+            module = self.module() if self.module is not None else None
+            if module is None:
+                return []
+            # No buckets: the parameters the graph reads, counted in the report.
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            return find_graph_params(gm, example_inputs, named)
         named = ddpc.reducer_parameters(ddp)
         params = find_graph_params(gm, example_inputs, named)
         sparse = {id(p) for (_, p), flag in zip(named, ddpc.sparse_gradient_flags(ddp)) if flag}

@@ -164,6 +164,17 @@ def test_unused_parameters_do_not_split_a_bucket(single_rank_group):
     assert "alignment 1.00" in rep.table()
 
 
+def test_plain_module_counts_its_parameters(tmp_path):
+    """A module compiled without DDP: the table counts the parameters each graph reads."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    compiled = bucketwise.compile(model, backend="aot_eager")
+    compiled(torch.randn(3, 4)).sum().backward()
+    (graph,) = bucketwise.report(compiled).to_dict()["graphs"]
+    (segment,) = graph["segments"]
+    assert sorted(segment["params"]) == ["0.bias", "0.weight", "2.bias", "2.weight"], segment
+    assert segment["bytes"] == sum(p.nbytes for p in model.parameters())
+
+
 def test_report_data_reads_back_what_the_report_wrote(single_rank_group, tmp_path):
     compiled, ref = _pair(MLP())
     _train(compiled, ref, 5)
