@@ -22,7 +22,7 @@ from .._compat import dynamo as dc
 from ..distributed.fused import FusedState
 from ..distributed.fused.runtime import FusedRuntime
 from ..distributed.split.alignment import AlignmentPoll
-from .decision import Decision, Variant, decide
+from .decision import Decision, Variant, decide, refusal
 from .hook_watch import HookWatch
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,9 @@ class DDPForward:
     """Variants whose next call may compile although the object is frozen: the ``no_sync()``
     variant's first call, and both after a recompile the hooks asked for."""
     said: set[str] = dataclasses.field(default_factory=set)
+    refused: str | None = None
+    """What changed when an explicit strategy was last refused (NOTE [explicit strategies]): the next
+    call decides again, and compiles the frames again once it applies."""
 
     @property
     def runtime(self) -> FusedRuntime | None:
@@ -67,6 +70,10 @@ class DDPForward:
         if self.decision is None:
             self._decide()
             return
+        if self.refused is not None:
+            changed = self.hooks.changed()  # the watch takes the hooks as they are now
+            self._decide(changed or self.refused, recompile=True)
+            return
         ddp = self.ddp
         hooks = self.hooks.changed()
         if hooks is not None:
@@ -82,8 +89,15 @@ class DDPForward:
         them changed (``recompile``) or the decision's graphs differ from those compiled."""
         old = self.decision
         new = decide(self.state.config, self.ddp, runs_ddp_forward=True, own_hooks=self.own_hook_ids())
-        self.decision, self.comm_hooks = new, ddpc.comm_hook_count(self.ddp)
         report = self.state.report
+        problem = refusal(self.state.config, new, target=report.target)
+        if problem is not None:
+            # Nothing of the decision is applied: the frames compiled before run no more, as the
+            # next call decides again (NOTE [explicit strategies]).
+            self.refused = why or "the first call"
+            raise ValueError(problem)
+        self.refused = None
+        self.decision, self.comm_hooks = new, ddpc.comm_hook_count(self.ddp)
         if old is None:
             self.hooks.start()
         elif recompile or not new.same_graphs(old):

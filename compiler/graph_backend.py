@@ -40,7 +40,7 @@ from .block_calls import BlockCallRefused, BlockCalls, is_block_call
 from .blocks import BlockBuckets, Sharing, share_blocks
 from .blocks import cache_targets as blocks_cache_targets
 from .config import CompileConfig
-from .decision import BlockSharing, Decision, Strategy, Variant, decide, decide_sharing
+from .decision import BlockSharing, Decision, Strategy, Variant, decide, decide_sharing, refusal
 from .progress import Progress
 from .segments import compile_with_fallback
 
@@ -135,6 +135,12 @@ class GraphBackend:
         decision = self.decision
         if decision is None or (ddp is not None and decision.ddp_id != id(ddp)):
             decision = decide(self.config, ddp, runs_ddp_forward=False, variant=self.variant)
+            if ddp is not None and self.variant is Variant.SYNC:
+                # A graph of the DDP module's forward: an explicit strategy must apply to it
+                # (NOTE [explicit strategies]); graphs of the function outside it have no buckets.
+                problem = refusal(self.config, decision, target=f"DDP({type(ddp.module).__name__})")
+                if problem is not None:
+                    raise ValueError(problem)
             if ddp is not None:
                 self.decision = decision
         return decision
