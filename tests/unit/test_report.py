@@ -538,6 +538,18 @@ def test_first_step_breakdown(single_rank_group):
     assert rep.totals["first_step"]["forward_s"] == first["forward_s"]
 
 
+def test_first_step_is_the_first_call_that_runs(single_rank_group):
+    """A first call that raises (a bad input, a strategy refused at it) times nothing: the
+    next call is the first step."""
+    compiled = bucketwise.compile(DDP(MLP(), bucket_cap_mb=CAP_MB), backend="aot_eager", strategy="fused")
+    with pytest.raises(RuntimeError):
+        compiled(torch.randn(8, 63))  # the wrong width
+    assert bucketwise.report(compiled).totals["first_step"] is None
+    compiled(torch.randn(8, 64)).square().mean().backward()
+    first = bucketwise.report(compiled).totals["first_step"]
+    assert first is not None and first["backward_s"] is not None, first
+
+
 @pytest.mark.inductor
 def test_compile_times_show_the_caches_of_a_restart(single_rank_group, tmp_path, monkeypatch):
     """A restart within one process: compile, ``torch._dynamo.reset()``, compile again over the
