@@ -26,9 +26,10 @@ first step is compiled like the others.
 The Trainer asks DDP for ``find_unused_parameters=True`` for a ``PreTrainedModel`` without
 gradient checkpointing, by default rather than because a parameter is unused; ``auto`` would then
 pick ``split``. Unless ``ddp_find_unused_parameters=True`` was set by you, or a ``strategy`` is
-given in ``bucketwise_options``, the strategy is ``"fused"``: ranks whose graphs read different
-parameters then raise ``RankMismatchError`` at their first step instead of training apart, and
-the report notes the choice.
+given in ``bucketwise_options``, the strategy is ``"fused"`` (``"auto"`` where a comm hook or
+gradient hooks already rule ``fused`` out: NOTE [explicit strategies]): ranks whose graphs read
+different parameters then raise ``RankMismatchError`` at their first step instead of training
+apart, and the report notes the choice.
 
 Without a DDP module (one process) the model the Trainer trains is compiled with
 ``bucketwise.compile(model)`` (no buckets: the inner backend alone), and the log says so.
@@ -47,6 +48,7 @@ from ._compat import ddp as ddpc
 from ._compat import dynamo as dc
 from .compiler.api import compile as bucketwise_compile
 from .compiler.config import CompileConfig
+from .compiler.decision import decide, refusal
 from .stats.report import report
 
 log = logging.getLogger(__name__)
@@ -128,7 +130,9 @@ class BucketwiseTrainerMixin:
         options = dict(self._bucketwise_options)
         chosen = "strategy" not in options and self.args.ddp_find_unused_parameters is not True
         if chosen:
-            options["strategy"] = "fused"
+            # fused where it applies to this DDP module now (a comm hook or gradient hooks it
+            # cannot reproduce: auto, which runs split and says why in the report).
+            options["strategy"] = "fused" if check_fused(ddp, options) else "auto"
         compiled = bucketwise_compile(ddp, **options)
         rep = report(compiled)
         rep.note(
@@ -162,7 +166,14 @@ class BucketwiseTrainerMixin:
             return model
         if self._bucketwise_plain is None or self._bucketwise_plain[0] is not model:
             options = dict(self._bucketwise_options)
-            options.setdefault("strategy", "auto")
+            if options.get("strategy") in ("fused", "split"):
+                self._bucketwise_say(
+                    "single-strategy",
+                    logging.WARNING,
+                    f"bucketwise: strategy={options['strategy']!r} of bucketwise_options needs a DDP module; with one "
+                    "process the Trainer has none, so the model is compiled whole (strategy 'auto')",
+                )
+            options["strategy"] = "auto"
             self._bucketwise_plain = (model, bucketwise_compile(model, **options))
             self._bucketwise_say(
                 "single",
@@ -180,6 +191,12 @@ class BucketwiseTrainerMixin:
     def bucketwise_report(self) -> Any:
         """:func:`bucketwise.report` of the model this Trainer trains (after a training step)."""
         return report(self._bucketwise_plain[1] if self._bucketwise_plain is not None else self.model_wrapped)
+
+
+def check_fused(ddp: Any, options: dict[str, Any]) -> bool:
+    """Does ``strategy="fused"`` apply to ``ddp`` as it is now (NOTE [explicit strategies])?"""
+    config = CompileConfig(**{**options, "strategy": "fused"})
+    return refusal(config, decide(config, ddp, runs_ddp_forward=True), target="") is None
 
 
 def with_bucketwise(trainer_class: type) -> type:

@@ -1,5 +1,6 @@
 """Private torch.distributed (c10d) state bucketwise reads: the order in which
-``destroy_process_group()`` shuts process groups down, and the default group's store.
+``destroy_process_group()`` shuts process groups down, whether a group is still registered,
+and the default group's store.
 
 Checked on torch 2.11.0 (device machines) and 2.13.0 (CI): ``destroy_process_group()`` (for the
 default group) calls ``shutdown()`` on every group of ``_world.pg_names``, sorted by group name,
@@ -7,7 +8,8 @@ last name first; ``_get_default_store()`` returns the store ``init_process_group
 ``PrefixStore("default_pg", ...)``; ``new_group()`` gives a group the default group's
 ``bound_device_id`` (set by ``init_process_group(device_id=...)``) and then asks the new group for
 that device's backend, which a Python ``ProcessGroup`` subclass does not have ("No backend type
-associated with device type cuda").
+associated with device type cuda"). ``registered``: ``destroy_process_group()`` removes a group
+from ``_world.pg_names`` (checked on 2.13.0).
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ def shuts_down_before(first: Any, then: Any) -> bool:
     if first not in names or then not in names:
         return False
     return names[first] > names[then]
+
+
+def registered(pg: Any) -> bool:
+    """Is ``pg`` still a group of this process (not ended by ``destroy_process_group``)? A
+    destroyed group object still answers ``get_world_size``, but functional collectives, which
+    find the group by its registered name, no longer find it."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return pg in c10d._world.pg_names
 
 
 def default_store() -> Any | None:

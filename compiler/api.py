@@ -15,6 +15,7 @@ from .._compat import ddp as ddpc
 from ..cudagraphs import policy as cudagraph_policy
 from ..stats import bytecode
 from .config import CompileConfig
+from .decision import decide, refusal
 from .module import compile_function, compile_module
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ def compile(
         backend: a ``torch.compile`` backend name or a callable backend.
         strategy: ``"fused"``, ``"split"``, ``"none"`` (compile graphs whole, DDP's reducer
             reduces at the end) or ``"auto"`` (``"fused"`` where it applies, else ``"split"``).
+            A ``"fused"`` or ``"split"`` that cannot apply (no DDP module; for ``"fused"``, a
+            comm hook or gradient hooks it cannot reproduce) raises ``ValueError`` naming why,
+            here or at the first call (NOTE [explicit strategies]).
         mode, options, fullgraph, dynamic: as for ``torch.compile``.
         cudagraphs: CUDA-graph wrapping of segments (``True``/``False``/``"auto"``).
         bucket_cap_mb, first_bucket_cap_mb: bucket caps in MiB (default: the DDP module's).
@@ -110,12 +114,31 @@ def compile_with_config(obj: nn.Module | Callable[..., Any], config: CompileConf
         problem = ddpc.process_group_usable(obj)
         if problem is not None:
             raise ValueError(f"obj: cannot compile this DDP module: {problem}")
+    check_strategy(obj, config)
     cudagraphs = resolve_cudagraphs(config)
     warn_uncached_bytecode()
     if isinstance(obj, nn.Module):
         aot.start_compile_workers(config.backend, itertools.chain(obj.parameters(), obj.buffers()))
         return compile_module(obj, config, cudagraphs=cudagraphs)
     return compile_function(obj, config, cudagraphs=cudagraphs)
+
+
+def check_strategy(obj: Any, config: CompileConfig) -> None:
+    """Raise where an explicit ``strategy="fused"``/``"split"`` cannot apply to ``obj``, as far as
+    that is known now (NOTE [explicit strategies]): a module that is not a DDP module, or a DDP
+    module whose comm hook, gradient hooks or reducer rule it out already. A function is checked
+    when its graphs are compiled (the DDP module it calls is found then)."""
+    if config.strategy not in ("fused", "split") or not isinstance(obj, nn.Module):
+        return
+    ddp = obj if ddpc.is_ddp(obj) else None
+    problem = refusal(config, decide(config, ddp, runs_ddp_forward=True), target=target_name(obj))
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def target_name(module: nn.Module) -> str:
+    """``Net`` or ``DDP(Net)``: what a report and an error call a compiled module."""
+    return f"DDP({type(module.module).__name__})" if ddpc.is_ddp(module) else type(module).__name__
 
 
 # NOTE [compile workers from the start]: Inductor compiles Triton kernels in a pool of worker

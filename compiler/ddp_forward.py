@@ -16,12 +16,13 @@ from typing import Any, Callable
 
 import torch
 
+from .._compat import c10d
 from .._compat import ddp as ddpc
 from .._compat import dynamo as dc
 from ..distributed.fused import FusedState
 from ..distributed.fused.runtime import FusedRuntime
 from ..distributed.split.alignment import AlignmentPoll
-from .decision import Decision, Variant, decide
+from .decision import Decision, Variant, decide, refusal
 from .hook_watch import HookWatch
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ class DDPForward:
     """Variants whose next call may compile although the object is frozen: the ``no_sync()``
     variant's first call, and both after a recompile the hooks asked for."""
     said: set[str] = dataclasses.field(default_factory=set)
+    refused: str | None = None
+    """What changed when an explicit strategy was last refused (NOTE [explicit strategies]): the next
+    call decides again, and compiles the frames again once it applies."""
 
     @property
     def runtime(self) -> FusedRuntime | None:
@@ -68,6 +72,10 @@ class DDPForward:
         if self.decision is None:
             self._decide()
             return
+        if self.refused is not None:
+            changed = self.hooks.changed()  # the watch takes the hooks as they are now
+            self._decide(changed or self.refused, recompile=True)
+            return
         ddp = self.ddp
         hooks = self.hooks.changed()
         if hooks is not None:
@@ -83,8 +91,15 @@ class DDPForward:
         them changed (``recompile``) or the decision's graphs differ from those compiled."""
         old = self.decision
         new = decide(self.state.config, self.ddp, runs_ddp_forward=True, own_hooks=self.own_hook_ids())
-        self.decision, self.comm_hooks = new, ddpc.comm_hook_count(self.ddp)
         report = self.state.report
+        problem = refusal(self.state.config, new, target=report.target)
+        if problem is not None:
+            # Nothing of the decision is applied: the frames compiled before run no more, as the
+            # next call decides again (NOTE [explicit strategies]).
+            self.refused = why or "the first call"
+            raise ValueError(problem)
+        self.refused = None
+        self.decision, self.comm_hooks = new, ddpc.comm_hook_count(self.ddp)
         if old is None:
             self.hooks.start()
         elif recompile or not new.same_graphs(old):
@@ -137,6 +152,8 @@ class DDPForward:
         ddp = self.ddp
         if self.fused is None:
             return self._with_reducer(self.state.call, Variant.SYNC, args, kwargs)
+        if not c10d.registered(ddpc.process_group(ddp)):
+            raise RuntimeError(GROUP_DESTROYED)
         sync = ddpc.grad_sync_requested(ddp) and torch.is_grad_enabled()
         if sync and ddpc.join_enabled(ddp):
             return self._in_join(args, kwargs)
@@ -217,6 +234,13 @@ class DDPForward:
                 f"DDP's reducer bucket buffers released ({freed / 2**20:.1f} MiB, a second copy of the gradients): the "
                 "fused backward reduces into buffers that become param.grad (NOTE [released reducer])"
             )
+
+
+GROUP_DESTROYED = (
+    "bucketwise: this DDP module's process group was destroyed (destroy_process_group() was called); its "
+    "compiled graphs (strategy 'fused') reduce gradients through that group and cannot run without it. Call "
+    "the model before destroy_process_group(), or init_process_group() again and compile a new DDP module"
+)
 
 
 def _fused_alignment() -> dict[str, Any]:

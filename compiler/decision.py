@@ -124,6 +124,38 @@ def decide(
     return Decision(strategy=Strategy.FUSED, spec=comm_spec(ddp, kind), **common)
 
 
+# NOTE [explicit strategies]: ``strategy="auto"`` picks ``fused`` where it applies and falls back
+# (to ``split``, or ``none`` without DDP's C++ reducer) where it does not, the reason in the report.
+# An explicit ``"fused"`` or ``"split"`` is what the user asked for: where it cannot apply (no DDP
+# module, a comm hook or gradient hooks fused cannot reproduce, a DDP module called from a compiled
+# function, DDP's python reducer) it raises, naming why and what to pass instead, before anything
+# is built for the graphs. What can be known when ``bucketwise.compile`` runs is checked there
+# (``api.check_strategy``); what DDP gets later (a comm hook, gradient hooks) at the call that
+# decides (``DDPForward``), and again at every call until it applies; a compiled function's DDP
+# module when its graph is compiled. ``find_unused_parameters=True`` does not stop an explicit
+# ``fused`` (NOTE [fused and unused parameters]).
+
+
+def refusal(config: CompileConfig, decision: Decision, *, target: str) -> str | None:
+    """Why an explicit ``strategy="fused"``/``"split"`` cannot run as ``decision`` decided
+    (NOTE [explicit strategies]), as an error message; ``None`` where it runs, or ``auto``/``none``
+    was asked for. ``target``: what was compiled, for the message."""
+    requested = Strategy(config.strategy)
+    if requested not in (Strategy.FUSED, Strategy.SPLIT) or decision.strategy is requested:
+        return None
+    if decision.ddp_id is None:
+        return (
+            f"strategy={requested.value!r} needs a DistributedDataParallel module, and {target} is not one: it has "
+            "no gradient buckets to reduce. Compile DDP(model) for bucketwise's strategies, or pass strategy='auto' "
+            "(or 'none') to compile it whole"
+        )
+    fallback = decision.strategy.value
+    return (
+        f"strategy={requested.value!r} cannot apply to {target}: {decision.reason}. Pass strategy='auto', which "
+        f"runs {fallback!r} here (the report's strategy_reason says why), or strategy={fallback!r}"
+    )
+
+
 # NOTE [sharing by default]: sharing one compile among identical blocks (NOTE [one compile per
 # block]) shortens the first step of every job and restart, but each shared block is two more
 # calls, output allocations and a few kernels that no longer fuse across the block's edges: host

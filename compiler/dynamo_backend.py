@@ -40,6 +40,7 @@ import contextvars
 import inspect
 import logging
 import warnings
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -159,6 +160,7 @@ class WithoutDDP:
         self.config = config
         self.report = report = Report(target=f"{name} (no DDP)", strategy=config.strategy, backend=config.backend_name)
         self._backend = new_backend(config, report, None, cudagraphs=resolve_cudagraphs(config), alignment=False)
+        self._backend.module = weakref.ref(dc.uncompiled(module))
         report.note(
             "compiled through torch.compile(backend='bucketwise') with no DDP forward running: each graph "
             "compiled whole with the inner backend, no buckets"

@@ -34,13 +34,13 @@ from ..distributed.split.ready_order import FirstIterationOrder, ReadyLast
 from ..distributed.whole import apply_whole
 from ..partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops
 from ..stats.compile_times import CompileTimes, backend_call_times
-from ..stats.report import GraphStats, Report, SegmentStats
+from ..stats.report import GraphStats, Report, SegmentStats, eager_regions
 from . import doctor
 from .block_calls import BlockCallRefused, BlockCalls, is_block_call
 from .blocks import BlockBuckets, Sharing, share_blocks
 from .blocks import cache_targets as blocks_cache_targets
 from .config import CompileConfig
-from .decision import BlockSharing, Decision, Strategy, Variant, decide, decide_sharing
+from .decision import BlockSharing, Decision, Strategy, Variant, decide, decide_sharing, refusal
 from .progress import Progress
 from .segments import compile_with_fallback
 
@@ -87,6 +87,8 @@ class GraphBackend:
         """Blocks compiled for several calls of this backend's graphs (alive as long as it)."""
         self.block_calls: BlockCalls | None = None
         """``share_blocks``: the blocks Dynamo meets as one call each (NOTE [Dynamo calls a block])."""
+        self.module: weakref.ref[torch.nn.Module] | None = None
+        """A plain module compiled without DDP: the parameters its graphs read are counted."""
 
     def use(self, decision: Decision, fused: FusedState | None) -> None:
         """The compiled DDP module's decision, and under ``fused`` its runtime's state."""
@@ -101,7 +103,9 @@ class GraphBackend:
         ddp = self.ddp
         if ddp is None:
             return {"alignment": None, "status": "no DDP module seen"}
-        return measure_alignment(ddp, self.param_segments)
+        report = self.report
+        eager_code = bool(report.eager_calls) or bool(eager_regions(report.graphs))
+        return measure_alignment(ddp, self.param_segments, eager_code=eager_code)
 
     def _cudagraph_group(self, decision: cudagraph_policy.Decision) -> CudaGraphGroup | None:
         """The runners' group of this backend where ``decision`` (resolved once per compiled
@@ -131,6 +135,12 @@ class GraphBackend:
         decision = self.decision
         if decision is None or (ddp is not None and decision.ddp_id != id(ddp)):
             decision = decide(self.config, ddp, runs_ddp_forward=False, variant=self.variant)
+            if ddp is not None and self.variant is Variant.SYNC:
+                # A graph of the DDP module's forward: an explicit strategy must apply to it
+                # (NOTE [explicit strategies]); graphs of the function outside it have no buckets.
+                problem = refusal(self.config, decision, target=f"DDP({type(ddp.module).__name__})")
+                if problem is not None:
+                    raise ValueError(problem)
             if ddp is not None:
                 self.decision = decision
         return decision
@@ -220,7 +230,12 @@ class GraphBackend:
         those on its own as a sparse tensor, and so do they stay here, outside every bucket
         (DDP's reducer under ``split``/``none``, the fused runtime under ``fused``)."""
         if ddp is None:
-            return []
+            module = self.module() if self.module is not None else None
+            if module is None:
+                return []
+            # No buckets: the parameters the graph reads, counted in the report.
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            return find_graph_params(gm, example_inputs, named)
         named = ddpc.reducer_parameters(ddp)
         params = find_graph_params(gm, example_inputs, named)
         sparse = {id(p) for (_, p), flag in zip(named, ddpc.sparse_gradient_flags(ddp)) if flag}

@@ -157,6 +157,8 @@ def compile_module(module: nn.Module, config: CompileConfig, *, cudagraphs: Cuda
         backend=config.backend_name,
     )
     backend = new_backend(config, report, ddp, cudagraphs=cudagraphs, alignment=ddp is not None)
+    if ddp is None:
+        backend.module = weakref.ref(inner)
     forward = _inner_forward(inner)
     blocks = _block_calls(inner, backend)
     backend.block_calls = blocks

@@ -21,6 +21,7 @@ import torch
 from .._compat import dynamo as dc
 from ..cudagraphs.policy import Decision as CudaGraphDecision
 from ..stats import profiling
+from ..stats.first_step import FirstStep
 from ..stats.report import Report
 from .artifacts import Artifacts
 from .config import CompileConfig
@@ -77,7 +78,12 @@ class CompiledState:
         pending = first.pending
         if pending:
             first.start()
-        out = call()
+        try:
+            out = call()
+        except BaseException:
+            if pending:  # the first step is the first call that runs (NOTE [first step])
+                report.first_step = FirstStep()
+            raise
         if pending:
             first.forward_done(out)
         if report.graph_runs == runs:

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from ..compiler import doctor
 from ..stats.report_data import ReportData
-from . import failures, launcher, stats
+from . import failures, launcher, stats, stopping
 from .demo import add_demo_arguments
 
 DOCTOR_PROFILE_STEPS = 3
@@ -263,6 +263,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
     except BrokenPipeError:
         return _reader_gone()
+    except stopping.Interrupted as stopped:  # every rank is stopped; the line said so
+        return stopped.code
+    except KeyboardInterrupt:  # Ctrl-C outside a job (reading the stats)
+        print("bucketwise: interrupted (Ctrl-C)", file=sys.stderr)
+        return 128 + signal.SIGINT
     return code
 
 

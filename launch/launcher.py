@@ -1,8 +1,9 @@
 """Running a job through ``torch.distributed.run`` (torchrun) and summarizing its rank files.
 
-bucketwise does not manage processes itself: it starts ``python -m torch.distributed.run``
-with the user's torchrun arguments unchanged, with ``BUCKETWISE_STATS_DIR`` pointing at the
-run's stats folder, waits for it and then merges the ``rank<R>.json`` files the ranks wrote.
+bucketwise starts ``python -m torch.distributed.run`` with the user's torchrun arguments
+unchanged, with ``BUCKETWISE_STATS_DIR`` pointing at the run's stats folder, waits for it and then
+merges the ``rank<R>.json`` files the ranks wrote. It manages processes only on Ctrl-C, when it
+stops every rank itself (``stopping.py``, NOTE [stopping a job]).
 """
 
 from __future__ import annotations
@@ -10,14 +11,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 from typing import Sequence, TextIO
 
 from ..compiler.artifacts import ENV as ARTIFACTS_ENV
 from ..stats.profiling import AUTO_WARMUP_MAX, AUTO_WARMUP_MIN, PROFILE_STEPS_ENV, PROFILE_WARMUP_ENV
 from ..stats.rank_file import STATS_DIR_ENV
-from . import stats
+from . import stats, stopping
 
 DEFAULT_RUNS_DIR = "bucketwise-runs"
 STATS_DIR_HELP = (
@@ -154,19 +154,11 @@ def torchrun_command(torchrun_args: Sequence[str]) -> list[str]:
 
 
 def run_torchrun(torchrun_args: Sequence[str], stats_dir: str, extra_env: dict[str, str] | None = None) -> int:
-    """Run torchrun with ``BUCKETWISE_STATS_DIR=stats_dir``; its exit code."""
+    """Run torchrun with ``BUCKETWISE_STATS_DIR=stats_dir``; its exit code. Ctrl-C (SIGINT,
+    SIGTERM, SIGHUP) stops every rank and raises :class:`stopping.Interrupted` (NOTE [stopping a
+    job])."""
     env = dict(os.environ, **{STATS_DIR_ENV: stats_dir}, **(extra_env or {}))
-    proc = subprocess.Popen(torchrun_command(torchrun_args), env=env)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        # The terminal's Ctrl-C reached torchrun too; let it stop its workers.
-        try:
-            proc.wait(timeout=60)
-        except (KeyboardInterrupt, subprocess.TimeoutExpired):
-            proc.kill()
-            proc.wait()
-        return 130
+    return stopping.run(torchrun_command(torchrun_args), env, logs=os.path.join(stats_dir, "logs"))
 
 
 def summarize(stats_dir: str, *, table: bool = True, out: TextIO | None = None) -> bool:

@@ -31,7 +31,7 @@ from ..stats.bytecode import COMPILE_ONCE, BytecodeState
 from ..stats.compile_times import BREAKDOWN_FOOTER, BREAKDOWN_HEADER, breakdown_row
 from ..stats.job_stats import JOB_FILE
 from ..stats.report_data import GraphData, ReportData
-from ..stats.report_format import bucket_table
+from ..stats.report_format import bucket_table, compile_seconds
 from ..stats.table import align
 
 MERGED_SCHEMA = 1
@@ -281,7 +281,7 @@ def fused_buckets(report: ReportData) -> list[dict[str, Any]]:
 
 def format_merged(merged: dict[str, Any]) -> str:
     """The per-bucket table across ranks, a totals line and the plan check."""
-    header = ("graph", "seg", "params", "MiB", "ops", "compile s min", "median", "max", "backend", "fallbacks")
+    header = ("graph", "seg", "params", "MiB", "ops", "fwd compile s min", "median", "max", "backend", "fallbacks")
     rows = [header]
     n_ranks = len(merged["ranks"])
     for s in merged["segments"]:
@@ -366,7 +366,7 @@ def _fallback_cell(segment: dict[str, Any], n_ranks: int) -> str:
 def totals_line(merged: dict[str, Any]) -> str:
     """Run totals (ranges across ranks where they differ) and missing ranks."""
     totals = list(merged["totals"].values())
-    compile_s = [t["compile_seconds"] for t in totals]
+    compile_s = [compile_seconds(t) for t in totals]  # every phase, as the breakdown table
     aligns = sorted({a for a in merged["alignment"].values() if a is not None})
     if not aligns:
         align = "n/a"

@@ -44,6 +44,8 @@ class FirstStep:
     """Triton autotuning within both, by torch's timer."""
     start_us: int | None = None
     end_us: int | None = None
+    device: str | None = None
+    """Where the first call's outputs are: ``cuda``, ``cpu``, ... (what the first-call work is)."""
     _autotune_at_start: float = 0.0
     _t0: float = 0.0
     _hooks: list[Any] = dataclasses.field(default_factory=list)
@@ -64,7 +66,9 @@ class FirstStep:
         self.forward_s = time.perf_counter() - self._t0
         self.end_us = dc.wall_us()
         self.autotune_s = _autotune_seconds() - self._autotune_at_start
-        nodes = {t.grad_fn for t in agc.tensor_leaves(output) if t.grad_fn is not None}
+        tensors = agc.tensor_leaves(output)
+        self.device = next((t.device.type for t in tensors if t.device.type != "cpu"), "cpu" if tensors else None)
+        nodes = {t.grad_fn for t in tensors if t.grad_fn is not None}
         self._hooks = [node.register_prehook(self._backward_started) for node in nodes]
 
     def _backward_started(self, grad_outputs: Any) -> None:
@@ -98,7 +102,15 @@ class FirstStep:
             "compile_s": round(compile_s, 6),
             "autotune_s": round(self.autotune_s, 6),
             "other_s": round(max(0.0, wall - compile_s - self.autotune_s), 6),
+            "device": self.device,
         }
+
+
+_OTHER_WORK = {
+    "cuda": "kernel and CUDA library loading, NCCL set-up",
+    "cpu": "on CPU: loading the compiled code, the process group's first collective",
+}
+_OTHER_WORK_UNKNOWN = "loading the compiled code and its libraries, the process group's first collective"
 
 
 def describe(summary: dict[str, Any] | None) -> str | None:
@@ -106,8 +118,9 @@ def describe(summary: dict[str, Any] | None) -> str | None:
     if not summary:
         return None
     bwd = "" if summary["backward_s"] is not None else " (no backward yet)"
+    other = _OTHER_WORK.get(summary.get("device") or "", _OTHER_WORK_UNKNOWN)
     return (
         f"first step: compiled calls {summary['compiled_calls_s']:.2f} s{bwd} = compile {summary['compile_s']:.2f} s"
         f" + Triton autotuning {summary['autotune_s']:.2f} s + other first-call work {summary['other_s']:.2f} s "
-        "(kernel and CUDA library loading, NCCL set-up); the rest of the step is eager code around the compiled calls"
+        f"({other}); the rest of the step is eager code around the compiled calls"
     )

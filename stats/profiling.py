@@ -22,10 +22,13 @@ job's store to rank 0 (NOTE [job-wide stats]), so the launcher prints it for eve
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import socket
 import sys
+import tempfile
 import time
 import weakref
 from typing import Any
@@ -104,7 +107,8 @@ class Profile:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         self._prof = profile(activities=activities, record_shapes=True)
         _sync()
-        self._prof.start()
+        with _without_kineto_markers():
+            self._prof.start()
         self._t0 = time.perf_counter()
         _running = self
 
@@ -119,7 +123,8 @@ class Profile:
         global _running
         _sync()
         end = time.perf_counter()
-        self._prof.stop()
+        with _without_kineto_markers():
+            self._prof.stop()
         _running = None
         return end
 
@@ -199,6 +204,41 @@ def profile(compiled: Any, *, out_dir: str | os.PathLike | None = None, plot: bo
     every rank (the steps hold collectives).
     """
     return Profile(compiled, out_dir=out_dir, plot=plot)
+
+
+_KINETO_MARKER = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
+
+
+@contextlib.contextmanager
+def _without_kineto_markers() -> Any:
+    """Within: what the process writes to its stderr (file descriptor 2) is held back, and
+    written out on leaving but for the profiler library's own start and stop markers.
+
+    NOTE [kineto's markers]: torch 2.13's profiler library (kineto) prints ``USDT:<time> <pid>:<tid>
+    SyncActivityProfilerHandler.cpp:52] profiler_start`` (and ``profiler_stop``) to stderr at every
+    start and stop, at a log level above its errors (so ``KINETO_LOG_LEVEL`` would silence its
+    errors with them). Under ``bucketwise launch`` every rank printed them. Only the start and stop
+    calls are wrapped; anything else written meanwhile (another thread's output) still comes out,
+    a moment later."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no stderr to hold back
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = b"".join(line for line in held.read().splitlines(keepends=True) if not _KINETO_MARKER.match(line))
+            while kept:
+                kept = kept[os.write(2, kept) :]
 
 
 def _sync() -> None:

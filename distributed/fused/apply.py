@@ -284,17 +284,25 @@ def fused_plan(job: GraphJob, spec: CommSpec, caps: BucketCaps, state: FusedStat
             job.graph_id,
         )
     check_same_on_all_ranks(
-        dense_layout, pg, what="fused bucket layout", gathered=[t[1] for t in everyone], fix=_LAYOUT_FIX
+        dense_layout, pg, what="fused bucket layout", gathered=[t[1] for t in everyone], fix=layout_fix(job.ddp)
     )
     state.checked_layouts.add(dense_layout)
     return FusedPlan(dense, [], time.perf_counter() - check_start, in_blocks)
 
 
-_LAYOUT_FIX = (
-    "strategy='fused' needs every rank's graph to read the same parameters; where ranks use different "
-    "parameters (find_unused_parameters=True, rank-dependent control flow) use strategy='split' or 'auto', "
-    "where DDP's reducer reduces"
-)
+def layout_fix(ddp: Any) -> str:
+    """What to do when the ranks' fused layouts differ; the common cause is ranks that read
+    different parameters, which eager DDP itself allows only with ``find_unused_parameters=True``."""
+    if ddpc.find_unused_parameters(ddp):
+        return (
+            "strategy='fused' needs every rank's graph to read the same parameters; where ranks use different "
+            "parameters, pass strategy='split' or 'auto': DDP's reducer then reduces, and handles them"
+        )
+    return (
+        "where ranks use different parameters (a branch on the rank, a layer some ranks skip), DDP needs "
+        "find_unused_parameters=True, as in eager DDP: wrap the model as DDP(model, find_unused_parameters=True) "
+        "and keep strategy='auto', which then lets DDP's reducer reduce (split)"
+    )
 
 
 def block_buckets(gm: Any, params: Sequence[GraphParam]) -> list[list[GraphParam]]:

@@ -7,16 +7,23 @@ from typing import Any, Mapping
 from ..._compat import ddp as ddpc
 
 
-def measure_alignment(ddp: Any, param_segments: Mapping[int, Mapping[str, int]]) -> dict[str, Any]:
+def measure_alignment(
+    ddp: Any, param_segments: Mapping[int, Mapping[str, int]], *, eager_code: bool = True
+) -> dict[str, Any]:
     """``alignment`` = fraction of the reducer's buckets whose parameters all lie in one
     compiled segment (one frame's graph, one segment). ``param_segments`` maps each compiled
     frame (forward order) to its parameters' segments; a parameter several frames read belongs
     to the earliest, whose backward completes its gradient.
 
-    Buckets holding only parameters that no compiled graph reads (their gradients come from
-    eager code) are listed as ``eager`` and left out of the fraction. Returns
-    ``{"alignment": None, "status": "pending ..."}`` until the reducer has rebuilt its buckets
-    from the first iteration's gradient-ready order.
+    A parameter no compiled graph reads either gets its gradient from eager code between the
+    graphs, which a bucket then waits for, or gets none (a layer the forward does not use, under
+    ``find_unused_parameters=True``), which DDP's reducer marks ready after the forward.
+    ``eager_code``: the compiled object runs code outside its graphs (``torch.compiler.disable``d
+    code, skipped frames, calls that ran eagerly), so such a parameter counts as ``eager``; without
+    it the parameter is unused and leaves its bucket's place alone (named in the bucket's status).
+    Buckets holding only parameters that no compiled graph reads are left out of the fraction.
+    Returns ``{"alignment": None, "status": "pending ..."}`` until the reducer has rebuilt its
+    buckets from the first iteration's gradient-ready order.
     """
     buckets, source = ddpc.reducer_buckets(ddp)
     if buckets is None:
@@ -33,23 +40,29 @@ def measure_alignment(ddp: Any, param_segments: Mapping[int, Mapping[str, int]])
     aligned = considered = 0
     for index, members in enumerate(buckets):
         member_names = [names[i] if i < len(names) else f"#{i}" for i in members]
-        places = sorted({where.get(n, (-1, -1)) for n in member_names})
-        if places == [(-1, -1)]:
-            status = "eager"
+        unread = [n for n in member_names if n not in where]
+        places = sorted({where[n] for n in member_names if n in where})
+        if not places:
+            status = "eager" if eager_code else "not read by any graph"
         else:
+            if eager_code and unread:
+                places = [(-1, -1), *places]
             considered += 1
-            status = (
-                "aligned"
-                if len(places) == 1
-                else "split across " + ", ".join("eager" if g < 0 else f"frame {g} segment {s}" for g, s in places)
-            )
             aligned += len(places) == 1
+            if len(places) > 1:
+                status = "split across " + ", ".join("eager" if g < 0 else f"frame {g} segment {s}" for g, s in places)
+            else:
+                status = "aligned" + (f"; not read by any graph: {_names(unread)}" if unread else "")
         rows.append({"bucket": index, "params": member_names, "status": status})
     return {
         "alignment": aligned / considered if considered else None,
         "status": f"reducer buckets: {source}",
         "buckets": rows,
     }
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 class AlignmentPoll:

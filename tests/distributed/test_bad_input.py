@@ -81,6 +81,68 @@ def test_unknown_strategy(request, use_ddp, name):
     )
 
 
+# -- an explicit strategy that cannot apply (NOTE [explicit strategies]) ----------------------------
+
+
+@pytest.mark.parametrize("strategy", ["fused", "split"])
+def test_explicit_strategy_needs_a_ddp_module(strategy):
+    msg = _check_rejected(
+        Net(),
+        ValueError,
+        f"strategy={strategy!r}",
+        ["DistributedDataParallel", "strategy='auto'"],
+        backend="aot_eager",
+        strategy=strategy,
+    )
+    assert "Net is not one" in msg, msg
+    for fine in ("auto", "none"):  # auto falls back (the report says why), none asked for it
+        compiled = bucketwise.compile(Net(), backend="aot_eager", strategy=fine)
+        _step(compiled)
+        assert [g.strategy for g in bucketwise.report(compiled).graphs] == ["none"]
+
+
+def _custom_hook(state, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_explicit_fused_with_a_comm_hook_it_cannot_trace(single_rank_group, when):
+    ddp = DDP(Net())
+    if when == "before":
+        ddp.register_comm_hook(None, _custom_hook)
+        msg = _check_rejected(
+            ddp, ValueError, "strategy='fused'", ["_custom_hook", "strategy='auto'"], strategy="fused"
+        )
+    else:  # known at the first call: it raises there, before anything is compiled
+        before = _unique_graphs()
+        compiled = bucketwise.compile(ddp, backend="aot_eager", strategy="fused")
+        ddp.register_comm_hook(None, _custom_hook)
+        for _ in range(2):  # and at every call while the hook is there
+            with pytest.raises(ValueError, match="strategy='fused' cannot apply to DDP\\(Net\\)") as info:
+                _step(compiled)
+        msg = str(info.value)
+        assert _unique_graphs() == before and not bucketwise.report(compiled).graphs
+    assert "_custom_hook" in msg and "Pass strategy='auto', which runs 'split' here" in msg, msg
+    auto = bucketwise.compile(ddp, backend="aot_eager", strategy="auto")  # auto falls back, saying why
+    _step(auto)
+    (graph,) = [g for g in bucketwise.report(auto).graphs if g.variant is None]
+    assert graph.strategy == "split" and "_custom_hook" in graph.strategy_reason, graph
+
+
+def test_explicit_fused_on_a_function_that_calls_ddp(single_rank_group):
+    ddp = DDP(Net())
+    fn = bucketwise.compile(lambda x: ddp(x).sum(), backend="aot_eager", strategy="fused")
+    with pytest.raises(Exception) as info:  # raised while Dynamo compiles the DDP module's graph
+        fn(torch.randn(2, 8))
+    text = str(info.value)  # Dynamo's BackendCompilerFailed, naming the error
+    assert "ValueError: strategy='fused' cannot apply to DDP(Net): fused needs bucketwise to run the DDP" in text
+    assert "compile the DDP module itself" in text and "strategy='split'" in text, text
+    split = bucketwise.compile(lambda x: ddp(x).sum(), backend="aot_eager", strategy="split")
+    split(torch.randn(2, 8)).backward()  # split applies: DDP's reducer reduces
+
+
 def test_unknown_fallback(ddp_model):
     _check_rejected(
         ddp_model, ValueError, "fallback", ["'ignore'", "eager", "raise"], backend="aot_eager", fallback="ignore"
@@ -146,6 +208,22 @@ def test_destroyed_process_group(single_rank_group):
         bucketwise.compile(ddp, backend="aot_eager")
     assert "obj" in str(info.value)
     _assert_nothing_compiled(before, ddp)
+
+
+@pytest.mark.parametrize("strategy", ["fused", "split"])
+def test_call_after_destroy_process_group(single_rank_group, strategy):
+    eager = DDP(Net())
+    compiled = bucketwise.compile(DDP(Net()), backend="aot_eager", strategy=strategy)
+    for model in (eager, compiled):
+        _step(model)
+    dist.destroy_process_group()
+    _step(eager)  # eager DDP over gloo keeps using the destroyed group's object
+    if strategy == "split":
+        _step(compiled)  # DDP's reducer reduces, as in eager DDP
+        return
+    # fused graphs find the group by its registered name: say that the group is gone
+    with pytest.raises(RuntimeError, match=r"process group was destroyed \(destroy_process_group\(\) was called\)"):
+        _step(compiled)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")

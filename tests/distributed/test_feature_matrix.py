@@ -209,9 +209,9 @@ class Feature:
     """Requested strategy -> the strategy the graphs get, where it is not the requested one
     (``auto`` -> ``fused`` otherwise)."""
     refuses: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-    """Requested strategy -> what the error raised at the first compiled step must say (the
-    feature and the strategy that supports it), on every rank, instead of a hang or a wrong
-    result."""
+    """Requested strategy -> what the error raised in ``bucketwise.compile`` or at the first
+    compiled step must say (its type, then the strategies that support the feature), on every
+    rank, instead of a hang or a wrong result."""
     note: str = ""
     """What the docs say beside the row."""
     barrier: bool = False
@@ -230,7 +230,6 @@ class Feature:
         return self.needs_ddp_arg is None or self.needs_ddp_arg in inspect.signature(DDP.__init__).parameters
 
 
-_SPLIT_FOR_HOOK = {"fused": "split", "auto": "split"}
 _SPLIT_FOR_UNUSED = {"auto": "split"}
 _UNUSED_NOTE = "auto: runs `split` (ranks may use different parameters); `fused` works while they do not"
 
@@ -346,9 +345,10 @@ FEATURES: dict[str, Feature] = {
     "hook_user": Feature(
         "a user's own comm hook (futures, `dist.all_reduce`)",
         hook=_hook("user"),
-        runs=_SPLIT_FOR_HOOK,
-        note="fused/auto: runs `split`, DDP's reducer runs the hook; "
-        "`bucketwise.traceable_comm_hook` keeps a functional-collective hook fused",
+        runs={"auto": "split"},
+        refuses={"fused": ("ValueError", "strategy='auto'", "strategy='split'")},
+        note="auto: runs `split`, DDP's reducer runs the hook; fused: refused in `bucketwise.compile`, naming "
+        "`auto` and `split`; `bucketwise.traceable_comm_hook` keeps a functional-collective hook fused",
     ),
 }
 
@@ -410,14 +410,15 @@ def _cell(rank: int, feature: Feature, strategy: str) -> dict[str, Any]:
     if feature.hook is not None:
         feature.hook(ref)
         feature.hook(ddp)
-    compiled = bucketwise.compile(ddp, backend="aot_eager", strategy=strategy)
     expected = _train(feature, ref, ref, rank)
     if strategy in feature.refuses:
         try:
+            compiled = bucketwise.compile(ddp, backend="aot_eager", strategy=strategy)
             _train(feature, compiled, ddp, rank)
         except Exception as exc:  # noqa: BLE001 - the refusal under test
             return {"refused": f"{type(exc).__name__}: {exc}"}
         raise AssertionError(f"expected {feature.what} to be refused under {strategy}, it ran")
+    compiled = bucketwise.compile(ddp, backend="aot_eager", strategy=strategy)
     actual = _train(feature, compiled, ddp, rank)
     assert len(actual) == len(expected), f"{len(actual)} steps, eager DDP {len(expected)}"
     for step, (a, e) in enumerate(zip(actual, expected)):
@@ -502,7 +503,9 @@ def markdown_table() -> str:
 
 def _cell_text(feature: Feature, strategy: str) -> str:
     if strategy in feature.refuses:
-        return f"refused: `{feature.refuses[strategy][0]}` naming `split`"
+        error, *names = feature.refuses[strategy]
+        named = " and ".join(f"`{n.split('=')[1].strip(chr(39))}`" for n in names)
+        return f"refused: `{error}` naming {named}"
     if feature.expected(strategy) == (strategy if strategy != "auto" else "fused"):
         return "equal"
     return f"equal (runs `{feature.expected(strategy)}`)"

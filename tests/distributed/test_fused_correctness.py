@@ -255,36 +255,48 @@ class RankDependent(nn.Module):
         return self.out(F.gelu(self.a(x) if self.rank == 0 else self.b(x)))
 
 
-def _rank_dependent(rank: int, world: int) -> str:
+def _rank_dependent(rank: int, world: int) -> dict[str, str]:
     import bucketwise
     from bucketwise.distributed.rank_check import RankMismatchError
 
-    torch.manual_seed(0)
-    compiled = bucketwise.compile(
-        DDP(RankDependent(rank), bucket_cap_mb=0.001, find_unused_parameters=True),
-        backend="aot_eager",
-        # auto runs split here (find_unused_parameters), which handles it: tests/distributed/test_feature_matrix.py
-        strategy="fused",
-    )
-    try:
-        compiled(torch.randn(4, 16)).sum().backward()
-    except Exception as exc:  # Dynamo wraps backend errors
-        cause = exc
-        while cause is not None and not isinstance(cause, RankMismatchError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
-        return str(cause)
-    raise AssertionError("expected a RankMismatchError")
+    out = {}
+    # auto with find_unused_parameters=True runs split, which handles it
+    # (tests/distributed/test_feature_matrix.py); fused refuses it. Without
+    # find_unused_parameters auto picks fused, and eager DDP itself needs the flag here.
+    for strategy, find_unused in (("fused", True), ("auto", False)):
+        torch.manual_seed(0)
+        compiled = bucketwise.compile(
+            DDP(RankDependent(rank), bucket_cap_mb=0.001, find_unused_parameters=find_unused),
+            backend="aot_eager",
+            strategy=strategy,
+        )
+        try:
+            compiled(torch.randn(4, 16)).sum().backward()
+        except Exception as exc:  # Dynamo wraps backend errors
+            cause = exc
+            while cause is not None and not isinstance(cause, RankMismatchError):
+                cause = cause.__cause__ or cause.__context__
+            if cause is None:
+                raise
+            out[strategy] = str(cause)
+            continue
+        raise AssertionError(f"expected a RankMismatchError under {strategy}")
+    return out
 
 
 def test_fused_rank_mismatch_raises_on_every_rank(tmp_path):
-    messages = run_distributed(_rank_dependent, tmp_path, timeout=120)
-    for msg in messages:
-        assert "fused bucket layout differs between ranks" in msg, msg
-        assert "rank 0 has" in msg and "rank 1 has" in msg, msg
-        assert "a.weight" in msg or "a.bias" in msg, msg  # the differing bucket is named
-        assert "strategy='split'" in msg, msg  # and the strategy that supports it
+    for messages in run_distributed(_rank_dependent, tmp_path, timeout=120):
+        for msg in messages.values():
+            assert "fused bucket layout differs between ranks" in msg, msg
+            assert "rank 0 has" in msg and "rank 1 has" in msg, msg
+            assert "a.weight" in msg or "a.bias" in msg, msg  # the differing bucket is named
+        # and what fixes it: under fused with find_unused_parameters=True, the strategies that handle it
+        assert "pass strategy='split' or 'auto'" in messages["fused"], messages["fused"]
+        # under auto, the DDP flag that eager DDP needs too (auto then runs split); not a strategy
+        # the user is already on
+        auto = messages["auto"]
+        assert "DDP(model, find_unused_parameters=True)" in auto and "keep strategy='auto'" in auto, auto
+        assert "strategy='split' or 'auto'" not in auto, auto
 
 
 class Switchable(nn.Module):

@@ -65,7 +65,10 @@ def _add_hooks(model: Net, kind: str, rank: int) -> list:
 
 def _train_pair(rank: int, kind: str, strategy: str, when: str) -> dict:
     """Eager DDP and bucketwise side by side; ``when``: ``early`` (hooks before compile),
-    ``late`` (after step LATE_AT), ``removed`` (early, removed after step LATE_AT)."""
+    ``late`` (after step LATE_AT), ``removed`` (early, removed after step LATE_AT). Where the
+    hooks refuse an explicit strategy (NOTE [explicit strategies]), ``refused`` holds the errors:
+    at ``compile``, or at the step (two calls: the refusal holds while the hooks are there); the
+    hooks are then removed from both models, and training goes on without them."""
     import bucketwise
 
     torch.manual_seed(0)
@@ -75,7 +78,11 @@ def _train_pair(rank: int, kind: str, strategy: str, when: str) -> dict:
     if when in ("early", "removed"):
         handles = _add_hooks(eager_net, kind, rank) + _add_hooks(compiled_net, kind, rank)
     eager = DDP(eager_net)
-    compiled = bucketwise.compile(DDP(compiled_net), backend="aot_eager", strategy=strategy)
+    try:
+        compiled = bucketwise.compile(DDP(compiled_net), backend="aot_eager", strategy=strategy)
+    except ValueError as exc:
+        return {"refused": {"compile": [str(exc)]}}
+    refused = {}
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager_net, compiled_net)]
     worst = 0.0
     for step in range(STEPS):
@@ -85,8 +92,20 @@ def _train_pair(rank: int, kind: str, strategy: str, when: str) -> dict:
             for h in handles:
                 h.remove()
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
-        for model in (eager, compiled):
-            model(x).pow(2).mean().backward()
+        eager(x).pow(2).mean().backward()
+        try:
+            compiled(x).pow(2).mean().backward()
+        except ValueError as exc:
+            refused[step] = [str(exc)]
+            try:
+                compiled(x)
+            except ValueError as again:
+                refused[step].append(str(again))
+            for h in handles:
+                h.remove()
+            for opt in opts:
+                opt.zero_grad()
+            continue
         for p, q in zip(eager_net.parameters(), compiled_net.parameters()):
             worst = max(worst, (p.grad - q.grad).abs().max().item())
         for opt in opts:
@@ -100,6 +119,7 @@ def _train_pair(rank: int, kind: str, strategy: str, when: str) -> dict:
         "strategies": [g.strategy for g in rep.graphs],
         "reasons": [g.strategy_reason for g in rep.graphs],
         "notes": list(rep.notes),
+        "refused": refused,
     }
 
 
@@ -125,12 +145,25 @@ def test_gradient_hooks_run_before_the_reduction_under_every_strategy(tmp_path):
     ]
     results = _run(tmp_path, cases)
     for (kind, strategy, when), r in results.items():
+        if strategy == "fused":
+            # fused cannot run a hook before its in-graph reduction: asked for explicitly, it
+            # raises, naming the hooks and strategy='auto' (NOTE [explicit strategies]).
+            errors = r["refused"].get("compile" if when == "early" else LATE_AT)
+            assert errors, (kind, when, r)
+            for e in errors:
+                assert e.startswith("strategy='fused' cannot apply to DDP(Net): gradient hooks on a.weight"), e
+                assert "Pass strategy='auto', which runs 'split' here" in e, e
+            if when == "early":
+                continue
+            assert len(errors) == 2 and set(r["refused"]) == {LATE_AT}, r["refused"]
+            # nothing half-built: once the hooks are gone it trains on, fused, as eager DDP
+            assert set(r["strategies"]) == {"fused"}, r
         assert r["worst"] <= 1e-6, f"{kind} {strategy} {when}: differs from eager DDP by {r['worst']:.3g}"
-        if strategy in ("auto", "fused"):
+        if strategy == "auto":
             # fused cannot run a hook before its in-graph reduction: split, with the reason.
             assert r["strategies"][-1] == "split", (kind, strategy, when, r)
             assert "gradient hooks on" in r["reasons"][-1], r["reasons"]
-        if when == "late" and strategy in ("auto", "fused"):
+        if when == "late" and strategy == "auto":
             assert r["strategies"][0] == "fused", r
             assert any("hooks added on" in n and "compiled again" in n for n in r["notes"]), r["notes"]
 

@@ -139,6 +139,42 @@ def test_to_dict_and_json_round_trip(single_rank_group, tmp_path):
     assert "alignment=1.0" in repr(rep)
 
 
+class UnusedLayerMLP(MLP):
+    """An MLP with one layer the forward never calls (DDP: ``find_unused_parameters=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.unused = nn.Linear(64, 64)
+
+
+def test_unused_parameters_do_not_split_a_bucket(single_rank_group):
+    """A healthy split run whose model has a parameter no step uses: its bucket is aligned (the
+    reducer marks an unused gradient ready at once, it waits for no eager code)."""
+    module = UnusedLayerMLP()
+    ref = DDP(copy.deepcopy(module), find_unused_parameters=True)
+    compiled = bucketwise.compile(
+        DDP(copy.deepcopy(module), find_unused_parameters=True), backend="aot_eager", strategy="split"
+    )
+    _train(compiled, ref, 3)
+    rep = bucketwise.report(compiled)
+    detail = rep.alignment_detail()
+    assert rep.alignment == 1.0, detail
+    (bucket,) = detail["buckets"]  # one bucket: default caps
+    assert bucket["status"] == "aligned; not read by any graph: unused.weight, unused.bias", bucket
+    assert "alignment 1.00" in rep.table()
+
+
+def test_plain_module_counts_its_parameters(tmp_path):
+    """A module compiled without DDP: the table counts the parameters each graph reads."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    compiled = bucketwise.compile(model, backend="aot_eager")
+    compiled(torch.randn(3, 4)).sum().backward()
+    (graph,) = bucketwise.report(compiled).to_dict()["graphs"]
+    (segment,) = graph["segments"]
+    assert sorted(segment["params"]) == ["0.bias", "0.weight", "2.bias", "2.weight"], segment
+    assert segment["bytes"] == sum(p.nbytes for p in model.parameters())
+
+
 def test_report_data_reads_back_what_the_report_wrote(single_rank_group, tmp_path):
     compiled, ref = _pair(MLP())
     _train(compiled, ref, 5)
@@ -422,6 +458,11 @@ def test_compile_times_in_the_rank_file(single_rank_group, tmp_path, monkeypatch
 
     merged = launch_stats.merge([launch_stats.load_rank_file(str(stats / "rank0.json"))])
     assert merged["compile_times"][0]["slowest"]["backward_compiles"] == 4
+    # The run's compile seconds are every phase's, as in the breakdown table (not the segments'
+    # forward compiles alone).
+    total = merged["totals"]["0"]["compile_times"]["total_s"]
+    assert f"compile {total:.2f}..{total:.2f} s per rank" in launch_stats.totals_line(merged)
+    assert total > merged["totals"]["0"]["compile_seconds"]
     assert (
         "FX cache h/m/b" in launch_stats.format_merged(merged)
         and "FX cache h/m/b" in bucketwise.report(compiled).table()
@@ -484,9 +525,29 @@ def test_first_step_breakdown(single_rank_group):
         first["compile_s"] + first["autotune_s"] + first["other_s"], abs=1e-5
     )
     assert first["compiled_calls_s"] <= wall
-    assert "first step: compiled calls" in rep.table()
+    table = rep.table()
+    line = next(x for x in table.splitlines() if x.startswith("first step: compiled calls"))
+    if not torch.cuda.is_available():
+        # What a first call does besides compiling, on this machine's device.
+        assert "CUDA" not in line and "NCCL" not in line and "CPU" in line, line
+    # The table's total is the phases' total, the first step's compile part; the segments' own
+    # column is their compile at the first forward, named so.
+    assert f"compile {compile_total:.2f} s (every phase: the table below)" in table, table
+    assert "fwd compile s" in table.splitlines()[0], table
     compiled(x).square().mean().backward()  # later steps are not timed
     assert rep.totals["first_step"]["forward_s"] == first["forward_s"]
+
+
+def test_first_step_is_the_first_call_that_runs(single_rank_group):
+    """A first call that raises (a bad input, a strategy refused at it) times nothing: the
+    next call is the first step."""
+    compiled = bucketwise.compile(DDP(MLP(), bucket_cap_mb=CAP_MB), backend="aot_eager", strategy="fused")
+    with pytest.raises(RuntimeError):
+        compiled(torch.randn(8, 63))  # the wrong width
+    assert bucketwise.report(compiled).totals["first_step"] is None
+    compiled(torch.randn(8, 64)).square().mean().backward()
+    first = bucketwise.report(compiled).totals["first_step"]
+    assert first is not None and first["backward_s"] is not None, first
 
 
 @pytest.mark.inductor
