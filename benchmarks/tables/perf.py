@@ -15,7 +15,7 @@ round medians. The folder's link text is the first heading of its ``README.md``.
 - ``docs/performance.md``, between ``<!-- perf-tables:begin -->`` and ``<!-- perf-tables:end -->``:
   every folder, grouped by hardware (ranks x GPU) and date, newest first.
 - ``README.md``, between ``<!-- perf-current:begin -->`` and ``<!-- perf-current:end -->``: the
-  newest folder of the main model on the main hardware (``MAIN``) that ran ``torch`` and ``local``;
+  newest folder on the main hardware (``MAIN``) that ran ``local`` and the default, ``bw-auto``;
   between ``<!-- perf-first-step:begin -->`` and ``<!-- perf-first-step:end -->``: the newest cold
   and warm first steps (``tax --restarts``, one GPU, torch's bytecode cached) per model and config.
 """
@@ -34,10 +34,10 @@ from typing import Any, Sequence
 from bucketwise.benchmarks.core.output import cold_graphs_text
 from bucketwise.benchmarks.tables.sweep import load_run
 
-MAIN = {"model": "gpt", "world_size": 2, "net": "default"}
-"""The README's current table: runs of this model, ranks and net, with DDP's default bucket cap."""
-MAIN_CONFIGS = ("local", "torch")
-"""Configs the README's folder must have run (the floor and torch's own DDP compile)."""
+MAIN = {"world_size": 2, "net": "default"}
+"""The README's current table: runs on these ranks and net, with DDP's default bucket cap."""
+MAIN_CONFIGS = ("local", "bw-auto")
+"""Configs the README's folder must have run (the floor and ``bucketwise.compile``'s default)."""
 SAME = ("world_size", "device_name", "torch", "net")
 """Meta fields every run of one folder must share (with the model)."""
 
