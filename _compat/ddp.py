@@ -17,7 +17,6 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 log = logging.getLogger(__name__)
@@ -43,13 +42,14 @@ def pre_forward(ddp: DDP, args: tuple, kwargs: dict, buffers: BufferBroadcast) -
 # ms of host time per step in ``named_modules`` alone, and 0.37 ms to send its one buffer to a
 # world of one (one H200, results/2026-11-28_1xH200_host-tax-llama16-ddp-buckets); a step bound
 # by its host pays it in full. bucketwise broadcasts the same buffers from the same rank at the
-# same point instead, and walks the modules again only when something may have changed: a
-# buffer or a module registered anywhere in the process (torch's global registration hooks
-# count them), or one of the buffers found last time no longer the one its module holds
-# (reassigned, deleted, or replaced by ``.to()``/``.half()``, which bypass the hooks). With one
-# rank there is nothing to broadcast, so nothing is sent. Where DDP's broadcast is not the plain
-# one (a buffer comm hook, ``join()``, which first agrees on the rank to send from) DDP does it
-# itself, as before.
+# same point instead, and walks the modules again only when something changed: a submodule or a
+# buffer added, removed or replaced (reassigned, or swapped by ``.to()``/``.half()``), which one
+# pass over the dicts found last time tells without DDP's recursive walk. (Torch's global
+# registration hooks would tell it for less, but a model that builds a module in its forward,
+# as HF Llama's ``self.layers[:n]`` does, runs them inside the compiled frame, and Dynamo guards
+# on what they change: a recompile every step.) With one rank there is nothing to broadcast, so
+# nothing is sent. Where DDP's broadcast is not the plain one (a buffer comm hook, ``join()``,
+# which first agrees on the rank to send from) DDP does it itself, as before.
 
 
 class BufferBroadcast:
@@ -57,11 +57,10 @@ class BufferBroadcast:
 
     def __init__(self, ddp: DDP) -> None:
         self._ddp = weakref.ref(ddp)
-        self._registered = 0
-        """Buffers and modules registered in the process since the hooks went in."""
-        self._seen = -1
-        self._found: list[tuple[nn.Module, str, torch.Tensor]] = []
-        self._hooks: list[Any] = []
+        self._sizes: list[tuple[dict, int]] = []
+        """Every module's ``_modules`` and ``_buffers`` dict with its length when last found."""
+        self._entries: list[tuple[dict, str, Any]] = []
+        """Every submodule and buffer as ``(dict, name, value)``, when last found."""
 
     @contextlib.contextmanager
     def instead_of_ddp(self) -> Iterator[None]:
@@ -80,47 +79,27 @@ class BufferBroadcast:
     def _broadcast(self, ddp: DDP) -> None:
         if world_size(ddp) == 1:
             return
-        if self._seen != self._registered or any(m._buffers.get(n) is not t for m, n, t in self._found):
+        if not self._unchanged():
             self._find(ddp)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(ddp.modules_buffers)):
             dist._broadcast_coalesced(ddp.process_group, ddp.modules_buffers, ddp.broadcast_bucket_size, 0)
 
+    def _unchanged(self) -> bool:
+        """No submodule or buffer added, removed or replaced since :meth:`_find`."""
+        return (
+            bool(self._sizes)
+            and all(len(d) == n for d, n in self._sizes)
+            and all(d.get(name) is value for d, name, value in self._entries)
+        )
+
     def _find(self, ddp: DDP) -> None:
-        if not self._hooks:
-            self._count_registrations()
-        self._seen = self._registered
         ddp._assign_modules_buffers()  # DDP's own list, as its _sync_buffers makes it
-        wanted = {id(t) for t in ddp.modules_buffers}
-        found, done = [], set()
+        sizes, entries = [], []
         for module in ddp.module.modules():
-            for name, t in module._buffers.items():
-                if t is not None and id(t) in wanted and id(t) not in done:
-                    done.add(id(t))
-                    found.append((module, name, t))
-        self._found = found
-
-    def _count_registrations(self) -> None:
-        """torch's global buffer and module registration hooks count into ``_registered``
-        while this object lives."""
-        from torch.nn.modules import module as module_mod
-
-        me = weakref.ref(self)
-
-        def bump(*_: Any) -> None:
-            this = me()
-            if this is not None:
-                this._registered += 1
-
-        self._hooks = [
-            module_mod.register_module_buffer_registration_hook(bump),
-            module_mod.register_module_module_registration_hook(bump),
-        ]
-        weakref.finalize(self, _remove_all, list(self._hooks))
-
-
-def _remove_all(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
+            for d in (module._modules, module._buffers):
+                sizes.append((d, len(d)))
+                entries += [(d, name, value) for name, value in d.items()]
+        self._sizes, self._entries = sizes, entries
 
 
 def post_forward(ddp: DDP, output: Any) -> Any:

@@ -81,3 +81,26 @@ def test_buffers_broadcast_as_eager_ddp(strategy, tmp_path):
     assert seen[0] == seen[1]
     assert seen[0][-1]["scale"] == [8.0] * 4 and seen[0][-1]["sub.extra"] == [7.0] * 3
     assert seen[0][-1]["more.count"] == 0.0
+
+
+class BuildsModules(Scaled):
+    """Builds a module in its forward, as HF Llama's ``self.layers[:n]`` does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (lin,) = nn.ModuleList([self.lin])[:1]
+        return lin(x) * self.scale
+
+
+def _steps_without_recompiles(rank: int, world: int) -> int:
+    import bucketwise
+
+    torch.manual_seed(0)
+    compiled = bucketwise.compile(DDP(BuildsModules()), backend="aot_eager")
+    for step in range(4):
+        compiled(torch.randn(2, 4)).sum().backward()
+    return bucketwise.report(compiled).totals["recompiles"]
+
+
+def test_a_module_built_in_the_forward_does_not_recompile(tmp_path):
+    # Nothing the buffer broadcast watches runs inside the compiled frame.
+    assert run_distributed(_steps_without_recompiles, tmp_path) == [0, 0]

@@ -228,7 +228,9 @@ def test_compile_and_ddp_either_way_train_like_eager_ddp(tmp_path):
         assert diff < 2e-5, (rank, diff)
         # auto -> fused, plus the no_sync() variant (no collectives), each compiled once.
         assert sorted(graphs, key=str) == [("fused", None), ("none", "no_sync")], graphs
-        assert buckets == 2, buckets
+        # One bucket: the fused default sizes its own (NOTE [fused bucket sizes]), and this model is
+        # under DDP's 25 MiB (DDP's 1 MiB first bucket would make two).
+        assert buckets == 1, buckets
         assert any("the first call ran uncompiled" in n for n in notes), notes
 
         diff, strategies, segments = out["inner"]
