@@ -69,7 +69,7 @@ def _fake_repo(root: Path) -> dict[str, list[tuple[dict, list[dict]]]]:
     )
     results = root / "benchmarks" / "results"
     folders = {
-        # the newest main folder: gpt, 2 ranks, default net, default cap, ran local and torch
+        # the newest main folder: 2 ranks, default net, default cap, ran local and the default (bw-auto)
         "2026-01-02_2xFake_gpt-nvlink": [
             (
                 _meta("2026-01-02"),
@@ -77,6 +77,7 @@ def _fake_repo(root: Path) -> dict[str, list[tuple[dict, list[dict]]]]:
                     _row("local", 10.0, ratio=1.0),
                     _row("torch", 20.004, ratio=2.0004),
                     _row("bw-fused", 11.0, ratio=1.1),
+                    _row("bw-auto", 11.0, ratio=1.1),
                     _row("local#2", 10.5, ratio=1.05),
                 ],
             ),
@@ -181,7 +182,7 @@ def test_tables_are_the_records(tmp_path):
     caption = next(line for line in section.splitlines() if "title of 2026-01-02_2xFake_gpt-nvlink" in line)
     assert "(../benchmarks/results/2026-01-02_2xFake_gpt-nvlink/)" in caption
     assert "2 x Fake GPU, torch 2.99.0, model `gpt` (1,234 parameters)" in caption and "20/40 timed steps" in caption
-    # README: the newest folder of gpt on 2 ranks, default net and bucket cap, with local and torch.
+    # README: the newest folder on 2 ranks, default net and bucket cap, with local and bw-auto.
     readme = (tmp_path / "README.md").read_text()
     current = readme.split("<!-- perf-current:begin -->")[1].split("<!-- perf-current:end -->")[0]
     assert list(_tables(current)) == ["2026-01-02_2xFake_gpt-nvlink"]
