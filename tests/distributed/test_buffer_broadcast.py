@@ -96,7 +96,7 @@ def _steps_without_recompiles(rank: int, world: int) -> int:
 
     torch.manual_seed(0)
     compiled = bucketwise.compile(DDP(BuildsModules()), backend="aot_eager")
-    for step in range(4):
+    for _ in range(4):
         compiled(torch.randn(2, 4)).sum().backward()
     return bucketwise.report(compiled).totals["recompiles"]
 
