@@ -202,17 +202,26 @@ def all_tables(folders: Sequence[Folder], link_root: str) -> str:
 
 
 def current_folder(folders: Sequence[Folder]) -> Folder | None:
-    """The newest folder of ``MAIN`` with the default bucket cap that ran ``MAIN_CONFIGS``."""
+    """The newest folder of ``MAIN`` with the default bucket cap and NCCL untuned that ran
+    ``MAIN_CONFIGS``."""
 
     def main(f: Folder) -> bool:
         return (
             all(_field(f.meta, k) == v for k, v in MAIN.items())
             and all(r.meta.get("bucket_cap_mb") is None for r in f.runs)
+            and not any(_nccl_tuned(r.meta) for r in f.runs)
             and set(MAIN_CONFIGS) <= set(_configs(f.runs))
         )
 
     candidates = [f for f in folders if main(f)]
     return max(candidates, key=lambda f: f.newest) if candidates else None
+
+
+def _nccl_tuned(meta: dict[str, Any]) -> bool:
+    """A run with NCCL's channels or CTAs set by the environment (a lever measured, not what a
+    user runs)."""
+    env = meta.get("env") or {}
+    return any(env.get(k) for k in ("NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "NCCL_MAX_NCHANNELS", "NCCL_MIN_NCHANNELS"))
 
 
 def current_table(folders: Sequence[Folder], link_root: str) -> str:

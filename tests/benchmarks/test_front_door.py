@@ -3,6 +3,7 @@ own ``--help``; a wrong name exits 2 naming the right ones."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -32,12 +33,20 @@ def test_each_command_has_its_own_help(name):
 
 
 def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
-    assert probes() == ["comm_passes", "compile_depth", "graph_launch", "host_calls", "host_tax", "step_kernels"]
+    assert probes() == [
+        "comm_passes",
+        "compile_depth",
+        "graph_launch",
+        "host_calls",
+        "host_tax",
+        "step_kernels",
+        "trace_kernels",
+    ]
     done = _run("probe", "nope")
     assert done.returncode == 2
     assert (
         "expected one of ['comm_passes', 'compile_depth', 'graph_launch', 'host_calls', 'host_tax', "
-        "'step_kernels'], got 'nope'" in done.stderr
+        "'step_kernels', 'trace_kernels'], got 'nope'" in done.stderr
     )
 
 
@@ -96,3 +105,47 @@ def test_an_unknown_command_exits_2_naming_the_commands():
     done = _run("ddp_bench")
     assert done.returncode == 2
     assert "unknown command 'ddp_bench'; expected one of ['ddp', 'tax'" in done.stderr
+
+
+def test_trace_kernels_sums_kernel_time_by_kind_and_compares_configs(tmp_path):
+    """Two configs' kept traces, 2 profiled steps: time per step by kind, the busy time of the
+    compute kernels (overlapping ones counted once, NCCL left out), and the difference."""
+
+    def kernel(name, ts, dur):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    floor = [
+        e
+        for t in (0, 10_000)
+        for e in (kernel("sm90_xmma_gemm_bf16", t, 1000), kernel("triton_poi_fused__to_copy_3", t + 1000, 200))
+    ]
+    overlap = [
+        e
+        for t in (0, 10_000)
+        for e in (
+            kernel("sm90_xmma_gemm_bf16", t, 1400),
+            kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", t + 500, 2000),
+            kernel("triton_poi_fused__to_copy_mul_view_7", t + 1400, 300),
+            {"cat": "cpu_op", "name": "aten::mm", "ts": t, "dur": 5000},
+        )
+    ]
+    for config, events in (("a-floor", floor), ("b-overlap", overlap)):
+        (traces / f"{config}-rank0.json").write_text(json.dumps({"traceEvents": events}))
+    (traces / "b-overlap-rank1.json").write_text(json.dumps({"traceEvents": []}))
+    done = _run("probe", "trace_kernels", str(tmp_path), "--steps", "2")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "a-floor: kernels/step 2, kernel ms/step 1.20, compute busy ms/step 1.20, nccl ms/step 0.00"
+    assert lines[1] == "b-overlap: kernels/step 3, kernel ms/step 3.70, compute busy ms/step 1.70, nccl ms/step 2.00"
+    assert lines[3] == "== b-overlap minus a-floor: kinds by ms/step difference"
+    diff = {line.split()[-1]: line.split()[0] for line in lines[4:]}
+    assert diff == {
+        "nccl": "+2.000",
+        "gemm": "+0.400",
+        "triton:poi:_to_copy_mul_view": "+0.300",
+        "triton:poi:_to_copy": "-0.200",
+    }
+    missing = _run("probe", "trace_kernels", str(tmp_path), "--rank", "3")
+    assert missing.returncode == 2 and "no traces of rank 3" in missing.stderr and "--keep-traces" in missing.stderr

@@ -21,7 +21,9 @@ def _perf_tables(root: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def _meta(date: str, *, world: int = 2, model: str = "gpt", net: str = "default", cap=None, steps: int = 20) -> dict:
+def _meta(
+    date: str, *, world: int = 2, model: str = "gpt", net: str = "default", cap=None, steps: int = 20, env=None
+) -> dict:
     return {
         "type": "meta",
         "date": f"{date}T10:00:00+00:00",
@@ -34,6 +36,7 @@ def _meta(date: str, *, world: int = 2, model: str = "gpt", net: str = "default"
         "steps": steps,
         "model": {"model": model, "params": 1234},
         "allreduce_probe": {"median_ms": 1.5},
+        "env": env or {"NCCL_MAX_CTAS": None},
     }
 
 
@@ -56,7 +59,7 @@ def _write_run(folder: Path, meta: dict, rows: list[dict]) -> None:
 
 
 def _fake_repo(root: Path) -> dict[str, list[tuple[dict, list[dict]]]]:
-    """A repository with README.md, docs/performance.md and five results folders; returns the
+    """A repository with README.md, docs/performance.md and six results folders; returns the
     records of each folder (one entry per run, in run order)."""
     (root / "docs").mkdir(parents=True)
     (root / "README.md").write_text(
@@ -97,6 +100,13 @@ def _fake_repo(root: Path) -> dict[str, list[tuple[dict, list[dict]]]]:
         ],
         "2026-01-04_2xFake_gpt-sweep": [
             (_meta("2026-01-04", cap=5.0), [_row("local", 9.0, ratio=1.0), _row("torch", 9.9, ratio=1.1)])
+        ],
+        # newer and with local and bw-auto, but NCCL's CTAs capped: a lever, not the README's table
+        "2026-01-05_2xFake_gpt-max-ctas": [
+            (
+                _meta("2026-01-05", env={"NCCL_MAX_CTAS": "8"}),
+                [_row("local", 9.0, ratio=1.0), _row("bw-auto", 9.9, ratio=1.1)],
+            )
         ],
         "2026-01-02_4xFake_gpt-tiny": [
             (
@@ -172,6 +182,7 @@ def test_tables_are_the_records(tmp_path):
     headings = re.findall(r"^#{3,4} .*$", section, re.M)
     assert headings == [
         "### 2 x Fake GPU",
+        "#### 2 x Fake GPU, 2026-01-05",
         "#### 2 x Fake GPU, 2026-01-04",
         "#### 2 x Fake GPU, 2026-01-03",
         "#### 2 x Fake GPU, 2026-01-02",
@@ -182,7 +193,7 @@ def test_tables_are_the_records(tmp_path):
     caption = next(line for line in section.splitlines() if "title of 2026-01-02_2xFake_gpt-nvlink" in line)
     assert "(../benchmarks/results/2026-01-02_2xFake_gpt-nvlink/)" in caption
     assert "2 x Fake GPU, torch 2.99.0, model `gpt` (1,234 parameters)" in caption and "20/40 timed steps" in caption
-    # README: the newest folder on 2 ranks, default net and bucket cap, with local and bw-auto.
+    # README: the newest folder on 2 ranks, default net, bucket cap and NCCL, with local and bw-auto.
     readme = (tmp_path / "README.md").read_text()
     current = readme.split("<!-- perf-current:begin -->")[1].split("<!-- perf-current:end -->")[0]
     assert list(_tables(current)) == ["2026-01-02_2xFake_gpt-nvlink"]
