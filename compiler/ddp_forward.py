@@ -21,6 +21,7 @@ from .._compat import ddp as ddpc
 from .._compat import dynamo as dc
 from ..distributed.fused import FusedState
 from ..distributed.fused.runtime import FusedRuntime
+from ..distributed.rank_check import check_same_on_all_ranks
 from ..distributed.split.alignment import AlignmentPoll
 from .decision import Decision, Variant, decide, refusal
 from .hook_watch import HookWatch
@@ -92,6 +93,7 @@ class DDPForward:
         old = self.decision
         new = decide(self.state.config, self.ddp, runs_ddp_forward=True, own_hooks=self.own_hook_ids())
         report = self.state.report
+        self._check_across_ranks(new, why)
         problem = refusal(self.state.config, new, target=report.target)
         if problem is not None:
             # Nothing of the decision is applied: the frames compiled before run no more, as the
@@ -111,6 +113,37 @@ class DDPForward:
                 f"strategy {old.strategy} -> {new.strategy}: {new.reason or 'what was asked for applies again'}"
             )
         self._apply(new)
+
+    def _check_across_ranks(self, new: Decision, why: str | None) -> None:
+        """Every rank decided the same, or every rank raises naming what differs (NOTE [one
+        decision across ranks])."""
+        # NOTE [one decision across ranks]: what decides between ``fused`` and ``split`` (a comm
+        # hook, gradient hooks, DDP's flags) is each rank's own. A rank whose DDP module differs
+        # (a hook registered on rank 0 only) would run ``split`` beside ranks running ``fused``:
+        # their collectives never match, and the job hangs until NCCL's timeout. So every
+        # decision of ``auto``/``fused`` is compared across ranks (one gather on the gloo side
+        # group of the rank checks, at the first call and after a change), and every rank raises
+        # RankMismatchError naming the difference. A rank that decides again alone (a hook added
+        # on one rank after compile) waits for the others until the rank checks' timeout, and
+        # raises saying why it decided again.
+        config = self.state.config
+        if config.strategy not in ("fused", "auto"):
+            return  # no side group, and nothing a hook could change
+        hooked = ", ".join(new.hooked) or "no parameter"
+        signature = [
+            f"comm hook: {new.comm_hook}",
+            f"gradient hooks on: {hooked}",
+            f"find_unused_parameters: {ddpc.find_unused_parameters(self.ddp)}",
+            f"strategy: {new.strategy} ({new.reason or 'as asked'})",
+        ]
+        check_same_on_all_ranks(
+            signature,
+            ddpc.process_group(self.ddp),
+            what="the DDP module's gradient-reduction decision",
+            context=f"this rank decided again: {why}" if why else "the first call",
+            fix="every rank's DDP module needs the same comm hook, gradient hooks and flags: register hooks "
+            "on every rank, before or after bucketwise.compile alike",
+        )
 
     def _apply(self, new: Decision) -> None:
         """Set the runtime, the reducer and the backend up for ``new``."""
@@ -132,6 +165,14 @@ class DDPForward:
             state.report.set_alignment_source(state.backend.alignment)
             if self.alignment is None:
                 self.alignment = AlignmentPoll(state.report, ddp)
+        blocks = state.backend.block_calls
+        sharing = state.backend.sharing_for(new)
+        if blocks is not None and blocks.off is None and not sharing.enabled:
+            # Dynamo inlines the blocks from this call on (NOTE [sharing by default]).
+            blocks.off = sharing.reason
+            state.report.note(
+                f"{blocks.container}: {len(blocks.entries)} blocks compiled with the whole graph: {sharing.reason}"
+            )
         state.backend.use(new, self.fused)
 
     def _recompile(self) -> None:

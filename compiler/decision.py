@@ -163,8 +163,10 @@ def refusal(config: CompileConfig, decision: Decision, *, target: str) -> str | 
 # all of that as one launch. So ``share_blocks="auto"`` (the default) shares where bucketwise's
 # CUDA graphs are on, and not under ``strategy="split"``, where a shared block is never cut and
 # the bucket segments inside it would merge. ``True`` shares anyway; ``False`` never. The decision
-# is made once per compiled object from what was asked and the CUDA-graph decision, and the
-# report says why blocks were left to the whole graph where ``"auto"`` left them.
+# is made once per compiled object from what was asked and the CUDA-graph decision, and made
+# again with the strategy chosen (an ``auto`` that falls back to ``split``: a gradient hook):
+# then Dynamo inlines the blocks and no graph shares them. The report says why blocks were left
+# to the whole graph where ``"auto"`` left them.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -176,8 +178,10 @@ class BlockSharing:
     """Why ``share_blocks="auto"`` left them unshared (``None`` otherwise)."""
 
 
-def decide_sharing(config: CompileConfig, *, cudagraphs: bool) -> BlockSharing:
-    """``config.share_blocks`` resolved; ``cudagraphs``: bucketwise's CUDA graphs are on."""
+def decide_sharing(config: CompileConfig, *, cudagraphs: bool, strategy: Strategy | None = None) -> BlockSharing:
+    """``config.share_blocks`` resolved; ``cudagraphs``: bucketwise's CUDA graphs are on;
+    ``strategy``: the one chosen (NOTE [one decision]), or ``None`` before the choice, when the
+    one asked for stands in (``auto`` may still become ``split``: resolved again once chosen)."""
     if config.share_blocks != "auto":
         return BlockSharing(enabled=config.share_blocks)
     if not cudagraphs:
@@ -187,10 +191,14 @@ def decide_sharing(config: CompileConfig, *, cudagraphs: bool) -> BlockSharing:
             "(cudagraphs=True), which replay a shared block's calls in one launch; without them each call costs "
             "host time every step. Pass share_blocks=True for a shorter first step all the same",
         )
-    if config.strategy == Strategy.SPLIT.value:
+    chosen = strategy if strategy is not None else Strategy(config.strategy)
+    if chosen is Strategy.SPLIT:
+        under = "strategy='split'"
+        if config.strategy != Strategy.SPLIT.value:
+            under = f"'split', which strategy={config.strategy!r} chose"
         return BlockSharing(
             enabled=False,
-            reason="share_blocks='auto' does not share blocks under strategy='split' (a shared block is never "
-            "cut, so its bucket segments would merge). Pass share_blocks=True to share them all the same",
+            reason=f"share_blocks='auto' does not share blocks under {under} (a shared block is never cut, so its "
+            "bucket segments would merge). Pass share_blocks=True to share them all the same",
         )
     return BlockSharing(enabled=True)

@@ -76,8 +76,9 @@ class GraphBackend:
         self._sparse_noted: set[str] = set()
         self._codes: weakref.WeakSet[Any] = weakref.WeakSet()
         self.cudagraphs = self._cudagraph_group(cudagraphs)
-        self.sharing: BlockSharing = decide_sharing(config, cudagraphs=cudagraphs.enabled)
-        """Whether identical blocks share one compile (NOTE [sharing by default])."""
+        self.sharing: BlockSharing = decide_sharing(config, cudagraphs=self.cudagraphs is not None)
+        """Whether identical blocks may share one compile, before the strategy is chosen (NOTE
+        [sharing by default]; :meth:`sharing_for` once it is)."""
         self.segment_backend = self._make_backend(config.options)
         self._fused_backend: Callable[..., Any] | None = None
         # Frame -> param name -> segment index (latest compile of each frame): alignment.
@@ -89,6 +90,10 @@ class GraphBackend:
         """``share_blocks``: the blocks Dynamo meets as one call each (NOTE [Dynamo calls a block])."""
         self.module: weakref.ref[torch.nn.Module] | None = None
         """A plain module compiled without DDP: the parameters its graphs read are counted."""
+
+    def sharing_for(self, decision: Decision) -> BlockSharing:
+        """Whether identical blocks share one compile under ``decision`` (NOTE [sharing by default])."""
+        return decide_sharing(self.config, cudagraphs=self.cudagraphs is not None, strategy=decision.strategy)
 
     def use(self, decision: Decision, fused: FusedState | None) -> None:
         """The compiled DDP module's decision, and under ``fused`` its runtime's state."""
@@ -264,6 +269,9 @@ class GraphBackend:
         cfg = self.config
         if not self.sharing.enabled:
             return None, None
+        chosen = self.sharing_for(choice)
+        if not chosen.enabled:
+            return None, chosen.reason
         backend = cfg.backend if isinstance(cfg.backend, str) else f"{cfg.backend_name} (a callable)"
         patches = dc.inductor_config_patches(cfg.mode, cfg.options, cfg.dynamic) if backend == "inductor" else {}
         buckets = None

@@ -370,6 +370,44 @@ def test_strategies_differ_between_ranks(tmp_path):
     assert time.monotonic() - started < 25
 
 
+def _hook_on_one_rank(rank: int, world: int) -> dict:
+    """Rank 0 puts a gradient hook on a parameter, rank 1 does not: under ``auto`` rank 0 would
+    run ``split`` and rank 1 ``fused`` (NOTE [one decision across ranks])."""
+    from bucketwise.distributed.rank_check import TIMEOUT_ENV
+
+    os.environ[TIMEOUT_ENV] = str(_SHORT_S)
+    ddp = DDP(Net())
+    if rank == 0:
+        next(ddp.module.parameters()).register_hook(lambda g: g.clamp(-1, 1))
+    compiled = bucketwise.compile(ddp, backend="aot_eager")
+    before = _unique_graphs()
+    started = time.monotonic()
+    try:
+        _step(compiled)
+    except Exception as exc:  # noqa: BLE001 - checked by the test
+        exc = _raised(exc)
+        return {
+            "raised": type(exc).__name__,
+            "message": str(exc),
+            "graphs": _unique_graphs() - before,
+            "seconds": time.monotonic() - started,
+        }
+    return {"raised": None}
+
+
+def test_a_gradient_hook_on_one_rank_is_named_on_every_rank(tmp_path):
+    for r in run_distributed(_hook_on_one_rank, tmp_path, timeout=60):
+        assert r["raised"] == "RankMismatchError", r
+        msg = r["message"]
+        assert msg.startswith("the DDP module's gradient-reduction decision differs between ranks: "), msg
+        assert (
+            "rank 0 has 'gradient hooks on: l0.weight'" in msg and "rank 1 has 'gradient hooks on: no parameter'" in msg
+        ), msg
+        assert "register hooks on every rank" in msg, msg
+        # At once, before anything compiled: not after the rank checks' timeout.
+        assert r["graphs"] == 0 and r["seconds"] < _SHORT_S, r
+
+
 def _bucket_caps_differ(rank: int, world: int) -> dict:
     ddp = DDP(Net(), bucket_cap_mb=0.0002 if rank == 0 else 25)  # 2 buckets on rank 0, 1 on rank 1
     compiled = bucketwise.compile(ddp, backend="aot_eager", strategy="fused")

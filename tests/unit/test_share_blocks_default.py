@@ -6,6 +6,8 @@ tests/gpu/test_gpu_shared_blocks.py."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -74,3 +76,40 @@ def test_blocks_the_default_leaves_unshared_are_named_in_the_report():
     shared(x)
     (graph,) = bucketwise.report(shared).to_dict()["graphs"]
     assert graph["shared_blocks"]["compiles"] == 1 and graph["shared_blocks"]["count"] >= 2, graph["shared_blocks"]
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_auto_shares_under_the_strategy_chosen_not_the_one_asked_for(single_rank_group, monkeypatch, hooked):
+    """With CUDA graphs on, ``auto`` shares the blocks under ``fused``; where ``auto`` falls back to
+    ``split`` (a gradient hook fused cannot reproduce), it does not: Dynamo inlines the blocks and
+    the report says why. Gradients as eager DDP's either way."""
+    from support.cudagraph_emulator import use_emulated_graphs
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    use_emulated_graphs(monkeypatch)
+    torch.manual_seed(0)
+    net = Net()
+    ref, model = DDP(copy.deepcopy(net)), DDP(copy.deepcopy(net))
+    if hooked:
+        for ddp in (ref, model):
+            ddp.module.inp.weight.register_hook(lambda g: g * 2)
+    compiled = bucketwise.compile(model, cudagraphs=True)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        compiled(x).backward()
+        ref(x).backward()
+        for (name, a), b in zip(model.module.named_parameters(), ref.module.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, msg=name)
+            a.grad = b.grad = None
+    report = bucketwise.report(compiled).to_dict()
+    shared = [g["shared_blocks"] for g in report["graphs"]]
+    strategies = {g["strategy"] for g in report["graphs"]}
+    if not hooked:
+        assert strategies == {"fused"}, strategies
+        assert shared[0]["compiles"] == 1 and shared[0]["count"] >= 2, shared
+        return
+    assert strategies == {"split"}, strategies
+    assert all(s is not None and "under 'split', which strategy='auto' chose" in s["reason"] for s in shared)
+    assert any(
+        n.startswith("blocks: 3 blocks compiled with the whole graph: share_blocks='auto'") for n in report["notes"]
+    )
