@@ -34,6 +34,7 @@ def test_each_command_has_its_own_help(name):
 
 def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
     assert probes() == [
+        "collective_host",
         "comm_passes",
         "compile_depth",
         "graph_launch",
@@ -45,7 +46,7 @@ def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
     done = _run("probe", "nope")
     assert done.returncode == 2
     assert (
-        "expected one of ['comm_passes', 'compile_depth', 'graph_launch', 'host_calls', 'host_tax', "
+        "expected one of ['collective_host', 'comm_passes', 'compile_depth', 'graph_launch', 'host_calls', 'host_tax', "
         "'step_kernels', 'trace_kernels'], got 'nope'" in done.stderr
     )
 
