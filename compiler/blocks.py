@@ -80,7 +80,6 @@ from . import block_calls
 
 log = logging.getLogger(__name__)
 
-SHAREABLE_BACKENDS = ("inductor", "aot_eager")
 _RANDOM = ("rand", "dropout", "bernoulli", "philox", "seed", "normal_", "uniform_", "exponential_", "multinomial")
 
 TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
@@ -376,8 +375,6 @@ def share_blocks(
     """Rewrite ``gm`` in place so that its identical blocks call one compiled block; returns what
     was shared, or ``None`` and why nothing was (NOTE [one compile per block]). ``buckets``
     (``fused``): the parameters a shared block may reduce itself (NOTE [a bucket per block])."""
-    if backend not in SHAREABLE_BACKENDS:
-        return None, f"blocks are shared with the backends {list(SHAREABLE_BACKENDS)}, not {backend!r}"
     if any(isinstance(a, torch.SymInt) or (isinstance(a, torch.Tensor) and _symbolic(a)) for a in example_inputs):
         return None, "dynamic shapes"
     if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs):

@@ -141,6 +141,11 @@ class CompileConfig:
         return "raise" if self.freeze is True else self.freeze
 
     @property
+    def inductor(self) -> bool:
+        """The graphs compile with Inductor (``backend="inductor"``, the default)."""
+        return self.backend == "inductor"
+
+    @property
     def backend_name(self) -> str:
         if isinstance(self.backend, str):
             return self.backend

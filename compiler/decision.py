@@ -169,6 +169,10 @@ def refusal(config: CompileConfig, decision: Decision, *, target: str) -> str | 
 # to the whole graph where ``"auto"`` left them.
 
 
+SHAREABLE_BACKENDS = ("inductor", "aot_eager")
+"""The backends a shared block compiles with (NOTE [one compile per block])."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockSharing:
     """Whether identical blocks share one compile (NOTE [sharing by default])."""
@@ -182,8 +186,15 @@ def decide_sharing(config: CompileConfig, *, cudagraphs: bool, strategy: Strateg
     """``config.share_blocks`` resolved; ``cudagraphs``: bucketwise's CUDA graphs are on;
     ``strategy``: the one chosen (NOTE [one decision]), or ``None`` before the choice, when the
     one asked for stands in (``auto`` may still become ``split``: resolved again once chosen)."""
-    if config.share_blocks != "auto":
-        return BlockSharing(enabled=config.share_blocks)
+    if config.share_blocks is False:
+        return BlockSharing(enabled=False)
+    if config.backend not in SHAREABLE_BACKENDS:
+        return BlockSharing(
+            enabled=False,
+            reason=f"blocks are shared with the backends {list(SHAREABLE_BACKENDS)}, not {config.backend_name!r}",
+        )
+    if config.share_blocks is True:
+        return BlockSharing(enabled=True)
     if not cudagraphs:
         return BlockSharing(
             enabled=False,

@@ -123,7 +123,7 @@ class GraphBackend:
         """The backend segments and graphs are compiled with: the user's, or Inductor with every
         compiled graph wrapped in a CUDA-graph runner (``cudagraphs``)."""
         cfg = self.config
-        if self.sharing.enabled and cfg.backend == "inductor":
+        if self.sharing.enabled and cfg.inductor:
             options = dc.cacheable_calls_options(blocks_cache_targets(), options)
         if self.cudagraphs is None:
             return dc.make_backend(cfg.backend, cfg.mode, options, cfg.dynamic)
@@ -272,8 +272,8 @@ class GraphBackend:
         chosen = self.sharing_for(choice)
         if not chosen.enabled:
             return None, chosen.reason
-        backend = cfg.backend if isinstance(cfg.backend, str) else f"{cfg.backend_name} (a callable)"
-        patches = dc.inductor_config_patches(cfg.mode, cfg.options, cfg.dynamic) if backend == "inductor" else {}
+        backend = cfg.backend_name
+        patches = dc.inductor_config_patches(cfg.mode, cfg.options, cfg.dynamic) if cfg.inductor else {}
         buckets = None
         if choice.fused and choice.spec is not None and choice.comm_hook not in HOOK_PROGRAMS:
             params = self._graph_params(gm, example_inputs, ddp)
@@ -297,7 +297,7 @@ class GraphBackend:
     def fused_backend(self) -> Callable[..., Any]:
         """The backend, with Inductor's comm/compute reordering on (scoped to its compiles)."""
         if self._fused_backend is None:
-            if self.config.backend == "inductor":
+            if self.config.inductor:
                 self._fused_backend = self._make_backend(fused_backend_options(self.config.options))
             else:
                 self._fused_backend = self.segment_backend

@@ -20,7 +20,6 @@ from ..distributed.rank_check import prepare_rank_checks
 from ..stats.report import Report
 from .artifacts import artifacts_for
 from .block_calls import BlockCalls, find_block_calls, repeated_blocks
-from .blocks import SHAREABLE_BACKENDS
 from .config import CompileConfig
 from .ddp_forward import DDPForward
 from .decision import Variant
@@ -193,8 +192,6 @@ def _block_calls(module: nn.Module, backend: GraphBackend) -> BlockCalls | None:
         found = repeated_blocks(module) if sharing.reason is not None else None
         if found is not None:
             backend.report.note(f"{found[0]}: {len(found[1])} blocks compiled with the whole graph: {sharing.reason}")
-        return None
-    if backend.config.backend not in SHAREABLE_BACKENDS:
         return None
     return find_block_calls(module)
 

@@ -51,6 +51,32 @@ def test_the_default_shares_where_cuda_graphs_replay_the_blocks(share_blocks, st
         assert why in decision.reason and "share_blocks=True" in decision.reason, decision.reason
 
 
+@pytest.mark.parametrize("share_blocks", ["auto", True])
+def test_a_backend_blocks_cannot_compile_with_shares_nothing_and_says_why(share_blocks):
+    """The one place that knows which backends a shared block compiles with (NOTE [sharing by
+    default]): ``eager`` or a callable backend share nothing, even when asked to."""
+
+    def my_backend(gm, example_inputs):
+        return gm
+
+    for backend, name in (("eager", "'eager'"), (my_backend, "'my_backend'")):
+        config = CompileConfig(share_blocks=share_blocks, backend=backend)
+        decision = decide_sharing(config, cudagraphs=True)
+        assert not decision.enabled
+        assert decision.reason == f"blocks are shared with the backends ['inductor', 'aot_eager'], not {name}"
+
+
+def test_asked_to_share_with_a_backend_that_cannot_the_report_says_why():
+    net, x = Net(), torch.randn(4, 8)
+    compiled = bucketwise.compile(net, backend="eager", share_blocks=True)
+    compiled(x)
+    report = bucketwise.report(compiled)
+    (note,) = [n for n in report.notes if "compiled with the whole graph" in n]
+    assert note == "blocks: 3 blocks compiled with the whole graph: blocks are shared with the backends " + (
+        "['inductor', 'aot_eager'], not 'eager'"
+    ), note
+
+
 @pytest.mark.parametrize("bad", ["yes", 1, None])
 def test_a_bad_share_blocks_value_names_the_choices(bad):
     with pytest.raises(ValueError, match=r"share_blocks must be True, False or 'auto', got"):
