@@ -71,6 +71,13 @@ class Decision:
     def fused(self) -> bool:
         return self.strategy is Strategy.FUSED
 
+    @property
+    def plain_buckets(self) -> bool:
+        """``fused`` buckets each reduced by one traced all-reduce (``BucketSync``: DDP's reducer,
+        torch's allreduce/fp16/bf16 hooks), not by a hook program (``HOOK_PROGRAMS``: PowerSGD, a
+        traceable hook of the user's)."""
+        return self.fused and self.spec is not None and self.comm_hook not in HOOK_PROGRAMS
+
     def same_graphs(self, other: Decision | None) -> bool:
         """Graphs compiled under ``other`` are what this decision would compile (a comm hook
         changes the graphs only under ``fused``; the gradient hooks only through the strategy)."""
@@ -118,10 +125,11 @@ def decide(
             reason="fused needs bucketwise to run the DDP forward: compile the DDP module itself",
             **common,
         )
-    if kind not in HOOK_PROGRAMS and config.bucket_cap_mb is None and config.first_bucket_cap_mb is None:
-        if ddpc.default_bucket_caps(ddp):
-            common["caps"] = dataclasses.replace(caps, for_overlap=True)  # NOTE [fused bucket sizes]
-    return Decision(strategy=Strategy.FUSED, spec=comm_spec(ddp, kind), **common)
+    decision = Decision(strategy=Strategy.FUSED, spec=comm_spec(ddp, kind), **common)
+    if decision.plain_buckets and config.bucket_cap_mb is None and config.first_bucket_cap_mb is None:
+        if ddpc.default_bucket_caps(ddp):  # NOTE [fused bucket sizes]
+            decision = dataclasses.replace(decision, caps=dataclasses.replace(caps, for_overlap=True))
+    return decision
 
 
 # NOTE [explicit strategies]: ``strategy="auto"`` picks ``fused`` where it applies and falls back

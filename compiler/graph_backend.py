@@ -26,7 +26,6 @@ from .._compat import dynamo as dc
 from ..cudagraphs import policy as cudagraph_policy
 from ..cudagraphs.runner import CudaGraphGroup, inner_compile_factory, runner_label
 from ..distributed.fused import FusedState, apply_fused, fused_backend_options
-from ..distributed.fused.apply import HOOK_PROGRAMS
 from ..distributed.result import CompileOutcome, GraphJob, StrategyResult, op_count
 from ..distributed.split import apply_split
 from ..distributed.split.alignment import measure_alignment
@@ -275,7 +274,7 @@ class GraphBackend:
         backend = cfg.backend_name
         patches = dc.inductor_config_patches(cfg.mode, cfg.options, cfg.dynamic) if cfg.inductor else {}
         buckets = None
-        if choice.fused and choice.spec is not None and choice.comm_hook not in HOOK_PROGRAMS:
+        if choice.plain_buckets:
             params = self._graph_params(gm, example_inputs, ddp)
             tensors = collections.Counter(id(a) for a in example_inputs if isinstance(a, torch.Tensor))
             own = frozenset(p.node for p in params if p.tensor.requires_grad and tensors[id(p.tensor)] == 1)
