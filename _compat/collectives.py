@@ -26,6 +26,12 @@ def all_reduce_sum(flat: torch.Tensor, group: str) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
+def all_reduce_sum_(flat: torch.Tensor, group: str) -> torch.Tensor:
+    """The in-place functional all-reduce sum and its wait: what Inductor's code issues for
+    :func:`all_reduce_sum` in a compiled graph (``probe collective_host`` times it)."""
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce_(flat, "sum", group))
+
+
 def all_gather(t: torch.Tensor, group: str, world: int) -> torch.Tensor:
     """Functional (traceable) all-gather along dim 0: ``world`` times ``t``'s rows, rank order."""
     out = torch.ops._c10d_functional.all_gather_into_tensor(t.contiguous(), world, group)

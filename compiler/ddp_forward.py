@@ -21,7 +21,7 @@ from .._compat import ddp as ddpc
 from .._compat import dynamo as dc
 from ..distributed.fused import FusedState
 from ..distributed.fused.runtime import FusedRuntime
-from ..distributed.rank_check import check_same_on_all_ranks
+from ..distributed.rank_check import check_same_on_all_ranks, rank_checks_ready
 from ..distributed.split.alignment import AlignmentPoll
 from .decision import Decision, Variant, decide, refusal
 from .hook_watch import HookWatch
@@ -126,9 +126,9 @@ class DDPForward:
         # RankMismatchError naming the difference. A rank that decides again alone (a hook added
         # on one rank after compile) waits for the others until the rank checks' timeout, and
         # raises saying why it decided again.
-        config = self.state.config
-        if config.strategy not in ("fused", "auto"):
-            return  # no side group, and nothing a hook could change
+        pg = ddpc.process_group(self.ddp)
+        if not rank_checks_ready(pg):
+            return  # strategy 'split'/'none': no hook changes what they run
         hooked = ", ".join(new.hooked) or "no parameter"
         signature = [
             f"comm hook: {new.comm_hook}",
@@ -138,7 +138,7 @@ class DDPForward:
         ]
         check_same_on_all_ranks(
             signature,
-            ddpc.process_group(self.ddp),
+            pg,
             what="the DDP module's gradient-reduction decision",
             context=f"this rank decided again: {why}" if why else "the first call",
             fix="every rank's DDP module needs the same comm hook, gradient hooks and flags: register hooks "
@@ -170,9 +170,7 @@ class DDPForward:
         if blocks is not None and blocks.off is None and not sharing.enabled:
             # Dynamo inlines the blocks from this call on (NOTE [sharing by default]).
             blocks.off = sharing.reason
-            state.report.note(
-                f"{blocks.container}: {len(blocks.entries)} blocks compiled with the whole graph: {sharing.reason}"
-            )
+            state.report.note(sharing.note(blocks.container, len(blocks.entries)))
         state.backend.use(new, self.fused)
 
     def _recompile(self) -> None:

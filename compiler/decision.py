@@ -189,6 +189,10 @@ class BlockSharing:
     reason: str | None = None
     """Why ``share_blocks="auto"`` left them unshared (``None`` otherwise)."""
 
+    def note(self, container: str, count: int) -> str:
+        """The report's note on the ``count`` blocks of ``container`` left unshared."""
+        return f"{container}: {count} blocks compiled with the whole graph: {self.reason}"
+
 
 def decide_sharing(config: CompileConfig, *, cudagraphs: bool, strategy: Strategy | None = None) -> BlockSharing:
     """``config.share_blocks`` resolved; ``cudagraphs``: bucketwise's CUDA graphs are on;

@@ -191,7 +191,7 @@ def _block_calls(module: nn.Module, backend: GraphBackend) -> BlockCalls | None:
     if not sharing.enabled:
         found = repeated_blocks(module) if sharing.reason is not None else None
         if found is not None:
-            backend.report.note(f"{found[0]}: {len(found[1])} blocks compiled with the whole graph: {sharing.reason}")
+            backend.report.note(sharing.note(found[0], len(found[1])))
         return None
     return find_block_calls(module)
 

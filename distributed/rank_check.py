@@ -50,6 +50,11 @@ def prepare_rank_checks(pg: Any) -> None:
     _side_groups[pg] = side
 
 
+def rank_checks_ready(pg: Any) -> bool:
+    """:func:`prepare_rank_checks` ran for ``pg``, or ``pg`` has one rank (nothing to compare)."""
+    return pg in _side_groups or dist.get_world_size(pg) == 1
+
+
 def gather_on_all_ranks(obj: Any, pg: Any, *, what: str, context: str = "") -> list[Any]:
     """Every rank's ``obj`` (picklable), rank order, over a gloo side group with a timeout. A rank
     that never joins (it compiled a graph the others did not) makes the waiting ranks raise

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from bucketwise._compat import collectives as cc
 from bucketwise.benchmarks.probes._one_gpu import one_gpu_rank
 
 ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_ENABLE_TIMING", "TORCH_NCCL_DESYNC_DEBUG")
@@ -45,18 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=2000, help="calls timed per case (a quarter for large buffers)")
     args = p.parse_args(argv)
     with one_gpu_rank(p, (), port=29578):
-        group = dist.group.WORLD.group_name
-        functional = torch.ops._c10d_functional
+        group = cc.group_name(dist.group.WORLD)
         out: dict[str, object] = {"env": {k: os.environ.get(k) for k in ENV}, "torch": torch.__version__}
         for numel in SIZES:
             t = torch.ones(numel, device="cuda")
             cases = {
-                "functional all_reduce_+wait": lambda t=t: functional.wait_tensor(
-                    functional.all_reduce_(t, "sum", group)
-                ),
-                "functional all_reduce+wait": lambda t=t: functional.wait_tensor(
-                    functional.all_reduce(t, "sum", group)
-                ),
+                "functional all_reduce_+wait": lambda t=t: cc.all_reduce_sum_(t, group),
+                "functional all_reduce+wait": lambda t=t: cc.all_reduce_sum(t, group),
                 "dist.all_reduce": lambda t=t: dist.all_reduce(t),
                 "empty launch (t.add_(0))": lambda t=t: t.add_(0),
             }

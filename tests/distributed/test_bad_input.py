@@ -297,6 +297,12 @@ def _raised(exc: BaseException) -> BaseException:
     return cause or exc
 
 
+def _failure(exc: BaseException, **extra) -> dict:
+    """A worker's row for what it raised: the RankMismatchError inside, if any, and ``extra``."""
+    exc = _raised(exc)
+    return {"raised": type(exc).__name__, "message": str(exc), **extra}
+
+
 def _step(compiled) -> None:
     compiled(torch.randn(2, 8)).sum().backward()
 
@@ -351,8 +357,7 @@ def _strategies_differ(rank: int, world: int) -> dict:
         compiled = bucketwise.compile(ddp, backend="aot_eager", strategy="fused" if rank == 0 else "split")
         _step(compiled)
     except Exception as exc:  # noqa: BLE001 - checked by the test
-        exc = _raised(exc)
-        return {"raised": type(exc).__name__, "message": str(exc), "graphs": _unique_graphs() - before}
+        return _failure(exc, graphs=_unique_graphs() - before)
     return {"raised": None}
 
 
@@ -385,13 +390,7 @@ def _hook_on_one_rank(rank: int, world: int) -> dict:
     try:
         _step(compiled)
     except Exception as exc:  # noqa: BLE001 - checked by the test
-        exc = _raised(exc)
-        return {
-            "raised": type(exc).__name__,
-            "message": str(exc),
-            "graphs": _unique_graphs() - before,
-            "seconds": time.monotonic() - started,
-        }
+        return _failure(exc, graphs=_unique_graphs() - before, seconds=time.monotonic() - started)
     return {"raised": None}
 
 
@@ -415,13 +414,7 @@ def _bucket_caps_differ(rank: int, world: int) -> dict:
     try:
         _step(compiled)
     except Exception as exc:  # noqa: BLE001 - checked by the test
-        exc = _raised(exc)
-        return {
-            "raised": type(exc).__name__,
-            "message": str(exc),
-            "graphs": len(bucketwise.report(compiled).graphs),
-            "unique_graphs": _unique_graphs() - before,
-        }
+        return _failure(exc, graphs=len(bucketwise.report(compiled).graphs), unique_graphs=_unique_graphs() - before)
     return {"raised": None}
 
 
