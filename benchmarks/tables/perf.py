@@ -14,8 +14,9 @@ round medians. The folder's link text is the first heading of its ``README.md``.
 
 - ``docs/performance.md``, between ``<!-- perf-tables:begin -->`` and ``<!-- perf-tables:end -->``:
   every folder, grouped by hardware (ranks x GPU) and date, newest first.
-- ``README.md``, between ``<!-- perf-current:begin -->`` and ``<!-- perf-current:end -->``: the
-  newest folder on the main hardware (``MAIN``) that ran ``local`` and the default, ``bw-auto``;
+- ``README.md``, between ``<!-- perf-current:begin -->`` and ``<!-- perf-current:end -->``: per
+  world size of ``MAIN_WORLD_SIZES``, the newest folder on the default net that ran ``local`` and
+  the default, ``bw-auto``;
   between ``<!-- perf-first-step:begin -->`` and ``<!-- perf-first-step:end -->``: the newest cold
   and warm first steps (``tax --restarts``, one GPU, torch's bytecode cached) per model and config.
 """
@@ -34,8 +35,9 @@ from typing import Any, Sequence
 from bucketwise.benchmarks.core.output import cold_graphs_text
 from bucketwise.benchmarks.tables.sweep import load_run
 
-MAIN = {"world_size": 2, "net": "default"}
-"""The README's current table: runs on these ranks and net, with DDP's default bucket cap."""
+MAIN_WORLD_SIZES = (2, 4)
+"""The README's current tables: one per world size, runs on the default net with DDP's default
+bucket cap and NCCL untuned."""
 MAIN_CONFIGS = ("local", "bw-auto")
 """Configs the README's folder must have run (the floor and ``bucketwise.compile``'s default)."""
 SAME = ("world_size", "device_name", "torch", "net")
@@ -201,13 +203,14 @@ def all_tables(folders: Sequence[Folder], link_root: str) -> str:
     return "\n".join(lines).rstrip("\n")
 
 
-def current_folder(folders: Sequence[Folder]) -> Folder | None:
-    """The newest folder of ``MAIN`` with the default bucket cap and NCCL untuned that ran
-    ``MAIN_CONFIGS``."""
+def current_folder(folders: Sequence[Folder], world_size: int) -> Folder | None:
+    """The newest folder of ``world_size`` ranks on the default net, with the default bucket cap
+    and NCCL untuned, that ran ``MAIN_CONFIGS``."""
 
     def main(f: Folder) -> bool:
         return (
-            all(_field(f.meta, k) == v for k, v in MAIN.items())
+            _field(f.meta, "world_size") == world_size
+            and _field(f.meta, "net") == "default"
             and all(r.meta.get("bucket_cap_mb") is None for r in f.runs)
             and not any(_nccl_tuned(r.meta) for r in f.runs)
             and set(MAIN_CONFIGS) <= set(_configs(f.runs))
@@ -225,10 +228,11 @@ def _nccl_tuned(meta: dict[str, Any]) -> bool:
 
 
 def current_table(folders: Sequence[Folder], link_root: str) -> str:
-    folder = current_folder(folders)
-    if folder is None:
-        return f"(no results of {MAIN} under benchmarks/results/)"
-    return "\n".join(folder_table(folder, f"{link_root}{folder.name}/"))
+    """The newest folder's table per world size of ``MAIN_WORLD_SIZES``, fewest ranks first."""
+    found = [f for f in (current_folder(folders, n) for n in MAIN_WORLD_SIZES) if f is not None]
+    if not found:
+        return f"(no results on {' or '.join(map(str, MAIN_WORLD_SIZES))} ranks under benchmarks/results/)"
+    return "\n\n".join("\n".join(folder_table(f, f"{link_root}{f.name}/")) for f in found)
 
 
 def _ratio(value: Any) -> str:

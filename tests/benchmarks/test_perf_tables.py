@@ -114,6 +114,13 @@ def _fake_repo(root: Path) -> dict[str, list[tuple[dict, list[dict]]]]:
                 [_row("local-ro", 3.0, "local-ro", 1.0), _row("bw-fused-cg", 3.3, "local-ro", 1.1)],
             )
         ],
+        # older, but the only 4-rank folder with local and bw-auto: the README's 4-rank table
+        "2026-01-01_4xFake_gpt-medium": [
+            (
+                _meta("2026-01-01", world=4, model="gpt-medium"),
+                [_row("local", 20.0, ratio=1.0), _row("bw-auto", 21.0, ratio=1.05)],
+            )
+        ],
     }
     for name, runs in folders.items():
         for i, (meta, rows) in enumerate(runs):
@@ -189,14 +196,20 @@ def test_tables_are_the_records(tmp_path):
         "#### 2 x Fake GPU, 2026-01-01",
         "### 4 x Fake GPU",
         "#### 4 x Fake GPU, 2026-01-02",
+        "#### 4 x Fake GPU, 2026-01-01",
     ]
     caption = next(line for line in section.splitlines() if "title of 2026-01-02_2xFake_gpt-nvlink" in line)
     assert "(../benchmarks/results/2026-01-02_2xFake_gpt-nvlink/)" in caption
     assert "2 x Fake GPU, torch 2.99.0, model `gpt` (1,234 parameters)" in caption and "20/40 timed steps" in caption
-    # README: the newest folder on 2 ranks, default net, bucket cap and NCCL, with local and bw-auto.
+    # README: per world size (2, then 4), the newest folder on the default net, bucket cap and
+    # NCCL that ran local and bw-auto.
     readme = (tmp_path / "README.md").read_text()
     current = readme.split("<!-- perf-current:begin -->")[1].split("<!-- perf-current:end -->")[0]
-    assert list(_tables(current)) == ["2026-01-02_2xFake_gpt-nvlink"]
+    assert list(_tables(current)) == ["2026-01-02_2xFake_gpt-nvlink", "2026-01-01_4xFake_gpt-medium"]
+    assert _tables(current)["2026-01-01_4xFake_gpt-medium"][-2:] == [
+        ["`bw-auto`", "21.00 (1.05x)"],
+        ["all-gradient allreduce", "1.50"],
+    ]
     assert (
         "(https://github.com/bucketwise/bucketwise/tree/main/benchmarks/results/2026-01-02_2xFake_gpt-nvlink/)"
         in current
