@@ -19,16 +19,24 @@ def group_name(pg: Any) -> str:
     return str(fcol._resolve_group_name(pg))
 
 
-def all_reduce_sum(flat: torch.Tensor, group: str) -> torch.Tensor:
-    """Functional (traceable) all-reduce sum; Inductor lowers it to an async collective whose
+def all_reduce(flat: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
+    """Functional (traceable) all-reduce (``op``: ``"sum"``, or ``"avg"`` where the group's
+    backend has it, see ``averages_natively``); Inductor lowers it to an async collective whose
     ``wait_tensor`` its comm-reordering passes may sink."""
-    out = torch.ops._c10d_functional.all_reduce(flat, "sum", group)
+    out = torch.ops._c10d_functional.all_reduce(flat, op, group)
     return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def averages_natively(pg: Any) -> bool:
+    """Whether ``pg``'s all-reduce of floating-point data has an average that multiplies each
+    rank's contribution by ``float(1/world)`` before summing: NCCL's ``ncclAvg`` (a pre-multiplied
+    sum, NCCL >= 2.10); not gloo, which has no average."""
+    return dist.get_backend(pg) == "nccl"
 
 
 def all_reduce_sum_(flat: torch.Tensor, group: str) -> torch.Tensor:
     """The in-place functional all-reduce sum and its wait: what Inductor's code issues for
-    :func:`all_reduce_sum` in a compiled graph (``probe collective_host`` times it)."""
+    :func:`all_reduce` in a compiled graph (``probe collective_host`` times it)."""
     return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce_(flat, "sum", group))
 
 

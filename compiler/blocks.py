@@ -70,7 +70,6 @@ import torch
 import torch.fx as fx
 
 from .._compat import aot, ops
-from .._compat import collectives as cc
 from .._compat import dynamo as dc
 from ..distributed.fused.cache_keys import source_key
 from ..distributed.fused.sync import REDUCED_PARAMS_META, CommSpec, unflatten
@@ -255,7 +254,7 @@ def _reduced_grads(block: SharedBlock, grads: list[torch.Tensor | None]) -> list
     spec = block.spec
     if spec is None or wire is None:
         raise AssertionError(f"expected a spec and a flat gradient buffer, got {spec} and {wire}")
-    reduced = cc.all_reduce_sum(wire, spec.group)
+    reduced = spec.all_reduce(wire)
     if spec.comm_dtype is not None:
         reduced = reduced.to(block.grad_dtype)
     params, rest = iter(unflatten(reduced, block.reduced_shapes)), iter(others)

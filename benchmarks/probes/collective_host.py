@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             t = torch.ones(numel, device="cuda")
             cases = {
                 "functional all_reduce_+wait": lambda t=t: cc.all_reduce_sum_(t, group),
-                "functional all_reduce+wait": lambda t=t: cc.all_reduce_sum(t, group),
+                "functional all_reduce+wait": lambda t=t: cc.all_reduce(t, group),
                 "dist.all_reduce": lambda t=t: dist.all_reduce(t),
                 "empty launch (t.add_(0))": lambda t=t: t.add_(0),
             }

@@ -31,7 +31,7 @@ from .comm_hooks import HookedGraph, HookProgram, TracedHookProgram
 from .embedding_rows import RowsSync, insert_embedding_rows, plan_embedding_rows, renormed_tables
 from .powersgd_run import PowerSGDRun
 from .runtime import FusedRuntime
-from .sync import REDUCED_PARAMS_META, CommSpec, backward_positions, insert_bucket_syncs
+from .sync import REDUCED_PARAMS_META, CommSpec, backward_positions, insert_bucket_syncs, reducer_spec
 from .variants import VariantCompiler
 
 log = logging.getLogger(__name__)
@@ -213,9 +213,10 @@ def _hook_program(ddp: Any, spec: CommSpec, runtime: FusedRuntime, kind: str) ->
 def comm_spec(ddp: Any, kind: str) -> CommSpec:
     """How the buckets are reduced: DDP's reducer, or torch's allreduce/fp16/bf16 hook (``kind``,
     ``comm_hooks.comm_hook_kind``)."""
+    if kind == "reducer":
+        return reducer_spec(ddpc.process_group(ddp))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(kind)
-    spec = group_spec(ddpc.process_group(ddp))
-    return dataclasses.replace(spec, comm_dtype=dtype, divide_first=kind != "reducer")
+    return dataclasses.replace(group_spec(ddpc.process_group(ddp)), comm_dtype=dtype)
 
 
 def group_spec(pg: Any) -> CommSpec:

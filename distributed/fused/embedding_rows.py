@@ -181,7 +181,8 @@ class EmbeddingRows(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         dim = g.shape[-1]
-        wire = spec.to_wire(g)
+        # Gathered, not reduced: each rank's rows scaled here, whatever the all-reduces do.
+        wire = spec.scaled(g)
         # NOTE [ids in the rows]: one collective carries rows and ids, so it depends on the
         # gradient and stays in the backward (a separate ids gather depends on forward values
         # only, and AOTAutograd's partitioner moved it into the forward graph, where a captured
@@ -219,12 +220,14 @@ def embedding_rows(
     world_size: int,
     comm_dtype: torch.dtype | None,
     divide_first: bool,
+    average_in_collective: bool,
     padding_idx: int | None,
     ids: torch.Tensor,
     weight: torch.Tensor,
 ) -> torch.Tensor:
     """The graph's call target (see ``fused.bucket_sync``)."""
-    return EmbeddingRows.apply(CommSpec(group, world_size, comm_dtype, divide_first), padding_idx, ids, weight)
+    spec = CommSpec(group, world_size, comm_dtype, divide_first, average_in_collective)
+    return EmbeddingRows.apply(spec, padding_idx, ids, weight)
 
 
 def renormed_tables(gm: fx.GraphModule, params: Sequence[GraphParam]) -> list[GraphParam]:

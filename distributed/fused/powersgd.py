@@ -252,7 +252,7 @@ def powersgd_reduce(
     out = list(tensors)
     if plan.uncompressed:
         memory = torch.cat([tensors[i].reshape(-1) for i in plan.uncompressed])
-        memory = cc.all_reduce_sum(memory, cfg.group) / cfg.world_size
+        memory = cc.all_reduce(memory, cfg.group) / cfg.world_size
         for i, seg in zip(plan.uncompressed, _segments(memory, [tensors[i].numel() for i in plan.uncompressed])):
             out[i] = seg.view_as(tensors[i])
     new_p, new_q = p_mem, q_mem
@@ -260,10 +260,10 @@ def powersgd_reduce(
         mats = [_matrices(tensors, pr) for pr in plan.products]
         qs = [orthogonalize(q, cfg.epsilon) for q in _views(q_mem, plan.products, "q")]
         ps = [torch.bmm(mat, q) for mat, q in zip(mats, qs)]
-        p_all = cc.all_reduce_sum(torch.cat([p.reshape(-1) for p in ps]), cfg.group)
+        p_all = cc.all_reduce(torch.cat([p.reshape(-1) for p in ps]), cfg.group)
         ps = [orthogonalize(p, cfg.epsilon) for p in _views(p_all, plan.products, "p")]
         qs = [torch.bmm(mat.transpose(1, 2), p) for mat, p in zip(mats, ps)]
-        new_q = cc.all_reduce_sum(torch.cat([q.reshape(-1) for q in qs]), cfg.group) / cfg.world_size
+        new_q = cc.all_reduce(torch.cat([q.reshape(-1) for q in qs]), cfg.group) / cfg.world_size
         new_p = torch.cat([p.reshape(-1) for p in ps])
         for pr, p, q in zip(plan.products, ps, _views(new_q, plan.products, "q")):
             approx = torch.bmm(p, q.transpose(1, 2))

@@ -38,6 +38,17 @@ REDUCED_PARAMS_META = "bucketwise.reduced_params"
 block] in ``compiler/blocks.py``): the placeholders of the bucket's parameters."""
 
 
+# NOTE [the average in the collective]: DDP's reducer scales each gradient by ``1/world`` on its
+# way into the bucket (``grad * (1/world)`` in float, reducer.cpp), then sums the bucket across
+# ranks. NCCL's ``ncclAvg`` of floating-point data is that same rule inside its reduction kernel:
+# a pre-multiplied sum by ``float(1/nRanks)`` (``hostToDevRedOp`` in NCCL's enqueue.cc), so the
+# reduced bits are the reducer's. Where the bucket's gradients come out of kernels Inductor cannot
+# fuse a multiply into (LayerNorm's weight and bias gradients: a reduction each), the graph's own
+# multiply is one more kernel per gradient; with the average in the collective it is none. Only
+# for DDP's reducer rule on an NCCL group: gloo has no average, and torch's comm hooks divide
+# (``x / world``, not bit-equal to ``x * (1/world)`` for a world size that is not a power of 2).
+
+
 @dataclasses.dataclass(frozen=True)
 class CommSpec:
     """How one bucket is reduced, mirroring DDP's reducer or its registered comm hook."""
@@ -50,29 +61,57 @@ class CommSpec:
     divide_first: bool = False
     """``True``: divide by the world size (as the Python hooks do); ``False``: multiply by its
     reciprocal (as the C++ reducer does), so results match eager DDP bit for bit where they can."""
+    average_in_collective: bool = False
+    """``True``: the all-reduce averages (NCCL's ``avg``) and ``to_wire`` leaves the gradients
+    unscaled (NOTE [the average in the collective]); only with ``divide_first=False`` and no
+    ``comm_dtype``."""
+
+    def __post_init__(self) -> None:
+        if self.average_in_collective and (self.divide_first or self.comm_dtype is not None):
+            raise ValueError(
+                "CommSpec(average_in_collective=True) is the reducer's rule (multiply, then sum, in "
+                f"the gradients' dtype); got divide_first={self.divide_first}, comm_dtype={self.comm_dtype}"
+            )
 
     def describe(self) -> str:
         return str(self.comm_dtype).removeprefix("torch.") if self.comm_dtype else "same as grads"
 
-    def to_wire(self, grad: torch.Tensor) -> torch.Tensor:
-        """A gradient as it goes into the sum across ranks, as DDP makes it: the reducer's
+    @property
+    def reduce_op(self) -> str:
+        """The all-reduce's op: ``"avg"`` or ``"sum"``."""
+        return "avg" if self.average_in_collective else "sum"
+
+    def scaled(self, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient scaled as DDP scales it before the sum across ranks: the reducer's
         ``grad * (1/world)``, or a compress hook's ``grad.to(dtype) / world``. Bit-for-bit
         parity with eager DDP rests on this one rule (every reduction of the fused strategy and
-        its runtime applies it)."""
+        its runtime applies it, here or inside the collective)."""
         wire = grad.to(self.comm_dtype) if self.comm_dtype is not None else grad
         return wire / self.world_size if self.divide_first else wire * (1.0 / self.world_size)
+
+    def to_wire(self, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient as it goes into ``all_reduce``: unscaled where the collective averages,
+        else ``scaled``."""
+        return grad if self.average_in_collective else self.scaled(grad)
+
+    def all_reduce(self, wire: torch.Tensor) -> torch.Tensor:
+        """The functional all-reduce of a flat buffer made by ``to_wire``: the bucket, reduced."""
+        return cc.all_reduce(wire, self.group, self.reduce_op)
 
     def as_args(self) -> tuple[Any, ...]:
         """The fields as graph arguments: FX writes a dataclass argument into generated code as
         its repr, which an uncompiled fallback run cannot evaluate; strings, ints, bools and
         dtypes it can. ``CommSpec(*spec.as_args()) == spec``."""
-        return (self.group, self.world_size, self.comm_dtype, self.divide_first)
+        return (self.group, self.world_size, self.comm_dtype, self.divide_first, self.average_in_collective)
 
 
 def reducer_spec(pg: Any) -> CommSpec:
-    """DDP's reducer on ``pg`` (the default group when ``None``): ``grad * (1/world)``, then sum."""
+    """DDP's reducer on ``pg`` (the default group when ``None``): ``grad * (1/world)``, then sum;
+    the multiply inside the collective on an NCCL group (NOTE [the average in the collective])."""
     pg = pg if pg is not None else dist.group.WORLD
-    return CommSpec(group=cc.group_name(pg), world_size=cc.world_size(pg))
+    return CommSpec(
+        group=cc.group_name(pg), world_size=cc.world_size(pg), average_in_collective=cc.averages_natively(pg)
+    )
 
 
 class BucketSync(torch.autograd.Function):
@@ -95,7 +134,7 @@ class BucketSync(torch.autograd.Function):
         # Autocast (the forward's, traced into the backward) rejects a cat of fp16 under bf16 on CPU.
         with torch.autocast(full[0].device.type, enabled=False):
             wire = torch.cat([spec.to_wire(g.reshape(-1)) for g in full])
-        reduced = cc.all_reduce_sum(wire, spec.group)
+        reduced = spec.all_reduce(wire)
         if spec.comm_dtype is not None:
             reduced = reduced.to(full[0].dtype)
         return (None, *split_like(reduced, full))
@@ -144,12 +183,17 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def bucket_sync(
-    group: str, world_size: int, comm_dtype: torch.dtype | None, divide_first: bool, *params: torch.Tensor
+    group: str,
+    world_size: int,
+    comm_dtype: torch.dtype | None,
+    divide_first: bool,
+    average_in_collective: bool,
+    *params: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
     """The graph's call target, with the CommSpec's fields as arguments (see ``as_args``): FX
     writes ``BucketSync.apply`` into generated code as ``torch.autograd.function.apply``, which
     an uncompiled fallback run cannot call either."""
-    return BucketSync.apply(CommSpec(group, world_size, comm_dtype, divide_first), *params)
+    return BucketSync.apply(CommSpec(group, world_size, comm_dtype, divide_first, average_in_collective), *params)
 
 
 def insert_bucket_syncs(

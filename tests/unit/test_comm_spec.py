@@ -1,0 +1,79 @@
+"""``CommSpec``: where a bucket's ``1/world`` scale happens (NOTE [the average in the collective]
+in ``distributed/fused/sync.py``): in the graph before a sum, or inside an averaging all-reduce."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bucketwise.distributed.fused.apply import comm_spec
+from bucketwise.distributed.fused.sync import CommSpec, bucket_sync, reducer_spec
+
+
+class _Ops(TorchDispatchMode):
+    """Records each op's name, and each functional all-reduce's op argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+        self.reduce_ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        if func.name().startswith("_c10d_functional::all_reduce"):
+            self.reduce_ops.append(args[1])
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(spec: CommSpec) -> _Ops:
+    """The ops of one bucket's backward (two parameters), on fake tensors: nothing is sent."""
+    with FakeTensorMode():
+        params = [torch.randn(3, 4, requires_grad=True), torch.randn(5, requires_grad=True)]
+        views = bucket_sync(*spec.as_args(), *params)
+        loss = sum(v.sum() for v in views)
+        with _Ops() as ops:
+            loss.backward()
+    return ops
+
+
+def test_the_reducer_rule_scales_in_the_graph_then_sums(single_rank_group):
+    spec = CommSpec(group=reducer_spec(single_rank_group).group, world_size=4)
+    ops = _backward_ops(spec)
+    assert ops.reduce_ops == ["sum"]
+    assert ops.names.count("aten::mul.Tensor") == 2, ops.names  # one per gradient, onto the wire
+
+
+def test_an_averaging_collective_leaves_the_gradients_unscaled(single_rank_group):
+    spec = CommSpec(group=reducer_spec(single_rank_group).group, world_size=4, average_in_collective=True)
+    ops = _backward_ops(spec)
+    assert ops.reduce_ops == ["avg"]
+    assert not [n for n in ops.names if n.startswith(("aten::mul", "aten::div"))], ops.names
+    grad = torch.full((3,), 3.0)
+    assert torch.equal(spec.to_wire(grad), grad)
+    assert torch.equal(spec.scaled(grad), grad * 0.25)  # what a gather (embedding rows) still sends
+
+
+def test_gloo_keeps_the_scale_in_the_graph(single_rank_group):
+    """gloo has no average: the reducer's rule stays a multiply and a sum."""
+    spec = reducer_spec(single_rank_group)
+    assert not spec.average_in_collective and spec.reduce_op == "sum"
+
+
+def test_hooks_divide_and_never_average_in_the_collective(single_rank_group):
+    """torch's comm hooks divide (``x / world``), which an average by ``float(1/world)`` would not
+    match bit for bit: their specs keep the division in the graph."""
+    for kind, dtype in (("allreduce", None), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+
+        class _Ddp:
+            process_group = single_rank_group
+
+        spec = comm_spec(_Ddp(), kind)
+        assert (spec.divide_first, spec.comm_dtype, spec.average_in_collective) == (True, dtype, False), kind
+
+
+@pytest.mark.parametrize("fields", [{"divide_first": True}, {"comm_dtype": torch.bfloat16}])
+def test_average_in_collective_is_only_the_reducer_rule(fields):
+    with pytest.raises(ValueError, match="average_in_collective=True"):
+        CommSpec(group="0", world_size=2, average_in_collective=True, **fields)
