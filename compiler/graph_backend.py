@@ -31,7 +31,7 @@ from ..distributed.split import apply_split
 from ..distributed.split.alignment import measure_alignment
 from ..distributed.split.ready_order import FirstIterationOrder, ReadyLast
 from ..distributed.whole import apply_whole
-from ..partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops
+from ..partitioners.param_usage import GraphParam, ParamInput, higher_order_ops, match_params, params_in_graph
 from ..stats.compile_times import CompileTimes, backend_call_times
 from ..stats.report import GraphStats, Report, SegmentStats, eager_regions
 from . import doctor
@@ -167,9 +167,11 @@ class GraphBackend:
             "break_reason": dc.graph_break_reason(gm),
             "recompile_reason": dc.recompile_reason(),
         }
-        # The graph as the strategies see it: identical blocks calling one compile.
-        sharing, unshared = self._share_blocks(gm, example_inputs, choice, ddp)
-        params = self._graph_params(gm, example_inputs, ddp)
+        # Which inputs are DDP parameters (once), the graph as the strategies see it (identical
+        # blocks calling one compile), then where that graph uses each parameter.
+        matched = self._param_inputs(gm, example_inputs, ddp)
+        sharing, unshared = self._share_blocks(gm, example_inputs, choice, matched)
+        params = params_in_graph(gm, matched)
         diagnosed_gm = copy.deepcopy(gm) if doctor.enabled() and choice.strategy is not Strategy.SPLIT else None
         job = GraphJob(gm=gm, example_inputs=example_inputs, params=params, graph_id=graph_id, ddp=ddp)
         result = self._apply(choice, job)
@@ -228,8 +230,8 @@ class GraphBackend:
             fn = ReadyLast(fn, positions) if positions else fn
         return _Counted(fn, self.report)
 
-    def _graph_params(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ddp: Any | None) -> list[GraphParam]:
-        """The reducer parameters this graph reads, but those DDP gives a sparse gradient
+    def _param_inputs(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ddp: Any | None) -> list[ParamInput]:
+        """The graph's inputs that are reducer parameters, but those DDP gives a sparse gradient
         (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``): DDP reduces each of
         those on its own as a sparse tensor, and so do they stay here, outside every bucket
         (DDP's reducer under ``split``/``none``, the fused runtime under ``fused``)."""
@@ -239,18 +241,17 @@ class GraphBackend:
                 return []
             # No buckets: the parameters the graph reads, counted in the report.
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-            return find_graph_params(gm, example_inputs, named)
+            return match_params(gm, example_inputs, named)
         named = ddpc.reducer_parameters(ddp)
-        params = find_graph_params(gm, example_inputs, named)
+        found = match_params(gm, example_inputs, named)
         sparse = {id(p) for (_, p), flag in zip(named, ddpc.sparse_gradient_flags(ddp)) if flag}
-        dense = [p for p in params if id(p.tensor) not in sparse]
-        for p in params:
+        for p in found:
             if id(p.tensor) in sparse and p.name not in self._sparse_noted:
                 self._sparse_noted.add(p.name)
                 self.report.note(
                     f"{p.name}: sparse gradient, reduced on its own as DDP reduces it (outside the buckets)"
                 )
-        return dense
+        return [p for p in found if id(p.tensor) not in sparse]
 
     def _resolve_ddp(self) -> Any | None:
         ddp = self.ddp
@@ -261,7 +262,7 @@ class GraphBackend:
         return ddp
 
     def _share_blocks(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], choice: Decision, ddp: Any | None
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], choice: Decision, matched: list[ParamInput]
     ) -> tuple[Sharing | None, str | None]:
         """Identical blocks of the graph share one compile (NOTE [one compile per block]); under
         ``fused`` each reduces its own parameters' bucket (NOTE [a bucket per block])."""
@@ -275,9 +276,12 @@ class GraphBackend:
         patches = dc.inductor_config_patches(cfg.mode, cfg.options, cfg.dynamic) if cfg.inductor else {}
         buckets = None
         if choice.plain_buckets:
-            params = self._graph_params(gm, example_inputs, ddp)
             tensors = collections.Counter(id(a) for a in example_inputs if isinstance(a, torch.Tensor))
-            own = frozenset(p.node for p in params if p.tensor.requires_grad and tensors[id(p.tensor)] == 1)
+            own = frozenset(
+                p.node
+                for p in matched
+                if p.node.op == "placeholder" and p.tensor.requires_grad and tensors[id(p.tensor)] == 1
+            )
             buckets = BlockBuckets(spec=choice.spec, params=own)
         called = any(is_block_call(node) for node in gm.graph.nodes)
         # The blocks run inside the graph's own CUDA graphs (Inductor's or bucketwise's), never in

@@ -42,39 +42,55 @@ def _flat_args(node: fx.Node) -> list[Any]:
     return flat
 
 
-def find_graph_params(
+@dataclasses.dataclass(frozen=True)
+class ParamInput:
+    """A node that brings a reducer parameter into a graph: who the parameter is, not where the
+    graph uses it (a rewrite of the graph's body leaves it true)."""
+
+    name: str
+    reducer_index: int
+    node: fx.Node
+    tensor: torch.Tensor = dataclasses.field(repr=False, compare=False)
+
+
+def match_params(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
     reducer_params: Iterable[tuple[str, torch.nn.Parameter]],
-) -> list[GraphParam]:
-    """The reducer parameters this graph reads, matched by tensor identity.
+) -> list[ParamInput]:
+    """The graph's inputs that are reducer parameters, matched by tensor identity.
 
     Dynamo lifts parameters to placeholders whose example input is the real ``nn.Parameter``;
-    with ``inline_inbuilt_nn_modules=False`` they can also be ``get_attr`` nodes. Parameters
-    that appear twice (the same tensor passed as two inputs) are counted once, at their
-    earliest use. Buffers and frozen parameters are not reducer parameters and never count.
+    with ``inline_inbuilt_nn_modules=False`` they can also be ``get_attr`` nodes. A parameter
+    passed as two inputs gives two entries. Buffers and frozen parameters are not reducer
+    parameters and never count.
     """
     by_id = {id(p): (i, name, p) for i, (name, p) in enumerate(reducer_params)}
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-
-    candidates: list[tuple[fx.Node, torch.Tensor]] = []
-    for node, value in zip(placeholders, example_inputs):
+    found: list[ParamInput] = []
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
         if isinstance(value, torch.Tensor) and id(value) in by_id:
-            candidates.append((node, value))
+            index, name, param = by_id[id(value)]
+            found.append(ParamInput(name, index, node, param))
     for node in gm.graph.find_nodes(op="get_attr"):
         value = getattr(gm, str(node.target), None)
         if isinstance(value, torch.Tensor) and id(value) in by_id:
-            candidates.append((node, value))
+            index, name, param = by_id[id(value)]
+            found.append(ParamInput(name, index, node, param))
+    return found
 
+
+def params_in_graph(gm: fx.GraphModule, inputs: Iterable[ParamInput]) -> list[GraphParam]:
+    """Where the graph, as it is now, uses each matched parameter (``match_params``). A parameter
+    that appears twice (the same tensor passed as two inputs) is counted once, at its earliest use."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
     best: dict[int, GraphParam] = {}
-    for node, value in candidates:
-        index, name, param = by_id[id(value)]
+    for inp in inputs:
+        node, param = inp.node, inp.tensor
         users = sorted(node.users, key=order.__getitem__)
         first = users[0] if users else None
         gp = GraphParam(
-            name=name,
-            reducer_index=index,
+            name=inp.name,
+            reducer_index=inp.reducer_index,
             node=node,
             first_use=order[first] if first is not None else -1,
             arg_position=_flat_args(first).index(node) if first is not None else 0,
@@ -83,10 +99,19 @@ def find_graph_params(
             in_higher_order_op=any(_is_hop_node(u) for u in node.users),
             tensor=param,
         )
-        prev = best.get(index)
+        prev = best.get(inp.reducer_index)
         if prev is None or (gp.first_use >= 0 and (prev.first_use < 0 or gp.first_use < prev.first_use)):
-            best[index] = gp
+            best[inp.reducer_index] = gp
     return list(best.values())
+
+
+def find_graph_params(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    reducer_params: Iterable[tuple[str, torch.nn.Parameter]],
+) -> list[GraphParam]:
+    """The reducer parameters this graph reads and where (``match_params``, then ``params_in_graph``)."""
+    return params_in_graph(gm, match_params(gm, example_inputs, reducer_params))
 
 
 def ready_order(params: Iterable[GraphParam]) -> list[GraphParam]:

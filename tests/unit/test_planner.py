@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import bucketwise
 from bucketwise._compat import ddp as ddpc
 from bucketwise._compat import dynamo as dc
 from bucketwise.compiler.segments import compile_with_fallback
@@ -410,6 +411,56 @@ def test_same_parameter_in_two_placeholders_counted_once():
     by_name = {p.name: p for p in params}
     assert by_name["w"].node is w2 and by_name["w"].first_use == 4
     assert names(ready_order(params)) == ["b", "w"]
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return x.sum()
+
+
+def test_each_graph_matches_its_parameters_once_and_locates_them_after_blocks_are_shared(
+    single_rank_group, monkeypatch
+):
+    """The graph backend finds which inputs are DDP parameters once per graph, and where they are
+    used once, in the graph the strategies get (blocks already calls of one compile)."""
+    from bucketwise.compiler import graph_backend
+
+    matched, located = [], []
+    real_match, real_locate = graph_backend.match_params, graph_backend.params_in_graph
+
+    def match(gm, example_inputs, named):
+        matched.append(gm)
+        return real_match(gm, example_inputs, named)
+
+    def locate(gm, inputs):
+        params = real_locate(gm, inputs)
+        located.append((gm, [str(n.target) for n in gm.graph.nodes], {p.name: p.first_use for p in params}))
+        return params
+
+    monkeypatch.setattr(graph_backend, "match_params", match)
+    monkeypatch.setattr(graph_backend, "params_in_graph", locate)
+    torch._dynamo.reset()
+    ddp = DDP(_Blocks())
+    compiled = bucketwise.compile(ddp, backend="aot_eager", strategy="fused", share_blocks=True)
+    compiled(torch.randn(4, 8)).backward()
+    rep = bucketwise.report(compiled)
+    (graph,) = rep.graphs
+    assert graph.shared_blocks is not None and "reason" not in graph.shared_blocks, graph.shared_blocks
+    assert len(matched) == 1 and len(located) == 1 and located[0][0] is matched[0]
+    _, targets, first_use = located[0]
+    # Located in the graph as shared: each block's weight first used by the call of its block.
+    calls = [i for i, t in enumerate(targets) if "shared_block" in t or "block_call" in t]
+    assert len(calls) == 3, targets
+    assert [first_use[f"blocks.{k}.0.weight"] for k in range(3)] == calls, (first_use, targets)
+    assert sorted(first_use) == sorted(n for n, _ in ddpc.reducer_parameters(ddp))
 
 
 def test_buffers_and_frozen_parameters_not_counted(single_rank_group):
