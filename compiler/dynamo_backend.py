@@ -40,7 +40,6 @@ import contextvars
 import inspect
 import logging
 import warnings
-import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -159,8 +158,9 @@ class WithoutDDP:
         name = type(dc.uncompiled(module)).__name__
         self.config = config
         self.report = report = Report(target=f"{name} (no DDP)", strategy=config.strategy, backend=config.backend_name)
-        self._backend = new_backend(config, report, None, cudagraphs=resolve_cudagraphs(config), alignment=False)
-        self._backend.module = weakref.ref(dc.uncompiled(module))
+        self._backend = new_backend(
+            config, report, None, cudagraphs=resolve_cudagraphs(config), alignment=False, module=dc.uncompiled(module)
+        )
         report.note(
             "compiled through torch.compile(backend='bucketwise') with no DDP forward running: each graph "
             "compiled whole with the inner backend, no buckets"

@@ -65,6 +65,7 @@ class GraphBackend:
         *,
         cudagraphs: cudagraph_policy.Decision,
         variant: Variant = Variant.SYNC,
+        module: torch.nn.Module | None = None,
     ) -> None:
         self.config = config
         self.report = report
@@ -87,7 +88,7 @@ class GraphBackend:
         """Blocks compiled for several calls of this backend's graphs (alive as long as it)."""
         self.block_calls: BlockCalls | None = None
         """``share_blocks``: the blocks Dynamo meets as one call each (NOTE [Dynamo calls a block])."""
-        self.module: weakref.ref[torch.nn.Module] | None = None
+        self.module = weakref.ref(module) if module is not None else None
         """A plain module compiled without DDP: the parameters its graphs read are counted."""
 
     def sharing_for(self, decision: Decision) -> BlockSharing:

@@ -155,9 +155,9 @@ def compile_module(module: nn.Module, config: CompileConfig, *, cudagraphs: Cuda
         strategy=config.strategy,
         backend=config.backend_name,
     )
-    backend = new_backend(config, report, ddp, cudagraphs=cudagraphs, alignment=ddp is not None)
-    if ddp is None:
-        backend.module = weakref.ref(inner)
+    backend = new_backend(
+        config, report, ddp, cudagraphs=cudagraphs, alignment=ddp is not None, module=inner if ddp is None else None
+    )
     forward = _inner_forward(inner)
     blocks = _block_calls(inner, backend)
     backend.block_calls = blocks

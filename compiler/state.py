@@ -150,10 +150,12 @@ def new_backend(
     cudagraphs: CudaGraphDecision,
     variant: Variant = Variant.SYNC,
     alignment: bool = True,
+    module: torch.nn.Module | None = None,
 ) -> GraphBackend:
     """A graph backend recording into ``report``; with ``alignment`` (the backend whose graphs
-    DDP's reducer reduces, when there is one) the report's alignment is read through it."""
-    backend = GraphBackend(config, report, ddp, cudagraphs=cudagraphs, variant=variant)
+    DDP's reducer reduces, when there is one) the report's alignment is read through it;
+    ``module``: a plain module compiled without DDP, whose parameters the report counts."""
+    backend = GraphBackend(config, report, ddp, cudagraphs=cudagraphs, variant=variant, module=module)
     if alignment:
         report.set_alignment_source(backend.alignment)
     return backend
