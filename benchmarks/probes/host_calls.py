@@ -84,6 +84,36 @@ def operator_call_us() -> dict[str, float]:
     return best
 
 
+def compiled_call_us() -> dict[str, float]:
+    """Host time of one call of a small graph compiled by Inductor as a shared block's are
+    (``_compat.aot.inductor_compile``): through Inductor's ``CompiledFxGraph.__call__``, as
+    bucketwise calls it (NOTE [a compiled block called directly]), and the generated ``call``
+    alone; they alternate, twice, and the faster round of each counts."""
+    from bucketwise._compat import aot
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.relu(x @ y) + 1,)
+
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    compiled = aot.inductor_compile_function(f, [x, y])
+    compiled([x, y])
+    calls = {
+        "Inductor's wrapper": compiled.compiled,
+        "bucketwise": compiled,
+        "generated call": compiled.compiled.current_callable,
+    }
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(2):
+        for name, fn in calls.items():
+            for _ in range(200):
+                fn([x, y])
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                fn([x, y])
+            best[name] = min(best[name], (time.perf_counter() - start) / CALLS * 1e6)
+    return best
+
+
 def attribute_check_us(layers: int = 32) -> tuple[int, float]:
     """The plain attributes of a ``layers``-layer tiny HF Llama's blocks, and the host time of one
     comparison of them with their first values (``BlockCalls.changed``), the best of five rounds."""
@@ -121,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'shared blocks' if share else 'whole graph':>13}: {calls:,.1f} Python calls per step")
         for name, us in operator_call_us().items():
             print(f"{name:>13}: {us:.1f} us per operator call (30 tensors)")
+        for name, us in compiled_call_us().items():
+            print(f"{name:>18}: {us:.2f} us per call of a compiled graph (mm, relu, add on 4 x 4)")
         n, us = attribute_check_us()
         print(f"   attributes: {us:.1f} us per comparison of a 32-layer HF Llama's {n} plain block attributes")
     finally:
