@@ -87,51 +87,89 @@ _BLOCKS: weakref.WeakValueDictionary[int, SharedBlock] = weakref.WeakValueDictio
 _KEYS = itertools.count()
 
 
-@dataclasses.dataclass(eq=False)
-class SharedBlock:
-    """One block's compiled forward and backward, called by every block identical to it."""
+# NOTE [a shared block in stages]: what is known of a shared block grows in stages, each a
+# record made once by the step that finds it: ``_plan`` lays out what the forward hands the
+# backward (``BlockLayout``); under ``fused`` ``_grads_onto_wire`` makes the backward return the
+# block's own parameters' gradients as one flat buffer (``BlockWire``, with the gradients' new
+# layout); ``_move_out`` takes what every block computes the same out of the forward
+# (``MovedOut``); ``_compile`` compiles both graphs and assembles the ``SharedBlock``. Only what
+# the first call finds (``FirstCall``) changes afterwards, once.
 
-    key: int
-    forward: Callable[[list[Any]], Any]
-    """Boxed: ``forward([inputs])`` -> the block's outputs, then the bases the backward reads."""
-    backward: Callable[[list[Any]], Any]
-    """Boxed: ``backward([saved..., grads of the outputs])`` -> a gradient per input."""
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    """What the shared forward returns and the shared backward takes and returns (``_plan``)."""
+
     n_user: int
     copied: frozenset[int]
     """Outputs returned as a copy: views of an input, or of the same tensor as an earlier
     output (an operation's outputs may not alias its inputs or each other)."""
-    roots: list[tuple[str, int]]
+    roots: tuple[tuple[str, int], ...]
     """What the backward takes before the gradients: each distinct tensor it reads or views, as
     (``input``, ``output`` or ``base``, which one); the backward graph applies the view ops."""
     n_bases: int
-    outputs: list[TensorMeta]
-    grads: list[TensorMeta | None]
+    outputs: tuple[TensorMeta, ...]
+    grads: tuple[TensorMeta | None, ...]
+    """What the backward returns: a gradient per input (``None`` for none), or with a
+    ``BlockWire``, the other inputs' and then the flat buffer."""
     n_tangents: int
     """Gradients the backward takes: one per floating-point output, in order."""
-    input_strides: list[tuple[int, ...]]
+    input_strides: tuple[tuple[int, ...], ...]
     """The strides the backward was compiled for, per input."""
-    reduced: tuple[int, ...] = ()
+    forward_layouts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    """The shape and strides of each input the forward was compiled for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWire:
     """``fused``: the inputs (DDP parameters) whose gradients the block reduces itself (NOTE
     [a bucket per block]): the backward returns them last, as one flat buffer in the wire's
     format, which the operation's autograd formula all-reduces and hands back as views."""
-    spec: CommSpec | None = None
-    """How ``reduced`` gradients go over the wire (the DDP module's reducer or compress hook)."""
-    reduced_shapes: tuple[torch.Size, ...] = ()
-    grad_dtype: torch.dtype | None = None
-    """The dtype of the ``reduced`` gradients (the wire's may differ: a compress hook)."""
-    forward_layouts: list[tuple[tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=list)
-    """The shape and strides of each input the forward was compiled for."""
+
+    reduced: tuple[int, ...]
+    spec: CommSpec
+    """How the gradients go over the wire (the DDP module's reducer or compress hook)."""
+    reduced_shapes: tuple[torch.Size, ...]
+    grad_dtype: torch.dtype
+    """The dtype of the gradients (the wire's may differ: a compress hook)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MovedOut:
+    """The part of the block's forward moved into the graph around the blocks (NOTE [computed once
+    before the blocks]): ``before`` takes the block's inputs at ``invariant`` and returns what
+    every call of the block then takes after its own inputs."""
+
+    before: fx.GraphModule
+    invariant: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class FirstCall:
+    """What a shared block's first call finds, looked at once and then reused (host time per call)."""
+
     aliased: frozenset[int] | None = None
     """The outputs copied at every call (``copied``, and any found sharing memory with an input
     or an earlier output at the first call); ``None`` before it."""
     restride: tuple[int, ...] | None = None
     """The backward's inputs whose layout is looked at every call (the gradients, and any saved
     tensor laid out otherwise at the first call); ``None`` before it."""
-    before: fx.GraphModule | None = None
-    """The part of the block's forward moved into the graph around the blocks (NOTE [computed once
-    before the blocks]). It takes the block's inputs at ``invariant`` and returns what every call
-    of the block then takes after its own inputs."""
-    invariant: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SharedBlock:
+    """One block's compiled forward and backward, called by every block identical to it (NOTE
+    [a shared block in stages])."""
+
+    key: int
+    layout: BlockLayout
+    forward: Callable[[list[Any]], Any]
+    """Boxed: ``forward([inputs])`` -> the block's outputs, then the bases the backward reads."""
+    backward: Callable[[list[Any]], Any]
+    """Boxed: ``backward([saved..., grads of the outputs])`` -> what ``layout.grads`` says."""
+    wire: BlockWire | None = None
+    moved: MovedOut | None = None
+    first_call: FirstCall = dataclasses.field(default_factory=FirstCall)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,15 +185,16 @@ class BlockBuckets:
 
 def _shared_block(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     block = _BLOCKS[key]
-    if block.aliased is None:
-        _check_layouts("shared_block", inputs, block.forward_layouts)
+    seen = block.first_call
+    if seen.aliased is None:
+        _check_layouts("shared_block", inputs, block.layout.forward_layouts)
     out = list(block.forward(list(inputs)))
-    if block.aliased is None:
+    if seen.aliased is None:
         # Which outputs share memory is the compiled graph's structure, the same at every call:
         # found once (the plan avoids it; a view op torch does not mark as one could still do
         # it), then copied at every call without looking again (host time per block call).
-        block.aliased = block.copied | _aliasing(out, inputs)
-    for i in block.aliased:
+        seen.aliased = block.layout.copied | _aliasing(out, inputs)
+    for i in seen.aliased:
         out[i] = out[i].clone()
     return out
 
@@ -190,75 +229,78 @@ def _aliasing(out: list[torch.Tensor], inputs: list[torch.Tensor]) -> frozenset[
 def _shared_block_fake(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [
         torch.empty_strided(shape, stride, dtype=dtype, device=device)
-        for shape, stride, dtype, device in _BLOCKS[key].outputs
+        for shape, stride, dtype, device in _BLOCKS[key].layout.outputs
     ]
 
 
 def _shared_block_backward(key: int, saved_and_grads: list[torch.Tensor]) -> list[torch.Tensor]:
     block = _BLOCKS[key]
+    layout, seen = block.layout, block.first_call
     # The layout the backward was compiled for: a tensor laid out otherwise (a gradient autograd
     # made as zeros with its output's strides; AOTAutograd's own runtime makes those contiguous)
     # is copied into it. The saved tensors come from compiled graphs, laid out the same at every
     # call: looked at once, then only the gradients are (host time per block call).
-    if block.restride is None:
-        n_saved = len(saved_and_grads) - block.n_tangents
-        block.restride = tuple(
+    if seen.restride is None:
+        n_saved = len(saved_and_grads) - layout.n_tangents
+        seen.restride = tuple(
             i
-            for i, (t, stride) in enumerate(zip(saved_and_grads, block.input_strides))
+            for i, (t, stride) in enumerate(zip(saved_and_grads, layout.input_strides))
             if i >= n_saved or t.stride() != stride
         )
     inputs = list(saved_and_grads)
-    strides = block.input_strides
-    for i in block.restride:
+    strides = layout.input_strides
+    for i in seen.restride:
         if inputs[i].stride() != strides[i]:
             inputs[i] = _laid_out(inputs[i], strides[i])
     grads = block.backward(inputs)
     # Only the gradients there are: a placeholder for a missing one would be a tensor made on
     # the host, which no CUDA graph of the compiled backward around this call can capture.
-    return [g for g, meta in zip(grads, block.grads) if meta is not None]
+    return [g for g, meta in zip(grads, layout.grads) if meta is not None]
 
 
 def _shared_block_backward_fake(key: int, saved_and_grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3]) for m in _BLOCKS[key].grads if m is not None]
+    grads = _BLOCKS[key].layout.grads
+    return [torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3]) for m in grads if m is not None]
 
 
 def _setup_context(ctx: Any, inputs: tuple[int, list[torch.Tensor]], output: list[torch.Tensor]) -> None:
     key, ins = inputs
     block = _BLOCKS[key]
     ctx.key = key
-    pools = {"input": ins, "output": output, "base": output[block.n_user :]}
+    pools = {"input": ins, "output": output, "base": output[block.layout.n_user :]}
     # Held by the context, not ``save_for_backward``: the formula runs only while AOTAutograd
     # traces the joint graph (the compiled forward calls the operator without a gradient), where
     # a saved tensor would be a ``detach`` in the forward graph and another in the backward for
     # each tensor the backward reads (28 nodes per block of HF Llama), traced, partitioned and
     # lowered once per block for nothing.
-    ctx.saved = [pools[kind][i] for kind, i in block.roots]
+    ctx.saved = [pools[kind][i] for kind, i in block.layout.roots]
 
 
 def _backward(ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple[None, list[torch.Tensor | None]]:
     block = _BLOCKS[ctx.key]
+    layout = block.layout
     tangents = []
-    for j in range(block.n_user):
-        shape, _, dtype, device = block.outputs[j]
+    for j in range(layout.n_user):
+        shape, _, dtype, device = layout.outputs[j]
         if dtype.is_floating_point:
             tangents.append(grads[j] if grads[j] is not None else torch.zeros(shape, dtype=dtype, device=device))
     present = iter(SHARED_BLOCK_BACKWARD(ctx.key, [*ctx.saved, *tangents]))
-    grads = [None if meta is None else next(present) for meta in block.grads]
-    return None, _reduced_grads(block, grads) if block.reduced else grads
+    grads = [None if meta is None else next(present) for meta in layout.grads]
+    return None, _reduced_grads(block.wire, grads) if block.wire is not None else grads
 
 
-def _reduced_grads(block: SharedBlock, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """The gradient of every input, those of ``block.reduced`` all-reduced from the flat buffer
+def _reduced_grads(wire: BlockWire, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The gradient of every input, those of ``wire.reduced`` all-reduced from the flat buffer
     the shared backward returned last (NOTE [a bucket per block])."""
-    *others, wire = grads
-    spec = block.spec
-    if spec is None or wire is None:
-        raise AssertionError(f"expected a spec and a flat gradient buffer, got {spec} and {wire}")
-    reduced = spec.all_reduce(wire)
+    *others, flat = grads
+    if flat is None:
+        raise AssertionError("expected the shared backward's flat gradient buffer last, got None")
+    spec = wire.spec
+    reduced = spec.all_reduce(flat)
     if spec.comm_dtype is not None:
-        reduced = reduced.to(block.grad_dtype)
-    params, rest = iter(unflatten(reduced, block.reduced_shapes)), iter(others)
-    positions = set(block.reduced)
+        reduced = reduced.to(wire.grad_dtype)
+    params, rest = iter(unflatten(reduced, wire.reduced_shapes)), iter(others)
+    positions = set(wire.reduced)
     return [next(params) if i in positions else next(rest) for i in range(len(others) + len(positions))]
 
 
@@ -338,8 +380,8 @@ class Sharing:
             {
                 _op_name(n)
                 for block in self.kept
-                if block.before is not None
-                for n in block.before.graph.nodes
+                if block.moved is not None
+                for n in block.moved.before.graph.nodes
                 if n.op == "call_function"
             }
         )
@@ -418,20 +460,21 @@ def share_blocks(
                 return None, f"{run.name}.{k}: {exc}"
             outcomes.append(outcome)
     shared = [(part, blocks[sig]) for part, sig in zip(parts, signatures) if sig in blocks]
-    computed: dict[int, list[fx.Node]] = {}  # block key -> what ``block.before`` computed
+    computed: dict[int, list[fx.Node]] = {}  # block key -> what ``block.moved.before`` computed
     with aot.dynamo_sources_kept(gm):
         for k, (part, block) in enumerate(shared):
             _, call = aot.cut_out(gm, part, f"block_{k}")
             inputs = list(call.args)
             with gm.graph.inserting_before(call):
-                if block.before is not None:
+                if block.moved is not None:
                     # Before the first block of its kind, which every other one follows.
                     if block.key not in computed:
-                        computed[block.key] = _insert(gm.graph, block.before, [inputs[i] for i in block.invariant])
+                        moved = block.moved
+                        computed[block.key] = _insert(gm.graph, moved.before, [inputs[i] for i in moved.invariant])
                     inputs += computed[block.key]
                 op = gm.graph.call_function(SHARED_BLOCK, (block.key, inputs))
-            if block.reduced:
-                op.meta[REDUCED_PARAMS_META] = [inputs[i] for i in block.reduced]
+            if block.wire is not None:
+                op.meta[REDUCED_PARAMS_META] = [inputs[i] for i in block.wire.reduced]
             call.replace_all_uses_with(op)
             gm.graph.erase_node(call)
             gm.delete_submodule(str(call.target))
@@ -534,21 +577,24 @@ def _compile(
         raise _NotShareable(f"the block draws random numbers ({random[0]})")
     if any(n.op == "call_function" and dc.written_args(n) for n in fw.graph.nodes):
         raise _NotShareable("the block writes into one of its inputs")
+    # The stages of NOTE [a shared block in stages], in order: each rewrites fw and bw in place.
     before = _move_out(fw, bw, invariant, n_user=len(_user_outputs(sub)))
-    block = _plan(sub, fw, bw, fake_mode)
-    if before is not None:
-        block.before, block.invariant = before, invariant
+    moved = MovedOut(before, invariant) if before is not None else None
+    layout = _plan(sub, fw, bw, fake_mode)
+    wire = None
     if reduced:
         if spec is None:
             raise AssertionError(f"expected a comm spec for the reduced inputs {reduced}, got None")
-        _grads_onto_wire(bw, block, [fakes[i] for i in reduced], reduced, spec, fake_mode)
+        wire, grads = _grads_onto_wire(bw, [fakes[i] for i in reduced], reduced, spec, fake_mode)
+        layout = dataclasses.replace(layout, grads=grads)
     if backend == "inductor":
         fw_inputs = [n.meta["val"] for n in fw.graph.find_nodes(op="placeholder")]
         bw_inputs = [n.meta["val"] for n in bw.graph.find_nodes(op="placeholder")]
-        block.forward = aot.inductor_compile(fw, fw_inputs, fake_mode, backward=False, config_patches=config_patches)
-        block.backward = aot.inductor_compile(bw, bw_inputs, fake_mode, backward=True, config_patches=config_patches)
+        forward = aot.inductor_compile(fw, fw_inputs, fake_mode, backward=False, config_patches=config_patches)
+        backward = aot.inductor_compile(bw, bw_inputs, fake_mode, backward=True, config_patches=config_patches)
     else:
-        block.forward, block.backward = aot.boxed(fw), aot.boxed(bw)
+        forward, backward = aot.boxed(fw), aot.boxed(bw)
+    block = SharedBlock(next(_KEYS), layout, forward, backward, wire=wire, moved=moved)
     _BLOCKS[block.key] = block
     outcome = CompileOutcome(backend=backend, seconds=time.perf_counter() - start)
     phases1 = dc.compile_phase_seconds()
@@ -676,7 +722,7 @@ def _insert(graph: fx.Graph, before: fx.GraphModule, args: list[fx.Node]) -> lis
     return list(out)
 
 
-def _plan(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fake_mode: Any) -> SharedBlock:
+def _plan(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fake_mode: Any) -> BlockLayout:
     """How the shared forward hands the backward what it reads (see NOTE [one compile per block]):
     the forward graph returns the block's outputs and each other distinct non-view tensor the
     backward reads once; every tensor the backward reads is an input, an output or such a base,
@@ -721,35 +767,31 @@ def _plan(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fake_mode
     _views_into_backward(bw, saved, {r: pools[r[0]][r[1]].meta["val"] for r in roots}, fake_mode)
     bw_inputs = list(bw.graph.find_nodes(op="placeholder"))
     bw_out = list(next(iter(bw.graph.find_nodes(op="output"))).args[0])
-    return SharedBlock(
-        key=next(_KEYS),
-        forward=aot.boxed(fw),
-        backward=aot.boxed(bw),
+    return BlockLayout(
         n_user=n_user,
         copied=frozenset(copied),
-        roots=roots,
+        roots=tuple(roots),
         n_bases=len(bases),
-        outputs=[_meta(n) for n in user + bases],
-        grads=[_meta(n) if isinstance(n, fx.Node) else None for n in bw_out],
+        outputs=tuple(_meta(n) for n in user + bases),
+        grads=tuple(_meta(n) if isinstance(n, fx.Node) else None for n in bw_out),
         n_tangents=n_tangents,
-        input_strides=[tuple(n.meta["val"].stride()) for n in bw_inputs],
-        forward_layouts=[(tuple(p.meta["val"].shape), tuple(p.meta["val"].stride())) for p in placeholders],
+        input_strides=tuple(tuple(n.meta["val"].stride()) for n in bw_inputs),
+        forward_layouts=tuple((tuple(p.meta["val"].shape), tuple(p.meta["val"].stride())) for p in placeholders),
     )
 
 
 def _grads_onto_wire(
     bw: fx.GraphModule,
-    block: SharedBlock,
     params: list[torch.Tensor],
     reduced: tuple[int, ...],
     spec: CommSpec,
     fake_mode: Any,
-) -> None:
+) -> tuple[BlockWire, tuple[TensorMeta | None, ...]]:
     """Rewrite ``bw`` in place so that it returns the gradients of the ``reduced`` inputs (the
     block's parameters, fakes ``params``) last, as one flat buffer in the wire's format (each
     flattened, cast and scaled as ``CommSpec.to_wire`` says, in input order, zeros for a
-    parameter the block leaves without a gradient), and records it in ``block`` (NOTE [a bucket
-    per block])."""
+    parameter the block leaves without a gradient) (NOTE [a bucket per block]). Returns the
+    reduction and what ``bw`` returns now."""
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1 and spec.comm_dtype is None:
         raise _NotShareable(f"the block's parameters have several dtypes ({sorted(map(str, dtypes))})")
@@ -778,10 +820,13 @@ def _grads_onto_wire(
     graph.eliminate_dead_code()
     graph.lint()
     bw.recompile()
-    block.grads = [_meta(n) if isinstance(n, fx.Node) else None for n in new_outs]
-    block.reduced, block.spec = reduced, spec
-    block.reduced_shapes = tuple(torch.Size(p.shape) for p in params)
-    block.grad_dtype = params[0].dtype
+    wire = BlockWire(
+        reduced=reduced,
+        spec=spec,
+        reduced_shapes=tuple(torch.Size(p.shape) for p in params),
+        grad_dtype=params[0].dtype,
+    )
+    return wire, tuple(_meta(n) if isinstance(n, fx.Node) else None for n in new_outs)
 
 
 def _views_into_backward(
