@@ -196,7 +196,7 @@ class BucketwiseTrainerMixin:
 def check_fused(ddp: Any, options: dict[str, Any]) -> bool:
     """Does ``strategy="fused"`` apply to ``ddp`` as it is now (NOTE [explicit strategies])?"""
     config = CompileConfig(**{**options, "strategy": "fused"})
-    return refusal(config, decide(config, ddp, runs_ddp_forward=True), target="") is None
+    return refusal(config, decide(config, ddp, runs_ddp_forward=True, cudagraphs=False), target="") is None
 
 
 def with_bucketwise(trainer_class: type) -> type:

@@ -91,7 +91,13 @@ class DDPForward:
         """Decide; after a change (``why``), compile the frames again where the hooks traced into
         them changed (``recompile``) or the decision's graphs differ from those compiled."""
         old = self.decision
-        new = decide(self.state.config, self.ddp, runs_ddp_forward=True, own_hooks=self.own_hook_ids())
+        new = decide(
+            self.state.config,
+            self.ddp,
+            runs_ddp_forward=True,
+            cudagraphs=self.state.backend.cudagraphs is not None,
+            own_hooks=self.own_hook_ids(),
+        )
         report = self.state.report
         self._check_across_ranks(new, why)
         problem = refusal(self.state.config, new, target=report.target)
@@ -166,7 +172,7 @@ class DDPForward:
             if self.alignment is None:
                 self.alignment = AlignmentPoll(state.report, ddp)
         blocks = state.backend.block_calls
-        sharing = state.backend.sharing_for(new)
+        sharing = new.sharing
         if blocks is not None and blocks.off is None and not sharing.enabled:
             # Dynamo inlines the blocks from this call on (NOTE [sharing by default]).
             blocks.off = sharing.reason

@@ -47,6 +47,37 @@ class Variant(str, enum.Enum):
     """``no_sync()`` steps, evaluation and the reducer's steps under ``join()``: no collectives."""
 
 
+# NOTE [sharing by default]: sharing one compile among identical blocks (NOTE [one compile per
+# block]) shortens the first step of every job and restart, but each shared block is two more
+# calls, output allocations and a few kernels that no longer fuse across the block's edges: host
+# time every step, which a step that is host-bound pays in full. Bucketwise's CUDA graphs replay
+# all of that as one launch. So ``share_blocks="auto"`` (the default) shares where bucketwise's
+# CUDA graphs are on, and not under ``strategy="split"``, where a shared block is never cut and
+# the bucket segments inside it would merge. ``True`` shares anyway; ``False`` never. It is
+# decided once per compiled object from what was asked and the CUDA-graph decision (whether
+# Dynamo meets blocks as calls at all), and once more with the strategy chosen, as part of the
+# ``Decision`` every graph reads (an ``auto`` that falls back to ``split``: a gradient hook):
+# then Dynamo inlines the blocks and no graph shares them. The report says why blocks were left
+# to the whole graph where ``"auto"`` left them.
+
+
+SHAREABLE_BACKENDS = ("inductor", "aot_eager")
+"""The backends a shared block compiles with (NOTE [one compile per block])."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSharing:
+    """Whether identical blocks share one compile (NOTE [sharing by default])."""
+
+    enabled: bool
+    reason: str | None = None
+    """Why ``share_blocks="auto"`` left them unshared (``None`` otherwise)."""
+
+    def note(self, container: str, count: int) -> str:
+        """The report's note on the ``count`` blocks of ``container`` left unshared."""
+        return f"{container}: {count} blocks compiled with the whole graph: {self.reason}"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Decision:
     """How the graphs of one compiled object reduce one DDP module's gradients (NOTE [one decision])."""
@@ -66,6 +97,8 @@ class Decision:
     """``fused``: how each bucket is reduced (DDP's reducer or its comm hook)."""
     ddp_id: int | None = None
     """``id()`` of the DDP module decided for."""
+    sharing: BlockSharing = BlockSharing(enabled=False)
+    """Whether identical blocks share one compile under ``strategy`` (NOTE [sharing by default])."""
 
     @property
     def fused(self) -> bool:
@@ -91,12 +124,23 @@ def decide(
     ddp: Any | None,
     *,
     runs_ddp_forward: bool,
+    cudagraphs: bool,
     variant: Variant = Variant.SYNC,
     own_hooks: Collection[int] = (),
 ) -> Decision:
     """The decision for ``config.strategy`` on ``ddp`` (``None``: no DDP module).
     ``runs_ddp_forward``: bucketwise runs the DDP forward itself (it compiled the DDP module),
-    which ``fused`` needs; ``own_hooks``: handle ids of bucketwise's own gradient hooks."""
+    which ``fused`` needs; ``cudagraphs``: bucketwise's CUDA graphs are on (block sharing
+    follows them); ``own_hooks``: handle ids of bucketwise's own gradient hooks."""
+    decision = _strategy(config, ddp, runs_ddp_forward=runs_ddp_forward, variant=variant, own_hooks=own_hooks)
+    sharing = decide_sharing(config, cudagraphs=cudagraphs, strategy=decision.strategy)
+    return dataclasses.replace(decision, sharing=sharing)
+
+
+def _strategy(
+    config: CompileConfig, ddp: Any | None, *, runs_ddp_forward: bool, variant: Variant, own_hooks: Collection[int]
+) -> Decision:
+    """``decide``'s strategy, its reason, and what it takes (caps, comm hook, spec)."""
     requested = Strategy(config.strategy)
     if ddp is None:
         reason = "no DDP module: no gradient buckets" if requested in (Strategy.SPLIT, Strategy.FUSED) else None
@@ -162,36 +206,6 @@ def refusal(config: CompileConfig, decision: Decision, *, target: str) -> str | 
         f"strategy={requested.value!r} cannot apply to {target}: {decision.reason}. Pass strategy='auto', which "
         f"runs {fallback!r} here (the report's strategy_reason says why), or strategy={fallback!r}"
     )
-
-
-# NOTE [sharing by default]: sharing one compile among identical blocks (NOTE [one compile per
-# block]) shortens the first step of every job and restart, but each shared block is two more
-# calls, output allocations and a few kernels that no longer fuse across the block's edges: host
-# time every step, which a step that is host-bound pays in full. Bucketwise's CUDA graphs replay
-# all of that as one launch. So ``share_blocks="auto"`` (the default) shares where bucketwise's
-# CUDA graphs are on, and not under ``strategy="split"``, where a shared block is never cut and
-# the bucket segments inside it would merge. ``True`` shares anyway; ``False`` never. The decision
-# is made once per compiled object from what was asked and the CUDA-graph decision, and made
-# again with the strategy chosen (an ``auto`` that falls back to ``split``: a gradient hook):
-# then Dynamo inlines the blocks and no graph shares them. The report says why blocks were left
-# to the whole graph where ``"auto"`` left them.
-
-
-SHAREABLE_BACKENDS = ("inductor", "aot_eager")
-"""The backends a shared block compiles with (NOTE [one compile per block])."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BlockSharing:
-    """Whether identical blocks share one compile (NOTE [sharing by default])."""
-
-    enabled: bool
-    reason: str | None = None
-    """Why ``share_blocks="auto"`` left them unshared (``None`` otherwise)."""
-
-    def note(self, container: str, count: int) -> str:
-        """The report's note on the ``count`` blocks of ``container`` left unshared."""
-        return f"{container}: {count} blocks compiled with the whole graph: {self.reason}"
 
 
 def decide_sharing(config: CompileConfig, *, cudagraphs: bool, strategy: Strategy | None = None) -> BlockSharing:

@@ -78,7 +78,7 @@ class GraphBackend:
         self.cudagraphs = self._cudagraph_group(cudagraphs)
         self.sharing: BlockSharing = decide_sharing(config, cudagraphs=self.cudagraphs is not None)
         """Whether identical blocks may share one compile, before the strategy is chosen (NOTE
-        [sharing by default]; :meth:`sharing_for` once it is)."""
+        [sharing by default]; ``Decision.sharing`` once it is)."""
         self.segment_backend = self._make_backend(config.options)
         self._fused_backend: Callable[..., Any] | None = None
         # Frame -> param name -> segment index (latest compile of each frame): alignment.
@@ -90,10 +90,6 @@ class GraphBackend:
         """``share_blocks``: the blocks Dynamo meets as one call each (NOTE [Dynamo calls a block])."""
         self.module = weakref.ref(module) if module is not None else None
         """A plain module compiled without DDP: the parameters its graphs read are counted."""
-
-    def sharing_for(self, decision: Decision) -> BlockSharing:
-        """Whether identical blocks share one compile under ``decision`` (NOTE [sharing by default])."""
-        return decide_sharing(self.config, cudagraphs=self.cudagraphs is not None, strategy=decision.strategy)
 
     def use(self, decision: Decision, fused: FusedState | None) -> None:
         """The compiled DDP module's decision, and under ``fused`` its runtime's state."""
@@ -139,7 +135,9 @@ class GraphBackend:
         backend's own for the DDP module it found (a compiled function's)."""
         decision = self.decision
         if decision is None or (ddp is not None and decision.ddp_id != id(ddp)):
-            decision = decide(self.config, ddp, runs_ddp_forward=False, variant=self.variant)
+            decision = decide(
+                self.config, ddp, runs_ddp_forward=False, cudagraphs=self.cudagraphs is not None, variant=self.variant
+            )
             if ddp is not None and self.variant is Variant.SYNC:
                 # A graph of the DDP module's forward: an explicit strategy must apply to it
                 # (NOTE [explicit strategies]); graphs of the function outside it have no buckets.
@@ -270,7 +268,7 @@ class GraphBackend:
         cfg = self.config
         if not self.sharing.enabled:
             return None, None
-        chosen = self.sharing_for(choice)
+        chosen = choice.sharing
         if not chosen.enabled:
             return None, chosen.reason
         backend = cfg.backend_name

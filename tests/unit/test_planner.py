@@ -315,14 +315,14 @@ def test_fused_sizes_its_buckets_only_where_ddp_kept_its_default_caps(single_ran
     from bucketwise.compiler.decision import decide
 
     def caps(ddp, **config):
-        return decide(CompileConfig(strategy="fused", **config), ddp, runs_ddp_forward=True).caps
+        return decide(CompileConfig(strategy="fused", **config), ddp, runs_ddp_forward=True, cudagraphs=False).caps
 
     default = DDP(nn.Linear(4, 4))
     assert caps(default).for_overlap
     assert not caps(default, bucket_cap_mb=25).for_overlap
     assert not caps(DDP(nn.Linear(4, 4), bucket_cap_mb=25)).for_overlap
     assert not caps(DDP(nn.Linear(4, 4), bucket_cap_mb_list=[1, 2])).for_overlap
-    split = decide(CompileConfig(strategy="split"), default, runs_ddp_forward=True)
+    split = decide(CompileConfig(strategy="split"), default, runs_ddp_forward=True, cudagraphs=False)
     assert not split.caps.for_overlap and split.caps.matches_ddp(default)
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
