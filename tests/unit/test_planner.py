@@ -22,6 +22,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
+from support.small_net import BlocksNet
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
@@ -413,19 +414,6 @@ def test_same_parameter_in_two_placeholders_counted_once():
     assert names(ready_order(params)) == ["b", "w"]
 
 
-class _Blocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = x + block(x)
-        return x.sum()
-
-
 def test_each_graph_matches_its_parameters_once_and_locates_them_after_blocks_are_shared(
     single_rank_group, monkeypatch
 ):
@@ -448,7 +436,7 @@ def test_each_graph_matches_its_parameters_once_and_locates_them_after_blocks_ar
     monkeypatch.setattr(graph_backend, "match_params", match)
     monkeypatch.setattr(graph_backend, "params_in_graph", locate)
     torch._dynamo.reset()
-    ddp = DDP(_Blocks())
+    ddp = DDP(BlocksNet())
     compiled = bucketwise.compile(ddp, backend="aot_eager", strategy="fused", share_blocks=True)
     compiled(torch.randn(4, 8)).backward()
     rep = bucketwise.report(compiled)

@@ -10,24 +10,11 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
+from support.small_net import BlocksNet as Net
 
 import bucketwise
 from bucketwise.compiler.config import CompileConfig
 from bucketwise.compiler.decision import decide_sharing
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 8)  # so every block's input needs a gradient: the blocks are one computation
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = x + block(x)
-        return x.sum()
 
 
 @pytest.mark.parametrize(
