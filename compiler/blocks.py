@@ -71,77 +71,33 @@ import torch.fx as fx
 
 from .._compat import aot, ops
 from .._compat import dynamo as dc
+from ..distributed.fused import block_wire
+from ..distributed.fused.block_wire import BlockWire
 from ..distributed.fused.cache_keys import source_key
-from ..distributed.fused.sync import REDUCED_PARAMS_META, CommSpec, unflatten
+from ..distributed.fused.sync import REDUCED_PARAMS_META, CommSpec
 from ..distributed.result import CompileOutcome
-from ..partitioners.blocks import BlockRun, find_block_run, piece_of, piece_signature
+from ..partitioners import block_graphs as bg
+from ..partitioners.block_graphs import BlockLayout, MovedOut
+from ..partitioners.blocks import find_block_run, piece_signature
 from . import block_calls
 
 log = logging.getLogger(__name__)
 
 _RANDOM = ("rand", "dropout", "bernoulli", "philox", "seed", "normal_", "uniform_", "exponential_", "multinomial")
 
-TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
 
 _BLOCKS: weakref.WeakValueDictionary[int, SharedBlock] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 
 
 # NOTE [a shared block in stages]: what is known of a shared block grows in stages, each a
-# record made once by the step that finds it: ``_plan`` lays out what the forward hands the
-# backward (``BlockLayout``); under ``fused`` ``_grads_onto_wire`` makes the backward return the
-# block's own parameters' gradients as one flat buffer (``BlockWire``, with the gradients' new
-# layout); ``_move_out`` takes what every block computes the same out of the forward
-# (``MovedOut``); ``_compile`` compiles both graphs and assembles the ``SharedBlock``. Only what
+# record made once by the step that finds it. ``partitioners/block_graphs.py`` takes what every
+# block computes the same out of the forward (``move_out``: ``MovedOut``) and lays out what the
+# forward hands the backward (``plan_layout``: ``BlockLayout``); under ``fused``,
+# ``distributed/fused/block_wire.py`` makes the backward return the block's own parameters'
+# gradients as one flat buffer (``grads_onto_wire``: ``BlockWire``, with the gradients' new
+# layout); ``_compile`` compiles both graphs and assembles the ``SharedBlock``. Only what
 # the first call finds (``FirstCall``) changes afterwards, once.
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockLayout:
-    """What the shared forward returns and the shared backward takes and returns (``_plan``)."""
-
-    n_user: int
-    copied: frozenset[int]
-    """Outputs returned as a copy: views of an input, or of the same tensor as an earlier
-    output (an operation's outputs may not alias its inputs or each other)."""
-    roots: tuple[tuple[str, int], ...]
-    """What the backward takes before the gradients: each distinct tensor it reads or views, as
-    (``input``, ``output`` or ``base``, which one); the backward graph applies the view ops."""
-    n_bases: int
-    outputs: tuple[TensorMeta, ...]
-    grads: tuple[TensorMeta | None, ...]
-    """What the backward returns: a gradient per input (``None`` for none), or with a
-    ``BlockWire``, the other inputs' and then the flat buffer."""
-    n_tangents: int
-    """Gradients the backward takes: one per floating-point output, in order."""
-    input_strides: tuple[tuple[int, ...], ...]
-    """The strides the backward was compiled for, per input."""
-    forward_layouts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
-    """The shape and strides of each input the forward was compiled for."""
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockWire:
-    """``fused``: the inputs (DDP parameters) whose gradients the block reduces itself (NOTE
-    [a bucket per block]): the backward returns them last, as one flat buffer in the wire's
-    format, which the operation's autograd formula all-reduces and hands back as views."""
-
-    reduced: tuple[int, ...]
-    spec: CommSpec
-    """How the gradients go over the wire (the DDP module's reducer or compress hook)."""
-    reduced_shapes: tuple[torch.Size, ...]
-    grad_dtype: torch.dtype
-    """The dtype of the gradients (the wire's may differ: a compress hook)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class MovedOut:
-    """The part of the block's forward moved into the graph around the blocks (NOTE [computed once
-    before the blocks]): ``before`` takes the block's inputs at ``invariant`` and returns what
-    every call of the block then takes after its own inputs."""
-
-    before: fx.GraphModule
-    invariant: tuple[int, ...]
 
 
 @dataclasses.dataclass
@@ -286,22 +242,7 @@ def _backward(ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple[None, lis
             tangents.append(grads[j] if grads[j] is not None else torch.zeros(shape, dtype=dtype, device=device))
     present = iter(SHARED_BLOCK_BACKWARD(ctx.key, [*ctx.saved, *tangents]))
     grads = [None if meta is None else next(present) for meta in layout.grads]
-    return None, _reduced_grads(block.wire, grads) if block.wire is not None else grads
-
-
-def _reduced_grads(wire: BlockWire, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """The gradient of every input, those of ``wire.reduced`` all-reduced from the flat buffer
-    the shared backward returned last (NOTE [a bucket per block])."""
-    *others, flat = grads
-    if flat is None:
-        raise AssertionError("expected the shared backward's flat gradient buffer last, got None")
-    spec = wire.spec
-    reduced = spec.all_reduce(flat)
-    if spec.comm_dtype is not None:
-        reduced = reduced.to(wire.grad_dtype)
-    params, rest = iter(unflatten(reduced, wire.reduced_shapes)), iter(others)
-    positions = set(wire.reduced)
-    return [next(params) if i in positions else next(rest) for i in range(len(others) + len(positions))]
+    return None, block_wire.reduced_grads(block.wire, grads) if block.wire is not None else grads
 
 
 def _laid_out(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
@@ -346,10 +287,11 @@ SHARED_BLOCK_BACKWARD = ops.define(
 def cache_targets() -> dict[str, str]:
     """What a graph calling ``bucketwise::shared_block`` must be cache-keyed by (NOTE [compile cache
     keys]): the graph's compiled backward calls ``shared_block_backward`` with what this module's
-    autograd formula hands it (the roots of the saved tensors, in the order ``_plan`` chose), which
-    AOTAutograd's and Inductor's caches do not see. Keyed by this module's source, a cached graph
-    from another version of it is not loaded."""
-    return {f"{__name__}.shared_block": source_key(sys.modules[__name__])}
+    autograd formula hands it (the roots of the saved tensors, in the order ``plan_layout`` chose;
+    under ``fused`` the flat buffer ``grads_onto_wire`` made, reduced by ``reduced_grads``), which
+    AOTAutograd's and Inductor's caches do not see. Keyed by the source of the three modules that
+    decide it, a cached graph from another version of them is not loaded."""
+    return {f"{__name__}.shared_block": source_key(sys.modules[__name__], bg, block_wire)}
 
 
 @dataclasses.dataclass
@@ -378,7 +320,7 @@ class Sharing:
         """The ops moved out of the blocks (NOTE [computed once before the blocks])."""
         return sorted(
             {
-                _op_name(n)
+                bg.op_name(n)
                 for block in self.kept
                 if block.moved is not None
                 for n in block.moved.before.graph.nodes
@@ -416,19 +358,19 @@ def share_blocks(
     """Rewrite ``gm`` in place so that its identical blocks call one compiled block; returns what
     was shared, or ``None`` and why nothing was (NOTE [one compile per block]). ``buckets``
     (``fused``): the parameters a shared block may reduce itself (NOTE [a bucket per block])."""
-    if any(isinstance(a, torch.SymInt) or (isinstance(a, torch.Tensor) and _symbolic(a)) for a in example_inputs):
+    if any(isinstance(a, torch.SymInt) or (isinstance(a, torch.Tensor) and bg.is_symbolic(a)) for a in example_inputs):
         return None, "dynamic shapes"
     if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs):
         return None, "no gradients in this graph (evaluation, no_grad): blocks share a compile in training graphs"
     run, why = find_block_run(gm)
     if run is None:
         return None, why
-    why = _mode_switch_across(gm, run)
+    why = bg.mode_switch_across(gm, run)
     if why is not None:
         return None, why
     fake_mode = aot.fake_mode_of(example_inputs)
-    values = _values(gm, example_inputs, fake_mode)
-    parts = _parts(gm, run)
+    values = bg.fake_values(gm, example_inputs, fake_mode)
+    parts = bg.block_parts(gm, run)
     # Every repeated block is compiled, or found the same as one compiled, before the graph
     # changes: a block that cannot be shared leaves the graph as Dynamo gave it. A block that
     # is the only one of its kind stays in the graph.
@@ -440,7 +382,7 @@ def share_blocks(
     if not repeated:
         return None, f"no two blocks of {run.name} are the same computation (shapes, dtypes or constants differ)"
     reduced, per_block = _reduced_inputs(graphs, parts, signatures, repeated, values, buckets)
-    invariant = _invariant_inputs(graphs, signatures, repeated, values)
+    invariant = bg.invariant_inputs(graphs, signatures, repeated, values)
     blocks: dict[tuple, SharedBlock] = {}
     outcomes: list[CompileOutcome] = []
     for k, ((sub, inputs, _), signature) in enumerate(zip(graphs, signatures)):
@@ -456,7 +398,7 @@ def share_blocks(
                     spec=buckets.spec if buckets is not None else None,
                     invariant=invariant[signature],
                 )
-            except _NotShareable as exc:
+            except bg.NotShareable as exc:
                 return None, f"{run.name}.{k}: {exc}"
             outcomes.append(outcome)
     shared = [(part, blocks[sig]) for part, sig in zip(parts, signatures) if sig in blocks]
@@ -470,7 +412,9 @@ def share_blocks(
                     # Before the first block of its kind, which every other one follows.
                     if block.key not in computed:
                         moved = block.moved
-                        computed[block.key] = _insert(gm.graph, moved.before, [inputs[i] for i in moved.invariant])
+                        computed[block.key] = bg.insert_graph(
+                            gm.graph, moved.before, [inputs[i] for i in moved.invariant]
+                        )
                     inputs += computed[block.key]
                 op = gm.graph.call_function(SHARED_BLOCK, (block.key, inputs))
             if block.wire is not None:
@@ -530,27 +474,6 @@ def _reduced_inputs(
     return reduced, True
 
 
-def _parts(gm: fx.GraphModule, run: BlockRun) -> list[list[fx.Node]]:
-    """Each block's nodes, in graph order. An attribute read (a checkpointed body: Dynamo puts
-    its ``get_attr`` before the block that calls it) goes with the block that reads it."""
-    nodes = list(gm.graph.nodes)
-    piece = {node: piece_of(run, pos) for pos, node in enumerate(nodes)}
-    for node in nodes:
-        if node.op == "get_attr":
-            readers = {piece[u] for u in node.users}
-            if len(readers) == 1:
-                piece[node] = readers.pop()
-    parts: list[list[fx.Node]] = [[] for _ in range(len(run))]
-    for node in nodes:
-        if 1 <= piece[node] <= len(run) and node.op not in ("placeholder", "output"):
-            parts[piece[node] - 1].append(node)
-    return parts
-
-
-class _NotShareable(Exception):
-    pass
-
-
 def _compile(
     sub: fx.GraphModule,
     fakes: list[Any],
@@ -567,25 +490,25 @@ def _compile(
     try:
         fw, bw = aot.partition(sub, fakes, fake_mode, decompose=backend == "inductor")
     except Exception as exc:  # noqa: BLE001 - any failure: the block compiles with the whole graph
-        raise _NotShareable(
+        raise bg.NotShareable(
             f"AOTAutograd could not split the block on its own: {type(exc).__name__}: {exc}"[:300]
         ) from exc
     random = [
         str(n.target) for n in fw.graph.nodes if n.op == "call_function" and any(r in str(n.target) for r in _RANDOM)
     ]
     if random:
-        raise _NotShareable(f"the block draws random numbers ({random[0]})")
+        raise bg.NotShareable(f"the block draws random numbers ({random[0]})")
     if any(n.op == "call_function" and dc.written_args(n) for n in fw.graph.nodes):
-        raise _NotShareable("the block writes into one of its inputs")
+        raise bg.NotShareable("the block writes into one of its inputs")
     # The stages of NOTE [a shared block in stages], in order: each rewrites fw and bw in place.
-    before = _move_out(fw, bw, invariant, n_user=len(_user_outputs(sub)))
+    before = bg.move_out(fw, bw, invariant, n_user=len(bg.user_outputs(sub)))
     moved = MovedOut(before, invariant) if before is not None else None
-    layout = _plan(sub, fw, bw, fake_mode)
+    layout = bg.plan_layout(sub, fw, bw, fake_mode)
     wire = None
     if reduced:
         if spec is None:
             raise AssertionError(f"expected a comm spec for the reduced inputs {reduced}, got None")
-        wire, grads = _grads_onto_wire(bw, [fakes[i] for i in reduced], reduced, spec, fake_mode)
+        wire, grads = block_wire.grads_onto_wire(bw, [fakes[i] for i in reduced], reduced, spec, fake_mode)
         layout = dataclasses.replace(layout, grads=grads)
     if backend == "inductor":
         fw_inputs = [n.meta["val"] for n in fw.graph.find_nodes(op="placeholder")]
@@ -601,323 +524,3 @@ def _compile(
     outcome.phases = {k: round(v - phases0.get(k, 0.0), 6) for k, v in phases1.items() if v - phases0.get(k, 0.0) > 0}
     outcome.counts = {k: v - counts0[k] for k, v in dc.compile_counters().items() if v > counts0[k]}
     return block, outcome
-
-
-# Ops that autocast leaves alone (no precision rule): moved out of a block (NOTE [computed once
-# before the blocks]), they compute the same when the graph around the blocks is traced again.
-_MOVABLE = frozenset(
-    [
-        *(
-            f"aten::{name}"
-            for name in (
-                "where", "scalar_tensor", "full", "full_like", "zeros", "zeros_like", "ones", "ones_like",
-                "arange", "masked_fill", "logical_not", "logical_and", "logical_or", "eq", "ne", "lt", "le",
-                "gt", "ge", "bitwise_not", "bitwise_and", "bitwise_or", "add", "sub", "mul", "neg", "clone",
-                "expand", "unsqueeze", "squeeze", "view", "reshape", "permute", "slice", "select", "alias",
-                "_to_copy",
-            )
-        ),
-        "prims::convert_element_type",
-    ]
-)  # fmt: skip
-
-
-def _op_name(node: fx.Node) -> str:
-    """``aten::where`` for ``aten.where.self``: an operator's name without its overload."""
-    name = getattr(node.target, "name", None)
-    return name().split(".")[0] if callable(name) else str(node.target)
-
-
-def _movable(node: fx.Node) -> bool:
-    return node.op == "call_function" and _op_name(node) in _MOVABLE
-
-
-def _invariant_inputs(
-    graphs: list[tuple[fx.GraphModule, tuple[fx.Node, ...], tuple[fx.Node, ...]]],
-    signatures: list[tuple],
-    repeated: set[tuple],
-    values: dict[fx.Node, Any],
-) -> dict[tuple, tuple[int, ...]]:
-    """Per repeated signature, the inputs every block of it reads the same: one node at that input
-    of each, a tensor without a gradient (NOTE [computed once before the blocks])."""
-    out = {}
-    for signature in repeated:
-        calls = [inputs for (_, inputs, _), sig in zip(graphs, signatures) if sig == signature]
-        out[signature] = tuple(
-            i
-            for i, node in enumerate(calls[0])
-            if all(inputs[i] is node for inputs in calls)
-            and isinstance(values[node], torch.Tensor)
-            and not values[node].requires_grad
-        )
-    return out
-
-
-def _move_out(
-    fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...], *, n_user: int
-) -> fx.GraphModule | None:
-    """Move what ``fw`` computes from its inputs at ``invariant`` alone out of it (NOTE [computed
-    once before the blocks]): ``fw`` then takes those values as its last inputs, ``bw`` gives them
-    no gradient. Returns the moved part as a graph taking the ``invariant`` inputs, or ``None``
-    where nothing moves. A value among the block's first ``n_user`` outputs (the block's own)
-    stays: an output that is an input is copied at every call."""
-    placeholders = list(fw.graph.find_nodes(op="placeholder"))
-    returned = set(next(iter(fw.graph.find_nodes(op="output"))).args[0][:n_user])
-    given = {placeholders[i] for i in invariant}
-    movable: dict[fx.Node, bool] = {}  # -> reads one of ``given`` (not constants only)
-    for node in fw.graph.nodes:
-        if _movable(node) and all(a in given or a in movable for a in node.all_input_nodes):
-            movable[node] = any(a in given or movable.get(a, False) for a in node.all_input_nodes)
-    # Moved: the values the block goes on to read that cost a kernel (a view stays: it is free,
-    # and an input of the block would be the view's layout).
-    moved = [
-        n
-        for n, reads in movable.items()
-        if reads
-        and n not in returned
-        and not aot.aliases_an_input(n)
-        and any(u not in movable or aot.aliases_an_input(u) for u in n.users)
-    ]
-    if not moved:
-        return None
-    needed: set[fx.Node] = set()
-    stack = list(moved)
-    while stack:
-        node = stack.pop()
-        if node not in needed and node not in given:
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for i in invariant:
-        env[placeholders[i]] = graph.placeholder(placeholders[i].name)
-        env[placeholders[i]].meta = dict(placeholders[i].meta)
-    for node in fw.graph.nodes:
-        if node in needed:
-            env[node] = graph.node_copy(node, env.__getitem__)
-    graph.output(tuple(env[n] for n in moved))
-    anchor = placeholders[-1]
-    for j, node in enumerate(moved):
-        with fw.graph.inserting_after(anchor):
-            anchor = fw.graph.placeholder(f"before_blocks_{j}")
-        anchor.meta["val"] = node.meta["val"]
-        node.replace_all_uses_with(anchor)
-    fw.graph.eliminate_dead_code()
-    fw.graph.lint()
-    fw.recompile()
-    out = next(iter(bw.graph.find_nodes(op="output")))
-    out.args = (tuple(out.args[0]) + (None,) * len(moved),)
-    bw.recompile()
-    return fx.GraphModule(fw, graph)
-
-
-def _insert(graph: fx.Graph, before: fx.GraphModule, args: list[fx.Node]) -> list[fx.Node]:
-    """``before``'s nodes copied into ``graph`` at its insertion point, on ``args``; the nodes of
-    its outputs. Each keeps its fake value, also as Dynamo's (``example_value``)."""
-    val_map: dict[fx.Node, Any] = dict(zip(before.graph.find_nodes(op="placeholder"), args))
-    out = graph.graph_copy(before.graph, val_map)
-    for node in val_map.values():
-        if node not in args and "val" in node.meta:
-            node.meta.setdefault("example_value", node.meta["val"])
-    return list(out)
-
-
-def _plan(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fake_mode: Any) -> BlockLayout:
-    """How the shared forward hands the backward what it reads (see NOTE [one compile per block]):
-    the forward graph returns the block's outputs and each other distinct non-view tensor the
-    backward reads once; every tensor the backward reads is an input, an output or such a base,
-    seen through view ops that the backward graph applies again at its start."""
-    n_user = len(_user_outputs(sub))
-    out_node = next(iter(fw.graph.find_nodes(op="output")))
-    fw_out = list(out_node.args[0])
-    placeholders = {p: i for i, p in enumerate(fw.graph.find_nodes(op="placeholder"))}
-    user, bases, saved = fw_out[:n_user], [], []
-    owner: dict[fx.Node, int] = {}  # a root -> the output that hands it out
-    copied = set()
-    for j, node in enumerate(user):
-        root, views = _view_chain(node)
-        if root in placeholders or root in owner:
-            copied.add(j)
-        else:
-            owner[root] = j
-    for node in fw_out[n_user:]:
-        root, views = _view_chain(node)
-        if root in placeholders:
-            saved.append(("input", placeholders[root], views))
-        elif root in owner:
-            j = owner[root]
-            back = (
-                []
-                if user[j] is root
-                else [(torch.ops.aten.as_strided.default, (user[j], *_geometry(root)), {}, user[j])]
-            )
-            saved.append(("output", j, back + views))
-        else:
-            if root not in bases:
-                bases.append(root)
-            saved.append(("base", bases.index(root), views))
-    out_node.args = (tuple(user + bases),)
-    fw.graph.eliminate_dead_code()
-    fw.recompile()
-    n_tangents = len(bw.graph.find_nodes(op="placeholder")) - len(saved)
-    if n_tangents != sum(1 for n in user if n.meta["val"].is_floating_point()):
-        raise _NotShareable("the backward takes gradients of other outputs than the block's floating-point ones")
-    pools = {"input": list(placeholders), "output": user, "base": bases}
-    roots = sorted({(kind, i) for kind, i, _ in saved}, key=lambda r: (("input", "output", "base").index(r[0]), r[1]))
-    _views_into_backward(bw, saved, {r: pools[r[0]][r[1]].meta["val"] for r in roots}, fake_mode)
-    bw_inputs = list(bw.graph.find_nodes(op="placeholder"))
-    bw_out = list(next(iter(bw.graph.find_nodes(op="output"))).args[0])
-    return BlockLayout(
-        n_user=n_user,
-        copied=frozenset(copied),
-        roots=tuple(roots),
-        n_bases=len(bases),
-        outputs=tuple(_meta(n) for n in user + bases),
-        grads=tuple(_meta(n) if isinstance(n, fx.Node) else None for n in bw_out),
-        n_tangents=n_tangents,
-        input_strides=tuple(tuple(n.meta["val"].stride()) for n in bw_inputs),
-        forward_layouts=tuple((tuple(p.meta["val"].shape), tuple(p.meta["val"].stride())) for p in placeholders),
-    )
-
-
-def _grads_onto_wire(
-    bw: fx.GraphModule,
-    params: list[torch.Tensor],
-    reduced: tuple[int, ...],
-    spec: CommSpec,
-    fake_mode: Any,
-) -> tuple[BlockWire, tuple[TensorMeta | None, ...]]:
-    """Rewrite ``bw`` in place so that it returns the gradients of the ``reduced`` inputs (the
-    block's parameters, fakes ``params``) last, as one flat buffer in the wire's format (each
-    flattened, cast and scaled as ``CommSpec.to_wire`` says, in input order, zeros for a
-    parameter the block leaves without a gradient) (NOTE [a bucket per block]). Returns the
-    reduction and what ``bw`` returns now."""
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) != 1 and spec.comm_dtype is None:
-        raise _NotShareable(f"the block's parameters have several dtypes ({sorted(map(str, dtypes))})")
-    graph = bw.graph
-    out_node = next(iter(graph.find_nodes(op="output")))
-    outs = list(out_node.args[0])
-    grads = [outs[i] for i in reduced]
-    present = [g for g in grads if isinstance(g, fx.Node)]
-
-    def pack(*given: torch.Tensor) -> torch.Tensor:
-        # Zeros for a parameter without a gradient, as ``BucketSync`` fills them.
-        it = iter(given)
-        full = [
-            next(it) if isinstance(g, fx.Node) else torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-            for g, p in zip(grads, params)
-        ]
-        # The graph is traced while the forward compiles, under the forward's autocast if any.
-        with torch.autocast(params[0].device.type, enabled=False):
-            return torch.cat([spec.to_wire(g.reshape(-1)) for g in full])
-
-    with graph.inserting_before(out_node):
-        buffer = aot.trace_into(graph, pack, present, fake_mode)
-    positions = set(reduced)
-    new_outs = [o for i, o in enumerate(outs) if i not in positions] + [buffer]
-    out_node.args = (tuple(new_outs),)
-    graph.eliminate_dead_code()
-    graph.lint()
-    bw.recompile()
-    wire = BlockWire(
-        reduced=reduced,
-        spec=spec,
-        reduced_shapes=tuple(torch.Size(p.shape) for p in params),
-        grad_dtype=params[0].dtype,
-    )
-    return wire, tuple(_meta(n) if isinstance(n, fx.Node) else None for n in new_outs)
-
-
-def _views_into_backward(
-    bw: fx.GraphModule,
-    saved: list[tuple[str, int, list[tuple[Any, tuple, dict, Any]]]],
-    roots: dict[tuple[str, int], Any],
-    fake_mode: Any,
-) -> None:
-    """Rewrite ``bw`` in place to take ``roots`` (one placeholder each, in that order) in place of
-    the ``saved`` tensors, which it makes from them with their view ops at the start of its graph:
-    the views are then free reinterpretations inside the compiled backward, not nodes of the graph
-    around every block."""
-    graph = bw.graph
-    placeholders = list(graph.find_nodes(op="placeholder"))
-    with graph.inserting_before(placeholders[0]):
-        root_nodes = {}
-        for kind, i in roots:
-            root_nodes[(kind, i)] = node = graph.placeholder(f"saved_{kind}_{i}")
-            node.meta["val"] = roots[(kind, i)]
-    first_op = next(n for n in graph.nodes if n.op != "placeholder")
-    with graph.inserting_before(first_op), fake_mode:
-        for ph, (kind, i, views) in zip(placeholders, saved):
-            value = root_nodes[(kind, i)]
-            for target, args, kwargs, parent in views:
-                args = tuple(value if a is parent else a for a in args)
-                if any(isinstance(a, fx.Node) and a is not value for a in args):
-                    raise _NotShareable(f"a tensor the backward reads is a view ({target}) taking a traced value")
-                node = graph.call_function(target, args, dict(kwargs))
-                node.meta["val"] = target(*[value.meta["val"] if a is value else a for a in args], **kwargs)
-                value = node
-            ph.replace_all_uses_with(value)
-            graph.erase_node(ph)
-    graph.lint()
-    bw.recompile()
-
-
-def _geometry(node: fx.Node) -> tuple[list[int], list[int], int]:
-    v = node.meta["val"]
-    return list(v.shape), list(v.stride()), v.storage_offset()
-
-
-def _view_chain(node: Any) -> tuple[Any, list[tuple[Any, tuple, dict, Any]]]:
-    """The tensor ``node`` is a view of (through view ops), and those ops from it to ``node``."""
-    views = []
-    while isinstance(node, fx.Node) and aot.aliases_an_input(node):
-        views.append((node.target, node.args, node.kwargs, node.args[0]))
-        node = node.args[0]
-    return node, list(reversed(views))
-
-
-def _meta(node: fx.Node) -> TensorMeta:
-    v = node.meta["val"]
-    return tuple(v.shape), tuple(v.stride()), v.dtype, v.device
-
-
-def _user_outputs(sub: fx.GraphModule) -> list[Any]:
-    out = next(iter(sub.graph.find_nodes(op="output"))).args[0]
-    return list(out) if isinstance(out, (tuple, list)) else [out]
-
-
-def _values(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode: Any) -> dict[fx.Node, Any]:
-    """A fake value of every node: Dynamo's own (``example_value``), placeholders from the
-    example inputs (parameters made fake)."""
-    out: dict[fx.Node, Any] = {}
-    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
-        if isinstance(value, torch.Tensor) and not aot.is_fake(value):
-            value = fake_mode.from_tensor(value, static_shapes=True)
-        out[node] = value
-    for node in gm.graph.nodes:
-        if node not in out:
-            out[node] = node.meta.get("example_value", node.meta.get("val"))
-    return out
-
-
-def _symbolic(t: torch.Tensor) -> bool:
-    return any(isinstance(d, torch.SymInt) for d in t.shape)
-
-
-def _mode_switch_across(gm: fx.GraphModule, run: BlockRun) -> str | None:
-    """Why an autocast or grad-mode switch makes the blocks unshareable: one that is open at a
-    block's start (it would not be in the block's own graph), or one left open inside a block."""
-    depth = 0
-    starts = set(run.starts)
-    for pos, node in enumerate(gm.graph.nodes):
-        if pos in starts and depth:
-            return "an autocast or grad-mode region spans the blocks (entered before a block starts)"
-        name = str(getattr(node.target, "__name__", node.target)) if node.op == "call_function" else ""
-        if name in ("_enter_autocast",):
-            depth += 1
-        elif name in ("_exit_autocast",):
-            depth -= 1
-        elif name == "_set_grad_enabled" and run.starts[0] <= pos <= run.end:
-            return "the blocks switch grad mode"
-    return None

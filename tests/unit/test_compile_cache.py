@@ -59,8 +59,14 @@ def test_cacheable_calls_options_keep_the_users_options():
 
 def test_a_shared_block_graph_is_keyed_by_the_blocks_code():
     """A graph calling ``bucketwise::shared_block`` compiles under options keyed by the source of
-    ``compiler/blocks.py``: its autograd formula decides what the cached backward is handed."""
+    the modules that decide what the cached backward is handed: the op's autograd formula
+    (``compiler/blocks.py``), the layout of what the forward saves (``partitioners/block_graphs.py``)
+    and the bucket a block reduces (``distributed/fused/block_wire.py``)."""
     from bucketwise.compiler import blocks
+    from bucketwise.distributed.fused import block_wire
     from bucketwise.distributed.fused.cache_keys import source_key
+    from bucketwise.partitioners import block_graphs
 
-    assert blocks.cache_targets() == {"bucketwise.compiler.blocks.shared_block": source_key(blocks)}
+    key = blocks.cache_targets()["bucketwise.compiler.blocks.shared_block"]
+    assert key == source_key(blocks, block_graphs, block_wire)
+    assert key not in (source_key(blocks), source_key(blocks, block_graphs), source_key(blocks, block_wire))
