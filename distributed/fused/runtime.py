@@ -57,7 +57,7 @@ def _average_(tensors: list[torch.Tensor], pg: Any, spec: Any) -> None:
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
     for group in by_dtype.values():
         wire = spec.to_wire(torch.cat([t.reshape(-1) for t in group]))
-        dist.all_reduce(wire, op=dist.ReduceOp.AVG if spec.average_in_collective else dist.ReduceOp.SUM, group=pg)
+        dist.all_reduce(wire, op=dist.ReduceOp.AVG if spec.averages(wire.dtype) else dist.ReduceOp.SUM, group=pg)
         offset = 0
         for t in group:
             t.copy_(wire[offset : offset + t.numel()].view_as(t))

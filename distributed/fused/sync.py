@@ -47,6 +47,10 @@ block] in ``compiler/blocks.py``): the placeholders of the bucket's parameters."
 # multiply is one more kernel per gradient; with the average in the collective it is none. Only
 # for DDP's reducer rule on an NCCL group: gloo has no average, and torch's comm hooks divide
 # (``x / world``, not bit-equal to ``x * (1/world)`` for a world size that is not a power of 2).
+# And only where the bits agree: for fp32 and fp64 gradients (the reducer multiplies in the
+# gradient's own precision there, as NCCL does), and for fp16 and bf16 ones where the world size is
+# a power of 2 (an exact scale); otherwise the reducer multiplies in fp32 by ``1/world`` and rounds
+# once, NCCL multiplies by ``1/world`` rounded to the 16-bit type, and the graph keeps the scale.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +66,9 @@ class CommSpec:
     """``True``: divide by the world size (as the Python hooks do); ``False``: multiply by its
     reciprocal (as the C++ reducer does), so results match eager DDP bit for bit where they can."""
     average_in_collective: bool = False
-    """``True``: the all-reduce averages (NCCL's ``avg``) and ``to_wire`` leaves the gradients
-    unscaled (NOTE [the average in the collective]); only with ``divide_first=False`` and no
-    ``comm_dtype``."""
+    """``True``: the group's all-reduce can average as the reducer scales (NCCL's ``avg``), and
+    does for the buckets ``averages`` says, whose gradients ``to_wire`` leaves unscaled (NOTE [the
+    average in the collective]); only with ``divide_first=False`` and no ``comm_dtype``."""
 
     def __post_init__(self) -> None:
         if self.average_in_collective and (self.divide_first or self.comm_dtype is not None):
@@ -76,10 +80,16 @@ class CommSpec:
     def describe(self) -> str:
         return str(self.comm_dtype).removeprefix("torch.") if self.comm_dtype else "same as grads"
 
-    @property
-    def reduce_op(self) -> str:
-        """The all-reduce's op: ``"avg"`` or ``"sum"``."""
-        return "avg" if self.average_in_collective else "sum"
+    def averages(self, dtype: torch.dtype) -> bool:
+        """Whether the all-reduce of a bucket of ``dtype`` averages (NOTE [the average in the
+        collective]): ``to_wire`` then leaves its gradients unscaled."""
+        if not self.average_in_collective:
+            return False
+        return dtype in (torch.float32, torch.float64) or self.world_size & (self.world_size - 1) == 0
+
+    def reduce_op(self, dtype: torch.dtype) -> str:
+        """The all-reduce's op for a bucket of ``dtype``: ``"avg"`` or ``"sum"``."""
+        return "avg" if self.averages(dtype) else "sum"
 
     def scaled(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient scaled as DDP scales it before the sum across ranks: the reducer's
@@ -92,11 +102,11 @@ class CommSpec:
     def to_wire(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient as it goes into ``all_reduce``: unscaled where the collective averages,
         else ``scaled``."""
-        return grad if self.average_in_collective else self.scaled(grad)
+        return grad if self.averages(grad.dtype) else self.scaled(grad)
 
     def all_reduce(self, wire: torch.Tensor) -> torch.Tensor:
         """The functional all-reduce of a flat buffer made by ``to_wire``: the bucket, reduced."""
-        return cc.all_reduce(wire, self.group, self.reduce_op)
+        return cc.all_reduce(wire, self.group, self.reduce_op(wire.dtype))
 
     def as_args(self) -> tuple[Any, ...]:
         """The fields as graph arguments: FX writes a dataclass argument into generated code as

@@ -55,10 +55,31 @@ def test_an_averaging_collective_leaves_the_gradients_unscaled(single_rank_group
     assert torch.equal(spec.scaled(grad), grad * 0.25)  # what a gather (embedding rows) still sends
 
 
+@pytest.mark.parametrize(
+    ("dtype", "world", "averages"),
+    [
+        (torch.float32, 3, True),
+        (torch.float64, 6, True),
+        (torch.bfloat16, 4, True),
+        (torch.float16, 2, True),
+        (torch.bfloat16, 3, False),
+        (torch.float16, 6, False),
+    ],
+)
+def test_16_bit_gradients_average_in_the_collective_only_where_the_bits_agree(dtype, world, averages):
+    """NCCL scales 16-bit data by ``1/world`` rounded to 16 bits, the reducer by the fp32 value:
+    the same bits only where ``1/world`` is exact (a power of 2)."""
+    spec = CommSpec(group="0", world_size=world, average_in_collective=True)
+    assert spec.averages(dtype) is averages
+    assert spec.reduce_op(dtype) == ("avg" if averages else "sum")
+    grad = torch.full((3,), 3.0, dtype=dtype)
+    assert torch.equal(spec.to_wire(grad), grad if averages else grad * (1.0 / world))
+
+
 def test_gloo_keeps_the_scale_in_the_graph(single_rank_group):
     """gloo has no average: the reducer's rule stays a multiply and a sum."""
     spec = reducer_spec(single_rank_group)
-    assert not spec.average_in_collective and spec.reduce_op == "sum"
+    assert not spec.average_in_collective and spec.reduce_op(torch.float32) == "sum"
 
 
 def test_hooks_divide_and_never_average_in_the_collective(single_rank_group):
