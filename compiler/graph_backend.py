@@ -35,7 +35,7 @@ from ..partitioners.param_usage import GraphParam, ParamInput, higher_order_ops,
 from ..stats.compile_times import CompileTimes, backend_call_times
 from ..stats.report import GraphStats, Report, SegmentStats, eager_regions
 from . import doctor
-from .block_calls import BlockCallRefused, BlockCalls, is_block_call
+from .block_calls import BlockCallRefused, BlockCalls, find_block_calls, is_block_call, repeated_blocks
 from .blocks import BlockBuckets, Sharing, share_blocks
 from .blocks import cache_targets as blocks_cache_targets
 from .config import CompileConfig
@@ -66,6 +66,8 @@ class GraphBackend:
         cudagraphs: cudagraph_policy.Decision,
         variant: Variant = Variant.SYNC,
         module: torch.nn.Module | None = None,
+        blocks_of: torch.nn.Module | None = None,
+        block_calls: BlockCalls | None = None,
     ) -> None:
         self.config = config
         self.report = report
@@ -86,14 +88,29 @@ class GraphBackend:
         self.param_segments: dict[int, dict[str, int]] = {}
         self._shared: list[Any] = []
         """Blocks compiled for several calls of this backend's graphs (alive as long as it)."""
-        self.block_calls: BlockCalls | None = None
-        """``share_blocks``: the blocks Dynamo meets as one call each (NOTE [Dynamo calls a block])."""
+        if blocks_of is not None and block_calls is not None:
+            raise AssertionError("expected the module whose blocks to find or the blocks found, got both")
+        self.block_calls = self._block_calls(blocks_of) if blocks_of is not None else block_calls
+        """``share_blocks``: the blocks Dynamo meets as one call each (NOTE [Dynamo calls a block]):
+        found in ``blocks_of``, or another backend's of the same compiled object (``block_calls``)."""
         self.module = weakref.ref(module) if module is not None else None
         """A plain module compiled without DDP: the parameters its graphs read are counted."""
 
     def use(self, decision: Decision, fused: FusedState | None) -> None:
         """The compiled DDP module's decision, and under ``fused`` its runtime's state."""
         self.decision, self._fused = decision, fused
+
+    def _block_calls(self, module: torch.nn.Module) -> BlockCalls | None:
+        """Where blocks are shared, the blocks of ``module`` Dynamo meets as one call each (NOTE
+        [Dynamo calls a block]); where ``share_blocks="auto"`` left its repeated blocks unshared,
+        the report says why (NOTE [sharing by default])."""
+        sharing = self.sharing
+        if not sharing.enabled:
+            found = repeated_blocks(module) if sharing.reason is not None else None
+            if found is not None:
+                self.report.note(sharing.note(found[0], len(found[1])))
+            return None
+        return find_block_calls(module)
 
     def compiled_codes(self) -> list[Any]:
         """The code objects of the frames this backend compiled graphs of."""

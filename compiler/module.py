@@ -19,11 +19,10 @@ from ..distributed import gloo_exit, teardown
 from ..distributed.rank_check import prepare_rank_checks
 from ..stats.report import Report
 from .artifacts import artifacts_for
-from .block_calls import BlockCalls, find_block_calls, repeated_blocks
+from .block_calls import BlockCalls
 from .config import CompileConfig
 from .ddp_forward import DDPForward
 from .decision import Variant
-from .graph_backend import GraphBackend
 from .hook_watch import HookWatch
 from .state import CompiledState, new_backend, torch_compile
 
@@ -156,11 +155,16 @@ def compile_module(module: nn.Module, config: CompileConfig, *, cudagraphs: Cuda
         backend=config.backend_name,
     )
     backend = new_backend(
-        config, report, ddp, cudagraphs=cudagraphs, alignment=ddp is not None, module=inner if ddp is None else None
+        config,
+        report,
+        ddp,
+        cudagraphs=cudagraphs,
+        alignment=ddp is not None,
+        module=inner if ddp is None else None,
+        blocks_of=inner,
     )
     forward = _inner_forward(inner)
-    blocks = _block_calls(inner, backend)
-    backend.block_calls = blocks
+    blocks = backend.block_calls
     state = CompiledState(
         config=config,
         report=report,
@@ -183,19 +187,6 @@ def compile_module(module: nn.Module, config: CompileConfig, *, cudagraphs: Cuda
     return compiled
 
 
-def _block_calls(module: nn.Module, backend: GraphBackend) -> BlockCalls | None:
-    """Where blocks are shared, the blocks Dynamo meets as one call each (NOTE [Dynamo calls a
-    block]); where ``share_blocks="auto"`` left a model's repeated blocks unshared, the report
-    says why (NOTE [sharing by default])."""
-    sharing = backend.sharing
-    if not sharing.enabled:
-        found = repeated_blocks(module) if sharing.reason is not None else None
-        if found is not None:
-            backend.report.note(sharing.note(found[0], len(found[1])))
-        return None
-    return find_block_calls(module)
-
-
 def _calling_blocks(blocks: BlockCalls | None, compiled: Callable[..., Any]) -> Callable[..., Any]:
     return compiled if blocks is None else blocks.wrap(compiled)
 
@@ -210,8 +201,9 @@ def _ddp_forward(
 ) -> DDPForward:
     # no_sync() steps and evaluation run a second compiled variant without collectives; Dynamo
     # keeps one cache entry per backend, so switching costs no recompile.
-    nosync = new_backend(config, state.report, ddp, cudagraphs=cudagraphs, variant=Variant.NO_SYNC, alignment=False)
-    nosync.block_calls = blocks
+    nosync = new_backend(
+        config, state.report, ddp, cudagraphs=cudagraphs, variant=Variant.NO_SYNC, alignment=False, block_calls=blocks
+    )
     run = DDPForward(
         ddp=ddp,
         state=state,

@@ -24,6 +24,7 @@ from ..stats import profiling
 from ..stats.first_step import FirstStep
 from ..stats.report import Report
 from .artifacts import Artifacts
+from .block_calls import BlockCalls
 from .config import CompileConfig
 from .decision import Variant
 from .graph_backend import GraphBackend
@@ -151,11 +152,24 @@ def new_backend(
     variant: Variant = Variant.SYNC,
     alignment: bool = True,
     module: torch.nn.Module | None = None,
+    blocks_of: torch.nn.Module | None = None,
+    block_calls: BlockCalls | None = None,
 ) -> GraphBackend:
     """A graph backend recording into ``report``; with ``alignment`` (the backend whose graphs
     DDP's reducer reduces, when there is one) the report's alignment is read through it;
-    ``module``: a plain module compiled without DDP, whose parameters the report counts."""
-    backend = GraphBackend(config, report, ddp, cudagraphs=cudagraphs, variant=variant, module=module)
+    ``module``: a plain module compiled without DDP, whose parameters the report counts;
+    ``blocks_of``: the module whose blocks Dynamo meets as calls where blocks are shared, or
+    ``block_calls``: those another backend of the same compiled object found."""
+    backend = GraphBackend(
+        config,
+        report,
+        ddp,
+        cudagraphs=cudagraphs,
+        variant=variant,
+        module=module,
+        blocks_of=blocks_of,
+        block_calls=block_calls,
+    )
     if alignment:
         report.set_alignment_source(backend.alignment)
     return backend
