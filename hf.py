@@ -48,7 +48,7 @@ from ._compat import ddp as ddpc
 from ._compat import dynamo as dc
 from .compiler.api import compile as bucketwise_compile
 from .compiler.config import CompileConfig
-from .compiler.decision import decide, refusal
+from .compiler.decision import decide_strategy, refusal
 from .stats.report import report
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class BucketwiseTrainerMixin:
 def check_fused(ddp: Any, options: dict[str, Any]) -> bool:
     """Does ``strategy="fused"`` apply to ``ddp`` as it is now (NOTE [explicit strategies])?"""
     config = CompileConfig(**{**options, "strategy": "fused"})
-    return refusal(config, decide(config, ddp, runs_ddp_forward=True, cudagraphs=False), target="") is None
+    return refusal(config, decide_strategy(config, ddp, runs_ddp_forward=True), target="") is None
 
 
 def with_bucketwise(trainer_class: type) -> type:

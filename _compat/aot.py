@@ -107,12 +107,17 @@ class _DirectAfterFirst:
         self.compiled = compiled
         self._direct: Callable[[list[Any]], Any] | None = None
 
+    @property
+    def generated(self) -> Callable[[list[Any]], Any] | None:
+        """Inductor's generated ``call`` (``None`` where the compiled graph has none)."""
+        return getattr(self.compiled, "current_callable", None)
+
     def __call__(self, inputs: list[Any]) -> Any:
         direct = self._direct
         if direct is not None and not torch.autograd.profiler._is_profiler_enabled:
             return direct(inputs)
         out = self.compiled(inputs)
-        self._direct = getattr(self.compiled, "current_callable", None)
+        self._direct = self.generated
         return out
 
 

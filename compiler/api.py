@@ -15,7 +15,7 @@ from .._compat import ddp as ddpc
 from ..cudagraphs import policy as cudagraph_policy
 from ..stats import bytecode
 from .config import CompileConfig
-from .decision import decide, refusal
+from .decision import decide_strategy, refusal
 from .module import compile_function, compile_module
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ def check_strategy(obj: Any, config: CompileConfig) -> None:
     if config.strategy not in ("fused", "split") or not isinstance(obj, nn.Module):
         return
     ddp = obj if ddpc.is_ddp(obj) else None
-    problem = refusal(config, decide(config, ddp, runs_ddp_forward=True, cudagraphs=False), target=target_name(obj))
+    problem = refusal(config, decide_strategy(config, ddp, runs_ddp_forward=True), target=target_name(obj))
     if problem is not None:
         raise ValueError(problem)
 

@@ -501,8 +501,7 @@ def _compile(
     if any(n.op == "call_function" and dc.written_args(n) for n in fw.graph.nodes):
         raise bg.NotShareable("the block writes into one of its inputs")
     # The stages of NOTE [a shared block in stages], in order: each rewrites fw and bw in place.
-    before = bg.move_out(fw, bw, invariant, n_user=len(bg.user_outputs(sub)))
-    moved = MovedOut(before, invariant) if before is not None else None
+    moved = bg.move_out(fw, bw, invariant, n_user=len(bg.user_outputs(sub)))
     layout = bg.plan_layout(sub, fw, bw, fake_mode)
     wire = None
     if reduced:

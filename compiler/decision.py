@@ -132,15 +132,21 @@ def decide(
     ``runs_ddp_forward``: bucketwise runs the DDP forward itself (it compiled the DDP module),
     which ``fused`` needs; ``cudagraphs``: bucketwise's CUDA graphs are on (block sharing
     follows them); ``own_hooks``: handle ids of bucketwise's own gradient hooks."""
-    decision = _strategy(config, ddp, runs_ddp_forward=runs_ddp_forward, variant=variant, own_hooks=own_hooks)
+    decision = decide_strategy(config, ddp, runs_ddp_forward=runs_ddp_forward, variant=variant, own_hooks=own_hooks)
     sharing = decide_sharing(config, cudagraphs=cudagraphs, strategy=decision.strategy)
     return dataclasses.replace(decision, sharing=sharing)
 
 
-def _strategy(
-    config: CompileConfig, ddp: Any | None, *, runs_ddp_forward: bool, variant: Variant, own_hooks: Collection[int]
+def decide_strategy(
+    config: CompileConfig,
+    ddp: Any | None,
+    *,
+    runs_ddp_forward: bool,
+    variant: Variant = Variant.SYNC,
+    own_hooks: Collection[int] = (),
 ) -> Decision:
-    """``decide``'s strategy, its reason, and what it takes (caps, comm hook, spec)."""
+    """``decide``'s strategy, its reason, and what it takes (caps, comm hook, spec), without block
+    sharing: what ``refusal`` reads."""
     requested = Strategy(config.strategy)
     if ddp is None:
         reason = "no DDP module: no gradient buckets" if requested in (Strategy.SPLIT, Strategy.FUSED) else None

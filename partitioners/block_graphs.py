@@ -127,12 +127,10 @@ def invariant_inputs(
     return out
 
 
-def move_out(
-    fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...], *, n_user: int
-) -> fx.GraphModule | None:
+def move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...], *, n_user: int) -> MovedOut | None:
     """Move what ``fw`` computes from its inputs at ``invariant`` alone out of it (NOTE [computed
     once before the blocks]): ``fw`` then takes those values as its last inputs, ``bw`` gives them
-    no gradient. Returns the moved part as a graph taking the ``invariant`` inputs, or ``None``
+    no gradient. Returns the moved part (a graph taking the ``invariant`` inputs), or ``None``
     where nothing moves. A value among the block's first ``n_user`` outputs (the block's own)
     stays: an output that is an input is copied at every call."""
     placeholders = list(fw.graph.find_nodes(op="placeholder"))
@@ -182,7 +180,7 @@ def move_out(
     out = next(iter(bw.graph.find_nodes(op="output")))
     out.args = (tuple(out.args[0]) + (None,) * len(moved),)
     bw.recompile()
-    return fx.GraphModule(fw, graph)
+    return MovedOut(fx.GraphModule(fw, graph), invariant)
 
 
 def insert_graph(graph: fx.Graph, before: fx.GraphModule, args: list[fx.Node]) -> list[fx.Node]:
