@@ -55,6 +55,22 @@ def test_an_averaging_collective_leaves_the_gradients_unscaled(single_rank_group
     assert torch.equal(spec.scaled(grad), grad * 0.25)  # what a gather (embedding rows) still sends
 
 
+@pytest.mark.parametrize("average_in_collective", [True, False])
+def test_one_rank_sums_unscaled(single_rank_group, average_in_collective):
+    """On one rank the scale is by 1: no multiply in the graph and a sum, not NCCL's average
+    (a pre-multiplied copy of the bucket where the in-place sum of one rank is no work)."""
+    group = reducer_spec(single_rank_group).group
+    spec = CommSpec(group=group, world_size=1, average_in_collective=average_in_collective)
+    ops = _backward_ops(spec)
+    assert ops.reduce_ops == ["sum"]
+    assert not [n for n in ops.names if n.startswith(("aten::mul", "aten::div"))], ops.names
+    grad = torch.tensor([3.0, -0.0, float("inf"), 1e-45])
+    assert torch.equal(spec.to_wire(grad), grad) and spec.to_wire(grad).sign().equal(grad.sign())
+    assert torch.equal(spec.scaled(grad), grad * (1.0 / 1))
+    bf16 = CommSpec(group="0", world_size=1, comm_dtype=torch.bfloat16)
+    assert bf16.scaled(grad).dtype == torch.bfloat16  # a compress hook's cast stays
+
+
 @pytest.mark.parametrize(
     ("dtype", "world", "averages"),
     [
