@@ -40,6 +40,20 @@ def all_reduce_sum_(flat: torch.Tensor, group: str) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce_(flat, "sum", group))
 
 
+def symmetric_buffers(pg: Any, numels: list[int], device: torch.device) -> list[torch.Tensor]:
+    """fp32 buffers of ``numels`` in a memory pool of ``pg``'s NCCL allocator that NCCL registers
+    as symmetric windows (``ncclCommWindowRegister``): NCCL >= 2.27 then all-reduces them with its
+    symmetric kernels (``AllReduce [Symmetric]`` in ``NCCL_DEBUG=INFO``), sums only. A collective
+    call: every rank allocates the same sizes in the same order. Checked on torch 2.11.0 with
+    NCCL 2.28.9 (``ProcessGroupNCCL.register_mem_pool(pool, symm)``, ``mem_allocator``)."""
+    backend = pg._get_backend(device)
+    pool = torch.cuda.MemPool(backend.mem_allocator)
+    with torch.cuda.use_mem_pool(pool):
+        buffers = [torch.ones(n, device=device) for n in numels]
+    backend.register_mem_pool(pool, True)
+    return buffers
+
+
 def all_gather(t: torch.Tensor, group: str, world: int) -> torch.Tensor:
     """Functional (traceable) all-gather along dim 0: ``world`` times ``t``'s rows, rank order."""
     out = torch.ops._c10d_functional.all_gather_into_tensor(t.contiguous(), world, group)

@@ -35,6 +35,7 @@ def test_each_command_has_its_own_help(name):
 def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
     assert probes() == [
         "collective_host",
+        "comm_overlap",
         "comm_passes",
         "compile_depth",
         "graph_launch",
@@ -46,8 +47,8 @@ def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
     done = _run("probe", "nope")
     assert done.returncode == 2
     assert (
-        "expected one of ['collective_host', 'comm_passes', 'compile_depth', 'graph_launch', 'host_calls', 'host_tax', "
-        "'step_kernels', 'trace_kernels'], got 'nope'" in done.stderr
+        "expected one of ['collective_host', 'comm_overlap', 'comm_passes', 'compile_depth', 'graph_launch', "
+        "'host_calls', 'host_tax', 'step_kernels', 'trace_kernels'], got 'nope'" in done.stderr
     )
 
 
