@@ -31,11 +31,20 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(eq=False, kw_only=True)
 class DDPForward:
-    """The DDP side of one compiled DDP module (``state.CompiledState.ddp``)."""
+    """The DDP side of one compiled DDP module (``state.CompiledState.ddp``), built before the
+    state that holds it from what the state is built from; a call passes the state's ``stance``."""
 
     ddp: Any
-    state: Any
-    """The compiled object's ``CompiledState`` (its config, report, backends, frame)."""
+    config: Any
+    """The compiled object's ``CompileConfig``."""
+    report: Any
+    """The compiled object's ``Report``."""
+    backend: Any
+    """The graph backend of the synced frame."""
+    code: Any
+    """The compiled frame's code object (``CompiledState.code``)."""
+    call: Callable[..., Any]
+    """The frame compiled for synced steps (``CompiledState.call``)."""
     nosync_backend: Any
     call_nosync: Callable[..., Any]
     """The frame compiled for ``no_sync()`` steps: a second cache without collectives."""
@@ -92,15 +101,15 @@ class DDPForward:
         them changed (``recompile``) or the decision's graphs differ from those compiled."""
         old = self.decision
         new = decide(
-            self.state.config,
+            self.config,
             self.ddp,
             runs_ddp_forward=True,
-            cudagraphs=self.state.backend.cudagraphs is not None,
+            cudagraphs=self.backend.cudagraphs is not None,
             own_hooks=self.own_hook_ids(),
         )
-        report = self.state.report
+        report = self.report
         self._check_across_ranks(new, why)
-        problem = refusal(self.state.config, new, target=report.target)
+        problem = refusal(self.config, new, target=report.target)
         if problem is not None:
             # Nothing of the decision is applied: the frames compiled before run no more, as the
             # next call decides again (NOTE [explicit strategies]).
@@ -153,70 +162,72 @@ class DDPForward:
 
     def _apply(self, new: Decision) -> None:
         """Set the runtime, the reducer and the backend up for ``new``."""
-        ddp, state = self.ddp, self.state
+        ddp, report, backend = self.ddp, self.report, self.backend
         if new.fused and self.fused is None:
             self.fused = FusedState(runtime=FusedRuntime(ddp))
-            state.report.set_alignment_source(_fused_alignment)
+            report.set_alignment_source(_fused_alignment)
             self.alignment = None
         elif not new.fused and self.fused is not None:
             self.fused.runtime.remove_hooks()
             self.fused = None
             ddpc.rebuild_reducer(ddp, why=f"strategy {new.strategy}: DDP's reducer reduces")
         if new.fused and new.caps is not None and new.caps.for_overlap:
-            state.report.note(
+            report.note(
                 f"fused buckets {new.caps.describe()} (NOTE [fused bucket sizes]): fewer collectives than DDP's "
                 "25 MiB buckets; pass bucket_cap_mb for fixed caps"
             )
         if not new.fused:
-            state.report.set_alignment_source(state.backend.alignment)
+            report.set_alignment_source(backend.alignment)
             if self.alignment is None:
-                self.alignment = AlignmentPoll(state.report, ddp)
-        blocks = state.backend.block_calls
+                self.alignment = AlignmentPoll(report, ddp)
+        blocks = backend.block_calls
         sharing = new.sharing
         if blocks is not None and blocks.off is None and not sharing.enabled:
             # Dynamo inlines the blocks from this call on (NOTE [sharing by default]).
             blocks.off = sharing.reason
-            state.report.note(sharing.note(blocks.container, len(blocks.entries)))
-        state.backend.use(new, self.fused)
+            report.note(sharing.note(blocks.container, len(blocks.entries)))
+        backend.use(new, self.fused)
 
     def _recompile(self) -> None:
         """Forget every frame this object compiled: the next call compiles them again."""
-        for backend in (self.state.backend, self.nosync_backend):
+        for backend in (self.backend, self.nosync_backend):
             for code in backend.compiled_codes():
                 dc.forget_compiled(code)
-        if self.state.code is not None:
-            dc.forget_compiled(self.state.code)
+        if self.code is not None:
+            dc.forget_compiled(self.code)
         self.unfrozen = {Variant.SYNC, Variant.NO_SYNC}
         if self.fused is not None:
             self.fused.runtime.forget_graphs()
 
     # -- the forward -----------------------------------------------------------------------
 
-    def forward(self, args: tuple, kwargs: dict) -> Any:
+    def forward(self, args: tuple, kwargs: dict, *, stance: Callable[[], Any]) -> Any:
+        """One forward; ``stance()`` is the scope a call of a compiled frame runs in
+        (``CompiledState.stance``: a no-op unless frozen)."""
         self.check()
         ddp = self.ddp
         if self.fused is None:
-            return self._with_reducer(self.state.call, Variant.SYNC, args, kwargs)
+            return self._with_reducer(self.call, Variant.SYNC, args, kwargs, stance)
         if not c10d.registered(ddpc.process_group(ddp)):
             raise RuntimeError(GROUP_DESTROYED)
         sync = ddpc.grad_sync_requested(ddp) and torch.is_grad_enabled()
         if sync and ddpc.join_enabled(ddp):
-            return self._in_join(args, kwargs)
-        return self._fused(sync, args, kwargs)
+            return self._in_join(args, kwargs, stance)
+        return self._fused(sync, args, kwargs, stance)
 
-    def _fused(self, sync: bool, args: tuple, kwargs: dict) -> Any:
+    def _fused(self, sync: bool, args: tuple, kwargs: dict, stance: Callable[[], Any]) -> Any:
         ddp, runtime = self.ddp, self.runtime
         if not ddpc.reducer_released(ddp):
             self._release_reducer()
         runtime.before_forward(sync)
         variant = Variant.SYNC if sync else Variant.NO_SYNC
-        call = self.state.call if sync else self.call_nosync
-        with self._stance(variant):
+        call = self.call if sync else self.call_nosync
+        with self._stance(variant, stance):
             out = ddpc.run_forward_with_idle_reducer(ddp, args, kwargs, call, self.buffers)
         runtime.after_forward(out, sync)
         return out
 
-    def _in_join(self, args: tuple, kwargs: dict) -> Any:
+    def _in_join(self, args: tuple, kwargs: dict, stance: Callable[[], Any]) -> Any:
         """A synced step inside ``ddp.join()`` (uneven inputs).
 
         NOTE [fused under join]: a rank that has run out of inputs loops in ``Join.__exit__``
@@ -235,35 +246,37 @@ class DDPForward:
         with ddpc.join_notified(ddp) as notice:
             not_joined = notice.not_joined
             if not_joined is not None and not_joined == world:
-                return self._fused(True, args, kwargs)
+                return self._fused(True, args, kwargs, stance)
             if "join" not in self.said:
                 self.said.add("join")
                 why = "a rank has joined" if not_joined is not None else "another joinable leads the join context"
                 log.info("bucketwise fused: join(): %s; steps run with DDP's reducer from now on while that holds", why)
-                self.state.report.note(
+                self.report.note(
                     f"join(): steps where {why} ran the compiled graphs without collectives and DDP's reducer "
                     "reduced the gradients, as DDP's join hook expects (NOTE [fused under join])"
                 )
             self.runtime.reducer_step()
             notice.hand_to_reducer()
-            return self._with_reducer(self.call_nosync, Variant.NO_SYNC, args, kwargs)
+            return self._with_reducer(self.call_nosync, Variant.NO_SYNC, args, kwargs, stance)
 
-    def _with_reducer(self, call: Callable[..., Any], variant: Variant, args: tuple, kwargs: dict) -> Any:
+    def _with_reducer(
+        self, call: Callable[..., Any], variant: Variant, args: tuple, kwargs: dict, stance: Callable[[], Any]
+    ) -> Any:
         """DDP's own forward around a compiled call: the reducer reduces in the backward."""
         ddp = self.ddp
         args, kwargs = ddpc.pre_forward(ddp, args, kwargs, self.buffers)
-        with self._stance(variant):
+        with self._stance(variant, stance):
             out = call(*args, **kwargs)
         out = ddpc.post_forward(ddp, out)
         if self.alignment is not None:
             self.alignment.after_forward()
         return out
 
-    def _stance(self, variant: Variant) -> Any:
+    def _stance(self, variant: Variant, stance: Callable[[], Any]) -> Any:
         if variant in self.unfrozen:
             self.unfrozen.discard(variant)
             return contextlib.nullcontext()
-        return self.state.stance()
+        return stance()
 
     def _release_reducer(self) -> None:
         """Free DDP's idle bucket buffers (NOTE [released reducer]). Once ``join()`` rebuilt them,
@@ -275,7 +288,7 @@ class DDPForward:
         freed = ddpc.release_reducer(ddp)
         if freed and "release" not in self.said:
             self.said.add("release")
-            self.state.report.note(
+            self.report.note(
                 f"DDP's reducer bucket buffers released ({freed / 2**20:.1f} MiB, a second copy of the gradients): the "
                 "fused backward reduces into buffers that become param.grad (NOTE [released reducer])"
             )

@@ -23,6 +23,7 @@ from .block_calls import BlockCalls
 from .config import CompileConfig
 from .ddp_forward import DDPForward
 from .decision import Variant
+from .graph_backend import GraphBackend
 from .hook_watch import HookWatch
 from .state import CompiledState, new_backend, torch_compile
 
@@ -128,7 +129,7 @@ class CompiledDDP(CompiledModule, DistributedDataParallel):
         state = self._bucketwise
         ddp = state.ddp.ddp
         training = torch.is_grad_enabled() and ddpc.grad_sync_requested(ddp)
-        return state.run(self, lambda: state.ddp.forward(args, kwargs), training=training)
+        return state.run(self, lambda: state.ddp.forward(args, kwargs, stance=state.stance), training=training)
 
 
 def _call_frame(state: CompiledState, args: tuple, kwargs: dict) -> Any:
@@ -165,25 +166,24 @@ def compile_module(module: nn.Module, config: CompileConfig, *, cudagraphs: Cuda
     )
     forward = _inner_forward(inner)
     blocks = backend.block_calls
+    call = _calling_blocks(blocks, torch_compile(forward, backend, config))
+    run = None if ddp is None else _ddp_forward(ddp, forward, call, backend, report, config, cudagraphs)
     state = CompiledState(
         config=config,
         report=report,
         backend=backend,
-        call=_calling_blocks(blocks, torch_compile(forward, backend, config)),
+        call=call,
         code=forward.__code__,
         module=module,
         cudagraphs=cudagraphs,
+        ddp=run,
         artifacts=artifacts_for(config.artifacts),
     )
     state.load_artifacts()
-    if ddp is None:
-        compiled: CompiledModule = CompiledModule(module, state)
-    else:
-        state.ddp = _ddp_forward(ddp, forward, state, config, cudagraphs, blocks)
-        compiled = CompiledDDP(module, state)
+    compiled = CompiledModule(module, state) if run is None else CompiledDDP(module, state)
     # report(module) finds the compile through the module (and so through the compiled object).
     ddpc.set_owner(module, state)
-    weakref.finalize(compiled, _forget, state.code, [state.backend, getattr(state.ddp, "nosync_backend", None)])
+    weakref.finalize(compiled, _forget, state.code, [backend, run.nosync_backend if run is not None else None])
     return compiled
 
 
@@ -194,19 +194,27 @@ def _calling_blocks(blocks: BlockCalls | None, compiled: Callable[..., Any]) -> 
 def _ddp_forward(
     ddp: Any,
     forward: Callable[..., Any],
-    state: CompiledState,
+    call: Callable[..., Any],
+    backend: GraphBackend,
+    report: Report,
     config: CompileConfig,
     cudagraphs: CudaGraphDecision,
-    blocks: BlockCalls | None,
 ) -> DDPForward:
+    """The DDP side of a compiled DDP module whose synced frame is ``call`` (compiled with
+    ``backend``)."""
+    blocks = backend.block_calls
     # no_sync() steps and evaluation run a second compiled variant without collectives; Dynamo
     # keeps one cache entry per backend, so switching costs no recompile.
     nosync = new_backend(
-        config, state.report, ddp, cudagraphs=cudagraphs, variant=Variant.NO_SYNC, alignment=False, block_calls=blocks
+        config, report, ddp, cudagraphs=cudagraphs, variant=Variant.NO_SYNC, alignment=False, block_calls=blocks
     )
     run = DDPForward(
         ddp=ddp,
-        state=state,
+        config=config,
+        report=report,
+        backend=backend,
+        code=forward.__code__,
+        call=call,
         nosync_backend=nosync,
         call_nosync=_calling_blocks(blocks, torch_compile(forward, nosync, config)),
         hooks=HookWatch(ddp.module.named_modules, lambda: ddpc.reducer_parameters(ddp), lambda: run.own_hook_ids()),
@@ -216,7 +224,7 @@ def _ddp_forward(
         # Collectives on every rank at compile time: the rank checks' side group, and the CUDA
         # graphs' release group (NOTE [cuda graphs at teardown]).
         prepare_rank_checks(ddpc.process_group(ddp))
-        if state.backend.cudagraphs is not None:
+        if backend.cudagraphs is not None:
             teardown.guard(ddpc.process_group(ddp))
     gloo_exit.settle_at_exit(ddpc.process_group(ddp))
     return run
