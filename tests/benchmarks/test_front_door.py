@@ -40,6 +40,7 @@ def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
         "compile_depth",
         "graph_launch",
         "host_calls",
+        "host_phases",
         "host_tax",
         "step_kernels",
         "trace_kernels",
@@ -48,7 +49,7 @@ def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
     assert done.returncode == 2
     assert (
         "expected one of ['collective_host', 'comm_overlap', 'comm_passes', 'compile_depth', 'graph_launch', "
-        "'host_calls', 'host_tax', 'step_kernels', 'trace_kernels'], got 'nope'" in done.stderr
+        "'host_calls', 'host_phases', 'host_tax', 'step_kernels', 'trace_kernels'], got 'nope'" in done.stderr
     )
 
 
