@@ -107,9 +107,10 @@ def compile(
     return compile_with_config(obj, config)
 
 
-def compile_with_config(obj: nn.Module | Callable[..., Any], config: CompileConfig) -> Any:
+def compile_with_config(obj: nn.Module | Callable[..., Any], config: CompileConfig, *, first_call: Any = None) -> Any:
     """:func:`compile` with its arguments already checked (also what the ``"bucketwise"``
-    torch.compile backend builds for a DDP module)."""
+    torch.compile backend builds for a DDP module, with the frames of the call that built it to
+    forget: ``first_call``, ``CompiledState.first_call``)."""
     if ddpc.is_ddp(obj):
         problem = ddpc.process_group_usable(obj)
         if problem is not None:
@@ -119,7 +120,7 @@ def compile_with_config(obj: nn.Module | Callable[..., Any], config: CompileConf
     warn_uncached_bytecode()
     if isinstance(obj, nn.Module):
         aot.start_compile_workers(config.backend, itertools.chain(obj.parameters(), obj.buffers()))
-        return compile_module(obj, config, cudagraphs=cudagraphs)
+        return compile_module(obj, config, cudagraphs=cudagraphs, first_call=first_call)
     return compile_function(obj, config, cudagraphs=cudagraphs)
 
 

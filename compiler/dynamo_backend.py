@@ -224,14 +224,18 @@ def attach(ddp: Any, config: CompileConfig) -> Any:
     owner = _existing(ddp, config)
     if owner is not None:
         return owner
-    compiled = compile_with_config(ddp, config)
+    first_call = _FirstCall(ddp)
+    try:
+        compiled = compile_with_config(ddp, config, first_call=first_call)
+    except BaseException:
+        first_call.close()  # nothing of the attach stays on the DDP module
+        raise
     state = state_of(compiled)
     state.report.note(
         "compiled through torch.compile(backend='bucketwise'): the first call ran uncompiled (torch's DDPOptimizer "
         "had split its graph before bucketwise saw it); bucketwise runs this DDP module's forward from the second "
         "call on (NOTE [registered backend takes over the DDP forward])"
     )
-    state.first_call = _FirstCall(ddp)
     ddpc.route_forward(ddp, compiled)
     # report() accepts the module the user compiled (Fabric re-applies the compile over its DDP
     # module, so the user's OptimizedModule wraps ddp.module) as well as the DDP module.
@@ -356,6 +360,10 @@ class _FirstCall:
     def compiled(self, code: Any) -> None:
         if code is not None and not self.done and code not in self.codes:
             self.codes.append(code)
+
+    def close(self) -> None:
+        """Remove the hooks; forget the frames compiled so far."""
+        self._forget()
 
     def _forget(self, *_: Any) -> None:
         self.done = True

@@ -141,8 +141,11 @@ def _compiled(module: nn.Module, config: CompileConfig, cudagraphs: CudaGraphDec
     return compile_module(module, config, cudagraphs=cudagraphs)
 
 
-def compile_module(module: nn.Module, config: CompileConfig, *, cudagraphs: CudaGraphDecision) -> CompiledModule:
-    """``module`` compiled (a :class:`CompiledDDP` for a DDP module)."""
+def compile_module(
+    module: nn.Module, config: CompileConfig, *, cudagraphs: CudaGraphDecision, first_call: Any = None
+) -> CompiledModule:
+    """``module`` compiled (a :class:`CompiledDDP` for a DDP module); ``first_call``: see
+    ``CompiledState.first_call``."""
     if isinstance(module, CompiledModule):
         raise ValueError(
             "obj: this module is already compiled by bucketwise; compile the module itself once, or keep the "
@@ -177,6 +180,7 @@ def compile_module(module: nn.Module, config: CompileConfig, *, cudagraphs: Cuda
         module=module,
         cudagraphs=cudagraphs,
         ddp=run,
+        first_call=first_call,
         artifacts=artifacts_for(config.artifacts),
     )
     state.load_artifacts()

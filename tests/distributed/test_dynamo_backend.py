@@ -88,6 +88,21 @@ def test_module_without_ddp_has_a_report():
     assert bucketwise.report(compiled) is rep and len(rep.graphs) == 1 and rep.graph_runs == 2
 
 
+def test_a_refused_attach_leaves_nothing_on_the_ddp_module(single_rank_group):
+    """An explicit ``fused`` refused at the first call (a gradient hook): the error names the
+    reason, and the DDP module keeps no hook of the attach, so fixing the cause and compiling
+    again starts clean."""
+    torch._dynamo.reset()
+    ddp = DDP(Net())
+    handle = next(iter(ddp.module.parameters())).register_hook(lambda g: g)
+    compiled = torch.compile(ddp, backend="bucketwise", options={**AOT, "strategy": "fused"})
+    with pytest.raises(Exception, match="gradient hooks on"):
+        compiled(torch.randn(2, 256))
+    assert not ddp._forward_pre_hooks and not ddp._forward_hooks, (ddp._forward_pre_hooks, ddp._forward_hooks)
+    handle.remove()
+    torch._dynamo.reset()
+
+
 def test_options():
     config = config_from_options(None, {"strategy": "split", "inner_backend": "aot_eager", "bucket_cap_mb": 2}, None)
     assert (config.strategy, config.backend, config.bucket_cap_mb, config.options) == ("split", "aot_eager", 2, None)
