@@ -23,27 +23,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bucketwise.benchmarks.probes._tiny import tiny_llama
+
 STEPS = 10
 CALLS = 5000
 
 
 def python_calls_per_step(layers: int, share_blocks: bool) -> float:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import bucketwise
 
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=64,
-        max_position_embeddings=16,
-        use_cache=False,
-    )
     torch.manual_seed(0)
-    model = bucketwise.compile(DDP(LlamaForCausalLM(config)), strategy="fused", share_blocks=share_blocks)
+    model = bucketwise.compile(DDP(tiny_llama(layers, hidden=32)), strategy="fused", share_blocks=share_blocks)
     ids = torch.randint(0, 64, (1, 8))
     for _ in range(3):
         model(input_ids=ids, labels=ids).loss.backward()

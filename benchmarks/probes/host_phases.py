@@ -26,30 +26,20 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bucketwise.benchmarks.probes._tiny import tiny_llama
+
 CALLS = 30
 PROFILED = 10
 
 
 def _models(layers: int) -> dict[str, Callable[[], Any]]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import bucketwise
 
-    config = LlamaConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=64,
-        max_position_embeddings=16,
-        use_cache=False,
-    )
     ids = torch.randint(0, 64, (1, 8))
     out = {}
     for name in ("local", "default"):
         torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
+        model = tiny_llama(layers, hidden=16)
         compiled = torch.compile(model) if name == "local" else bucketwise.compile(DDP(model))
         out[name] = lambda compiled=compiled: compiled(input_ids=ids, labels=ids).loss
     return out
@@ -75,9 +65,9 @@ def _backward_calls(forward: Callable[[], Any]) -> dict[str, float]:
         prof.enable()
         loss.backward()
         prof.disable()
-    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
-    views = sum(v[1] for k, v in stats.items() if k[2].endswith("_reinterpret_tensor>"))
-    return {"calls": pstats.Stats(prof).total_calls / PROFILED, "reinterpret_tensor": views / PROFILED}
+    stats = pstats.Stats(prof)
+    views = sum(v[1] for k, v in stats.stats.items() if k[2].endswith("_reinterpret_tensor>"))  # type: ignore[attr-defined]
+    return {"calls": stats.total_calls / PROFILED, "reinterpret_tensor": views / PROFILED}  # type: ignore[attr-defined]
 
 
 def main(argv: list[str] | None = None) -> int:
