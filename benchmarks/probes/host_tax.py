@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                 "issue_ms": e["issue_ms"],
                 "step_ms": e["step_ms"],
                 "issue_ms_median": statistics.median(e["issue_ms"]),
+                "cpu_ms": e["cpu_ms"],
+                "cpu_ms_median": statistics.median(e["cpu_ms"]),
                 "step_ms_median": statistics.median(e["step_ms"]),
                 "kernels": e["kernels"],
                 "gpu_ms": e["gpu_ms"],
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(
                 f"{name}: step {row['step_ms_median']:.2f} ms, issue {row['issue_ms_median']:.2f} ms, "
+                f"CPU time {row['cpu_ms_median']:.2f} ms, "
                 f"GPU {row['gpu_ms']:.2f} ms, {row['kernels']:.0f} kernels, buckets {row['buckets']}, "
                 f"syncs {len(row['syncs'])}",
                 flush=True,
@@ -161,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     lines = [f"# host time per step: {args.model} {sizes}", ""]
     lines += [
-        f"- `{r['config']}`: step {r['step_ms_median']:.2f} ms, issue {r['issue_ms_median']:.2f} ms, GPU "
+        f"- `{r['config']}`: step {r['step_ms_median']:.2f} ms, issue {r['issue_ms_median']:.2f} ms, CPU time "
+        f"{r['cpu_ms_median']:.2f} ms, GPU "
         f"{r['gpu_ms']:.2f} ms, {r['kernels']:.0f} kernels, buckets {r['buckets']}, syncs {r['syncs'][:2]}"
         for r in rows
     ]

@@ -28,7 +28,9 @@ Per config (``results.json`` and ``results.md`` in ``--out``):
   ``peak_mib``: its peak over the timed steps, less the other configs' memory at rest (an
   estimate: it is off where another config's memory changes after it was built, as CUDA-graph
   pools may);
-- ``issue_ms``/``step_ms``: per pair, the median host time to issue a step and the GPU
+- ``issue_ms``/``cpu_ms``/``step_ms``: per pair, the median host time to issue a step (wall
+  clock), the CPU time the issuing thread spent on it (``time.thread_time``: what a neighbour on
+  a shared host does not add, though waiting on a full launch queue still counts) and the GPU
   (CUDA-event) time per step; ``kernels``, ``gpu_ms``: kernels launched and GPU kernel time per
   step (profiler); ``host_us_per_launch``: issue time over kernels launched.
 
@@ -148,6 +150,7 @@ def build(
         "first_step_breakdown": totals.get("first_step"),
         "report": report,
         "issue_ms": [],
+        "cpu_ms": [],
         "step_ms": [],
     }
 
@@ -163,15 +166,17 @@ def timed_block(entry: dict[str, Any], steps: int, others_at_rest: int) -> None:
     if cuda:
         start.record()
     wall = time.perf_counter()
-    issue = []
+    issue, cpu = [], []
     for _ in range(steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         step()
         issue.append((time.perf_counter() - t) * 1e3)
+        cpu.append((time.thread_time() - c) * 1e3)
     if cuda:
         end.record()
     _sync()
     entry["issue_ms"].append(statistics.median(issue))
+    entry["cpu_ms"].append(statistics.median(cpu))
     entry["step_ms"].append(start.elapsed_time(end) / steps if cuda else (time.perf_counter() - wall) * 1e3 / steps)
     entry["peak_bytes"] = max(entry["peak_bytes"], _peak() - others_at_rest)
 
@@ -206,6 +211,7 @@ def summarize(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 "compile_breakdown",
                 "first_step_breakdown",
                 "issue_ms",
+                "cpu_ms",
                 "step_ms",
                 "kernels",
                 "gpu_ms",
@@ -223,6 +229,7 @@ def summarize(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             peak_mib=e["peak_bytes"] / 2**20,
             first_peak_mib=e["first_peak_bytes"] / 2**20,
             issue_ms_median=statistics.median(e["issue_ms"]),
+            cpu_ms_median=statistics.median(e["cpu_ms"]),
             step_ms_median=statistics.median(e["step_ms"]),
         )
         row["host_us_per_launch"] = (row["issue_ms_median"] * 1e3 / e["kernels"]) if e.get("kernels") else None
@@ -234,6 +241,7 @@ def summarize(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         base = entries.get(floor)
         if base is not None:
             row["issue_ratio"] = statistics.median(a / b for a, b in zip(e["issue_ms"], base["issue_ms"]))
+            row["cpu_ratio"] = statistics.median(a / b for a, b in zip(e["cpu_ms"], base["cpu_ms"]))
             row["step_ratio"] = statistics.median(a / b for a, b in zip(e["step_ms"], base["step_ms"]))
             row["peak_ratio"] = e["first_peak_bytes"] / base["first_peak_bytes"] if base["first_peak_bytes"] else None
             row["gpu_ratio"] = e["gpu_ms"] / base["gpu_ms"] if e.get("gpu_ms") and base.get("gpu_ms") else None
@@ -318,10 +326,14 @@ def _steady_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     for r in rows:
         if "error" not in r and first_peak.get(r["floor"]):
             r["peak_ratio"] = r["first_peak_mib"] / first_peak[r["floor"]]
+    # Runs that measured the issuing thread's CPU time get its 2 columns (older results.json lack it).
+    cpu_cols = any(r.get("cpu_ms_median") is not None for r in rows)
     head = (
-        "| config | floor | peak MiB | x floor | at rest MiB | CPU issue ms | x floor | step ms | x floor "
-        "| GPU ms | x floor | kernels | host us/launch |"
+        "| config | floor | peak MiB | x floor | at rest MiB | CPU issue ms | x floor "
+        + ("| CPU time ms | x floor " if cpu_cols else "")
+        + "| step ms | x floor | GPU ms | x floor | kernels | host us/launch |"
     )
+    ncols = 15 if cpu_cols else 13
     lines = [
         f"# {meta['model']}: configs side by side, {meta['pairs']} interleaved rounds",
         "",
@@ -330,11 +342,11 @@ def _steady_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"`{meta['command']}`",
         "",
         head,
-        "|" + " --- |" * 13,
+        "|" + " --- |" * ncols,
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| `{r['config']}` | failed: {r['error'].splitlines()[0][:200]} |" + " |" * 11)
+            lines.append(f"| `{r['config']}` | failed: {r['error'].splitlines()[0][:200]} |" + " |" * (ncols - 2))
             continue
         lines.append(
             "| "
@@ -347,6 +359,7 @@ def _steady_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                     _fmt(r["rest_mib"], ",.0f"),
                     _fmt(r["issue_ms_median"], ".2f"),
                     _fmt(r.get("issue_ratio"), ".3f"),
+                    *([_fmt(r.get("cpu_ms_median"), ".2f"), _fmt(r.get("cpu_ratio"), ".3f")] if cpu_cols else []),
                     _fmt(r["step_ms_median"], ".2f"),
                     _fmt(r.get("step_ratio"), ".3f"),
                     _fmt(r.get("gpu_ms"), ".2f"),
@@ -360,8 +373,14 @@ def _steady_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines += [
         "",
         "peak MiB: the config's peak over its first step and warm-up steps (compile and CUDA-graph "
-        "capture included), above what was allocated before it was built. x floor: CPU issue and step, the "
-        "median over rounds of the per-round ratio to the floor; peak and GPU time, the ratio of the "
+        "capture included), above what was allocated before it was built. "
+        + (
+            "CPU issue: wall-clock time to issue a step; CPU time: the issuing thread's CPU time for it. "
+            "x floor: CPU issue, CPU time and step, the "
+            if cpu_cols
+            else "x floor: CPU issue and step, the "
+        )
+        + "median over rounds of the per-round ratio to the floor; peak and GPU time, the ratio of the "
         "figures. GPU ms: kernel time per step from the profiler. Per-round figures are in results.json.",
     ]
     return "\n".join(lines) + "\n"

@@ -56,8 +56,10 @@ def test_cpu_run_interleaves_and_writes_both_files(tmp_path):
     rows = {r["config"]: r for r in data["rows"]}
     assert set(rows) == {"local", "bw-fused"}
     for row in rows.values():
-        assert len(row["issue_ms"]) == len(row["step_ms"]) == 3
+        assert len(row["issue_ms"]) == len(row["cpu_ms"]) == len(row["step_ms"]) == 3
         assert all(t > 0 for t in row["issue_ms"])
+        # The issuing thread's CPU time cannot exceed the wall clock it issued in.
+        assert all(0 < c <= t * 1.05 for c, t in zip(row["cpu_ms"], row["issue_ms"]))
     assert rows["local"]["issue_ratio"] == 1.0
     assert rows["bw-fused"]["compile_s"] > 0 and rows["local"]["compile_s"] is None
     assert "`bw-fused` | `local`" in (tmp_path / "results.md").read_text()
@@ -72,12 +74,13 @@ def test_pairs_below_three_are_refused(bench):
 def test_ratio_is_the_median_of_per_round_ratios(bench):
     tax_bench = bench[0]
 
-    def entry(issue, peak):
+    def entry(issue, peak, cpu=None):
         return {
             "config": "",
             "first_step_s": 1.0,
             "compile_s": None,
             "issue_ms": issue,
+            "cpu_ms": cpu or issue,
             "step_ms": issue,
             "kernels": 10,
             "gpu_ms": 1.0,
@@ -88,11 +91,13 @@ def test_ratio_is_the_median_of_per_round_ratios(bench):
 
     entries = {
         "local": {**entry([10.0, 20.0, 10.0], 100), "config": "local"},
-        "bw-fused": {**entry([11.0, 10.0, 30.0], 110), "config": "bw-fused"},
+        "bw-fused": {**entry([11.0, 10.0, 30.0], 110, cpu=[12.0, 40.0, 5.0]), "config": "bw-fused"},
     }
     rows = {r["config"]: r for r in tax_bench.summarize(entries)}
     # Per-round ratios 1.1, 0.5, 3.0: the median is 1.1, not the ratio of medians (11/10).
     assert rows["bw-fused"]["issue_ratio"] == pytest.approx(1.1)
+    # CPU time the same way, from its own rounds: 1.2, 2.0, 0.5.
+    assert rows["bw-fused"]["cpu_ratio"] == pytest.approx(1.2)
     assert rows["bw-fused"]["host_us_per_launch"] == pytest.approx(1100.0)
 
 
