@@ -261,9 +261,9 @@ def tax_tables(results: Path, link_root: str) -> str:
         ]
         if runs:
             out += [
-                "| model | config | floor | peak MiB | peak x floor | CPU issue ms | issue x floor | step ms "
-                "| step x floor | GPU ms | GPU x floor | host us/launch |",
-                "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+                "| model | config | floor | peak MiB | peak x floor | CPU issue ms | issue x floor | CPU time ms "
+                "| CPU time x floor | step ms | step x floor | GPU ms | GPU x floor | host us/launch |",
+                "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
             ]
         for run in runs:
             rows = [r for r in run["rows"] if "error" not in r]
@@ -273,14 +273,16 @@ def tax_tables(results: Path, link_root: str) -> str:
                 gpu = "-" if r.get("gpu_ms") is None else f"{r['gpu_ms']:.2f}"
                 launch = "-" if r.get("host_us_per_launch") is None else f"{r['host_us_per_launch']:.1f}"
                 step = "-" if r.get("step_ms_median") is None else f"{r['step_ms_median']:.2f}"
+                # The issuing thread's CPU time: runs since the harness measured it.
+                cpu = "-" if r.get("cpu_ms_median") is None else f"{r['cpu_ms_median']:.2f}"
                 out.append(
                     f"| {_model(run['meta'])} | `{r['config']}` | `{r['floor']}` | {r['first_peak_mib']:,.0f} "
                     f"| {_ratio(peak_ratio)} | {r['issue_ms_median']:.2f} | {_ratio(r.get('issue_ratio'))} "
-                    f"| {step} | {_ratio(r.get('step_ratio'))} | {gpu} | {_ratio(r.get('gpu_ratio'))} | {launch} |"
+                    f"| {cpu} | {_ratio(r.get('cpu_ratio'))} | {step} | {_ratio(r.get('step_ratio'))} | {gpu} | {_ratio(r.get('gpu_ratio'))} | {launch} |"
                 )
             for r in run["rows"]:
                 if "error" in r:
-                    out.append(f"| {_model(run['meta'])} | `{r['config']}` | failed | | | | | | | | | |")
+                    out.append(f"| {_model(run['meta'])} | `{r['config']}` | failed | | | | | | | | | | | |")
         out += ["", *restart_table(restarts)] if runs else restart_table(restarts)
     return "\n".join(out).rstrip("\n")
 
