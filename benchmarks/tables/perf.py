@@ -278,7 +278,8 @@ def tax_tables(results: Path, link_root: str) -> str:
                 out.append(
                     f"| {_model(run['meta'])} | `{r['config']}` | `{r['floor']}` | {r['first_peak_mib']:,.0f} "
                     f"| {_ratio(peak_ratio)} | {r['issue_ms_median']:.2f} | {_ratio(r.get('issue_ratio'))} "
-                    f"| {cpu} | {_ratio(r.get('cpu_ratio'))} | {step} | {_ratio(r.get('step_ratio'))} | {gpu} | {_ratio(r.get('gpu_ratio'))} | {launch} |"
+                    f"| {cpu} | {_ratio(r.get('cpu_ratio'))} | {step} | {_ratio(r.get('step_ratio'))} "
+                    f"| {gpu} | {_ratio(r.get('gpu_ratio'))} | {launch} |"
                 )
             for r in run["rows"]:
                 if "error" in r:
