@@ -152,6 +152,27 @@ def allreduce_probe(numel: int, device: torch.device, iters: int) -> dict[str, A
     }
 
 
+def gpu_idle(kernels: Sequence[tuple[float, float, str]], *, top: int = 8) -> dict[str, Any]:
+    """Where the GPU waits between kernels: ``kernels`` as (start, end, name), microseconds, from
+    one run of steps. Returns the time from the first kernel's start to the last one's end
+    (``span_us``), the time some kernel runs (``busy_us``), the rest (``idle_us``), and the
+    ``top`` kernels that most idle time comes before (``before``: name -> microseconds), each gap
+    charged to the kernel that ends it: what the GPU waited to be given."""
+    spans = sorted(kernels)
+    if not spans:
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "before": {}}
+    before: dict[str, float] = {}
+    busy, reach = 0.0, spans[0][0]
+    for start, end, name in spans:
+        if start > reach:
+            before[name] = before.get(name, 0.0) + start - reach
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span = reach - spans[0][0]
+    ranked = sorted(before.items(), key=lambda kv: -kv[1])[:top]
+    return {"span_us": span, "busy_us": busy, "idle_us": span - busy, "before": dict(ranked)}
+
+
 # -- chrome trace -------------------------------------------------------------------------
 
 

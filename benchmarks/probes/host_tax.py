@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                 "step_ms_median": statistics.median(e["step_ms"]),
                 "kernels": e["kernels"],
                 "gpu_ms": e["gpu_ms"],
+                "gpu_idle_ms": e["gpu_idle_ms"],
+                "idle_before_ms": e["idle_before_ms"],
                 "buckets": len(e["report"].graphs[0].buckets)
                 if e["report"] is not None and e["report"].graphs
                 else None,
@@ -154,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name}: step {row['step_ms_median']:.2f} ms, issue {row['issue_ms_median']:.2f} ms, "
                 f"CPU time {row['cpu_ms_median']:.2f} ms, "
-                f"GPU {row['gpu_ms']:.2f} ms, {row['kernels']:.0f} kernels, buckets {row['buckets']}, "
+                f"GPU {row['gpu_ms']:.2f} ms (idle {row['gpu_idle_ms']:.2f}), {row['kernels']:.0f} kernels, "
+                f"buckets {row['buckets']}, "
                 f"syncs {len(row['syncs'])}",
                 flush=True,
             )

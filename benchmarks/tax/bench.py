@@ -31,8 +31,9 @@ Per config (``results.json`` and ``results.md`` in ``--out``):
 - ``issue_ms``/``cpu_ms``/``step_ms``: per pair, the median host time to issue a step (wall
   clock), the CPU time the issuing thread spent on it (``time.thread_time``: what a neighbour on
   a shared host does not add, though waiting on a full launch queue still counts) and the GPU
-  (CUDA-event) time per step; ``kernels``, ``gpu_ms``: kernels launched and GPU kernel time per
-  step (profiler); ``host_us_per_launch``: issue time over kernels launched.
+  (CUDA-event) time per step; ``kernels``, ``gpu_ms``, ``gpu_idle_ms``: kernels launched, GPU kernel time and the time
+  the GPU waited between kernels per step (profiler), ``idle_before_ms``: the kernels the most
+  of that wait came before; ``host_us_per_launch``: issue time over kernels launched.
 
 Started without torchrun it runs one rank itself; under torchrun every rank runs the same
 interleaving and rank 0 writes its own figures.
@@ -53,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from bucketwise._compat import dynamo as dc
+from bucketwise.benchmarks.core import metrics as bm
 from bucketwise.benchmarks.core.configs import floor_config, recipe_for
 from bucketwise.benchmarks.core.meta import run_meta
 from bucketwise.benchmarks.core.models import MODELS, make_spec
@@ -182,11 +184,12 @@ def timed_block(entry: dict[str, Any], steps: int, others_at_rest: int) -> None:
 
 
 def kernel_profile(entry: dict[str, Any], steps: int) -> None:
-    """Kernels launched and GPU kernel time per step, from ``torch.profiler``."""
+    """Kernels launched, GPU kernel time and GPU idle time between kernels per step, from
+    ``torch.profiler`` (``metrics.gpu_idle``)."""
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available() or steps <= 0:
-        entry["kernels"] = entry["gpu_ms"] = None
+        entry["kernels"] = entry["gpu_ms"] = entry["gpu_idle_ms"] = entry["idle_before_ms"] = None
         return
     _sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -196,6 +199,10 @@ def kernel_profile(entry: dict[str, Any], steps: int) -> None:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     entry["kernels"] = len(kernels) / steps
     entry["gpu_ms"] = sum(e.device_time for e in kernels) / 1e3 / steps
+    idle = bm.gpu_idle([(e.time_range.start, e.time_range.end, e.name[:80]) for e in kernels])
+    # Per step: how long the GPU waited between kernels, and before which kernels the most.
+    entry["gpu_idle_ms"] = idle["idle_us"] / 1e3 / steps
+    entry["idle_before_ms"] = {k: v / 1e3 / steps for k, v in idle["before"].items()}
 
 
 def summarize(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -215,6 +222,8 @@ def summarize(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 "step_ms",
                 "kernels",
                 "gpu_ms",
+                "gpu_idle_ms",
+                "idle_before_ms",
             )
         }
         times, first = e.get("compile_breakdown"), e.get("first_step_breakdown")
@@ -370,6 +379,12 @@ def _steady_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             )
             + " |"
         )
+    idle = [r for r in rows if r.get("gpu_idle_ms") is not None]
+    if idle:
+        lines += ["", "GPU idle between kernels, ms per step, and the kernels the most of it came before:", ""]
+        for r in idle:
+            top = ", ".join(f"`{k}` {v:.2f}" for k, v in list((r.get("idle_before_ms") or {}).items())[:3])
+            lines.append(f"- `{r['config']}`: {r['gpu_idle_ms']:.2f}; before {top}")
     lines += [
         "",
         "peak MiB: the config's peak over its first step and warm-up steps (compile and CUDA-graph "

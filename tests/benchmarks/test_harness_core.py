@@ -159,3 +159,22 @@ def test_a_result_names_the_tree_of_the_code_on_disk_as_git_would(tmp_path):
     git("commit", "-q", "-m", "two")
     assert on_disk == git("rev-parse", "HEAD^{tree}")
     assert meta.source_tree(tmp_path / "nowhere") is None
+
+
+def test_gpu_idle_charges_each_gap_to_the_kernel_that_ends_it():
+    from bucketwise.benchmarks.core.metrics import gpu_idle
+
+    # a runs 0-10; b overlaps it (5-12); a gap of 8 before c (20-25); 5 before d (30-31); c
+    # again after a gap of 9 (40-42). Busy: 0-12, 20-25, 30-31, 40-42 = 20 of a 42 us span.
+    kernels = [(20.0, 25.0, "c"), (0.0, 10.0, "a"), (5.0, 12.0, "b"), (30.0, 31.0, "d"), (40.0, 42.0, "c")]
+    out = gpu_idle(kernels, top=1)
+    assert out["span_us"] == 42.0 and out["busy_us"] == 20.0 and out["idle_us"] == 22.0
+    assert out["before"] == {"c": 17.0}
+    assert gpu_idle([])["idle_us"] == 0.0
+    # A kernel inside another's span adds neither busy time nor a gap.
+    assert gpu_idle([(0.0, 10.0, "a"), (2.0, 3.0, "b")]) == {
+        "span_us": 10.0,
+        "busy_us": 10.0,
+        "idle_us": 0.0,
+        "before": {},
+    }
