@@ -43,13 +43,15 @@ def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
         "host_phases",
         "host_tax",
         "step_kernels",
+        "symmetric_ddp",
         "trace_kernels",
     ]
     done = _run("probe", "nope")
     assert done.returncode == 2
     assert (
         "expected one of ['collective_host', 'comm_overlap', 'comm_passes', 'compile_depth', 'graph_launch', "
-        "'host_calls', 'host_phases', 'host_tax', 'step_kernels', 'trace_kernels'], got 'nope'" in done.stderr
+        "'host_calls', 'host_phases', 'host_tax', 'step_kernels', 'symmetric_ddp', 'trace_kernels'], "
+        "got 'nope'" in done.stderr
     )
 
 

@@ -1,0 +1,228 @@
+"""Whether NCCL's symmetric kernels make the overlap cheaper in a real backward, before bucketwise
+builds on them: eager DDP on a harness model, its gradients all-reduced three ways, against the
+same model without DDP, in interleaved rounds.
+
+    NCCL_WIN_ENABLE=1 torchrun --standalone --nproc-per-node 4 -m bucketwise.benchmarks \\
+        probe symmetric_ddp --model gpt-medium --batch 8 --out DIR
+
+Configs (each its own model copy, seed 0, fused AdamW, the harness's step):
+
+- ``local``: the model alone, no DDP: the floor;
+- ``ddp``: eager DDP as built (its C++ reducer divides each bucket by the world size, then
+  NCCL sums it over ordinary memory, ring kernels);
+- ``ddp-copy``: a comm hook that divides each bucket into a persistent buffer of its own, sums
+  it there and copies it back: ``ddp-symm``'s copies, over ordinary memory (what the copies
+  cost);
+- ``ddp-symm``: the same hook over buffers NCCL registered as symmetric windows
+  (``_compat.collectives.symmetric_buffers``; NCCL >= 2.27 then runs its symmetric kernels,
+  which take fewer SMs: ``results/2026-11-28_4xH200_comm-overlap-symmetric-windows``).
+
+The hooks' buffers are allocated after two steps, once DDP has rebuilt its buckets in the order
+the gradients came; until then the hooks reduce as ``ddp`` does. After the timed rounds every
+config's parameters are compared with ``ddp``'s: ``ddp-copy`` does the same arithmetic (equal
+bits expected), ``ddp-symm`` sums in another order (a small difference expected). Without CUDA
+(gloo, a CPU smoke run) ``ddp-symm`` is left out.
+
+``results.json`` (rank 0): per config and round the slowest rank's median step (CUDA events)
+and the issuing thread's CPU time, peak memory, and the parameter check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from bucketwise._compat import collectives as cc
+from bucketwise.benchmarks.core.meta import run_meta
+from bucketwise.benchmarks.core.models import MODELS, make_spec
+from bucketwise.benchmarks.core.step import LR
+
+CONFIGS = ("local", "ddp", "ddp-copy", "ddp-symm")
+WARMUP = 3
+"""Steps before the rounds; the hooks' buffers are allocated after the second."""
+
+
+@dataclasses.dataclass
+class BufferedReduce:
+    """Comm hook state: one persistent buffer per DDP bucket, allocated by :meth:`allocate`."""
+
+    group: Any
+    world: int
+    symmetric: bool
+    numels: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Bucket index -> elements, as the last step's buckets had them."""
+    buffers: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def allocate(self, device: torch.device) -> None:
+        """One buffer per bucket seen (every rank the same sizes, in bucket order: a collective
+        call when symmetric)."""
+        order = sorted(self.numels)
+        sizes = [self.numels[i] for i in order]
+        if self.symmetric:
+            made = cc.symmetric_buffers(self.group, sizes, device)
+        else:
+            made = [torch.empty(n, device=device) for n in sizes]
+        self.buffers = dict(zip(order, made))
+
+
+def buffered_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """Divide the bucket by the world size into its persistent buffer (DDP's own ``div_``, so
+    the same bits), sum that buffer in place, copy it back into the bucket. (Not annotated: DDP
+    compares a hook's annotations with its own types, and this module's are strings.)"""
+    flat = bucket.buffer()
+    index = bucket.index()
+    into = state.buffers.get(index)
+    # Until the buffers exist, and for a bucket that is not fp32 (the symmetric pool's buffers
+    # are): DDP's own reduction.
+    if into is None or into.numel() != flat.numel() or into.dtype != flat.dtype:
+        state.numels[index] = flat.numel()
+        flat.div_(state.world)
+        work = dist.all_reduce(flat, group=state.group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    torch.div(flat, state.world, out=into)
+    work = dist.all_reduce(into, group=state.group, async_op=True)
+
+    def back(fut: torch.futures.Future) -> torch.Tensor:
+        flat.copy_(into)
+        return flat
+
+    return work.get_future().then(back)
+
+
+def _build(config: str, spec: Any, device: torch.device) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = spec.build().to(device)
+    module: Any = model
+    state = None
+    if config != "local":
+        module = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if config != "ddp":
+            state = BufferedReduce(group=dist.group.WORLD, world=dist.get_world_size(), symmetric=config == "ddp-symm")
+            module.register_comm_hook(state, buffered_hook)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True if device.type == "cuda" else None)
+    batch = spec.make_batch(1, device)
+
+    def step() -> None:
+        with spec.autocast(device):
+            loss = spec.loss(module, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for i in range(WARMUP):
+        step()
+        if state is not None and i == 1:
+            _sync(device)
+            state.allocate(device)
+    return {"config": config, "model": model, "step": step, "step_ms": [], "cpu_ms": [], "peak_mib": 0.0}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(entry: dict[str, Any], steps: int, device: torch.device) -> None:
+    """``steps`` steps: the slowest rank's time per step, the median CPU time of the issuing thread."""
+    step: Callable[[], None] = entry["step"]
+    dist.barrier()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    cpu = []
+    for _ in range(steps):
+        c = time.thread_time()
+        step()
+        cpu.append((time.thread_time() - c) * 1e3)
+    _sync(device)
+    ms = (time.perf_counter() - start) * 1e3 / steps
+    slowest = torch.tensor([ms], device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    entry["step_ms"].append(slowest.item())
+    entry["cpu_ms"].append(statistics.median(cpu))
+    if device.type == "cuda":
+        entry["peak_mib"] = max(entry["peak_mib"], torch.cuda.max_memory_allocated(device) / 2**20)
+
+
+def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max(
+        (x.detach().float() - y.detach().float()).abs().max().item() for x, y in zip(a.parameters(), b.parameters())
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt-medium", choices=MODELS)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per config per round")
+    p.add_argument("--out", default=None, help="folder for results.json (rank 0)")
+    args = p.parse_args(argv)
+    configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or "ddp" not in configs:
+        p.error(f"--configs: expected names from {CONFIGS}, ddp among them, got {args.configs!r}")
+    if "RANK" not in os.environ:
+        p.error("run under torchrun")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+        torch.set_float32_matmul_precision("high")
+        device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        configs = [c for c in configs if c != "ddp-symm"]  # NCCL's symmetric windows only
+    rank = dist.get_rank()
+    sizes = {k: v for k, v in (("layers", args.layers), ("batch", args.batch)) if v is not None}
+    spec = make_spec(args.model, sizes)
+    entries = {c: _build(c, spec, device) for c in configs}
+    for rnd in range(args.rounds):
+        for c in configs if rnd % 2 == 0 else configs[::-1]:
+            _timed(entries[c], args.steps, device)
+        if rank == 0:
+            print(f"round {rnd + 1}: " + ", ".join(f"{c} {entries[c]['step_ms'][-1]:.2f}" for c in configs), flush=True)
+    base = entries["local"]["step_ms"] if "local" in entries else None
+    rows = []
+    for c, e in entries.items():
+        row = {k: e[k] for k in ("config", "step_ms", "cpu_ms", "peak_mib")}
+        row["step_ms_median"] = statistics.median(e["step_ms"])
+        row["cpu_ms_median"] = statistics.median(e["cpu_ms"])
+        if base:
+            row["step_ratio"] = statistics.median(a / b for a, b in zip(e["step_ms"], base))
+        if c != "local":
+            row["max_param_diff_vs_ddp"] = _max_diff(e["model"], entries["ddp"]["model"])
+        rows.append(row)
+    if rank == 0:
+        for r in rows:
+            print(
+                f"{r['config']}: step {r['step_ms_median']:.2f} ms (x local {r.get('step_ratio', float('nan')):.3f}), "
+                f"CPU {r['cpu_ms_median']:.2f} ms, peak {r['peak_mib']:,.0f} MiB, "
+                f"params vs ddp {r.get('max_param_diff_vs_ddp', '-')}",
+                flush=True,
+            )
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            meta = {**run_meta(), "model": spec.describe(), "world_size": dist.get_world_size(), "rounds": args.rounds}
+            meta.update(steps=args.steps, nccl=list(torch.cuda.nccl.version()) if cuda else None)
+            with open(os.path.join(args.out, "results.json"), "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
