@@ -5,6 +5,7 @@ Checked on torch 2.11.0 (device machines) and 2.13.0 (CI).
 
 from __future__ import annotations
 
+import functools
 import heapq
 from typing import Any
 
@@ -269,3 +270,74 @@ class SinkWaitsPass:
 
     def __repr__(self) -> str:
         return f"SinkWaitsPass({self.key!r})"
+
+
+# -- grouping all-reduces after the backward is traced ---------------------------------------
+# Checked on torch 2.13.0 (CPU, gloo); the same names exist on 2.11.0 (``CustomGraphPass``,
+# ``stable_topological_sort``, ``_c10d_functional.all_reduce_coalesced`` and its Inductor lowering).
+
+
+def is_all_reduce(node: Any) -> bool:
+    """A functional all-reduce as a post-grad pass sees it (before Inductor reinplaces it)."""
+    return node.op == "call_function" and node.target is torch.ops._c10d_functional.all_reduce.default
+
+
+def op_name(node: Any) -> str | None:
+    """``namespace::name`` of the operator ``node`` calls, if it calls one."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema.name if schema is not None else None
+
+
+def coalesce_all_reduces(graph: Any, groups: list[list[Any]]) -> None:
+    """Each group of functional all-reduce nodes (one reduce op, one process group) becomes one
+    ``all_reduce_coalesced`` right after the group's last member: one collective call for the
+    group (NCCL runs its all-reduces as one grouped launch). Every member's readers (its
+    ``wait_tensor``) read that call's output for it instead; the graph is then put back in a
+    topological order that keeps every other node where it was."""
+    import operator
+
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    for group in groups:
+        ops = {(n.args[1], n.args[2]) for n in group}
+        if len(ops) != 1:
+            raise AssertionError(f"expected one reduce op and group per coalesced all-reduce, got {sorted(ops)}")
+        reduce_op, name = ops.pop()
+        with graph.inserting_after(group[-1]):
+            coalesced = graph.call_function(
+                torch.ops._c10d_functional.all_reduce_coalesced.default, ([n.args[0] for n in group], reduce_op, name)
+            )
+        coalesced.meta.update(group[-1].meta)
+        coalesced.meta["val"] = [n.meta["val"] for n in group]
+        last = coalesced
+        for i, node in enumerate(group):
+            with graph.inserting_after(last):
+                out = last = graph.call_function(operator.getitem, (coalesced, i))
+            out.meta.update(node.meta)
+            node.replace_all_uses_with(out)
+            graph.erase_node(node)
+    stable_topological_sort(graph)
+
+
+def post_grad_pass(fn: Any, key: str) -> Any:
+    """``fn(graph)`` as Inductor's ``post_grad_custom_post_pass``, cache-keyed by ``key`` (NOTE
+    [compile cache keys]): Inductor keys a graph by its custom passes' ``uuid()``."""
+    return _post_grad_pass_class()(fn, key)
+
+
+@functools.lru_cache(maxsize=None)
+def _post_grad_pass_class() -> Any:
+    # Made on first use: importing Inductor's pass module costs most of a second.
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class PostGradPass(CustomGraphPass):
+        def __init__(self, fn: Any, key: str) -> None:
+            self.fn, self.key = fn, key
+
+        def __call__(self, graph: Any) -> None:
+            self.fn(graph)
+
+        def uuid(self) -> str:
+            return self.key
+
+    return PostGradPass

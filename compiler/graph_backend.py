@@ -36,7 +36,7 @@ from ..stats.compile_times import CompileTimes, backend_call_times
 from ..stats.report import GraphStats, Report, SegmentStats, eager_regions
 from . import doctor
 from .block_calls import BlockCallRefused, BlockCalls, find_block_calls, is_block_call, repeated_blocks
-from .blocks import BlockBuckets, Sharing, share_blocks
+from .blocks import SHARED_BLOCK_BACKWARD, BlockBuckets, Sharing, share_blocks
 from .blocks import cache_targets as blocks_cache_targets
 from .config import CompileConfig
 from .decision import BlockSharing, Decision, Strategy, Variant, decide, decide_sharing, refusal
@@ -317,7 +317,9 @@ class GraphBackend:
         """The backend, with Inductor's comm/compute reordering on (scoped to its compiles)."""
         if self._fused_backend is None:
             if self.config.inductor:
-                self._fused_backend = self._make_backend(fused_backend_options(self.config.options))
+                caps = self.decision.caps if self.decision is not None else None
+                blocks = (SHARED_BLOCK_BACKWARD.name(), caps.bytes) if caps is not None else None
+                self._fused_backend = self._make_backend(fused_backend_options(self.config.options, blocks=blocks))
             else:
                 self._fused_backend = self.segment_backend
         return self._fused_backend

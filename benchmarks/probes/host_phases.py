@@ -5,6 +5,10 @@ interleaved rounds; then the Python calls of one backward of each, and how many 
 Inductor's ``reinterpret_tensor`` (a view of a buffer made by the generated code).
 
     python -m bucketwise.benchmarks probe host_phases [--layers 32] [--rounds 7] [--out FILE]
+        [--configs local,default,shared,shared-per-block]
+
+``shared``: the default with ``share_blocks=True``; ``shared-per-block``: the same with its
+blocks' all-reduces one per block, as before NOTE [block reductions grouped].
 
 On the GPU machines a deep model's step is bound by its host, so what the default adds here is
 what it adds there, on a slower CPU.
@@ -26,21 +30,36 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bucketwise._compat import collectives as cc
 from bucketwise.benchmarks.probes._tiny import tiny_llama
 
 CALLS = 30
 PROFILED = 10
 
 
-def _models(layers: int) -> dict[str, Callable[[], Any]]:
+CONFIGS = ("local", "default", "shared", "shared-per-block")
+"""``shared``: the default with ``share_blocks=True``; ``shared-per-block``: the same with the
+blocks' all-reduces left one per block (NOTE [block reductions grouped]: an Inductor
+``post_grad_custom_post_pass`` of the user's own, here one that does nothing, replaces the
+grouping)."""
+
+
+def _models(layers: int, names: list[str]) -> dict[str, Callable[[], Any]]:
     import bucketwise
 
     ids = torch.randint(0, 64, (1, 8))
     out = {}
-    for name in ("local", "default"):
+    for name in names:
         torch.manual_seed(0)
         model = tiny_llama(layers, hidden=16)
-        compiled = torch.compile(model) if name == "local" else bucketwise.compile(DDP(model))
+        if name == "local":
+            compiled = torch.compile(model)
+        elif name == "default":
+            compiled = bucketwise.compile(DDP(model))
+        else:
+            nothing = cc.post_grad_pass(lambda graph: None, "bucketwise-probe-nothing")
+            options = {"post_grad_custom_post_pass": nothing} if name == "shared-per-block" else None
+            compiled = bucketwise.compile(DDP(model), share_blocks=True, options=options)
         out[name] = lambda compiled=compiled: compiled(input_ids=ids, labels=ids).loss
     return out
 
@@ -74,8 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--configs", default="local,default", help=f"from {','.join(CONFIGS)}")
     p.add_argument("--out", default=None, help="a JSON file for the figures")
     args = p.parse_args(argv)
+    names = args.configs.split(",")
+    if any(n not in CONFIGS for n in names):
+        p.error(f"--configs: expected names from {CONFIGS}, got {args.configs!r}")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp())
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29582")
@@ -83,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        models = _models(args.layers)
+        models = _models(args.layers, names)
         for forward in models.values():
             for _ in range(3):
                 forward().backward()
@@ -98,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             calls = _backward_calls(forward)
             result[name] = {"forward_ms": fwd, "backward_ms": bwd, "per_round": rounds[name], **calls}
             print(
-                f"{name:>8}: forward {fwd:.3f} ms, backward {bwd:.3f} ms (medians of {args.rounds} rounds); "
+                f"{name:>16}: forward {fwd:.3f} ms, backward {bwd:.3f} ms (medians of {args.rounds} rounds); "
                 f"{result[name]['calls']:,.0f} Python calls per backward, "
                 f"{result[name]['reinterpret_tensor']:,.0f} of them reinterpret_tensor"
             )

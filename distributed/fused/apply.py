@@ -26,6 +26,7 @@ from ...partitioners.split import Segment
 from ..plan import BucketCaps, plan_buckets
 from ..rank_check import check_same_on_all_ranks, gather_on_all_ranks
 from ..result import CompileOutcome, GraphJob, PieceCompiler, StrategyResult, bucket_stats, op_count
+from . import block_wire
 from .cache_keys import comm_pass_key, traced_call_targets
 from .comm_hooks import HookedGraph, HookProgram, TracedHookProgram
 from .embedding_rows import RowsSync, insert_embedding_rows, plan_embedding_rows, renormed_tables
@@ -71,12 +72,16 @@ class FusedPlan:
     block]): no ``BucketSync`` for those."""
 
 
-def fused_backend_options(user_options: dict[str, Any] | None) -> dict[str, Any]:
+def fused_backend_options(user_options: dict[str, Any] | None, *, blocks: tuple[str, int] | None) -> dict[str, Any]:
     """Inductor options of fused compiles, scoped to them: comm/compute reordering with the
-    late-waits pass (NOTE [late waits]) and the cache keys of what the passes insert (NOTE
-    [compile cache keys]); the user's own options win."""
-    options = {**cc.comm_overlap_options(comm_pass_key()), **(user_options or {})}
-    return dc.cacheable_calls_options(traced_call_targets(), options)
+    late-waits pass (NOTE [late waits]), the shared blocks' all-reduces grouped (``blocks``: the
+    blocks' backward operator and the bucket cap in bytes, NOTE [block reductions grouped]) and
+    the cache keys of what the passes insert (NOTE [compile cache keys]); the user's own options
+    win."""
+    ours = cc.comm_overlap_options(comm_pass_key())
+    if blocks is not None:
+        ours["post_grad_custom_post_pass"] = block_wire.grouping_pass(*blocks)
+    return dc.cacheable_calls_options(traced_call_targets(), {**ours, **(user_options or {})})
 
 
 def apply_fused(

@@ -159,7 +159,9 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
         worst = max(worst, (eager(ids) - compiled(ids)).abs().item())
     report = bucketwise.report(compiled)
     graphs = report.to_dict()["graphs"]
+    collectives = _collectives_of_a_step(compiled, ids) if backend == "inductor" else None
     return {
+        "collectives": collectives,
         "lines": [line for line in report.table().splitlines() if " share " in line],
         "worst": worst,
         "shared": [g["shared_blocks"] for g in graphs],
@@ -168,6 +170,20 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
         "calls": [net.blocks[0].calls, eager_net.blocks[0].calls] if name == "side_effect" else None,
         "forward_attributes": ["forward" in b.__dict__ for b in net.blocks],
     }
+
+
+def _collectives_of_a_step(model, ids) -> dict[str, int]:
+    """The collectives one training step issues, by the profiler's name for them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.train()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(ids).backward()
+    calls: dict[str, int] = {}
+    for e in prof.events():
+        if "allreduce" in e.name.lower() or "all_reduce" in e.name.lower():
+            calls[e.name] = calls.get(e.name, 0) + 1
+    return calls
 
 
 class _Opaque:
@@ -261,6 +277,14 @@ def test_shared_blocks_with_inductor_train_like_eager_ddp(tmp_path):
     assert shared["shared"][0]["compiles"] == 1, shared
     assert "aten::where" in shared["shared"][0]["computed_before_blocks"], shared["shared"]
     assert all(s is None for s in results[("not_shared", "fused", "inductor")]["shared"])
+    # The 4 blocks' all-reduces go as one coalesced call, well under the bucket cap (NOTE [block
+    # reductions grouped]), beside the bucket of the parameters outside the blocks; without
+    # sharing, one fused bucket.
+    calls = shared["collectives"]
+    assert calls["_c10d_functional::all_reduce_coalesced_"] == 1, calls
+    assert calls["_c10d_functional::all_reduce_"] == 1, calls
+    whole = results[("not_shared", "fused", "inductor")]["collectives"]
+    assert whole == {"_c10d_functional::all_reduce_": 1, "c10d::allreduce_": 1, "gloo:all_reduce": 1}, whole
 
 
 @pytest.mark.parametrize("why", ["dropout"])
