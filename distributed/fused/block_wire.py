@@ -129,6 +129,9 @@ def group_block_reductions(graph: fx.Graph, *, producer: str, floor_bytes: int) 
     groups: list[list[fx.Node]] = [[]]
     used = 0
     for node, size in zip(nodes, sizes):
+        if groups[-1] and _dtype(groups[-1][-1]) != _dtype(node):  # one dtype per coalesced call
+            groups.append([])
+            used = 0
         groups[-1].append(node)
         used += size
         # As DDP's reducer closes a bucket: once its bytes reach the cap (the last one repeats).
@@ -136,6 +139,10 @@ def group_block_reductions(graph: fx.Graph, *, producer: str, floor_bytes: int) 
             groups.append([])
             used = 0
     cc.coalesce_all_reduces(graph, [g for g in groups if len(g) > 1])
+
+
+def _dtype(node: fx.Node) -> torch.dtype:
+    return node.args[0].meta["val"].dtype
 
 
 def _reduces_block(node: fx.Node, producer: str) -> bool:

@@ -15,7 +15,7 @@ MIB = 2**20
 AR = torch.ops._c10d_functional.all_reduce.default
 
 
-def _backward(block_mib: list[float]) -> fx.Graph:
+def _backward(block_mib: list[float], dtypes: list[torch.dtype] | None = None) -> fx.Graph:
     """A backward as the blocks leave it: per block its flat buffer, all-reduced and waited for."""
     g = fx.Graph()
     outs = []
@@ -23,7 +23,8 @@ def _backward(block_mib: list[float]) -> fx.Graph:
         saved = g.placeholder(f"saved{i}")
         call = g.call_function(blocks.SHARED_BLOCK_BACKWARD, (0, [saved]))
         flat = g.call_function(operator.getitem, (call, 1))
-        flat.meta["val"] = torch.empty(int(mib * MIB) // 4, device="meta")
+        dtype = dtypes[i] if dtypes else torch.float32
+        flat.meta["val"] = torch.empty(int(mib * MIB) // dtype.itemsize, dtype=dtype, device="meta")
         reduced = g.call_function(AR, (flat, "sum", "0"))
         reduced.meta["val"] = flat.meta["val"]
         outs.append(g.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduced,)))
@@ -67,3 +68,9 @@ def test_all_reduces_of_other_producers_are_left_alone():
     assert _groups(g) == [1, 1, 1]
     group_block_reductions(g, producer=blocks.SHARED_BLOCK_BACKWARD.name(), floor_bytes=25 * MIB)
     assert _groups(g) == [3]
+
+
+def test_a_coalesced_call_holds_one_dtype():
+    g = _backward([1] * 4, [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16])
+    group_block_reductions(g, producer=blocks.SHARED_BLOCK_BACKWARD.name(), floor_bytes=25 * MIB)
+    assert _groups(g) == [2, 2]
