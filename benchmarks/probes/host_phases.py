@@ -39,7 +39,7 @@ PROFILED = 10
 
 CONFIGS = ("local", "default", "shared", "shared-per-block")
 """``shared``: the default with ``share_blocks=True``; ``shared-per-block``: the same with the
-blocks' all-reduces left one per block (NOTE [block reductions grouped]: an Inductor
+blocks' all-reduces left one per block (NOTE [block reductions grouped]; an Inductor
 ``post_grad_custom_post_pass`` of the user's own, here one that does nothing, replaces the
 grouping)."""
 
