@@ -162,12 +162,12 @@ def gpu_idle(kernels: Sequence[tuple[float, float, str]], *, top: int = 8) -> di
     if not spans:
         return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "before": {}}
     before: dict[str, float] = {}
-    busy, reach = 0.0, spans[0][0]
+    reach = spans[0][0]
     for start, end, name in spans:
         if start > reach:
             before[name] = before.get(name, 0.0) + start - reach
-        busy += max(0.0, end - max(start, reach))
         reach = max(reach, end)
+    busy = trace_analysis.length(merge((start, end) for start, end, _ in spans))
     span = reach - spans[0][0]
     ranked = sorted(before.items(), key=lambda kv: -kv[1])[:top]
     return {"span_us": span, "busy_us": busy, "idle_us": span - busy, "before": dict(ranked)}

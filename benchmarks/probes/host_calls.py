@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bucketwise.benchmarks.probes._tiny import tiny_llama
+from bucketwise.benchmarks.probes._tiny import one_cpu_rank, tiny_llama
 
 STEPS = 10
 CALLS = 5000
@@ -129,12 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
     args = p.parse_args(argv)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp())
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29581")
-    os.environ.setdefault("BUCKETWISE_PROGRESS", "0")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    one_cpu_rank(29581)
     try:
         for share in (False, True):
             calls = python_calls_per_step(args.layers, share)

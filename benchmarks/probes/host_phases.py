@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import pstats
 import statistics
-import tempfile
 import time
 from typing import Any, Callable
 
@@ -31,7 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketwise._compat import collectives as cc
-from bucketwise.benchmarks.probes._tiny import tiny_llama
+from bucketwise.benchmarks.probes._tiny import one_cpu_rank, tiny_llama
 
 CALLS = 30
 PROFILED = 10
@@ -99,12 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.configs.split(",")
     if any(n not in CONFIGS for n in names):
         p.error(f"--configs: expected names from {CONFIGS}, got {args.configs!r}")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp())
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29582")
-    os.environ.setdefault("BUCKETWISE_PROGRESS", "0")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    one_cpu_rank(29582)
     try:
         models = _models(args.layers, names)
         for forward in models.values():

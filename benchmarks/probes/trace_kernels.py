@@ -16,6 +16,8 @@ import json
 import re
 from pathlib import Path
 
+from bucketwise.stats.trace_analysis import length, merge
+
 TRITON = re.compile(r"triton_(\w+?)_fused_(.*?)(_\d+)?$")
 
 
@@ -35,17 +37,7 @@ def kind(name: str) -> str:
 
 def busy_ms(spans: list[tuple[float, float]]) -> float:
     """Milliseconds in which at least one of ``spans`` (microseconds) runs."""
-    total, cur = 0.0, None
-    for a, b in sorted(spans):
-        if cur is None or a > cur[1]:
-            if cur is not None:
-                total += cur[1] - cur[0]
-            cur = [a, b]
-        else:
-            cur[1] = max(cur[1], b)
-    if cur is not None:
-        total += cur[1] - cur[0]
-    return total / 1e3
+    return length(merge(spans)) / 1e3
 
 
 def per_step(path: Path, steps: int) -> tuple[collections.Counter, collections.Counter, float, int]:
