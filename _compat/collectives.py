@@ -41,17 +41,28 @@ def all_reduce_sum_(flat: torch.Tensor, group: str) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce_(flat, "sum", group))
 
 
+def symmetric_pool(pg: Any, device: torch.device) -> Any:
+    """A memory pool of ``pg``'s NCCL allocator (``torch.cuda.use_mem_pool(pool)`` allocates in
+    it), to be registered by :func:`register_symmetric`. Checked on torch 2.11.0 with NCCL 2.28.9
+    (``ProcessGroupNCCL.mem_allocator``)."""
+    return torch.cuda.MemPool(pg._get_backend(device).mem_allocator)
+
+
+def register_symmetric(pg: Any, device: torch.device, pool: Any) -> None:
+    """Register the segments ``pool`` holds now as NCCL symmetric windows
+    (``ncclCommWindowRegister``): NCCL >= 2.27 then all-reduces tensors in them with its symmetric
+    kernels (``AllReduce [Symmetric]`` in ``NCCL_DEBUG=INFO``), sums only. A collective call:
+    every rank's pool holds the same sizes in the same order. Checked on torch 2.11.0 with NCCL
+    2.28.9 (``ProcessGroupNCCL.register_mem_pool(pool, symm)``)."""
+    pg._get_backend(device).register_mem_pool(pool, True)
+
+
 def symmetric_buffers(pg: Any, numels: list[int], device: torch.device) -> list[torch.Tensor]:
-    """fp32 buffers of ``numels`` in a memory pool of ``pg``'s NCCL allocator that NCCL registers
-    as symmetric windows (``ncclCommWindowRegister``): NCCL >= 2.27 then all-reduces them with its
-    symmetric kernels (``AllReduce [Symmetric]`` in ``NCCL_DEBUG=INFO``), sums only. A collective
-    call: every rank allocates the same sizes in the same order. Checked on torch 2.11.0 with
-    NCCL 2.28.9 (``ProcessGroupNCCL.register_mem_pool(pool, symm)``, ``mem_allocator``)."""
-    backend = pg._get_backend(device)
-    pool = torch.cuda.MemPool(backend.mem_allocator)
+    """fp32 buffers of ``numels`` in a :func:`symmetric_pool`, registered (:func:`register_symmetric`)."""
+    pool = symmetric_pool(pg, device)
     with torch.cuda.use_mem_pool(pool):
         buffers = [torch.ones(n, device=device) for n in numels]
-    backend.register_mem_pool(pool, True)
+    register_symmetric(pg, device, pool)
     return buffers
 
 

@@ -15,7 +15,20 @@ Configs (each its own model copy, seed 0, fused AdamW, the harness's step):
   cost);
 - ``ddp-symm``: the same hook over buffers NCCL registered as symmetric windows
   (``_compat.collectives.symmetric_buffers``; NCCL >= 2.27 then runs its symmetric kernels,
-  which take fewer SMs: ``results/2026-11-28_4xH200_comm-overlap-symmetric-windows``).
+  which take fewer SMs: ``results/2026-11-28_4xH200_comm-overlap-symmetric-windows``);
+- ``ddp-pool``: no hook, no copies: DDP's own buckets allocated in a pool of the NCCL allocator
+  registered as symmetric windows (the step during which DDP rebuilds its buckets, the second,
+  runs with that pool as its allocator; the pool is registered after it), so DDP's reducer sums
+  its buckets in place with the symmetric kernels;
+- ``bw-split``, ``bw-split-pool``: ``bucketwise.compile(DDP(model), strategy="split")`` (DDP's
+  reducer all-reduces the compiled backward's gradients in its buckets), without and with its
+  buckets in the registered pool as in ``ddp-pool``;
+- ``bw-auto``: ``bucketwise.compile(DDP(model))``, for reference;
+- ``local-compiled``: ``torch.compile(model)``, no DDP: the floor of the ``bw-`` configs.
+
+The pool configs' second step allocates everything it allocates on the issuing thread in the pool
+(the forward's activations too), memory the other steps do not reuse: their peak memory is higher
+by that much.
 
 The hooks' buffers are allocated after two steps, once DDP has rebuilt its buckets in the order
 the gradients came; until then the hooks reduce as ``ddp`` does. After the timed rounds every
@@ -42,11 +55,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketwise._compat import collectives as cc
+from bucketwise.benchmarks.core.configs import recipe_for
 from bucketwise.benchmarks.core.meta import run_meta
 from bucketwise.benchmarks.core.models import MODELS, make_spec
-from bucketwise.benchmarks.core.step import LR
+from bucketwise.benchmarks.core.step import LR, training_step
 
-CONFIGS = ("local", "ddp", "ddp-copy", "ddp-symm")
+CONFIGS = ("local", "local-compiled", "ddp", "ddp-copy", "ddp-symm", "ddp-pool", "bw-split", "bw-split-pool", "bw-auto")
+POOLED = ("ddp-pool", "bw-split-pool")
+"""Configs whose DDP buckets are allocated in a registered symmetric pool (NCCL only)."""
 WARMUP = 3
 """Steps before the rounds; the hooks' buffers are allocated after the second."""
 
@@ -99,26 +115,44 @@ def buffered_hook(state, bucket):  # type: ignore[no-untyped-def]
 
 
 def _build(config: str, spec: Any, device: torch.device) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = spec.build().to(device)
-    module: Any = model
-    state = None
-    if config != "local":
-        module = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        if config != "ddp":
+    recipe = None
+    if config.startswith("bw-"):
+        recipe = recipe_for(config.removesuffix("-pool"))
+    elif config == "local-compiled":
+        recipe = recipe_for("local")
+    if recipe is not None:
+        model, _, _, compiled_step = training_step(recipe, spec, device, "inductor", isolated=True)
+        step: Callable[[], Any] = compiled_step
+        state = None
+    else:
+        torch.manual_seed(0)
+        model = spec.build().to(device)
+        module: Any = model
+        if config != "local":
+            module = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        state = None
+        if config in ("ddp-copy", "ddp-symm"):
             state = BufferedReduce(group=dist.group.WORLD, world=dist.get_world_size(), symmetric=config == "ddp-symm")
             module.register_comm_hook(state, buffered_hook)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True if device.type == "cuda" else None)
-    batch = spec.make_batch(1, device)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True if device.type == "cuda" else None)
+        batch = spec.make_batch(1, device)
 
-    def step() -> None:
-        with spec.autocast(device):
-            loss = spec.loss(module, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        def step() -> None:
+            with spec.autocast(device):
+                loss = spec.loss(module, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
+    pool = cc.symmetric_pool(dist.group.WORLD, device) if config in POOLED else None
     for i in range(WARMUP):
+        if pool is not None and i == 1:
+            # NOTE: DDP rebuilds its buckets in this step's forward, on this thread.
+            with torch.cuda.use_mem_pool(pool):
+                step()
+            _sync(device)
+            cc.register_symmetric(dist.group.WORLD, device, pool)
+            continue
         step()
         if state is not None and i == 1:
             _sync(device)
@@ -165,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="gpt-medium", choices=MODELS)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default="local,ddp,ddp-copy,ddp-symm", help=f"from {CONFIGS}")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="timed steps per config per round")
     p.add_argument("--out", default=None, help="folder for results.json (rank 0)")
@@ -185,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-        configs = [c for c in configs if c != "ddp-symm"]  # NCCL's symmetric windows only
+        configs = [c for c in configs if c != "ddp-symm" and c not in POOLED]  # NCCL's symmetric windows only
     rank = dist.get_rank()
     sizes = {k: v for k, v in (("layers", args.layers), ("batch", args.batch)) if v is not None}
     spec = make_spec(args.model, sizes)
@@ -195,21 +229,22 @@ def main(argv: list[str] | None = None) -> int:
             _timed(entries[c], args.steps, device)
         if rank == 0:
             print(f"round {rnd + 1}: " + ", ".join(f"{c} {entries[c]['step_ms'][-1]:.2f}" for c in configs), flush=True)
-    base = entries["local"]["step_ms"] if "local" in entries else None
     rows = []
     for c, e in entries.items():
         row = {k: e[k] for k in ("config", "step_ms", "cpu_ms", "peak_mib")}
         row["step_ms_median"] = statistics.median(e["step_ms"])
         row["cpu_ms_median"] = statistics.median(e["cpu_ms"])
+        floor = "local-compiled" if c.startswith("bw-") or c == "local-compiled" else "local"
+        base = entries[floor]["step_ms"] if floor in entries else None
         if base:
             row["step_ratio"] = statistics.median(a / b for a, b in zip(e["step_ms"], base))
-        if c != "local":
+        if not c.startswith("local"):
             row["max_param_diff_vs_ddp"] = _max_diff(e["model"], entries["ddp"]["model"])
         rows.append(row)
     if rank == 0:
         for r in rows:
             print(
-                f"{r['config']}: step {r['step_ms_median']:.2f} ms (x local {r.get('step_ratio', float('nan')):.3f}), "
+                f"{r['config']}: step {r['step_ms_median']:.2f} ms (x floor {r.get('step_ratio', float('nan')):.3f}), "
                 f"CPU {r['cpu_ms_median']:.2f} ms, peak {r['peak_mib']:,.0f} MiB, "
                 f"params vs ddp {r.get('max_param_diff_vs_ddp', '-')}",
                 flush=True,
