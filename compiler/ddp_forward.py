@@ -185,7 +185,9 @@ class DDPForward:
         if blocks is not None and blocks.off is None and not sharing.enabled:
             # Dynamo inlines the blocks from this call on (NOTE [sharing by default]).
             blocks.off = sharing.reason
-            report.note(sharing.note(blocks.container, len(blocks.entries)))
+            report.blocks_unshared(
+                blocks.container, len(blocks.entries), reason=str(sharing.reason), host_time=sharing.host_time
+            )
         backend.use(new, self.fused)
 
     def _recompile(self) -> None:

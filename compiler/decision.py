@@ -72,10 +72,10 @@ class BlockSharing:
     enabled: bool
     reason: str | None = None
     """Why ``share_blocks="auto"`` left them unshared (``None`` otherwise)."""
-
-    def note(self, container: str, count: int) -> str:
-        """The report's note on the ``count`` blocks of ``container`` left unshared."""
-        return f"{container}: {count} blocks compiled with the whole graph: {self.reason}"
+    host_time: bool = False
+    """Left unshared only for the host time each shared block's call costs every step (``auto``
+    without CUDA graphs): where the GPU, not the host, bounds the step, sharing costs nothing
+    (NOTE [saying when sharing blocks is free])."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -230,6 +230,7 @@ def decide_sharing(config: CompileConfig, *, cudagraphs: bool, strategy: Strateg
     if not cudagraphs:
         return BlockSharing(
             enabled=False,
+            host_time=True,
             reason="share_blocks='auto' shares identical blocks only with bucketwise's CUDA graphs on "
             "(cudagraphs=True), which replay a shared block's calls in one launch; without them each call costs "
             "host time every step. Pass share_blocks=True for a shorter first step all the same",

@@ -106,9 +106,8 @@ class GraphBackend:
         the report says why (NOTE [sharing by default])."""
         sharing = self.sharing
         if not sharing.enabled:
-            found = repeated_blocks(module) if sharing.reason is not None else None
-            if found is not None:
-                self.report.note(sharing.note(found[0], len(found[1])))
+            if sharing.reason is not None and (found := repeated_blocks(module)) is not None:
+                self.report.blocks_unshared(found[0], len(found[1]), reason=sharing.reason, host_time=sharing.host_time)
             return None
         return find_block_calls(module)
 

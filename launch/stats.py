@@ -428,8 +428,10 @@ def runtime_views(path: str, warn: Callable[[str], None]) -> list[Any]:
 def host_bound_lines(path: str, steps: int) -> list[str]:
     """``bucketwise doctor``'s verdict on the host from the runtime views of a run folder (``steps``
     profiled steps were asked for): which ranks' profiled steps the host bounds, and what to try
-    (NOTE [saying when the host is the step]); one line when none does or nothing was profiled."""
-    from ..stats.runtime_view import HOST_BOUND_PREFIX
+    (NOTE [saying when the host is the step]); one line when none does or nothing was profiled,
+    followed where a rank's GPU was the step by its advice on shared blocks (NOTE [saying when
+    sharing blocks is free])."""
+    from ..stats.runtime_view import GPU_BOUND_PREFIX, HOST_BOUND_PREFIX
 
     views = runtime_views(path, lambda msg: None)
     if not views:
@@ -447,7 +449,8 @@ def host_bound_lines(path: str, steps: int) -> list[str]:
         return ["bucketwise doctor: no GPU kernels in the profiled steps: nothing to say about host-bound steps"]
     return [
         f"bucketwise doctor: the GPU was busy {min(v.gpu_busy_ms / v.step_ms for v in measured):.0%} or more of "
-        "every profiled step: not bound by the host"
+        "every profiled step: not bound by the host",
+        *(f"bucketwise doctor: rank {v.rank}: {n}" for v in views for n in v.notes if n.startswith(GPU_BOUND_PREFIX)),
     ]
 
 

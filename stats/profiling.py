@@ -41,7 +41,7 @@ from . import trace_analysis as ta
 from .files import atomic_write_json
 from .rank_file import STATS_DIR_ENV, rank_and_world
 from .report import Report, report
-from .runtime_view import HOST_BOUND_PREFIX, STEP_MARK, RuntimeView, analyze, plot_timeline
+from .runtime_view import GPU_BOUND_PREFIX, HOST_BOUND_PREFIX, STEP_MARK, RuntimeView, analyze, plot_timeline
 
 log = logging.getLogger(__name__)
 
@@ -155,10 +155,11 @@ class Profile:
         )
         view.trace_path = trace
         view.notes.extend(notes)
-        host_note = next((n for n in view.notes if n.startswith(HOST_BOUND_PREFIX)), None)
-        if host_note is not None:
-            # The report says it too: its table, the rank file, `bucketwise stats` and `doctor`.
-            self._report.note(f"profiled steps: {host_note}")
+        verdicts = [n for n in view.notes if n.startswith((HOST_BOUND_PREFIX, GPU_BOUND_PREFIX))]
+        if verdicts:
+            # The report says them too: its table, the rank file, `bucketwise stats` and `doctor`.
+            for note in verdicts:
+                self._report.note(f"profiled steps: {note}")
             self._report.write_rank_file()
         if self.steps == 0:
             view.notes.append(

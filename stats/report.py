@@ -113,6 +113,9 @@ class Report:
         self.cudagraphs: list[Any] = []
         """:class:`~bucketwise.cudagraphs.runner.CudaGraphStats` of every wrapped graph (live)."""
         self.notes: list[str] = []
+        self.unshared_blocks: dict[str, dict[str, Any]] = {}
+        """Repeated blocks compiled with the whole graph where ``share_blocks`` could have shared
+        them, by their container (:meth:`blocks_unshared`)."""
         self.graph_runs = 0
         """Calls of this object's compiled graphs (the wrapper every graph is returned in counts)."""
         self.eager_calls: dict[str, int] = {}
@@ -157,6 +160,19 @@ class Report:
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
+
+    def blocks_unshared(self, container: str, count: int, *, reason: str, host_time: bool) -> None:
+        """``count`` repeated blocks of ``container`` compiled with the whole graph, and why, as a
+        note and in ``unshared_blocks``; ``host_time``: only for the host time each shared block's
+        call would cost (``share_blocks="auto"`` without CUDA graphs), which the runtime view
+        weighs against a profiled step (NOTE [saying when sharing blocks is free])."""
+        self.unshared_blocks[container] = {
+            "container": container,
+            "blocks": count,
+            "reason": reason,
+            "host_time": host_time,
+        }
+        self.note(f"{container}: {count} blocks compiled with the whole graph: {reason}")
 
     def set_alignment_source(self, fn: Callable[[], dict[str, Any]]) -> None:
         self._alignment_fn = fn
@@ -205,6 +221,7 @@ class Report:
             "eager_calls": dict(self.eager_calls),
             "eager_regions": eager_regions(self.graphs),
             "notes": list(self.notes),
+            "unshared_blocks": list(self.unshared_blocks.values()),
         }
 
     def data(self) -> ReportData:

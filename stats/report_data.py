@@ -117,6 +117,8 @@ class ReportData:
     eager_regions: tuple[str, ...]
     notes: tuple[str, ...]
     source: dict[str, Any] = dataclasses.field(repr=False, compare=False)
+    unshared_blocks: tuple[dict[str, Any], ...] = ()
+    """Repeated blocks compiled with the whole graph, and why (``Report.blocks_unshared``)."""
 
     @classmethod
     def from_dict(cls, data: Any) -> ReportData:
@@ -150,6 +152,7 @@ class ReportData:
             eager_regions=tuple(data.get("eager_regions") or ()),
             notes=tuple(data.get("notes") or ()),
             source=data,
+            unshared_blocks=tuple(u for u in data.get("unshared_blocks") or () if isinstance(u, dict)),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -160,6 +160,46 @@ def totals_line(view: RuntimeView) -> str:
 HOST_BOUND_PREFIX = "host-bound: "
 
 
+# NOTE [saying when sharing blocks is free]: without CUDA graphs ``share_blocks="auto"`` compiles
+# a model's repeated blocks with the whole graph, because each call of a shared block costs host
+# time every step; a step bound by its host pays it. A step bound by its GPU does not: the host
+# issues ahead of the GPU, and the shared blocks' kernels are the same. On one H200 an HF Llama
+# at batch 12 x 1024 stepped in 0.97x the whole graph's time with its 16 or 32 blocks shared,
+# at 0.97x the peak memory, and its first step compiled one block instead of all; at batch 4 the
+# host bounded the step and sharing cost 1.10x to 1.53x
+# (benchmarks/results/2026-11-29_1xH200_tax-llama16-32-b12-shared-blocks and
+# 2026-11-27_1xH100_shared-blocks-default-depth-table). Which of the two a step is shows in a
+# profile, not at compile time: so where the profiled steps kept the GPU busy at least
+# GPU_BOUND_BUSY of the time and the report lists blocks left unshared for host time only, the
+# view says so and what to try. It is advice, not a change: the user compares the two steps.
+
+GPU_BOUND_BUSY = 0.95
+"""A step whose GPU is busy at least this fraction of it has host time to spare (NOTE [saying
+when sharing blocks is free])."""
+
+GPU_BOUND_PREFIX = "GPU-bound: "
+
+
+def shared_blocks_note(view: RuntimeView, report: dict[str, Any]) -> str | None:
+    """What to tell the user when ``view``'s GPU is the step and ``report`` lists repeated blocks
+    compiled with the whole graph for host time only, else ``None``."""
+    if view.gpu_busy_ms is None or view.gpu_busy_ms < GPU_BOUND_BUSY * view.step_ms:
+        return None
+    if any(g.get("strategy") == "split" for g in report.get("graphs", [])):
+        return None  # under split a shared block is never cut: its segments would merge
+    left = [u for u in report.get("unshared_blocks", []) if u.get("host_time")]
+    if not left:
+        return None
+    blocks = " and ".join(f"the {u['blocks']} blocks of `{u['container']}`" for u in left)
+    return (
+        f"{GPU_BOUND_PREFIX}the GPU was busy {view.gpu_busy_ms:.2f} of {view.step_ms:.2f} ms per step "
+        f"({min(1.0, view.gpu_busy_ms / view.step_ms):.0%}); {blocks} compiled with the whole graph, which "
+        "share_blocks='auto' does without CUDA graphs for the host time a shared block's call costs. With the "
+        "GPU the step, share_blocks=True compiles one block for all of them (a shorter first step) and can step as "
+        "fast: compare its step time with this one (docs/limitations.md, 'Sharing one compile')"
+    )
+
+
 def host_bound_note(view: RuntimeView, *, replays_cuda_graphs: bool) -> str | None:
     """What to tell the user when ``view``'s steps are bound by the host, else ``None``."""
     if not view.host_bound or view.gpu_busy_ms is None:
@@ -243,9 +283,10 @@ def analyze(
         notes=notes,
         gpu_busy_ms=None if busy_us is None else busy_us / 1e3 / steps,
     )
-    note = host_bound_note(view, replays_cuda_graphs=any(c.get("captured") for c in report.get("cudagraphs", [])))
-    if note:
-        view.notes.append(note)
+    replays = any(c.get("captured") for c in report.get("cudagraphs", []))
+    for note in (host_bound_note(view, replays_cuda_graphs=replays), shared_blocks_note(view, report)):
+        if note:
+            view.notes.append(note)
     return view
 
 

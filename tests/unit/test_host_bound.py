@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bucketwise.stats.runtime_view import HOST_BOUND_BUSY, RuntimeView, analyze
+from bucketwise.stats.runtime_view import GPU_BOUND_BUSY, GPU_BOUND_PREFIX, HOST_BOUND_BUSY, RuntimeView, analyze
 
 
 def _kernels(busy_us: float, steps: int, step_us: float) -> list[dict]:
@@ -118,3 +118,80 @@ def test_profile_puts_the_host_bound_note_in_the_report(single_rank_group, tmp_p
     (note,) = [n for n in notes if "host-bound" in n]
     assert note.startswith("profiled steps: host-bound: the GPU was busy 0.30 of 1.00 ms") and "cudagraphs=True" in note
     assert note in bucketwise.report(compiled).table()
+
+
+# NOTE [saying when sharing blocks is free]: a GPU-bound profile with blocks left unshared for
+# host time only gets the advice to try share_blocks=True; nothing else does.
+
+UNSHARED = {"container": "model.layers", "blocks": 32, "reason": "share_blocks='auto' ...", "host_time": True}
+
+
+def _gpu_bound(report: dict, busy_us: float = 980) -> list[str]:
+    view = analyze(_kernels(busy_us, steps=2, step_us=1000), report, steps=2, step_ms=1.0)
+    return [n for n in view.notes if n.startswith(GPU_BOUND_PREFIX)]
+
+
+def test_gpu_bound_steps_with_blocks_unshared_for_host_time_get_the_sharing_advice():
+    (note,) = _gpu_bound({**REPORT, "graphs": [{"strategy": "fused"}], "unshared_blocks": [UNSHARED]})
+    assert "busy 0.98 of 1.00 ms per step (98%)" in note, note
+    assert "the 32 blocks of `model.layers` compiled with the whole graph" in note and "share_blocks=True" in note
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["busy under the mark", "no unshared blocks", "unshared for another reason", "split"],
+)
+def test_no_sharing_advice_where_it_does_not_apply(case):
+    report = {**REPORT, "graphs": [{"strategy": "fused"}], "unshared_blocks": [UNSHARED]}
+    busy = 980.0
+    if case == "busy under the mark":
+        busy = 1000 * GPU_BOUND_BUSY - 30
+    elif case == "no unshared blocks":
+        report["unshared_blocks"] = []
+    elif case == "unshared for another reason":
+        report["unshared_blocks"] = [{**UNSHARED, "host_time": False}]
+    else:
+        report["graphs"] = [{"strategy": "split"}]
+    assert _gpu_bound(report, busy) == []
+
+
+def test_doctor_adds_the_sharing_advice_after_its_verdict(tmp_path):
+    import json
+
+    from bucketwise.launch import stats
+
+    report = {**REPORT, "graphs": [{"strategy": "fused"}], "unshared_blocks": [UNSHARED]}
+    view = analyze(_kernels(980, steps=2, step_us=1000), report, steps=2, step_ms=1.0)
+    (tmp_path / "runtime-rank0.json").write_text(json.dumps(view.to_dict()))
+    verdict, advice = stats.host_bound_lines(str(tmp_path), 2)
+    assert verdict.endswith("not bound by the host"), verdict
+    assert advice.startswith("bucketwise doctor: rank 0: GPU-bound: the GPU was busy 0.98 of 1.00 ms"), advice
+
+
+def test_profile_of_a_gpu_bound_step_advises_sharing_the_blocks_auto_left(single_rank_group, tmp_path, monkeypatch):
+    """``share_blocks="auto"`` without CUDA graphs compiles a DDP model's three blocks with the
+    whole graph; a profile whose GPU was busy 98% puts the advice to share them in the report.
+    A CPU trace has no kernels, so the trace is analysed as one whose GPU was busy 98%."""
+    import torch
+    from support.small_net import BlocksNet
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bucketwise
+    from bucketwise.stats import profiling
+
+    real = profiling.analyze
+    monkeypatch.setattr(
+        profiling,
+        "analyze",
+        lambda events, report, **kw: real(
+            _kernels(980, steps=kw["steps"], step_us=1000), report, **{**kw, "step_ms": 1.0}
+        ),
+    )
+    compiled = bucketwise.compile(DDP(BlocksNet()), backend="aot_eager")
+    with bucketwise.profile(compiled, out_dir=tmp_path, plot=False):
+        for _ in range(2):
+            compiled(torch.randn(4, 8)).sum().backward()
+    notes = bucketwise.report(compiled).notes
+    (note,) = [n for n in notes if "GPU-bound" in n]
+    assert note.startswith("profiled steps: GPU-bound: the GPU was busy 0.98 of 1.00 ms"), note
+    assert "the 3 blocks of `blocks` compiled with the whole graph" in note and "share_blocks=True" in note

@@ -62,6 +62,9 @@ def test_asked_to_share_with_a_backend_that_cannot_the_report_says_why():
     assert note == "blocks: 3 blocks compiled with the whole graph: blocks are shared with the backends " + (
         "['inductor', 'aot_eager'], not 'eager'"
     ), note
+    # Not for host time: a profile of a GPU-bound step gives no advice to share them.
+    (entry,) = report.to_dict()["unshared_blocks"]
+    assert entry["container"] == "blocks" and entry["blocks"] == 3 and entry["host_time"] is False, entry
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])
@@ -80,6 +83,11 @@ def test_blocks_the_default_leaves_unshared_are_named_in_the_report():
     (note,) = [n for n in report.notes if "compiled with the whole graph" in n]
     assert note.startswith("blocks: 3 blocks compiled with the whole graph: share_blocks='auto'"), note
     assert [g["shared_blocks"] for g in report.to_dict()["graphs"]] == [None]
+    # Left unshared for the host time a shared call costs: what a GPU-bound profile weighs
+    # (NOTE [saying when sharing blocks is free]); readers of the rank file see it too.
+    (entry,) = report.to_dict()["unshared_blocks"]
+    assert (entry["container"], entry["blocks"], entry["host_time"]) == ("blocks", 3, True), entry
+    assert report.data().unshared_blocks == (entry,)
 
     asked = bucketwise.compile(Net(), backend="aot_eager", share_blocks=False)
     asked(x)
@@ -126,3 +134,5 @@ def test_auto_shares_under_the_strategy_chosen_not_the_one_asked_for(single_rank
     assert any(
         n.startswith("blocks: 3 blocks compiled with the whole graph: share_blocks='auto'") for n in report["notes"]
     )
+    # Under split a shared block is never cut: no advice to share, whatever the profile says.
+    assert [u["host_time"] for u in report["unshared_blocks"]] == [False], report["unshared_blocks"]
