@@ -92,12 +92,11 @@ def test_doctor_says_nothing_without_views_and_why_on_cpu(tmp_path):
     ]
 
 
-def test_profile_puts_the_host_bound_note_in_the_report(single_rank_group, tmp_path, monkeypatch):
-    """A host-bound verdict of ``bucketwise.profile`` reaches the report (table, rank file).
-    A CPU trace has no kernels, so the trace is analysed as one whose GPU was busy 30%."""
+def _profiled_notes(compiled, out_dir, monkeypatch, *, busy_us: float) -> list[str]:
+    """The report's notes after ``bucketwise.profile`` around two steps of ``compiled`` (a model
+    of 8 inputs), the trace analysed as one whose GPU was busy ``busy_us`` of every 1 ms step (a
+    CPU trace has no kernels)."""
     import torch
-    import torch.nn as nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bucketwise
     from bucketwise.stats import profiling
@@ -107,14 +106,25 @@ def test_profile_puts_the_host_bound_note_in_the_report(single_rank_group, tmp_p
         profiling,
         "analyze",
         lambda events, report, **kw: real(
-            _kernels(300, steps=kw["steps"], step_us=1000), report, **{**kw, "step_ms": 1.0}
+            _kernels(busy_us, steps=kw["steps"], step_us=1000), report, **{**kw, "step_ms": 1.0}
         ),
     )
-    compiled = bucketwise.compile(DDP(nn.Linear(8, 8)), backend="aot_eager", strategy="fused")
-    with bucketwise.profile(compiled, out_dir=tmp_path, plot=False):
+    with bucketwise.profile(compiled, out_dir=out_dir, plot=False):
         for _ in range(2):
             compiled(torch.randn(4, 8)).sum().backward()
-    notes = bucketwise.report(compiled).notes
+    return bucketwise.report(compiled).notes
+
+
+def test_profile_puts_the_host_bound_note_in_the_report(single_rank_group, tmp_path, monkeypatch):
+    """A host-bound verdict of ``bucketwise.profile`` (GPU busy 30%) reaches the report (table,
+    rank file)."""
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bucketwise
+
+    compiled = bucketwise.compile(DDP(nn.Linear(8, 8)), backend="aot_eager", strategy="fused")
+    notes = _profiled_notes(compiled, tmp_path, monkeypatch, busy_us=300)
     (note,) = [n for n in notes if "host-bound" in n]
     assert note.startswith("profiled steps: host-bound: the GPU was busy 0.30 of 1.00 ms") and "cudagraphs=True" in note
     assert note in bucketwise.report(compiled).table()
@@ -170,28 +180,14 @@ def test_doctor_adds_the_sharing_advice_after_its_verdict(tmp_path):
 
 def test_profile_of_a_gpu_bound_step_advises_sharing_the_blocks_auto_left(single_rank_group, tmp_path, monkeypatch):
     """``share_blocks="auto"`` without CUDA graphs compiles a DDP model's three blocks with the
-    whole graph; a profile whose GPU was busy 98% puts the advice to share them in the report.
-    A CPU trace has no kernels, so the trace is analysed as one whose GPU was busy 98%."""
-    import torch
+    whole graph; a profile whose GPU was busy 98% puts the advice to share them in the report."""
     from support.small_net import BlocksNet
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bucketwise
-    from bucketwise.stats import profiling
 
-    real = profiling.analyze
-    monkeypatch.setattr(
-        profiling,
-        "analyze",
-        lambda events, report, **kw: real(
-            _kernels(980, steps=kw["steps"], step_us=1000), report, **{**kw, "step_ms": 1.0}
-        ),
-    )
     compiled = bucketwise.compile(DDP(BlocksNet()), backend="aot_eager")
-    with bucketwise.profile(compiled, out_dir=tmp_path, plot=False):
-        for _ in range(2):
-            compiled(torch.randn(4, 8)).sum().backward()
-    notes = bucketwise.report(compiled).notes
+    notes = _profiled_notes(compiled, tmp_path, monkeypatch, busy_us=980)
     (note,) = [n for n in notes if "GPU-bound" in n]
     assert note.startswith("profiled steps: GPU-bound: the GPU was busy 0.98 of 1.00 ms"), note
     assert "the 3 blocks of `blocks` compiled with the whole graph" in note and "share_blocks=True" in note
