@@ -195,7 +195,7 @@ def shared_blocks_note(view: RuntimeView, report: dict[str, Any]) -> str | None:
         f"{GPU_BOUND_PREFIX}the GPU was busy {view.gpu_busy_ms:.2f} of {view.step_ms:.2f} ms per step "
         f"({min(1.0, view.gpu_busy_ms / view.step_ms):.0%}); {blocks} compiled with the whole graph, which "
         "share_blocks='auto' does without CUDA graphs for the host time a shared block's call costs. With the "
-        "GPU the step, share_blocks=True compiles one block for all of them (a shorter first step) and can step as "
+        "GPU the step, share_blocks=True compiles identical blocks once (a shorter first step) and can step as "
         "fast: compare its step time with this one (docs/limitations.md, 'Sharing one compile')"
     )
 
