@@ -10,11 +10,13 @@ tensors, against 31 us registered as below (``python -m bucketwise.benchmarks pr
 A compiled graph calls bucketwise's shared block twice per block and step, and a step without
 CUDA graphs is bound by its host time. :func:`define` registers an operator with torch's
 lower-level ``torch.library.Library`` API instead: its autograd kernel runs the Python kernel
-directly when nothing traces the call (every input a plain tensor or a parameter, no dispatch
-mode on, no gradient wanted), and otherwise goes the way ``custom_op`` goes (an
-``autograd.Function`` while AOTAutograd traces the joint graph, a redispatch below autograd
-under fake tensors and tracing modes), so tracing, fake tensors and the autograd formula work
-unchanged.
+directly when nothing traces the call (no Python dispatch key in the call's key set: every input
+a plain tensor or a parameter, no dispatch mode on; and no gradient wanted), and otherwise goes
+the way ``custom_op`` goes (an ``autograd.Function`` while AOTAutograd traces the joint graph, a
+redispatch below autograd under fake tensors and tracing modes), so tracing, fake tensors and the
+autograd formula work unchanged. That the Python key marks exactly those calls (a mode on, fake
+tensors, a tensor subclass with ``__torch_dispatch__``; not plain tensors or parameters): checked
+on torch 2.13.0.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 _LIBRARIES: dict[str, torch.library.Library] = {}
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-"""Tensor types that dispatch as plain tensors (no ``__torch_dispatch__``)."""
+_PYTHON = torch._C.DispatchKey.Python
+"""In a call's dispatch key set where a dispatch mode is on (fake tensors, tracing) or a tensor
+argument is a subclass with ``__torch_dispatch__``; absent for plain tensors and parameters."""
 
 
 def define(
@@ -57,7 +60,7 @@ def define(
             if formula is None:
                 raise RuntimeError(f"{qualname} has no autograd formula, but an input requires a gradient")
             return list(formula.apply(*args[:-1], *tensors))
-        if torch._C._len_torch_dispatch_stack() == 0 and all(map(_PLAIN.__contains__, map(type, tensors))):
+        if not keyset.has(_PYTHON):
             return kernel(*args)
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)

@@ -223,7 +223,7 @@ def _shared_block_backward(key: int, saved_and_grads: list[torch.Tensor]) -> lis
     grads = block.backward(inputs)
     # Only the gradients there are: a placeholder for a missing one would be a tensor made on
     # the host, which no CUDA graph of the compiled backward around this call can capture.
-    return [g for g, meta in zip(grads, layout.grads) if meta is not None]
+    return [grads[i] for i in layout.present]
 
 
 def _shared_block_backward_fake(key: int, saved_and_grads: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -11,6 +11,7 @@ cannot be shared; the whole graph then compiles it as before.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -44,6 +45,11 @@ class BlockLayout:
     """The strides the backward was compiled for, per input."""
     forward_layouts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
     """The shape and strides of each input the forward was compiled for."""
+
+    @functools.cached_property
+    def present(self) -> tuple[int, ...]:
+        """The positions in ``grads`` the backward returns a tensor at."""
+        return tuple(i for i, meta in enumerate(self.grads) if meta is not None)
 
 
 @dataclasses.dataclass(frozen=True)

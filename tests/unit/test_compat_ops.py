@@ -100,3 +100,31 @@ def test_an_fx_trace_records_the_operator():
     op, _ = _op(with_formula=True)
     gm = make_fx(lambda a, b: op(2, [a, b])[0] + 1, tracing_mode="fake")(torch.ones(3), torch.ones(3))
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"][0] is op
+
+
+def test_a_tensor_subclass_goes_below_autograd_to_its_own_dispatch():
+    """A subclass with ``__torch_dispatch__`` among the tensors puts the Python key in the call's
+    key set: the kernel is not called on it directly; the subclass sees the operator and runs it
+    on plain tensors (the kernel's one call)."""
+    from torch.utils._pytree import tree_map
+
+    seen = []
+
+    class Wrapped(torch.Tensor):
+        @staticmethod
+        def __new__(cls, elem):
+            return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device)
+
+        def __init__(self, elem):
+            self.elem = elem
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            seen.append(func)
+            unwrap = lambda t: t.elem if isinstance(t, Wrapped) else t  # noqa: E731
+            return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+    op, calls = _op(with_formula=True)
+    with torch.no_grad():
+        (out,) = op(2, [Wrapped(torch.ones(3)), torch.ones(3)])
+    assert op in seen and calls == ["direct"] and torch.equal(out, torch.full((3,), 2.0))
