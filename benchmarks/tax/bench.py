@@ -381,10 +381,18 @@ def _steady_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         )
     idle = [r for r in rows if r.get("gpu_idle_ms") is not None]
     if idle:
-        lines += ["", "GPU idle between kernels, ms per step, and the kernels the most of it came before:", ""]
+        lines += [
+            "",
+            "GPU idle between kernels, ms per profiled step, the GPU's busy share of that step (kernel time over "
+            "kernel time plus idle: what the runtime view's host-bound and GPU-bound verdicts read), and the "
+            "kernels the most of the idle time came before:",
+            "",
+        ]
         for r in idle:
             top = ", ".join(f"`{k}` {v:.2f}" for k, v in list((r.get("idle_before_ms") or {}).items())[:3])
-            lines.append(f"- `{r['config']}`: {r['gpu_idle_ms']:.2f}; before {top}")
+            busy = r["gpu_ms"] / (r["gpu_ms"] + r["gpu_idle_ms"]) if r.get("gpu_ms") else None
+            share = f" (busy {busy:.0%})" if busy is not None else ""
+            lines.append(f"- `{r['config']}`: {r['gpu_idle_ms']:.2f}{share}; before {top}")
     lines += [
         "",
         "peak MiB: the config's peak over its first step and warm-up steps (compile and CUDA-graph "

@@ -108,7 +108,12 @@ def test_ratio_is_the_median_of_per_round_ratios(bench):
         for day in ("2026-11-24", "2026-11-25")
         for model in ("gpt", "gpt-medium", "llama")
     ]
-    + ["2026-11-25_1xH100_ddp-tax-one-rank/gpt-restarts"],
+    + ["2026-11-25_1xH100_ddp-tax-one-rank/gpt-restarts"]
+    + [
+        "2026-11-29_1xH200_tax-llama8-16-gpu-idle/llama16",
+        "2026-11-29_1xH200_tax-llama16-32-b12-shared-blocks/llama32b12",
+        "2026-11-29_1xH200_tax-llama32-torch-local-ro/llama32",
+    ],
 )
 def test_committed_tables_are_generated_from_their_json(bench, run, tmp_path):
     tax_bench = bench[0]
@@ -205,3 +210,14 @@ def test_restart_ratios_are_medians_of_per_round_ratios(bench):
         {"rounds": 3, "summary": summary},
     )
     assert "| `bw-fused` | 11.00 | 1.100 | 1.00 | - | - | - |" in md
+
+
+def test_the_idle_lines_give_the_gpu_busy_share_the_runtime_view_reads(bench, tmp_path):
+    """Kernel time over kernel time plus idle, per config: 102.89 / (102.89 + 6.56) is 94% for the
+    whole graph at batch 12, 99.22 / (99.22 + 24.10) 80% for the shared blocks."""
+    tax_bench = bench[0]
+    folder = RESULTS.parent / "2026-11-29_1xH200_tax-llama16-32-b12-shared-blocks/llama32b12"
+    (tmp_path / "results.json").write_text((folder / "results.json").read_text())
+    tax_bench.rewrite_markdown(str(tmp_path))
+    text = (tmp_path / "results.md").read_text()
+    assert "- `bw-fused`: 6.56 (busy 94%); before" in text and "- `bw-fused-blocks`: 24.10 (busy 80%); before" in text
