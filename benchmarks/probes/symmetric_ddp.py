@@ -52,13 +52,12 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketwise._compat import collectives as cc
-from bucketwise.benchmarks.core.configs import recipe_for
+from bucketwise.benchmarks.core.configs import Recipe, recipe_for
 from bucketwise.benchmarks.core.meta import run_meta
 from bucketwise.benchmarks.core.models import MODELS, make_spec
-from bucketwise.benchmarks.core.step import LR, training_step
+from bucketwise.benchmarks.core.step import training_step
 
 CONFIGS = ("local", "local-compiled", "ddp", "ddp-copy", "ddp-symm", "ddp-pool", "bw-split", "bw-split-pool", "bw-auto")
 POOLED = ("ddp-pool", "bw-split-pool")
@@ -114,40 +113,25 @@ def buffered_hook(state, bucket):  # type: ignore[no-untyped-def]
     return work.get_future().then(back)
 
 
-def _build(config: str, spec: Any, device: torch.device) -> dict[str, Any]:
-    recipe = None
+def _recipe(config: str) -> Recipe:
+    """The harness recipe a config's model is built and stepped with (its hooks and pool aside)."""
     if config.startswith("bw-"):
-        recipe = recipe_for(config.removesuffix("-pool"))
-    elif config == "local-compiled":
-        recipe = recipe_for("local")
-    if recipe is not None:
-        model, _, _, compiled_step = training_step(recipe, spec, device, "inductor", isolated=True)
-        step: Callable[[], Any] = compiled_step
-        state = None
-    else:
-        torch.manual_seed(0)
-        model = spec.build().to(device)
-        module: Any = model
-        if config != "local":
-            module = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        state = None
-        if config in ("ddp-copy", "ddp-symm"):
-            state = BufferedReduce(group=dist.group.WORLD, world=dist.get_world_size(), symmetric=config == "ddp-symm")
-            module.register_comm_hook(state, buffered_hook)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True if device.type == "cuda" else None)
-        batch = spec.make_batch(1, device)
+        return recipe_for(config.removesuffix("-pool"))
+    if config == "local-compiled":
+        return recipe_for("local")
+    return Recipe(ddp=config != "local")  # eager, with or without DDP
 
-        def step() -> None:
-            with spec.autocast(device):
-                loss = spec.loss(module, batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
 
+def _build(config: str, spec: Any, device: torch.device) -> dict[str, Any]:
+    model, prepared, _, step = training_step(_recipe(config), spec, device, "inductor", isolated=True)
+    state = None
+    if config in ("ddp-copy", "ddp-symm"):
+        state = BufferedReduce(group=dist.group.WORLD, world=dist.get_world_size(), symmetric=config == "ddp-symm")
+        prepared.module.register_comm_hook(state, buffered_hook)
     pool = cc.symmetric_pool(dist.group.WORLD, device) if config in POOLED else None
     for i in range(WARMUP):
         if pool is not None and i == 1:
-            # NOTE: DDP rebuilds its buckets in this step's forward, on this thread.
+            # DDP rebuilds its buckets in this step's forward, on this thread.
             with torch.cuda.use_mem_pool(pool):
                 step()
             _sync(device)
