@@ -286,3 +286,21 @@ def cold_graphs_text(row: dict[str, Any]) -> str:
     did not record them)."""
     graphs, hits = row.get("cold_fx_graphs"), row.get("cold_fx_hits")
     return "-" if graphs is None else f"{graphs:g} / {hits:g}"
+
+
+THREAD_ONLY_MARK = "†"
+THREAD_ONLY_NOTE = (
+    "† the issuing thread's CPU time only (the run predates the process's figure): on a GPU it leaves "
+    "out the backward's host work, which runs on autograd's own thread (NOTE [a step's CPU time])."
+)
+
+
+def step_cpu(row: dict[str, Any]) -> tuple[float | None, float | None, bool]:
+    """A tax row's CPU time per step and its ratio to the floor: the process's (every thread)
+    where the run measured it, else the issuing thread's; and whether it is the latter (NOTE [a
+    step's CPU time])."""
+    if row.get("process_cpu_ms_median") is not None:
+        return row["process_cpu_ms_median"], row.get("process_cpu_ratio"), False
+    if row.get("cpu_ms_median") is not None:
+        return row["cpu_ms_median"], row.get("cpu_ratio"), True
+    return None, None, False

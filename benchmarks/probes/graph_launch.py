@@ -4,8 +4,8 @@ GPU's command buffer (one rank, one GPU).
     python -m bucketwise.benchmarks probe graph_launch [--model llama] [--layers 32] \\
         [--configs bw-fused-cg,bw-fused-blocks-cg] [--out DIR]
 
-Per config, in interleaved rounds of back-to-back steps: the time to issue a step, the main
-thread's CPU time, and the step time; then one step issued with the GPU idle (the host's own
+Per config, in interleaved rounds of back-to-back steps: the time to issue a step, the
+process's CPU time (NOTE [a step's CPU time]), and the step time; then one step issued with the GPU idle (the host's own
 work, nothing to wait for); then, under the profiler, the host's time in "Command Buffer Full"
 (waiting for the GPU to take more work) and in ``cudaGraphLaunch`` per launch. Where the
 back-to-back issue time is above the idle one by about the command-buffer waits, the difference
@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bucketwise.benchmarks.core import metrics as bm
 from bucketwise.benchmarks.core.configs import recipe_for
 from bucketwise.benchmarks.core.meta import run_meta
 from bucketwise.benchmarks.core.models import MODELS, make_spec
@@ -42,16 +43,20 @@ GRAPH_LAUNCH = "cudaGraphLaunch"
 
 
 def back_to_back(step: Callable[[], Any]) -> dict[str, float]:
-    """``STEPS`` steps without a sync between them: ms per step to issue, of the main thread's
-    CPU time, and to finish."""
+    """``STEPS`` steps without a sync between them: ms per step to issue, of the process's CPU
+    time (NOTE [a step's CPU time]), and to finish."""
     torch.cuda.synchronize()
-    t0, c0 = time.perf_counter(), time.thread_time()
+    t0, c0 = time.perf_counter(), bm.process_cpu_s()
     for _ in range(STEPS):
         step()
-    t1, c1 = time.perf_counter(), time.thread_time()
+    t1, c1 = time.perf_counter(), bm.process_cpu_s()
     torch.cuda.synchronize()
     t2 = time.perf_counter()
-    return {"issue_ms": (t1 - t0) / STEPS * 1e3, "cpu_ms": (c1 - c0) / STEPS * 1e3, "step_ms": (t2 - t0) / STEPS * 1e3}
+    return {
+        "issue_ms": (t1 - t0) / STEPS * 1e3,
+        "process_cpu_ms": (c1 - c0) / STEPS * 1e3,
+        "step_ms": (t2 - t0) / STEPS * 1e3,
+    }
 
 
 def from_idle(step: Callable[[], Any]) -> float:
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for c in configs:
             row = {"config": c, "rounds": rounds[c], "idle_issue_ms": from_idle(steps[c]), **host_waits(steps[c])}
-            for key in ("issue_ms", "cpu_ms", "step_ms"):
+            for key in ("issue_ms", "process_cpu_ms", "step_ms"):
                 row[f"{key}_median"] = statistics.median(x[key] for x in rounds[c])
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)

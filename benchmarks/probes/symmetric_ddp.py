@@ -37,7 +37,7 @@ bits expected), ``ddp-symm`` sums in another order (a small difference expected)
 (gloo, a CPU smoke run) ``ddp-symm`` is left out.
 
 ``results.json`` (rank 0): per config and round the slowest rank's median step (CUDA events)
-and the issuing thread's CPU time, peak memory, and the parameter check.
+and the process's CPU time (NOTE [a step's CPU time]), peak memory, and the parameter check.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from bucketwise._compat import collectives as cc
+from bucketwise.benchmarks.core import metrics as bm
 from bucketwise.benchmarks.core.configs import Recipe, recipe_for
 from bucketwise.benchmarks.core.meta import run_meta
 from bucketwise.benchmarks.core.models import MODELS, make_spec
@@ -141,7 +142,7 @@ def _build(config: str, spec: Any, device: torch.device) -> dict[str, Any]:
         if state is not None and i == 1:
             _sync(device)
             state.allocate(device)
-    return {"config": config, "model": model, "step": step, "step_ms": [], "cpu_ms": [], "peak_mib": 0.0}
+    return {"config": config, "model": model, "step": step, "step_ms": [], "process_cpu_ms": [], "peak_mib": 0.0}
 
 
 def _sync(device: torch.device) -> None:
@@ -150,7 +151,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _timed(entry: dict[str, Any], steps: int, device: torch.device) -> None:
-    """``steps`` steps: the slowest rank's time per step, the median CPU time of the issuing thread."""
+    """``steps`` steps: the slowest rank's time per step, the median CPU time of the process (NOTE
+    [a step's CPU time])."""
     step: Callable[[], None] = entry["step"]
     dist.barrier()
     _sync(device)
@@ -159,15 +161,15 @@ def _timed(entry: dict[str, Any], steps: int, device: torch.device) -> None:
     start = time.perf_counter()
     cpu = []
     for _ in range(steps):
-        c = time.thread_time()
+        c = bm.process_cpu_s()
         step()
-        cpu.append((time.thread_time() - c) * 1e3)
+        cpu.append((bm.process_cpu_s() - c) * 1e3)
     _sync(device)
     ms = (time.perf_counter() - start) * 1e3 / steps
     slowest = torch.tensor([ms], device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     entry["step_ms"].append(slowest.item())
-    entry["cpu_ms"].append(statistics.median(cpu))
+    entry["process_cpu_ms"].append(statistics.median(cpu))
     if device.type == "cuda":
         entry["peak_mib"] = max(entry["peak_mib"], torch.cuda.max_memory_allocated(device) / 2**20)
 
@@ -215,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {rnd + 1}: " + ", ".join(f"{c} {entries[c]['step_ms'][-1]:.2f}" for c in configs), flush=True)
     rows = []
     for c, e in entries.items():
-        row = {k: e[k] for k in ("config", "step_ms", "cpu_ms", "peak_mib")}
+        row = {k: e[k] for k in ("config", "step_ms", "process_cpu_ms", "peak_mib")}
         row["step_ms_median"] = statistics.median(e["step_ms"])
-        row["cpu_ms_median"] = statistics.median(e["cpu_ms"])
+        row["process_cpu_ms_median"] = statistics.median(e["process_cpu_ms"])
         floor = "local-compiled" if c.startswith("bw-") or c == "local-compiled" else "local"
         base = entries[floor]["step_ms"] if floor in entries else None
         if base:
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(
                 f"{r['config']}: step {r['step_ms_median']:.2f} ms (x floor {r.get('step_ratio', float('nan')):.3f}), "
-                f"CPU {r['cpu_ms_median']:.2f} ms, peak {r['peak_mib']:,.0f} MiB, "
+                f"CPU {r['process_cpu_ms_median']:.2f} ms, peak {r['peak_mib']:,.0f} MiB, "
                 f"params vs ddp {r.get('max_param_diff_vs_ddp', '-')}",
                 flush=True,
             )

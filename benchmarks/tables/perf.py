@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from bucketwise.benchmarks.core.output import cold_graphs_text
+from bucketwise.benchmarks.core.output import THREAD_ONLY_MARK, THREAD_ONLY_NOTE, cold_graphs_text, step_cpu
 from bucketwise.benchmarks.tables.sweep import load_run
 
 MAIN_WORLD_SIZES = (2, 4)
@@ -265,6 +265,7 @@ def tax_tables(results: Path, link_root: str) -> str:
                 "| CPU time x floor | step ms | step x floor | GPU ms | GPU x floor | host us/launch |",
                 "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
             ]
+        marked = False  # a row with the issuing thread's CPU time only (NOTE [a step's CPU time])
         for run in runs:
             rows = [r for r in run["rows"] if "error" not in r]
             peaks = {r["config"]: r["first_peak_mib"] for r in rows}
@@ -273,17 +274,20 @@ def tax_tables(results: Path, link_root: str) -> str:
                 gpu = "-" if r.get("gpu_ms") is None else f"{r['gpu_ms']:.2f}"
                 launch = "-" if r.get("host_us_per_launch") is None else f"{r['host_us_per_launch']:.1f}"
                 step = "-" if r.get("step_ms_median") is None else f"{r['step_ms_median']:.2f}"
-                # The issuing thread's CPU time: runs since the harness measured it.
-                cpu = "-" if r.get("cpu_ms_median") is None else f"{r['cpu_ms_median']:.2f}"
+                cpu_ms, cpu_ratio, thread_only = step_cpu(r)
+                cpu = "-" if cpu_ms is None else f"{cpu_ms:.2f}" + (THREAD_ONLY_MARK if thread_only else "")
+                marked |= thread_only
                 out.append(
                     f"| {_model(run['meta'])} | `{r['config']}` | `{r['floor']}` | {r['first_peak_mib']:,.0f} "
                     f"| {_ratio(peak_ratio)} | {r['issue_ms_median']:.2f} | {_ratio(r.get('issue_ratio'))} "
-                    f"| {cpu} | {_ratio(r.get('cpu_ratio'))} | {step} | {_ratio(r.get('step_ratio'))} "
+                    f"| {cpu} | {_ratio(cpu_ratio)} | {step} | {_ratio(r.get('step_ratio'))} "
                     f"| {gpu} | {_ratio(r.get('gpu_ratio'))} | {launch} |"
                 )
             for r in run["rows"]:
                 if "error" in r:
                     out.append(f"| {_model(run['meta'])} | `{r['config']}` | failed | | | | | | | | | | | |")
+        if marked:
+            out += ["", THREAD_ONLY_NOTE]
         out += ["", *restart_table(restarts)] if runs else restart_table(restarts)
     return "\n".join(out).rstrip("\n")
 

@@ -28,10 +28,12 @@ Per config (``results.json`` and ``results.md`` in ``--out``):
   ``peak_mib``: its peak over the timed steps, less the other configs' memory at rest (an
   estimate: it is off where another config's memory changes after it was built, as CUDA-graph
   pools may);
-- ``issue_ms``/``cpu_ms``/``step_ms``: per pair, the median host time to issue a step (wall
-  clock), the CPU time the issuing thread spent on it (``time.thread_time``: what a neighbour on
-  a shared host does not add, though waiting on a full launch queue still counts) and the GPU
-  (CUDA-event) time per step; ``kernels``, ``gpu_ms``, ``gpu_idle_ms``: kernels launched, GPU kernel time and the time
+- ``issue_ms``/``process_cpu_ms``/``cpu_ms``/``step_ms``: per pair, the median host time to issue a
+  step (wall clock), the CPU time the process spent on it (every thread: on a GPU the backward's
+  host work runs on autograd's thread, NOTE [a step's CPU time]; what a neighbour on a shared
+  host does not add, though waiting on a full launch queue still counts), the part of it on the
+  thread that issues the step (forward and optimizer, on a GPU) and the GPU (CUDA-event) time
+  per step; ``kernels``, ``gpu_ms``, ``gpu_idle_ms``: kernels launched, GPU kernel time and the time
   the GPU waited between kernels per step (profiler), ``idle_before_ms``: the kernels the most
   of that wait came before; ``host_us_per_launch``: issue time over kernels launched.
 
@@ -58,7 +60,7 @@ from bucketwise.benchmarks.core import metrics as bm
 from bucketwise.benchmarks.core.configs import floor_config, recipe_for
 from bucketwise.benchmarks.core.meta import run_meta
 from bucketwise.benchmarks.core.models import MODELS, make_spec
-from bucketwise.benchmarks.core.output import cold_graphs_text
+from bucketwise.benchmarks.core.output import THREAD_ONLY_MARK, THREAD_ONLY_NOTE, cold_graphs_text, step_cpu
 from bucketwise.benchmarks.core.step import training_step
 from bucketwise.distributed.gloo_exit import end_process_group
 
@@ -153,6 +155,7 @@ def build(
         "report": report,
         "issue_ms": [],
         "cpu_ms": [],
+        "process_cpu_ms": [],
         "step_ms": [],
     }
 
@@ -168,17 +171,19 @@ def timed_block(entry: dict[str, Any], steps: int, others_at_rest: int) -> None:
     if cuda:
         start.record()
     wall = time.perf_counter()
-    issue, cpu = [], []
+    issue, process, thread = [], [], []
     for _ in range(steps):
-        t, c = time.perf_counter(), time.thread_time()
+        t, p, c = time.perf_counter(), bm.process_cpu_s(), time.thread_time()
         step()
         issue.append((time.perf_counter() - t) * 1e3)
-        cpu.append((time.thread_time() - c) * 1e3)
+        process.append((bm.process_cpu_s() - p) * 1e3)
+        thread.append((time.thread_time() - c) * 1e3)
     if cuda:
         end.record()
     _sync()
     entry["issue_ms"].append(statistics.median(issue))
-    entry["cpu_ms"].append(statistics.median(cpu))
+    entry["process_cpu_ms"].append(statistics.median(process))
+    entry["cpu_ms"].append(statistics.median(thread))
     entry["step_ms"].append(start.elapsed_time(end) / steps if cuda else (time.perf_counter() - wall) * 1e3 / steps)
     entry["peak_bytes"] = max(entry["peak_bytes"], _peak() - others_at_rest)
 
@@ -218,6 +223,7 @@ def summarize(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 "compile_breakdown",
                 "first_step_breakdown",
                 "issue_ms",
+                "process_cpu_ms",
                 "cpu_ms",
                 "step_ms",
                 "kernels",
@@ -238,6 +244,7 @@ def summarize(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             peak_mib=e["peak_bytes"] / 2**20,
             first_peak_mib=e["first_peak_bytes"] / 2**20,
             issue_ms_median=statistics.median(e["issue_ms"]),
+            process_cpu_ms_median=statistics.median(e["process_cpu_ms"]),
             cpu_ms_median=statistics.median(e["cpu_ms"]),
             step_ms_median=statistics.median(e["step_ms"]),
         )
@@ -250,6 +257,9 @@ def summarize(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         base = entries.get(floor)
         if base is not None:
             row["issue_ratio"] = statistics.median(a / b for a, b in zip(e["issue_ms"], base["issue_ms"]))
+            row["process_cpu_ratio"] = statistics.median(
+                a / b for a, b in zip(e["process_cpu_ms"], base["process_cpu_ms"])
+            )
             row["cpu_ratio"] = statistics.median(a / b for a, b in zip(e["cpu_ms"], base["cpu_ms"]))
             row["step_ratio"] = statistics.median(a / b for a, b in zip(e["step_ms"], base["step_ms"]))
             row["peak_ratio"] = e["first_peak_bytes"] / base["first_peak_bytes"] if base["first_peak_bytes"] else None
@@ -260,6 +270,13 @@ def summarize(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _cpu_cells(row: dict[str, Any]) -> tuple[str, str]:
+    """A row's CPU time and its ratio to the floor, the issuing thread's marked (NOTE [a step's
+    CPU time])."""
+    ms, ratio, thread_only = step_cpu(row)
+    return _fmt(ms, ".2f") + (THREAD_ONLY_MARK if thread_only and ms is not None else ""), _fmt(ratio, ".3f")
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], restarts: dict[str, Any] | None = None) -> str:
@@ -335,8 +352,9 @@ def _steady_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     for r in rows:
         if "error" not in r and first_peak.get(r["floor"]):
             r["peak_ratio"] = r["first_peak_mib"] / first_peak[r["floor"]]
-    # Runs that measured the issuing thread's CPU time get its 2 columns (older results.json lack it).
-    cpu_cols = any(r.get("cpu_ms_median") is not None for r in rows)
+    # Runs that measured a step's CPU time get its 2 columns (older results.json lack it).
+    cpu_cols = any(step_cpu(r)[0] is not None for r in rows if "error" not in r)
+    thread_only = any(step_cpu(r)[2] for r in rows if "error" not in r)
     head = (
         "| config | floor | peak MiB | x floor | at rest MiB | CPU issue ms | x floor "
         + ("| CPU time ms | x floor " if cpu_cols else "")
@@ -368,7 +386,7 @@ def _steady_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                     _fmt(r["rest_mib"], ",.0f"),
                     _fmt(r["issue_ms_median"], ".2f"),
                     _fmt(r.get("issue_ratio"), ".3f"),
-                    *([_fmt(r.get("cpu_ms_median"), ".2f"), _fmt(r.get("cpu_ratio"), ".3f")] if cpu_cols else []),
+                    *(_cpu_cells(r) if cpu_cols else ()),
                     _fmt(r["step_ms_median"], ".2f"),
                     _fmt(r.get("step_ratio"), ".3f"),
                     _fmt(r.get("gpu_ms"), ".2f"),
@@ -398,13 +416,15 @@ def _steady_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "peak MiB: the config's peak over its first step and warm-up steps (compile and CUDA-graph "
         "capture included), above what was allocated before it was built. "
         + (
-            "CPU issue: wall-clock time to issue a step; CPU time: the issuing thread's CPU time for it. "
+            "CPU issue: wall-clock time to issue a step; CPU time: the process's CPU time for it, every "
+            "thread (on a GPU the backward's host work runs on autograd's own thread). "
             "x floor: CPU issue, CPU time and step, the "
             if cpu_cols
             else "x floor: CPU issue and step, the "
         )
         + "median over rounds of the per-round ratio to the floor; peak and GPU time, the ratio of the "
         "figures. GPU ms: kernel time per step from the profiler. Per-round figures are in results.json.",
+        *(["", THREAD_ONLY_NOTE] if thread_only else []),
     ]
     return "\n".join(lines) + "\n"
 

@@ -536,5 +536,5 @@ def test_probe_symmetric_ddp_reduces_as_ddp_does(tmp_path):
     # Three warm-up steps and four timed ones, the hook's own buffers from the third step on: the
     # same division and sum as DDP's reducer, so the same parameters to the bit.
     assert rows["ddp-copy"]["max_param_diff_vs_ddp"] == 0.0
-    assert all(len(r["step_ms"]) == len(r["cpu_ms"]) == 2 for r in rows.values())
+    assert all(len(r["step_ms"]) == len(r["process_cpu_ms"]) == 2 for r in rows.values())
     assert rows["local"]["step_ratio"] == 1.0

@@ -56,10 +56,15 @@ def test_cpu_run_interleaves_and_writes_both_files(tmp_path):
     rows = {r["config"]: r for r in data["rows"]}
     assert set(rows) == {"local", "bw-fused"}
     for row in rows.values():
-        assert len(row["issue_ms"]) == len(row["cpu_ms"]) == len(row["step_ms"]) == 3
+        assert len(row["issue_ms"]) == len(row["process_cpu_ms"]) == len(row["cpu_ms"]) == len(row["step_ms"]) == 3
         assert all(t > 0 for t in row["issue_ms"])
-        # The issuing thread's CPU time cannot exceed the wall clock it issued in.
+        # The issuing thread's CPU time cannot exceed the wall clock it issued in (one intra-op
+        # thread, OMP_NUM_THREADS=1), and the process's holds it.
         assert all(0 < c <= t * 1.05 for c, t in zip(row["cpu_ms"], row["issue_ms"]))
+        assert all(p >= c * 0.95 for p, c in zip(row["process_cpu_ms"], row["cpu_ms"]))
+    # A step's CPU time in the table is the process's, unmarked (NOTE [a step's CPU time]).
+    md = (tmp_path / "results.md").read_text()
+    assert f"| {rows['bw-fused']['process_cpu_ms_median']:.2f} |" in md and "†" not in md
     assert rows["local"]["issue_ratio"] == 1.0
     assert rows["bw-fused"]["compile_s"] > 0 and rows["local"]["compile_s"] is None
     assert "`bw-fused` | `local`" in (tmp_path / "results.md").read_text()
@@ -74,12 +79,13 @@ def test_pairs_below_three_are_refused(bench):
 def test_ratio_is_the_median_of_per_round_ratios(bench):
     tax_bench = bench[0]
 
-    def entry(issue, peak, cpu=None):
+    def entry(issue, peak, cpu=None, process=None):
         return {
             "config": "",
             "first_step_s": 1.0,
             "compile_s": None,
             "issue_ms": issue,
+            "process_cpu_ms": process or issue,
             "cpu_ms": cpu or issue,
             "step_ms": issue,
             "kernels": 10,
@@ -91,13 +97,18 @@ def test_ratio_is_the_median_of_per_round_ratios(bench):
 
     entries = {
         "local": {**entry([10.0, 20.0, 10.0], 100), "config": "local"},
-        "bw-fused": {**entry([11.0, 10.0, 30.0], 110, cpu=[12.0, 40.0, 5.0]), "config": "bw-fused"},
+        "bw-fused": {
+            **entry([11.0, 10.0, 30.0], 110, cpu=[12.0, 40.0, 5.0], process=[13.0, 30.0, 20.0]),
+            "config": "bw-fused",
+        },
     }
     rows = {r["config"]: r for r in tax_bench.summarize(entries)}
     # Per-round ratios 1.1, 0.5, 3.0: the median is 1.1, not the ratio of medians (11/10).
     assert rows["bw-fused"]["issue_ratio"] == pytest.approx(1.1)
     # CPU time the same way, from its own rounds: 1.2, 2.0, 0.5.
     assert rows["bw-fused"]["cpu_ratio"] == pytest.approx(1.2)
+    # The process's CPU time too: 1.3, 1.5, 2.0.
+    assert rows["bw-fused"]["process_cpu_ratio"] == pytest.approx(1.5)
     assert rows["bw-fused"]["host_us_per_launch"] == pytest.approx(1100.0)
 
 
