@@ -47,7 +47,10 @@ what it computes becomes the last inputs of every block's call. Only ops that au
 alone move (comparisons, selection, casts, element-wise arithmetic without a precision rule,
 shape ops), since the graph around the blocks is traced again under the step's autocast mode;
 views stay in the block, where they are free. The report lists what moved
-(``computed_before_blocks``).
+(``computed_before_blocks``). An input the forward reads no more after that (HF Llama's boolean
+mask, read only by what moved) or never read, without a gradient, is not passed to the block at
+all (``bg.drop_unread``): Inductor copies a view given to an operator at every call, a kernel and
+an allocation per block and step.
 
 A block is not shared, and compiles with the whole graph as before, when its graph differs from
 the others (shapes, dtypes, constants, hooks), when shapes are dynamic, in a graph without
@@ -137,6 +140,9 @@ class SharedBlock:
     """Boxed: ``backward([saved..., grads of the outputs])`` -> what ``layout.grads`` says."""
     wire: BlockWire | None = None
     moved: MovedOut | None = None
+    reads: tuple[int, ...] | None = None
+    """The positions, among a call's inputs (the block's own, then what ``moved`` computed), of
+    those the compiled forward takes (``bg.drop_unread``); ``None``: all of them."""
     first_call: FirstCall = dataclasses.field(default_factory=FirstCall)
 
 
@@ -428,6 +434,8 @@ def share_blocks(
                             gm.graph, moved.before, [inputs[i] for i in moved.invariant]
                         )
                     inputs += computed[block.key]
+                if block.reads is not None:
+                    inputs = [inputs[i] for i in block.reads]
                 op = gm.graph.call_function(SHARED_BLOCK, (block.key, inputs))
             if block.wire is not None:
                 op.meta[REDUCED_PARAMS_META] = [inputs[i] for i in block.wire.reduced]
@@ -514,12 +522,15 @@ def _compile(
         raise bg.NotShareable("the block writes into one of its inputs")
     # The stages of NOTE [a shared block in stages], in order: each rewrites fw and bw in place.
     moved = bg.move_out(fw, bw, invariant, n_user=len(bg.user_outputs(sub)))
+    reads = bg.drop_unread(fw, bw)
     layout = bg.plan_layout(sub, fw, bw, fake_mode)
     wire = None
     if reduced:
         if spec is None:
             raise AssertionError(f"expected a comm spec for the reduced inputs {reduced}, got None")
-        wire, grads = block_wire.grads_onto_wire(bw, [fakes[i] for i in reduced], reduced, spec, fake_mode)
+        # A reduced parameter has a gradient, so the forward still takes it: its position there.
+        at = tuple(i if reads is None else reads.index(i) for i in reduced)
+        wire, grads = block_wire.grads_onto_wire(bw, [fakes[i] for i in reduced], at, spec, fake_mode)
         layout = dataclasses.replace(layout, grads=grads)
     if backend == "inductor":
         fw_inputs = [n.meta["val"] for n in fw.graph.find_nodes(op="placeholder")]
@@ -528,7 +539,7 @@ def _compile(
         backward = aot.inductor_compile(bw, bw_inputs, fake_mode, backward=True, config_patches=config_patches)
     else:
         forward, backward = aot.boxed(fw), aot.boxed(bw)
-    block = SharedBlock(next(_KEYS), layout, forward, backward, wire=wire, moved=moved)
+    block = SharedBlock(next(_KEYS), layout, forward, backward, wire=wire, moved=moved, reads=reads)
     _BLOCKS[block.key] = block
     outcome = CompileOutcome(backend=backend, seconds=time.perf_counter() - start)
     phases1 = dc.compile_phase_seconds()

@@ -189,6 +189,31 @@ def move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...],
     return MovedOut(fx.GraphModule(fw, graph), invariant)
 
 
+def drop_unread(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[int, ...] | None:
+    """Take out of ``fw`` the inputs it does not read and ``bw`` gives no gradient (what only the
+    moved part read, NOTE [computed once before the blocks]; an argument the block ignores), and
+    their places in ``bw``'s outputs. Returns the positions of the inputs kept, or ``None`` where
+    every input is read. A block's call then passes only those: Inductor copies a view given to
+    an operator at every call (HF Llama's boolean mask, expanded: a kernel and an allocation per
+    block and step)."""
+    placeholders = list(fw.graph.find_nodes(op="placeholder"))
+    out = next(iter(bw.graph.find_nodes(op="output")))
+    grads = list(out.args[0])
+    if len(grads) != len(placeholders):
+        raise AssertionError(f"expected a gradient place per forward input ({len(placeholders)}), got {len(grads)}")
+    unread = [i for i, p in enumerate(placeholders) if not p.users and grads[i] is None]
+    if not unread:
+        return None
+    for i in unread:
+        fw.graph.erase_node(placeholders[i])
+    fw.graph.lint()
+    fw.recompile()
+    kept = tuple(i for i in range(len(placeholders)) if i not in set(unread))
+    out.args = (tuple(grads[i] for i in kept),)
+    bw.recompile()
+    return kept
+
+
 def insert_graph(graph: fx.Graph, before: fx.GraphModule, args: list[fx.Node]) -> list[fx.Node]:
     """``before``'s nodes copied into ``graph`` at its insertion point, on ``args``; the nodes of
     its outputs. Each keeps its fake value, also as Dynamo's (``example_value``)."""

@@ -101,6 +101,33 @@ def test_the_blocks_of_a_graph_are_found_and_cut_where_they_start():
     assert all("blocks.0" in str(n.meta["nn_module_stack"]) for n in first_block)
 
 
+def test_a_block_call_passes_only_what_its_compiled_forward_reads():
+    """NOTE [computed once before the blocks]: the mask's bias moves out of the blocks, so their
+    compiled forward reads the boolean mask no more; no call passes it (Inductor would copy that
+    view at every call). The gradients still match the whole graph's."""
+    from bucketwise.compiler import blocks
+
+    calls = []
+
+    def backend(gm, example_inputs):
+        whole = copy.deepcopy(gm)
+        sharing, why = blocks.share_blocks(gm, example_inputs, backend="aot_eager", config_patches={})
+        assert sharing is not None, why
+        calls.extend(n for n in gm.graph.nodes if n.target is blocks.SHARED_BLOCK)
+        return whole.forward
+
+    torch.manual_seed(0)
+    net = Net(depth=3, masked=True)
+    torch.compile(net, backend=backend)(torch.randint(0, 64, (2, 8))).backward()
+    assert len(calls) == 3, calls
+    for call in calls:
+        given = [n.meta.get("val", n.meta.get("example_value")) for n in call.args[1]]
+        assert not any(v.dtype == torch.bool for v in given), [(v.dtype, tuple(v.shape)) for v in given]
+        # The bias made once before the blocks is the last input of every call.
+        assert given[-1].dtype == torch.float32 and tuple(given[-1].shape) == (8, 8), given[-1]
+    assert calls[0].args[1][-1] is calls[2].args[1][-1]
+
+
 def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
     import bucketwise
 
