@@ -61,6 +61,8 @@ class StepTimes:
 
     per_step_ms: list[float]
     cpu_issue_ms: list[float]
+    cpu_time_ms: list[float]
+    """The process's CPU time per step, every thread (NOTE [a step's CPU time])."""
     mean_ms: float
     outputs: list[Any]
 
@@ -81,25 +83,27 @@ def time_steps(step: Callable[[], Any], n: int, device: torch.device) -> StepTim
     run ahead as in training); one ``torch.cuda.synchronize()`` before the events are read.
     ``cpu_issue_ms``: ``perf_counter`` around each ``step()`` call, no sync: the host time spent
     issuing the step (on CUDA, close to the step time when the CPU is the bottleneck or the step
-    synchronises; on CPU the step time itself).
+    synchronises; on CPU the step time itself); ``cpu_time_ms``: the process's CPU time over the
+    same call (NOTE [a step's CPU time]).
     """
     sync(device)
     cuda = device.type == "cuda"
     events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)] if cuda else []
-    issue, outputs = [], []
+    issue, cpu, outputs = [], [], []
     t0 = time.perf_counter()
     if cuda:
         events[0].record()
     for i in range(n):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), process_cpu_s()
         outputs.append(step())
         issue.append((time.perf_counter() - t) * 1e3)
+        cpu.append((process_cpu_s() - c) * 1e3)
         if cuda:
             events[i + 1].record()
     sync(device)
     per_step = [events[i].elapsed_time(events[i + 1]) for i in range(n)] if cuda else list(issue)
     mean_ms = (time.perf_counter() - t0) * 1e3 / n
-    return StepTimes(per_step_ms=per_step, cpu_issue_ms=issue, mean_ms=mean_ms, outputs=outputs)
+    return StepTimes(per_step_ms=per_step, cpu_issue_ms=issue, cpu_time_ms=cpu, mean_ms=mean_ms, outputs=outputs)
 
 
 def read_scalars(tensors: Sequence[torch.Tensor]) -> list[float]:

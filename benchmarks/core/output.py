@@ -17,6 +17,7 @@ MD_COLUMNS = (
     "max ms",
     "p90 ms",
     "CPU issue ms",
+    "CPU time ms",
     "x floor",
     "first step s",
     "warm first step s",
@@ -128,6 +129,7 @@ def _md_row(r: dict[str, Any], rounds: bool = False) -> list[str]:
         return [name] + ["-"] * (width - 2) + ["skipped: " + _one_line(r.get("skipped", ""), 160)]
     ratio = r.get("floor_ratio")
     issue = r.get("per_rank", {}).get("cpu_issue_ms")
+    cpu = r.get("per_rank", {}).get("cpu_time_ms")  # absent from runs before NOTE [a step's CPU time]
     spread = r.get("round_spread")
     by_round = (
         [
@@ -146,6 +148,7 @@ def _md_row(r: dict[str, Any], rounds: bool = False) -> list[str]:
         _fmt(r.get("spread", {}).get("p90_ms")),
         *by_round,
         _fmt(max(d["median"] for d in issue) if issue else None),
+        _fmt(max(d["median"] for d in cpu) if cpu else None),
         "-" if ratio is None else f"{ratio:.2f}",
         *(["-" if max_round is None else f"{max_round:.2f}"] if rounds else []),
         _fmt(r["first_step_s"]),
@@ -229,6 +232,8 @@ def write_markdown(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any
         "",
         "p90: 90th percentile of the slowest rank's timed steps. CPU issue: median host time of the "
         "`step()` call (no sync; largest over ranks): near the step time when the CPU is the bottleneck. "
+        "CPU time: the median CPU time of the process over that call, every thread (on a GPU the "
+        "backward's host work runs on autograd's own thread; largest over ranks). "
         "first step: the first training step of a fresh process, compiling with empty compile caches; "
         "warm first step: the same in a second process over the caches the first one filled (`--restart`). "
         "x floor: median step / median step of `local` (compiled, no DDP: no gradient traffic; "

@@ -74,6 +74,9 @@ def _check_steps(row: dict, steps: int, total: int) -> None:
     assert spread["p50_ms"] == pytest.approx(row["median_ms"])
     for issue in per_rank["cpu_issue_ms"]:
         assert 0 < issue["median"] <= issue["max"]
+    # The process's CPU time per step (NOTE [a step's CPU time]), beside the issue time.
+    for cpu in per_rank["cpu_time_ms"]:
+        assert 0 < cpu["median"] <= cpu["max"]
     losses = row["losses"]
     assert losses["steps_total"] == total and len(losses["first"]) == len(losses["last"]) == min(5, total)
     assert losses["final_loss"] == losses["last"][-1] and math.isfinite(losses["final_loss"])
@@ -466,6 +469,7 @@ def _rank_round(median: float, losses: list[float], *, first: float | None = Non
         "mean_ms": median,
         "per_step_ms": steps,
         "cpu_issue_ms": {"median": median / 2, "max": median},
+        "cpu_time_ms": {"median": median / 4, "max": median / 2},
         "losses": losses,
         "timed_steps": len(steps),
         "peak_mib": None,
