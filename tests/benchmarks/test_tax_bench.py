@@ -125,6 +125,7 @@ def test_ratio_is_the_median_of_per_round_ratios(bench):
         "2026-11-29_1xH200_tax-llama16-32-b12-shared-blocks/llama32b12",
         "2026-11-29_1xH200_tax-llama32-torch-local-ro/llama32",
         "2026-11-29_1xH200_tax-llama16-32-b4-process-cpu-shared-blocks/llama16",
+        "2026-11-29_1xH200_tax-llama8-16-b4-9-rounds-process-cpu/llama8",
     ],
 )
 def test_committed_tables_are_generated_from_their_json(bench, run, tmp_path):
