@@ -107,8 +107,9 @@ _KEYS = itertools.count()
 
 # NOTE [a shared block in stages]: what is known of a shared block grows in stages, each a
 # record made once by the step that finds it. ``partitioners/block_graphs.py`` takes what every
-# block computes the same out of the forward (``move_out``: ``MovedOut``) and lays out what the
-# forward hands the backward (``plan_layout``: ``BlockLayout``); under ``fused``,
+# block computes the same out of the forward (``move_out``: ``MovedOut``), drops the inputs the
+# forward reads no more (``drop_unread``: ``SharedBlock.reads``) and lays out what the forward
+# hands the backward (``plan_layout``: ``BlockLayout``); under ``fused``,
 # ``distributed/fused/block_wire.py`` makes the backward return the block's own parameters'
 # gradients as one flat buffer (``grads_onto_wire``: ``BlockWire``, with the gradients' new
 # layout); ``_compile`` compiles both graphs and assembles the ``SharedBlock``. Only what

@@ -3,8 +3,9 @@ compiles them and calls them, NOTE [one compile per block]).
 
 The nodes of each block of a run (``block_parts``), a fake value of every node (``fake_values``),
 the inputs every block reads the same (``invariant_inputs``) and what moves out of the block's
-forward because of them (``move_out``, NOTE [computed once before the blocks]), and how the
-forward hands the backward what it reads (``plan_layout``). ``NotShareable`` says why a block
+forward because of them (``move_out``, NOTE [computed once before the blocks]), the inputs the
+forward then reads no more (``drop_unread``), and how the forward hands the backward what it
+reads (``plan_layout``). ``NotShareable`` says why a block
 cannot be shared; the whole graph then compiles it as before.
 """
 
@@ -208,7 +209,8 @@ def drop_unread(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[int, ...] | Non
         fw.graph.erase_node(placeholders[i])
     fw.graph.lint()
     fw.recompile()
-    kept = tuple(i for i in range(len(placeholders)) if i not in set(unread))
+    gone = set(unread)
+    kept = tuple(i for i in range(len(placeholders)) if i not in gone)
     out.args = (tuple(grads[i] for i in kept),)
     bw.recompile()
     return kept
