@@ -84,6 +84,13 @@ class RuntimeView:
     notes: list[str] = dataclasses.field(default_factory=list)
     gpu_busy_ms: float | None = None
     """Per step, the time in which any GPU kernel ran (``None`` without GPU kernels in the trace)."""
+    cpu_ms: float | None = None
+    """Per step, the process's CPU time, every thread (NOTE [a step's CPU time]), profiler included."""
+    peak_allocated_mib: float | None = None
+    """The most CUDA memory tensors held at once in this process so far (the caching allocator's
+    peak: not reset by the profile, so compiling and earlier steps count)."""
+    reserved_mib: float | None = None
+    """CUDA memory the caching allocator held when the profile ended (what the device lends it)."""
 
     @property
     def host_bound(self) -> bool:
@@ -140,11 +147,18 @@ class RuntimeView:
 
 
 def totals_line(view: RuntimeView) -> str:
+    cpu = "" if view.cpu_ms is None else f" (CPU time {view.cpu_ms:.2f} ms)"
     busy = "" if view.gpu_busy_ms is None else f", GPU busy {view.gpu_busy_ms:.2f} ms"
+    memory = (
+        ""
+        if view.peak_allocated_mib is None
+        else f"; CUDA memory: peak allocated {view.peak_allocated_mib:,.0f} MiB so far, "
+        f"{view.reserved_mib or 0:,.0f} MiB reserved"
+    )
     return (
-        f"rank {view.rank}: {view.steps} profiled step(s), {view.step_ms:.2f} ms per step{busy}; communication "
+        f"rank {view.rank}: {view.steps} profiled step(s), {view.step_ms:.2f} ms per step{cpu}{busy}; communication "
         f"{view.comm_ms:.3f} ms per step, {view.overlapped_ms:.3f} overlapped with compute, "
-        f"{view.exposed_ms:.3f} exposed; {view.wire_bytes / 2**20:.2f} MiB sent per step"
+        f"{view.exposed_ms:.3f} exposed; {view.wire_bytes / 2**20:.2f} MiB sent per step{memory}"
     )
 
 
@@ -240,10 +254,18 @@ def _align(rows: list[tuple[str, ...]], left: Sequence[int] = ()) -> str:
 
 
 def analyze(
-    events: Sequence[dict[str, Any]], report: dict[str, Any], *, steps: int, step_ms: float, host: str = ""
+    events: Sequence[dict[str, Any]],
+    report: dict[str, Any],
+    *,
+    steps: int,
+    step_ms: float,
+    host: str = "",
+    cpu_ms: float | None = None,
+    memory_mib: tuple[float, float] | None = None,
 ) -> RuntimeView:
     """The :class:`RuntimeView` of a trace of ``steps`` training steps of the compiled object
-    whose report dict (``Report.to_dict()``) is ``report``."""
+    whose report dict (``Report.to_dict()``) is ``report``; ``cpu_ms``: the process's CPU time per
+    step; ``memory_mib``: CUDA memory (peak allocated so far, reserved)."""
     if steps < 1:
         raise ValueError(f"steps: expected at least 1 profiled step, got {steps}")
     comm, compute, source = ta.collectives(events)
@@ -287,6 +309,9 @@ def analyze(
         timeline=_last_step(events, comm, compute, source, labels),
         notes=notes,
         gpu_busy_ms=None if busy_us is None else busy_us / 1e3 / steps,
+        cpu_ms=cpu_ms,
+        peak_allocated_mib=None if memory_mib is None else memory_mib[0],
+        reserved_mib=None if memory_mib is None else memory_mib[1],
     )
     replays = any(c.get("captured") for c in report.get("cudagraphs", []))
     for note in (host_bound_note(view, replays_cuda_graphs=replays), shared_blocks_note(view, report)):

@@ -38,14 +38,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# NOTE [a step's CPU time]: on a GPU, autograd runs a backward's host work (the compiled
-# backward's kernel launches, its collectives) on its own thread for the device, not on the
-# thread that called ``backward()``, which waits meanwhile. The calling thread's CPU time
-# (``time.thread_time``) counts a step's forward and optimizer only: 8 to 12 ms of a 16-layer
-# HF Llama's 22 to 27 ms steps on an H200 host, the backward's 12 ms on autograd's thread
-# (profiler trace, 2026-11-29). A step's CPU time is the process's (``time.process_time``):
-# every thread of it, so also NCCL's watchdog (asleep between its checks) and, on a CPU device,
-# intra-op threads. Older results have the calling thread's only (``cpu_ms`` without
+# A step's CPU time is the process's (NOTE [a step's CPU time]): the backward's host work runs on
+# autograd's thread. Older results have the calling thread's only (``cpu_ms`` without
 # ``process_cpu_ms``); the tables mark them.
 
 

@@ -200,6 +200,10 @@ def test_profile_finds_every_bucket_and_its_wire_bytes(tmp_path):
         view = RuntimeView.from_dict(r["view"])
         assert view.to_dict() == r["view"]
         assert view.rank == rank and view.steps == 3 and view.source == "cpu", view
+        # The process's CPU time per step beside the step's wall time (NOTE [a step's CPU time]);
+        # no CUDA memory on a CPU run.
+        assert view.cpu_ms > 0 and view.peak_allocated_mib is None and view.reserved_mib is None, view
+        assert f"ms per step (CPU time {view.cpu_ms:.2f} ms)" in r["table"], r["table"]
         planned = {
             (g["graph_id"], b["index"]): b for g in r["report"]["graphs"] if not g["variant"] for b in g["buckets"]
         }

@@ -49,6 +49,21 @@ def test_graphs_already_replaying_get_other_advice():
     assert "already replay as CUDA graphs" in note and "cudagraphs=True" not in note
 
 
+def test_the_totals_give_cpu_time_and_cuda_memory_beside_the_step():
+    """Memory and host time beside every step time (NOTE [a step's CPU time]): a host working
+    the whole step shows a CPU time near the step's, and the caching allocator's figures follow;
+    a view written before these fields reads back without them."""
+    view = analyze(
+        _kernels(400, steps=2, step_us=1000), REPORT, steps=2, step_ms=1.0, cpu_ms=0.97, memory_mib=(7551.2, 8020.0)
+    )
+    (line,) = [x for x in view.table().splitlines() if x.startswith("rank 0: 2 profiled step(s)")]
+    assert "1.00 ms per step (CPU time 0.97 ms), GPU busy 0.40 ms" in line, line
+    assert line.endswith("; CUDA memory: peak allocated 7,551 MiB so far, 8,020 MiB reserved"), line
+    old = {k: v for k, v in view.to_dict().items() if k not in ("cpu_ms", "peak_allocated_mib", "reserved_mib")}
+    again = RuntimeView.from_dict(old)
+    assert again.cpu_ms is None and "CPU time" not in again.table() and "CUDA memory" not in again.table()
+
+
 def test_cpu_trace_has_no_verdict_and_round_trips():
     view = analyze([], REPORT, steps=1, step_ms=1.0)
     assert view.gpu_busy_ms is None and not view.host_bound
