@@ -168,7 +168,11 @@ def totals_line(view: RuntimeView) -> str:
 # graph). The trace shows it without a guess: the union of the GPU's kernels against the step's
 # wall time. A GPU busy less than HOST_BOUND_BUSY of the step is called host-bound, and the note
 # says what to try; where the compiled object already replays CUDA graphs, the host time left is
-# outside its graphs (the optimizer step, data loading, Python).
+# outside its graphs (the optimizer step, data loading, Python). Where it calls shared blocks
+# without CUDA graphs (``share_blocks=True``), the note names them: each call costs the host its
+# own launches, allocations and checks (an HF Llama of 16 layers at batch 4 stepped in 1.3x to
+# 1.6x the whole graph's time, benchmarks/results/2026-11-29_1xH200_tax-llama16-32-b4-process-
+# cpu-shared-blocks), which CUDA graphs remove and ``share_blocks=False`` avoids.
 
 
 HOST_BOUND_PREFIX = "host-bound: "
@@ -219,8 +223,12 @@ def shared_blocks_note(view: RuntimeView, report: dict[str, Any]) -> str | None:
     )
 
 
-def host_bound_note(view: RuntimeView, *, replays_cuda_graphs: bool) -> str | None:
-    """What to tell the user when ``view``'s steps are bound by the host, else ``None``."""
+def host_bound_note(
+    view: RuntimeView, *, replays_cuda_graphs: bool, report_graphs: Sequence[dict[str, Any]] = ()
+) -> str | None:
+    """What to tell the user when ``view``'s steps are bound by the host, else ``None``;
+    ``report_graphs``: the report's graphs, whose shared blocks (NOTE [saying when sharing blocks
+    is free]) cost host time per call where no CUDA graph replays them."""
     if not view.host_bound or view.gpu_busy_ms is None:
         return None
     head = (
@@ -232,9 +240,18 @@ def host_bound_note(view: RuntimeView, *, replays_cuda_graphs: bool) -> str | No
             head + "; the compiled graphs already replay as CUDA graphs, so the host time is outside them "
             "(optimizer step, data loading, Python)"
         )
+    shared = [g["shared_blocks"] for g in report_graphs if g.get("shared_blocks")]
+    blocks = " and ".join(f"the {s['count']} blocks of `{s['blocks']}`" for s in shared)
     return (
         head + "; bucketwise.compile(..., cudagraphs=True) replays each compiled graph with one launch "
         "(its memory cost: docs/performance.md)"
+        + (
+            f". {blocks} share one compile, and each shared call costs the host time every step: with CUDA "
+            "graphs that cost goes, or share_blocks=False compiles them with the whole graph (a longer first step; "
+            "docs/limitations.md, 'Sharing one compile')"
+            if shared
+            else ""
+        )
     )
 
 
@@ -314,7 +331,11 @@ def analyze(
         reserved_mib=None if memory_mib is None else memory_mib[1],
     )
     replays = any(c.get("captured") for c in report.get("cudagraphs", []))
-    for note in (host_bound_note(view, replays_cuda_graphs=replays), shared_blocks_note(view, report)):
+    graphs = report.get("graphs", [])
+    for note in (
+        host_bound_note(view, replays_cuda_graphs=replays, report_graphs=graphs),
+        shared_blocks_note(view, report),
+    ):
         if note:
             view.notes.append(note)
     return view

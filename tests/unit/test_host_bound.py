@@ -36,6 +36,21 @@ def test_idle_gpu_is_called_host_bound_with_the_cudagraphs_advice():
     assert "GPU busy 0.40 ms" in view.table()
 
 
+def test_a_host_bound_step_calling_shared_blocks_says_what_they_cost():
+    """NOTE [saying when the host is the step]: without CUDA graphs each shared block's call costs
+    host time; the host-bound note names the blocks and both remedies, and says nothing of
+    blocks where none are shared."""
+    shared = {"blocks": "model.layers", "class": "LlamaDecoderLayer", "count": 16, "compiles": 1}
+    report = {**REPORT, "graphs": [{"graph_id": 0, "shared_blocks": shared}]}
+    view = analyze(_kernels(300, steps=2, step_us=1000), report, steps=2, step_ms=1.0)
+    (note,) = [n for n in view.notes if n.startswith("host-bound")]
+    assert "the 16 blocks of `model.layers` share one compile" in note, note
+    assert "cudagraphs=True" in note and "share_blocks=False" in note, note
+    plain = analyze(_kernels(300, steps=2, step_us=1000), REPORT, steps=2, step_ms=1.0)
+    (note,) = [n for n in plain.notes if n.startswith("host-bound")]
+    assert "share_blocks" not in note, note
+
+
 def test_busy_gpu_is_not_host_bound():
     busy = 1000 * HOST_BOUND_BUSY + 50
     view = analyze(_kernels(busy, steps=2, step_us=1000), REPORT, steps=2, step_ms=1.0)
