@@ -191,12 +191,13 @@ class Profile:
 # NOTE [a step's CPU time]: on a GPU, autograd runs a backward's host work (the compiled
 # backward's kernel launches, its collectives) on its own thread for the device, not on the
 # thread that called ``backward()``, which waits meanwhile. That thread's CPU time
-# (``time.thread_time``) counts a step's forward and optimizer only: 8 to 12 ms of a 16-layer HF
-# Llama's 22 to 27 ms steps on an H200 host, the backward's 12 ms on autograd's thread (profiler
-# trace, 2026-11-29). A step's CPU time is the process's (``time.process_time``): every thread of
-# it, so also NCCL's watchdog (asleep between its checks) and, on a CPU device, intra-op and
-# gloo's threads. Near the step's wall time it says the host is working, not waiting; under the
-# profiler it includes the profiler's own work.
+# (``time.thread_time``) counts a step's forward and optimizer only: 9.4 to 13.7 ms of the 20.4 to
+# 26.8 ms the process spent per step of a 16-layer HF Llama at batch 4 on an H200 host, without
+# DDP (benchmarks/results/2026-11-29_1xH200_tax-llama16-32-b4-process-cpu-shared-blocks,
+# ``cpu_ms`` against ``process_cpu_ms``). A step's CPU time is the process's
+# (``time.process_time``): every thread of it, so also NCCL's watchdog (asleep between its checks)
+# and, on a CPU device, intra-op and gloo's threads. Near the step's wall time it says the host
+# is working, not waiting; under the profiler it includes the profiler's own work.
 
 
 def _clocks() -> tuple[float, float]:

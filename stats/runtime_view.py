@@ -170,9 +170,10 @@ def totals_line(view: RuntimeView) -> str:
 # says what to try; where the compiled object already replays CUDA graphs, the host time left is
 # outside its graphs (the optimizer step, data loading, Python). Where it calls shared blocks
 # without CUDA graphs (``share_blocks=True``), the note names them: each call costs the host its
-# own launches, allocations and checks (an HF Llama of 16 layers at batch 4 stepped in 1.3x to
-# 1.6x the whole graph's time, benchmarks/results/2026-11-29_1xH200_tax-llama16-32-b4-process-
-# cpu-shared-blocks), which CUDA graphs remove and ``share_blocks=False`` avoids.
+# own launches, allocations and checks (an HF Llama of 16 layers at batch 4 stepped in 1.21x to
+# 1.67x the whole graph's time per round, benchmarks/results/2026-11-29_1xH200_tax-llama16-32-b4-
+# process-cpu-shared-blocks and 2026-11-29_1xH200_gpu-tests-tax-llama16-shared-blocks-unread-
+# inputs), which CUDA graphs remove and ``share_blocks=False`` avoids.
 
 
 HOST_BOUND_PREFIX = "host-bound: "
@@ -223,24 +224,21 @@ def shared_blocks_note(view: RuntimeView, report: dict[str, Any]) -> str | None:
     )
 
 
-def host_bound_note(
-    view: RuntimeView, *, replays_cuda_graphs: bool, report_graphs: Sequence[dict[str, Any]] = ()
-) -> str | None:
-    """What to tell the user when ``view``'s steps are bound by the host, else ``None``;
-    ``report_graphs``: the report's graphs, whose shared blocks (NOTE [saying when sharing blocks
-    is free]) cost host time per call where no CUDA graph replays them."""
+def host_bound_note(view: RuntimeView, report: dict[str, Any]) -> str | None:
+    """What to tell the user when ``view``'s steps are bound by the host, else ``None``: it
+    depends on whether ``report``'s graphs replay as CUDA graphs and call shared blocks."""
     if not view.host_bound or view.gpu_busy_ms is None:
         return None
     head = (
         f"{HOST_BOUND_PREFIX}the GPU was busy {view.gpu_busy_ms:.2f} of {view.step_ms:.2f} ms per step "
         f"({view.gpu_busy_ms / view.step_ms:.0%}); the host issuing kernels is the step"
     )
-    if replays_cuda_graphs:
+    if any(c.get("captured") for c in report.get("cudagraphs", [])):
         return (
             head + "; the compiled graphs already replay as CUDA graphs, so the host time is outside them "
             "(optimizer step, data loading, Python)"
         )
-    shared = [g["shared_blocks"] for g in report_graphs if g.get("shared_blocks")]
+    shared = [g["shared_blocks"] for g in report.get("graphs", []) if g.get("shared_blocks")]
     blocks = " and ".join(f"the {s['count']} blocks of `{s['blocks']}`" for s in shared)
     return (
         head + "; bucketwise.compile(..., cudagraphs=True) replays each compiled graph with one launch "
@@ -330,12 +328,7 @@ def analyze(
         peak_allocated_mib=None if memory_mib is None else memory_mib[0],
         reserved_mib=None if memory_mib is None else memory_mib[1],
     )
-    replays = any(c.get("captured") for c in report.get("cudagraphs", []))
-    graphs = report.get("graphs", [])
-    for note in (
-        host_bound_note(view, replays_cuda_graphs=replays, report_graphs=graphs),
-        shared_blocks_note(view, report),
-    ):
+    for note in (host_bound_note(view, report), shared_blocks_note(view, report)):
         if note:
             view.notes.append(note)
     return view
