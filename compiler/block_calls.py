@@ -32,8 +32,9 @@ attributes (numbers, strings, flags, ``None`` and tuples of them) with what they
 call (``BlockCalls.changed``, one pass in C over the modules' ``__dict__``s). Where one changed,
 Dynamo inlines every block from then on, as if a block had refused, and compiles the graph again
 with its guards on the new value; the report says which attribute changed. Where blocks are not shared
-(``share_blocks=False``, or ``"auto"`` without CUDA graphs: NOTE [sharing by default]) Dynamo
-inlines the blocks.
+(``share_blocks=False``, or ``"auto"`` without CUDA graphs on the CPU: NOTE [sharing by default])
+Dynamo inlines the blocks; where ``"auto"`` times a block and keeps it whole (NOTE [sharing measured
+at compile time]), AOTAutograd traces it through :func:`block_call`, as for a block that refused.
 """
 
 from __future__ import annotations

@@ -83,6 +83,7 @@ from ..partitioners import block_graphs as bg
 from ..partitioners.block_graphs import BlockLayout, MovedOut
 from ..partitioners.blocks import find_block_run, piece_signature
 from . import block_calls
+from .block_timing import BlockTiming, TimedSharing, time_block
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,9 @@ class SharedBlock:
     reads: tuple[int, ...] | None = None
     """The positions, among a call's inputs (the block's own, then what ``moved`` computed), of
     those the compiled forward takes (``bg.drop_unread``); ``None``: all of them."""
+    timing: BlockTiming | None = None
+    """Its call timed at compile time, where ``share_blocks="auto"`` decides by it (NOTE [sharing
+    measured at compile time])."""
     first_call: FirstCall = dataclasses.field(default_factory=FirstCall)
 
 
@@ -363,6 +367,7 @@ class Sharing:
             **({} if self.bucket_per_block is None else {"bucket_per_block": self.bucket_per_block}),
             **({} if self.dynamo is None else {"dynamo_calls": self.dynamo}),
             **({"computed_before_blocks": moved} if (moved := self.computed_before_blocks) else {}),
+            **({"timing": timed} if (timed := [b.timing.to_dict() for b in self.kept if b.timing]) else {}),
         }
 
 
@@ -373,10 +378,13 @@ def share_blocks(
     backend: str,
     config_patches: dict,
     buckets: BlockBuckets | None = None,
+    timed: TimedSharing | None = None,
 ) -> tuple[Sharing | None, str | None]:
     """Rewrite ``gm`` in place so that its identical blocks call one compiled block; returns what
     was shared, or ``None`` and why nothing was (NOTE [one compile per block]). ``buckets``
-    (``fused``): the parameters a shared block may reduce itself (NOTE [a bucket per block])."""
+    (``fused``): the parameters a shared block may reduce itself (NOTE [a bucket per block]);
+    ``timed``: share only where the compiled blocks' timed calls say so (NOTE [sharing measured
+    at compile time])."""
     if any(isinstance(a, torch.SymInt) or (isinstance(a, torch.Tensor) and bg.is_symbolic(a)) for a in example_inputs):
         return None, "dynamic shapes"
     if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs):
@@ -416,11 +424,16 @@ def share_blocks(
                     reduced=reduced.get(signature, ()),
                     spec=buckets.spec if buckets is not None else None,
                     invariant=invariant[signature],
+                    timed=timed is not None,
                 )
             except bg.NotShareable as exc:
                 return None, f"{run.name}.{k}: {exc}"
             outcomes.append(outcome)
     shared = [(part, blocks[sig]) for part, sig in zip(parts, signatures) if sig in blocks]
+    if timed is not None:
+        why = timed.refusal(run.name, len(shared), [b.timing for b in blocks.values()])
+        if why is not None:
+            return None, why
     computed: dict[int, list[fx.Node]] = {}  # block key -> what ``block.moved.before`` computed
     with aot.dynamo_sources_kept(gm):
         for k, (part, block) in enumerate(shared):
@@ -505,6 +518,7 @@ def _compile(
     reduced: tuple[int, ...] = (),
     spec: CommSpec | None = None,
     invariant: tuple[int, ...] = (),
+    timed: bool = False,
 ) -> tuple[SharedBlock, CompileOutcome]:
     phases0, counts0 = dc.compile_phase_seconds(), dc.compile_counters()
     start = time.perf_counter()
@@ -538,9 +552,13 @@ def _compile(
         bw_inputs = [n.meta["val"] for n in bw.graph.find_nodes(op="placeholder")]
         forward = aot.inductor_compile(fw, fw_inputs, fake_mode, backward=False, config_patches=config_patches)
         backward = aot.inductor_compile(bw, bw_inputs, fake_mode, backward=True, config_patches=config_patches)
+        try:
+            timing = time_block(forward, backward, fw_inputs, bw_inputs) if timed else None
+        except torch.OutOfMemoryError as exc:
+            raise bg.NotShareable(f"timing the block's call ran out of GPU memory: {exc}"[:300]) from exc
     else:
-        forward, backward = aot.boxed(fw), aot.boxed(bw)
-    block = SharedBlock(next(_KEYS), layout, forward, backward, wire=wire, moved=moved, reads=reads)
+        forward, backward, timing = aot.boxed(fw), aot.boxed(bw), None
+    block = SharedBlock(next(_KEYS), layout, forward, backward, wire=wire, moved=moved, reads=reads, timing=timing)
     _BLOCKS[block.key] = block
     outcome = CompileOutcome(backend=backend, seconds=time.perf_counter() - start)
     phases1 = dc.compile_phase_seconds()

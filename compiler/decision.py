@@ -17,6 +17,8 @@ import dataclasses
 import enum
 from typing import Any, Collection
 
+import torch
+
 from .._compat import ddp as ddpc
 from ..distributed.fused.apply import HOOK_PROGRAMS, comm_spec
 from ..distributed.fused.comm_hooks import comm_hook_kind
@@ -52,13 +54,16 @@ class Variant(str, enum.Enum):
 # calls, output allocations and a few kernels that no longer fuse across the block's edges: host
 # time every step, which a step that is host-bound pays in full. Bucketwise's CUDA graphs replay
 # all of that as one launch. So ``share_blocks="auto"`` (the default) shares where bucketwise's
-# CUDA graphs are on, and not under ``strategy="split"``, where a shared block is never cut and
-# the bucket segments inside it would merge. ``True`` shares anyway; ``False`` never. It is
-# decided once per compiled object from what was asked and the CUDA-graph decision (whether
-# Dynamo meets blocks as calls at all), and once more with the strategy chosen, as part of the
-# ``Decision`` every graph reads (an ``auto`` that falls back to ``split``: a gradient hook):
-# then Dynamo inlines the blocks and no graph shares them. The report says why blocks were left
-# to the whole graph where ``"auto"`` left them.
+# CUDA graphs are on; without them, on a GPU, each graph shares its blocks where the compiled
+# block's call, timed when it has compiled, hides behind its kernels on every rank (NOTE [sharing
+# measured at compile time]), and on the CPU, whose host time is the step, it does not. Never
+# under ``strategy="split"``, where a shared block is never cut and the bucket segments inside it
+# would merge. ``True`` shares anyway; ``False`` never. It is decided once per compiled object from
+# what was asked, the CUDA-graph decision and whether CUDA is there (whether Dynamo meets blocks
+# as calls at all), and once more with the strategy chosen, as part of the ``Decision`` every
+# graph reads (an ``auto`` that falls back to ``split``: a gradient hook): then Dynamo inlines the
+# blocks and no graph shares them. The report says why blocks were left to the whole graph where
+# ``"auto"`` left them.
 
 
 SHAREABLE_BACKENDS = ("inductor", "aot_eager")
@@ -76,6 +81,9 @@ class BlockSharing:
     """Left unshared only for the host time each shared block's call costs every step (``auto``
     without CUDA graphs): where the GPU, not the host, bounds the step, sharing costs nothing
     (NOTE [saying when sharing blocks is free])."""
+    timed: bool = False
+    """Shared in a graph only where the compiled block's call, timed on its GPU, hides behind its
+    kernels (``auto`` without CUDA graphs, NOTE [sharing measured at compile time])."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -227,14 +235,6 @@ def decide_sharing(config: CompileConfig, *, cudagraphs: bool, strategy: Strateg
         )
     if config.share_blocks is True:
         return BlockSharing(enabled=True)
-    if not cudagraphs:
-        return BlockSharing(
-            enabled=False,
-            host_time=True,
-            reason="share_blocks='auto' shares identical blocks only with bucketwise's CUDA graphs on "
-            "(cudagraphs=True), which replay a shared block's calls in one launch; without them each call costs "
-            "host time every step. Pass share_blocks=True for a shorter first step all the same",
-        )
     chosen = strategy if strategy is not None else Strategy(config.strategy)
     if chosen is Strategy.SPLIT:
         under = "strategy='split'"
@@ -245,4 +245,15 @@ def decide_sharing(config: CompileConfig, *, cudagraphs: bool, strategy: Strateg
             reason=f"share_blocks='auto' does not share blocks under {under} (a shared block is never cut, so its "
             "bucket segments would merge). Pass share_blocks=True to share them all the same",
         )
-    return BlockSharing(enabled=True)
+    if cudagraphs:
+        return BlockSharing(enabled=True)
+    if not torch.cuda.is_available():
+        return BlockSharing(
+            enabled=False,
+            host_time=True,
+            reason="share_blocks='auto' shares identical blocks with bucketwise's CUDA graphs on (cudagraphs=True), "
+            "which replay a shared block's calls in one launch, or on a GPU where a compiled block's call is timed "
+            "to hide behind its kernels; on the CPU each call costs host time every step. Pass share_blocks=True "
+            "for a shorter first step all the same",
+        )
+    return BlockSharing(enabled=True, timed=True)

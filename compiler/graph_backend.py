@@ -36,6 +36,7 @@ from ..stats.compile_times import CompileTimes, backend_call_times
 from ..stats.report import GraphStats, Report, SegmentStats, eager_regions
 from . import doctor
 from .block_calls import BlockCallRefused, BlockCalls, find_block_calls, is_block_call, repeated_blocks
+from .block_timing import TimedSharing
 from .blocks import SHARED_BLOCK_BACKWARD, BlockBuckets, Sharing, share_blocks
 from .blocks import cache_targets as blocks_cache_targets
 from .config import CompileConfig
@@ -304,7 +305,13 @@ class GraphBackend:
         # call (host time: a block's graph is called once per block).
         patches = {**patches, "triton.cudagraphs": False, "size_asserts": False}
         aot.start_compile_workers(backend, example_inputs)  # NOTE [compile workers from the start]
-        sharing, unshared = share_blocks(gm, example_inputs, backend=backend, config_patches=patches, buckets=buckets)
+        timed = None
+        if chosen.timed:
+            ddp = self.ddp  # resolved by this graph's call (``_resolve_ddp``)
+            timed = TimedSharing(report=self.report, group=ddpc.process_group(ddp) if ddp is not None else None)
+        sharing, unshared = share_blocks(
+            gm, example_inputs, backend=backend, config_patches=patches, buckets=buckets, timed=timed
+        )
         calls = self.block_calls
         if sharing is not None:
             sharing.dynamo = True if called else _why_inlined(calls)

@@ -26,7 +26,8 @@ A recipe turns a freshly built model into the module a training step calls:
 - ``bw-<strategy>-cg``: ``bucketwise.compile(..., cudagraphs=True)`` (bucketwise's own CUDA-graph
   wrapper; CUDA only). Its floor, like that of the ``*-ro`` configs, is ``local-ro``.
 - ``bw-fused-blocks``, ``bw-fused-blocks-cg``: ``share_blocks=True`` (identical blocks share one
-  compile).
+  compile); ``bw-auto-whole``, ``bw-fused-whole``: ``share_blocks=False`` (every block in the whole
+  graph). Every other ``bw-`` config leaves ``share_blocks`` at the product's default, ``"auto"``.
 - ``bw-fused-noreorder``: Inductor's compute/communication reordering off (``options=NO_REORDER``).
 
 The names follow one vocabulary (``core/names.py``), which also says which configs the zoo and the
@@ -88,8 +89,9 @@ class Recipe:
     second step after the first, within the warm-up)."""
     gather_embedding_rows: bool = True
     """bucketwise ``gather_embedding_rows=`` argument (``False``: all-reduce embedding tables whole)."""
-    share_blocks: bool = False
-    """bucketwise ``share_blocks=`` argument (``True``: identical blocks share one compile)."""
+    share_blocks: bool | str = "auto"
+    """bucketwise ``share_blocks=`` argument: the product's default, ``True`` (identical blocks share
+    one compile) or ``False`` (every block in the whole graph)."""
     options: dict[str, Any] | None = None
     """bucketwise ``options=`` (Inductor options), e.g. ``NO_REORDER``."""
     compiled_autograd: bool = False
@@ -258,6 +260,8 @@ CONFIGS: dict[str, Recipe] = {
     "bw-none-cg": Recipe(compiler="bucketwise", strategy="none", cudagraphs=True),
     "bw-fused-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True),
     "bw-fused-blocks": Recipe(compiler="bucketwise", strategy="fused", share_blocks=True),
+    "bw-auto-whole": Recipe(compiler="bucketwise", strategy="auto", share_blocks=False),
+    "bw-fused-whole": Recipe(compiler="bucketwise", strategy="fused", share_blocks=False),
     "bw-fused-blocks-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True, share_blocks=True),
 }
 

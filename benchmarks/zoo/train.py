@@ -56,7 +56,7 @@ def compiled_for(config: str, built: Built, spec: ZooModel, device: torch.device
     if strategy is None:
         raise ValueError(f"expected eager, local, torch or a bw- config, got {config!r}")
     variants = config.split("-")[2:]  # bw-<strategy>[-cg][-blocks]
-    cudagraphs, share_blocks = "cg" in variants, "blocks" in variants
+    cudagraphs, share_blocks = "cg" in variants, True if "blocks" in variants else "auto"
     compiled = bucketwise.compile(
         ddp, backend=backend, strategy=strategy, cudagraphs=cudagraphs, share_blocks=share_blocks, **kw
     )

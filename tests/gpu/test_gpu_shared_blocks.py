@@ -13,13 +13,11 @@ that the forward and the backward around them both replayed. Skipped without CUD
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from support.gpu_ranks import run_worker_script
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -83,22 +81,11 @@ WORKER = textwrap.dedent(
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("mode", ["plain", "cg"])
 def test_shared_blocks_train_like_eager_ddp_on_a_gpu(tmp_path, mode, dtype):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = {**os.environ, "BUCKETWISE_PROGRESS": "0"}
-    done = subprocess.run(
-        [sys.executable, str(script), mode, str(tmp_path / "store"), dtype],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
-    assert lines, done.stderr[-4000:]
-    print(lines[-1])  # RESULT shared whole count compiles
+    printed = run_worker_script(tmp_path, WORKER, mode, str(tmp_path / "store"), dtype)
+    lines = [line for line in printed if line.startswith("RESULT")]  # RESULT shared whole count compiles
     shared, whole, count, compiles = lines[-1].split()[1:]
     tolerance = 1e-7 if dtype == "float64" else 1e-4
     assert float(shared) < max(tolerance, 3 * float(whole)), lines[-1]
     assert (int(count), int(compiles)) == (4, 1), lines[-1]
-    uncaptured = [line for line in done.stdout.splitlines() if line.startswith("UNCAPTURED")]
+    uncaptured = [line for line in printed if line.startswith("UNCAPTURED")]
     assert uncaptured == ["UNCAPTURED []"], uncaptured

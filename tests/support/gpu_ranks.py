@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import pytest
 import torch.multiprocessing as mp
+
+
+def run_worker_script(tmp_path: Path, source: str, *args: str, timeout: float = 600) -> list[str]:
+    """``source`` run as a script of its own (a new interpreter, one rank) with ``args`` and no
+    progress lines; the lines it printed, of which at least one ``RESULT`` line (the last is
+    printed here), or a failure with the end of its stderr."""
+    script = tmp_path / "worker.py"
+    script.write_text(source)
+    env = {**os.environ, "BUCKETWISE_PROGRESS": "0"}
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    assert lines, done.stderr[-4000:]
+    print(lines[-1])
+    return done.stdout.splitlines()
 
 
 def run_two_ranks(worker: Callable[..., None], store: str, *args: Any, timeout: float = 400) -> None:

@@ -16,6 +16,8 @@ import bucketwise
 from bucketwise.compiler.config import CompileConfig
 from bucketwise.compiler.decision import decide_sharing
 
+ON_GPU = torch.cuda.is_available()
+
 
 @pytest.mark.parametrize(
     ("share_blocks", "strategy", "cudagraphs", "enabled", "why"),
@@ -24,7 +26,9 @@ from bucketwise.compiler.decision import decide_sharing
         ("auto", "fused", True, True, None),
         ("auto", "none", True, True, None),
         ("auto", "split", True, False, "strategy='split'"),
-        ("auto", "fused", False, False, "only with bucketwise's CUDA graphs on"),
+        ("auto", "split", False, False, "strategy='split'"),
+        # Without CUDA graphs: timed per graph on a GPU (NOTE [sharing measured at compile time]).
+        ("auto", "fused", False, ON_GPU, None if ON_GPU else "on the CPU each call costs host time"),
         (True, "split", False, True, None),
         (False, "fused", True, False, None),
     ],
@@ -32,10 +36,14 @@ from bucketwise.compiler.decision import decide_sharing
 def test_the_default_shares_where_cuda_graphs_replay_the_blocks(share_blocks, strategy, cudagraphs, enabled, why):
     decision = decide_sharing(CompileConfig(share_blocks=share_blocks, strategy=strategy), cudagraphs=cudagraphs)
     assert decision.enabled is enabled
+    # Only the default without CUDA graphs on a GPU is decided by timing the compiled block.
+    assert decision.timed is (share_blocks == "auto" and strategy != "split" and not cudagraphs and ON_GPU)
     if why is None:
         assert decision.reason is None, decision.reason
     else:
         assert why in decision.reason and "share_blocks=True" in decision.reason, decision.reason
+        # Left unshared for host time only where that is the reason (what the runtime view weighs).
+        assert decision.host_time is (strategy != "split"), decision
 
 
 @pytest.mark.parametrize("share_blocks", ["auto", True])

@@ -1,0 +1,178 @@
+"""A shared block's call, timed once at compile time: the host's time to issue it, the GPU's to run it.
+
+NOTE [sharing measured at compile time]: a shared block (NOTE [one compile per block]) costs the
+host more per call than the same block inside the whole graph (its own launches, allocations and
+checks: 1.12x the whole graph's host time per step at 32 layers of an HF Llama, batch 4, on one
+H200, results/2026-11-29_1xH200_tax-llama16-32-b4-process-cpu-shared-blocks), and nothing on the
+GPU. Where the host issues a block faster than the GPU runs it, that cost hides behind the GPU and
+the step keeps its time (batch 12: 0.97x the whole graph's step,
+results/2026-11-29_1xH200_tax-llama16-32-b12-shared-blocks); where it does not, the step pays it
+(batch 4: 1.16x at 32 layers). Which of the two holds is a fact of the compiled block on this
+host and this GPU, so ``share_blocks="auto"`` without CUDA graphs measures it when the block has
+compiled, before the graph around it is: the block's forward and backward on tensors of the
+shapes it was compiled for, ``CALLS`` times after ``WARMUP`` calls, queued behind a kernel that
+holds the stream (``hold_stream``) so the host issues without waiting on the GPU and the GPU then
+runs the calls back to back. The host's seconds per call against the GPU's decide: shared where
+the host needs at most ``HOST_SHARE_LIMIT`` of the GPU's time on every rank (one gather on the
+rank checks' gloo group, so all ranks decide alike and their collectives match), else the graph
+compiles its blocks whole, as before, and the report gives both figures and the reason. The
+margin is for what the block's call does not show: the host's other work in a step (the
+optimizer, the loss, the graph around the blocks) and its noise between runs. A block that runs
+on the CPU is its step's host time: never shared by this rule. The timing costs a few calls of
+one block at compile time (milliseconds) and one block's activations, freed after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .._compat import cuda as cudac
+from ..distributed.rank_check import gather_on_all_ranks, rank_checks_ready
+
+WARMUP = 2
+CALLS = 3
+HOLD_CYCLES = 100_000_000
+"""About 50 to 70 ms at a data-center GPU's clock: more than the host needs to issue ``CALLS``
+calls of a block that would be shared."""
+
+HOST_SHARE_LIMIT = 0.6
+"""Share where a block's call costs the host at most this fraction of the GPU's time for it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTiming:
+    """One compiled block's call (forward and backward) on one rank."""
+
+    host_ms: float
+    """Host time to issue one call, with the GPU held (no back-pressure)."""
+    gpu_ms: float
+    """GPU time of one call, the calls run back to back."""
+    held: bool
+    """The host issued every call before the hold ended: otherwise ``gpu_ms`` includes waits for
+    the host, and the host is slower than the GPU by more than any margin."""
+
+    @property
+    def ratio(self) -> float:
+        if not self.held or self.gpu_ms <= 0:
+            return math.inf
+        return self.host_ms / self.gpu_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"host_ms": round(self.host_ms, 4), "gpu_ms": round(self.gpu_ms, 4), "held": self.held}
+
+
+def time_block(
+    forward: Callable[[list[Any]], Any],
+    backward: Callable[[list[Any]], Any],
+    forward_inputs: Sequence[Any],
+    backward_inputs: Sequence[Any],
+) -> BlockTiming | None:
+    """Time a compiled block's boxed ``forward`` and ``backward`` on new tensors shaped like their
+    example inputs (fake tensors); ``None`` where the block does not run on a CUDA device."""
+    devices = {t.device for t in (*forward_inputs, *backward_inputs) if isinstance(t, torch.Tensor)}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return None
+    device = next(iter(devices))
+    with torch.cuda.device(device):
+        fw = [_like(t) for t in forward_inputs]
+        bw = [_like(t) for t in backward_inputs]
+
+        def call() -> None:
+            forward(list(fw))  # boxed: each call empties the list it is given
+            backward(list(bw))
+
+        for _ in range(WARMUP):
+            call()
+        torch.cuda.synchronize()
+        start, held, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        start.record()
+        cudac.hold_stream(HOLD_CYCLES)
+        held.record()
+        t0 = time.perf_counter()
+        for _ in range(CALLS):
+            call()
+        host_s = time.perf_counter() - t0
+        end.record()
+        end.synchronize()
+        hold_ms = start.elapsed_time(held)
+        return BlockTiming(
+            host_ms=host_s * 1e3 / CALLS,
+            gpu_ms=held.elapsed_time(end) / CALLS,
+            held=host_s * 1e3 < hold_ms,
+        )
+
+
+def _like(t: Any) -> Any:
+    """A real tensor with ``t``'s shape, strides, dtype and device (values that compute: small
+    floats, zeros for integers and flags)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device)
+    if t.dtype.is_floating_point:
+        return out.uniform_(-1.0, 1.0)
+    return out.zero_()
+
+
+def verdict(timings: Sequence[Sequence[BlockTiming | None]]) -> str | None:
+    """Why the blocks stay with the whole graph, from every rank's timings of every compiled
+    block (rank order), or ``None``: shared (NOTE [sharing measured at compile time])."""
+    rows = [(rank, t) for rank, mine in enumerate(timings) for t in mine]
+    if any(t is None for _, t in rows):
+        return (
+            "share_blocks='auto' shares blocks without CUDA graphs where a compiled block's call, timed on its GPU, "
+            "hides behind its kernels; this block could not be timed (it runs on the CPU, whose host time is the "
+            "step, or compiles with a backend other than Inductor). Pass share_blocks=True for a shorter first step "
+            "all the same"
+        )
+    rank, worst = max(rows, key=lambda row: row[1].ratio)  # type: ignore[union-attr]
+    assert worst is not None
+    if worst.ratio <= HOST_SHARE_LIMIT:
+        return None
+    where = f" on rank {rank}" if len(timings) > 1 else ""
+    if not worst.held:
+        measured = f"the host took {worst.host_ms:.3f} ms to issue one, longer than the GPU waited for it"
+    else:
+        measured = (
+            f"the host took {worst.host_ms:.3f} ms to issue one and the GPU {worst.gpu_ms:.3f} ms to run it "
+            f"({worst.ratio:.2f}x, more than {HOST_SHARE_LIMIT}x)"
+        )
+    return (
+        f"share_blocks='auto' timed a shared block's call{where}: {measured}, so the step would wait on the host "
+        "for every block (NOTE [sharing measured at compile time]). Pass share_blocks=True for a shorter first "
+        "step all the same, or cudagraphs=True, whose replays share the blocks at no host cost"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedSharing:
+    """``share_blocks="auto"`` without CUDA graphs, for one graph: share its blocks where their
+    timed calls hide behind the GPU on every rank (NOTE [sharing measured at compile time])."""
+
+    report: Any
+    """The compiled object's ``Report``: a refusal is noted there, for the host time only."""
+    group: Any = None
+    """The DDP module's process group, whose ranks decide together; ``None``: one process."""
+
+    def refusal(self, container: str, count: int, timings: Sequence[BlockTiming | None]) -> str | None:
+        """Why ``count`` blocks of ``container`` stay with the whole graph, given this rank's
+        ``timings`` (one per compiled block), or ``None``: share them."""
+        mine = list(timings)
+        if self.group is None or torch.distributed.get_world_size(self.group) == 1:
+            why = verdict([mine])
+        elif not rank_checks_ready(self.group):
+            why = (
+                "share_blocks='auto' shares blocks without CUDA graphs where every rank's timing of a block "
+                "agrees, which takes bucketwise's rank checks (strategies 'fused' and 'auto'). Pass "
+                "share_blocks=True for a shorter first step all the same"
+            )
+        else:
+            gathered = gather_on_all_ranks(mine, self.group, what="shared-block timing", context=container)
+            why = verdict(gathered)
+        if why is not None:
+            self.report.blocks_unshared(container, count, reason=why, host_time=True)
+        return why
