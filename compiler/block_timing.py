@@ -19,10 +19,11 @@ compiles its blocks whole, as before, and the report gives both figures and the 
 margin is for what the block's call does not show: the host's other work in a step (the
 optimizer, the loss, the graph around the blocks) and its noise between runs. A block that runs
 on the CPU is its step's host time: never shared by this rule. The timing costs a few calls of
-one block at compile time (milliseconds) and one block's activations, freed after. On one H200
-(results/2026-11-29_1xH200_gpu-tests-sharing-timed) a GPT block of width 2048 on 8 x 1024 tokens
-took the host 1.67 ms and the GPU 53.2 ms (shared), one of width 64 on 2 x 32 tokens 0.81 ms and
-0.17 ms (kept whole). The limit is a margin, not a fitted figure: one HF Llama step was measured
+one block at compile time (milliseconds) and one block's activations, freed after; where the
+blocks then stay whole, the block's own compile is spent for nothing, and the note says how
+long it took. On one H200 (results/2026-11-29_1xH200_gpu-tests-sharing-timed) a GPT block of
+width 2048 on 8 x 1024 tokens took the host 1.67 ms and the GPU 53.2 ms (shared), one of width 64
+on 2 x 32 tokens 0.81 ms and 0.17 ms (kept whole). The limit is a margin, not a fitted figure: one HF Llama step was measured
 on each side of it before (batch 4 bound by its host, batch 12 by its GPU, above), not between.
 """
 
@@ -162,9 +163,12 @@ class TimedSharing:
     group: Any = None
     """The DDP module's process group, whose ranks decide together; ``None``: one process."""
 
-    def refusal(self, container: str, count: int, timings: Sequence[BlockTiming | None]) -> str | None:
+    def refusal(
+        self, container: str, count: int, timings: Sequence[BlockTiming | None], *, spent_s: float
+    ) -> str | None:
         """Why ``count`` blocks of ``container`` stay with the whole graph, given this rank's
-        ``timings`` (one per compiled block), or ``None``: share them."""
+        ``timings`` (one per compiled block), or ``None``: share them. ``spent_s``: the seconds
+        the blocks' compile and timing took, which the whole graph's compile does not reuse."""
         mine = list(timings)
         if self.group is None or torch.distributed.get_world_size(self.group) == 1:
             why = verdict([mine])
@@ -177,6 +181,8 @@ class TimedSharing:
         else:
             gathered = gather_on_all_ranks(mine, self.group, what="shared-block timing", context=container)
             why = verdict(gathered)
-        if why is not None:
-            self.report.blocks_unshared(container, count, reason=why, host_time=True)
+        if why is None:
+            return None
+        why = f"{why} (compiling and timing the block took {spent_s:.1f} s of this graph's compile)"
+        self.report.blocks_unshared(container, count, reason=why, host_time=True)
         return why

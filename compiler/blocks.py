@@ -431,7 +431,8 @@ def share_blocks(
             outcomes.append(outcome)
     shared = [(part, blocks[sig]) for part, sig in zip(parts, signatures) if sig in blocks]
     if timed is not None:
-        why = timed.refusal(run.name, len(shared), [b.timing for b in blocks.values()])
+        spent = sum(o.seconds for o in outcomes)
+        why = timed.refusal(run.name, len(shared), [b.timing for b in blocks.values()], spent_s=spent)
         if why is not None:
             return None, why
     computed: dict[int, list[fx.Node]] = {}  # block key -> what ``block.moved.before`` computed

@@ -54,7 +54,7 @@ def _ranks_time_differently(rank: int, world: int) -> dict:
     # Rank 1's host is slower: both ranks must come to the same answer, or their graphs (and
     # collectives) would differ.
     mine = [_timing(0.5, 4.0)] if rank == 0 else [_timing(3.5, 4.0)]
-    why = TimedSharing(report=report, group=dist.group.WORLD).refusal("layers", 4, mine)
+    why = TimedSharing(report=report, group=dist.group.WORLD).refusal("layers", 4, mine, spent_s=2.5)
     return {"why": why, "unshared": report.to_dict()["unshared_blocks"]}
 
 
@@ -70,8 +70,10 @@ def test_ranks_that_time_a_block_differently_decide_alike(tmp_path):
 def test_one_process_decides_from_its_own_timing(single_rank_group, group):
     report = Report(target="Net", strategy="auto", backend="inductor")
     pg = dist.group.WORLD if group else None
-    assert TimedSharing(report=report, group=pg).refusal("layers", 4, [_timing(0.5, 4.0)]) is None
+    assert TimedSharing(report=report, group=pg).refusal("layers", 4, [_timing(0.5, 4.0)], spent_s=2.5) is None
     assert report.to_dict()["unshared_blocks"] == []
-    why = TimedSharing(report=report, group=pg).refusal("layers", 4, [_timing(5.0, 4.0)])
+    why = TimedSharing(report=report, group=pg).refusal("layers", 4, [_timing(5.0, 4.0)], spent_s=2.5)
     assert why is not None and "on rank" not in why, why
+    # What the blocks' compile cost this graph, which it did not keep, is said too.
+    assert why.endswith("(compiling and timing the block took 2.5 s of this graph's compile)"), why
     assert report.to_dict()["unshared_blocks"][0]["reason"] == why
