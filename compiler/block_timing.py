@@ -23,13 +23,15 @@ one block at compile time (milliseconds) and one block's activations, freed afte
 blocks then stay whole, the block's own compile is spent for nothing, and the note says how
 long it took. On one H200 (results/2026-11-29_1xH200_gpu-tests-sharing-timed) a GPT block of
 width 2048 on 8 x 1024 tokens took the host 1.67 ms and the GPU 53.2 ms (shared), one of width 64
-on 2 x 32 tokens 0.81 ms and 0.17 ms (kept whole). The limit is a margin, not a fitted figure: one HF Llama step was measured
-on each side of it before (batch 4 bound by its host, batch 12 by its GPU, above), not between.
+on 2 x 32 tokens 0.81 ms and 0.17 ms (kept whole). The limit is a margin, not a fitted figure:
+one HF Llama step was measured on each side of it before (batch 4 bound by its host, batch 12 by
+its GPU, above), not between.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -38,6 +40,8 @@ import torch
 
 from .._compat import cuda as cudac
 from ..distributed.rank_check import gather_on_all_ranks, rank_checks_ready
+
+log = logging.getLogger(__name__)
 
 WARMUP = 2
 CALLS = 3
@@ -78,11 +82,29 @@ def time_block(
     backward_inputs: Sequence[Any],
 ) -> BlockTiming | None:
     """Time a compiled block's boxed ``forward`` and ``backward`` on new tensors shaped like their
-    example inputs (fake tensors); ``None`` where the block does not run on a CUDA device."""
+    example inputs (fake tensors); ``None`` where the block does not run on a CUDA device, or the
+    timing ran out of its memory."""
     devices = {t.device for t in (*forward_inputs, *backward_inputs) if isinstance(t, torch.Tensor)}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return None
     device = next(iter(devices))
+    try:
+        return _time_on(device, forward, backward, forward_inputs, backward_inputs)
+    except torch.OutOfMemoryError:
+        # Not timed, as on the CPU: every rank still joins the decision, which keeps the blocks
+        # whole on all of them (a rank leaving it alone would hang the others).
+        log.warning("bucketwise: timing a shared block's call ran out of GPU memory; its blocks stay whole")
+        torch.cuda.empty_cache()
+        return None
+
+
+def _time_on(
+    device: torch.device,
+    forward: Callable[[list[Any]], Any],
+    backward: Callable[[list[Any]], Any],
+    forward_inputs: Sequence[Any],
+    backward_inputs: Sequence[Any],
+) -> BlockTiming:
     with torch.cuda.device(device):
         fw = [_like(t) for t in forward_inputs]
         bw = [_like(t) for t in backward_inputs]
@@ -131,8 +153,8 @@ def verdict(timings: Sequence[Sequence[BlockTiming | None]]) -> str | None:
         return (
             "share_blocks='auto' shares blocks without CUDA graphs where a compiled block's call, timed on its GPU, "
             "hides behind its kernels; this block could not be timed (it runs on the CPU, whose host time is the "
-            "step, or compiles with a backend other than Inductor). Pass share_blocks=True for a shorter first step "
-            "all the same"
+            "step, compiles with a backend other than Inductor, or its timing ran out of GPU memory). Pass "
+            "share_blocks=True for a shorter first step all the same"
         )
     rank, worst = max(rows, key=lambda row: row[1].ratio)  # type: ignore[union-attr]
     assert worst is not None

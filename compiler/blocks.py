@@ -553,10 +553,7 @@ def _compile(
         bw_inputs = [n.meta["val"] for n in bw.graph.find_nodes(op="placeholder")]
         forward = aot.inductor_compile(fw, fw_inputs, fake_mode, backward=False, config_patches=config_patches)
         backward = aot.inductor_compile(bw, bw_inputs, fake_mode, backward=True, config_patches=config_patches)
-        try:
-            timing = time_block(forward, backward, fw_inputs, bw_inputs) if timed else None
-        except torch.OutOfMemoryError as exc:
-            raise bg.NotShareable(f"timing the block's call ran out of GPU memory: {exc}"[:300]) from exc
+        timing = time_block(forward, backward, fw_inputs, bw_inputs) if timed else None
     else:
         forward, backward, timing = aot.boxed(fw), aot.boxed(bw), None
     block = SharedBlock(next(_KEYS), layout, forward, backward, wire=wire, moved=moved, reads=reads, timing=timing)
