@@ -149,15 +149,15 @@ def verdict(timings: Sequence[Sequence[BlockTiming | None]]) -> str | None:
     """Why the blocks stay with the whole graph, from every rank's timings of every compiled
     block (rank order), or ``None``: shared (NOTE [sharing measured at compile time])."""
     rows = [(rank, t) for rank, mine in enumerate(timings) for t in mine]
-    if any(t is None for _, t in rows):
+    timed = [(rank, t) for rank, t in rows if t is not None]
+    if len(timed) < len(rows):
         return (
             "share_blocks='auto' shares blocks without CUDA graphs where a compiled block's call, timed on its GPU, "
             "hides behind its kernels; this block could not be timed (it runs on the CPU, whose host time is the "
             "step, compiles with a backend other than Inductor, or its timing ran out of GPU memory). Pass "
             "share_blocks=True for a shorter first step all the same"
         )
-    rank, worst = max(rows, key=lambda row: row[1].ratio)  # type: ignore[union-attr]
-    assert worst is not None
+    rank, worst = max(timed, key=lambda row: row[1].ratio)
     if worst.ratio <= HOST_SHARE_LIMIT:
         return None
     where = f" on rank {rank}" if len(timings) > 1 else ""
@@ -192,16 +192,19 @@ class TimedSharing:
         ``timings`` (one per compiled block), or ``None``: share them. ``spent_s``: the seconds
         the blocks' compile and timing took, which the whole graph's compile does not reuse."""
         mine = list(timings)
-        if self.group is None or torch.distributed.get_world_size(self.group) == 1:
-            why = verdict([mine])
-        elif not rank_checks_ready(self.group):
+        if self.group is not None and not rank_checks_ready(self.group):
             why = (
                 "share_blocks='auto' shares blocks without CUDA graphs where every rank's timing of a block "
                 "agrees, which takes bucketwise's rank checks (strategies 'fused' and 'auto'). Pass "
                 "share_blocks=True for a shorter first step all the same"
             )
         else:
-            gathered = gather_on_all_ranks(mine, self.group, what="shared-block timing", context=container)
+            # A world of one gathers its own (``gather_on_all_ranks``).
+            gathered = (
+                [mine]
+                if self.group is None
+                else gather_on_all_ranks(mine, self.group, what="shared-block timing", context=container)
+            )
             why = verdict(gathered)
         if why is None:
             return None
