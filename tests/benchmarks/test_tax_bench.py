@@ -67,6 +67,8 @@ def test_cpu_run_interleaves_and_writes_both_files(tmp_path):
     assert f"| {rows['bw-fused']['process_cpu_ms_median']:.2f} |" in md and "†" not in md
     assert rows["local"]["issue_ratio"] == 1.0
     assert rows["bw-fused"]["compile_s"] > 0 and rows["local"]["compile_s"] is None
+    # What bucketwise did with the model's blocks is recorded beside its figures (an MLP has none).
+    assert rows["bw-fused"]["shared_blocks"] == [None] and "shared_blocks" not in rows["local"]
     assert "`bw-fused` | `local`" in (tmp_path / "results.md").read_text()
 
 

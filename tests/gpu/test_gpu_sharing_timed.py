@@ -49,19 +49,23 @@ WORKER = textwrap.dedent(
     compiled = bucketwise.compile(DDP(net, device_ids=[0]))
     whole = bucketwise.compile(DDP(whole_net, device_ids=[0]), share_blocks=False)
     worst = {"default": 0.0, "whole": 0.0}
+    where = {}
     for step in range(3):
         x, y = synthetic_tokens(cfg, batch, seed=step, device="cuda")
         for model in (ref, compiled, whole):
             model(x, y).backward()
         for name, other in (("default", net), ("whole", whole_net)):
-            for p, q in zip(ref_net.parameters(), other.parameters()):
+            for (pname, p), q in zip(ref_net.named_parameters(), other.parameters()):
                 err = ((p.grad - q.grad).abs().max() / (p.grad.abs().max() + 1e-12)).item()
-                worst[name] = max(worst[name], err)
+                if err > worst[name]:
+                    worst[name] = err
+                    where[name] = [step, pname, p.grad.abs().max().item(), (p.grad - q.grad).abs().max().item()]
         for m in (ref_net, net, whole_net):
             m.zero_grad(set_to_none=True)
     report = bucketwise.report(compiled).to_dict()
     out = {
         **worst,
+        "worst_at": where,
         "shared_blocks": report["graphs"][0]["shared_blocks"],
         "unshared_blocks": report["unshared_blocks"],
         "notes": report["notes"],
