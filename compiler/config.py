@@ -9,6 +9,8 @@ from typing import Any, Callable
 
 import torch
 
+from .._compat import inductor as ci
+
 STRATEGIES = ("auto", "split", "fused", "none")
 FALLBACKS = ("eager", "raise")
 CUDAGRAPHS = (True, False, "auto")
@@ -112,6 +114,18 @@ class CompileConfig:
             raise ValueError("mode and options cannot both be set (as in torch.compile)")
         if self.options is not None and not isinstance(self.options, dict):
             raise TypeError(f"options must be a dict or None, got {type(self.options).__name__}")
+        if (
+            self.strategy in ("fused", "auto")
+            and (self.options or {}).get(ci.MIX_ORDER_REDUCTION)
+            and ci.reductions_into_views_lost()
+        ):
+            raise ValueError(
+                f"options[{ci.MIX_ORDER_REDUCTION!r}]=True with strategy={self.strategy!r}: torch "
+                f"{torch.__version__} loses norm-layer gradients that this reduction computes into a bucket "
+                f"(pytorch/pytorch#193061, fixed in torch {ci.FIXED_IN}; NOTE [reductions into bucket views]); "
+                "leave the option out (bucketwise turns it off where gradients go into buckets) or pass "
+                "strategy='split'"
+            )
         if (
             self.cudagraphs not in CUDAGRAPHS
             or isinstance(self.cudagraphs, int)

@@ -23,6 +23,7 @@ import torch.fx as fx
 from .._compat import aot
 from .._compat import ddp as ddpc
 from .._compat import dynamo as dc
+from .._compat import inductor as ci
 from ..cudagraphs import policy as cudagraph_policy
 from ..cudagraphs.runner import CudaGraphGroup, inner_compile_factory, runner_label
 from ..distributed.fused import FusedState, apply_fused, fused_backend_options
@@ -304,6 +305,8 @@ class GraphBackend:
         # their own; their inputs' layouts are checked at each block's first call, not at every
         # call (host time: a block's graph is called once per block).
         patches = {**patches, "triton.cudagraphs": False, "size_asserts": False}
+        if buckets is not None:  # the blocks' backward gathers their gradients into a bucket
+            patches.update(ci.bucket_safe_patches())  # NOTE [reductions into bucket views]
         aot.start_compile_workers(backend, example_inputs)  # NOTE [compile workers from the start]
         timed = None
         if chosen.timed:
@@ -326,6 +329,8 @@ class GraphBackend:
                 caps = self.decision.caps if self.decision is not None else None
                 blocks = (SHARED_BLOCK_BACKWARD.name(), caps.bytes) if caps is not None else None
                 self._fused_backend = self._make_backend(fused_backend_options(self.config.options, blocks=blocks))
+                if ci.bucket_safe_patches() and torch.cuda.is_available():  # a Triton-only reduction
+                    self.report.note(ci.bucket_safe_note())
             else:
                 self._fused_backend = self.segment_backend
         return self._fused_backend

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ..._compat import collectives as cc
 from ..._compat import ddp as ddpc
 from ..._compat import dynamo as dc
+from ..._compat import inductor as ci
 from ...partitioners.param_usage import GraphParam, ready_order
 from ...partitioners.split import Segment
 from ..plan import BucketCaps, plan_buckets
@@ -76,9 +77,11 @@ def fused_backend_options(user_options: dict[str, Any] | None, *, blocks: tuple[
     """Inductor options of fused compiles, scoped to them: comm/compute reordering with the
     late-waits pass (NOTE [late waits]), the shared blocks' all-reduces grouped (``blocks``: the
     blocks' backward operator and the bucket cap in bytes, NOTE [block reductions grouped]) and
-    the cache keys of what the passes insert (NOTE [compile cache keys]); the user's own options
-    win."""
-    ours = cc.comm_overlap_options(comm_pass_key())
+    the cache keys of what the passes insert (NOTE [compile cache keys]), and no reduction that
+    loses its results computed into a bucket (NOTE [reductions into bucket views]); the user's own
+    options win (the config refuses the one that would turn that reduction back on)."""
+    # NOTE [reductions into bucket views]: on a torch whose mix-order reduction loses them, off.
+    ours = {**cc.comm_overlap_options(comm_pass_key()), **ci.bucket_safe_patches()}
     if blocks is not None:
         ours["post_grad_custom_post_pass"] = block_wire.grouping_pass(*blocks)
     return dc.cacheable_calls_options(traced_call_targets(), {**ours, **(user_options or {})})

@@ -5,9 +5,10 @@ with no options.
 A GPT of 4 identical blocks whose calls hide behind their kernels (width 2048, 8 x 1024 tokens:
 about 4 ms of GPU time a call against well under 1 ms of host time) shares one compile, the
 report giving the host's and the GPU's time per call. Gradients are compared with eager DDP's
-after every backward (float32, TF32 off): within 1e-4 of each gradient's largest entry, or three
-times the distance of the same compile with every block in the whole graph (``share_blocks=False``),
-as tests/gpu/test_gpu_shared_blocks.py does. A GPT of
+after every backward (float32, TF32 off), the default's and those of the same compile with every
+block in the whole graph (``share_blocks=False``): each within 1e-4 of each gradient's largest
+entry (the LayerNorms' gradients of the wide GPT take Inductor's mix-order reduction, NOTE
+[reductions into bucket views]). A GPT of
 tiny blocks (width 64, 2 x 32 tokens: a few microseconds of kernels against the host's calls)
 compiles its blocks with the whole graph, and the report says why, with the figures, in its
 notes and in ``unshared_blocks`` (for host time only). Skipped without CUDA.
@@ -91,7 +92,7 @@ def test_blocks_whose_calls_hide_behind_their_kernels_share_one_compile_by_defau
     (timing,) = shared["timing"]
     assert timing["held"] and timing["host_ms"] <= HOST_SHARE_LIMIT * timing["gpu_ms"], timing
     assert out["unshared_blocks"] == [], out["unshared_blocks"]
-    assert out["default"] <= max(1e-4, 3 * out["whole"]), out
+    assert out["default"] <= 1e-4 and out["whole"] <= 1e-4, out
 
 
 def test_blocks_whose_calls_would_wait_on_the_host_compile_whole_and_the_report_says_why(tmp_path):
@@ -101,4 +102,4 @@ def test_blocks_whose_calls_would_wait_on_the_host_compile_whole_and_the_report_
     (entry,) = out["unshared_blocks"]
     assert entry["blocks"] == 4 and entry["host_time"] is True and entry["reason"] == reason, entry
     assert any(reason in note for note in out["notes"]), out["notes"]
-    assert out["default"] <= max(1e-4, 3 * out["whole"]), out
+    assert out["default"] <= 1e-4 and out["whole"] <= 1e-4, out

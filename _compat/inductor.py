@@ -1,0 +1,54 @@
+"""Inductor defects that change what bucketwise's graphs compute, each with the torch releases it
+was checked on.
+
+NOTE [reductions into bucket views]: ``fused`` gathers each bucket's gradients into one flat buffer
+with ``cat`` (NOTE [a bucket per block] does the same for a shared block's parameters), and
+Inductor computes each gradient straight into its slice of that buffer (the gradient's buffer a
+view of the bucket's storage). Inductor's mix-order reduction (``triton.mix_order_reduction``, on
+by default since torch 2.10) fuses a norm layer's backward into one kernel and finishes the
+weight's and bias's gradients with a last ``sum`` on the host side of the generated code, which
+on torch 2.10 to 2.14 binds the gradient's name to a new tensor instead of writing into the
+bucket: the bucket's slice is never written, and the all-reduce sends whatever that memory held
+(pytorch/pytorch#193061, fixed in torch 2.15). On an H200 with torch 2.11, a GPT of width 2048
+over 8 x 1024 tokens came out of ``fused`` with every LayerNorm weight and bias gradient wrong
+(zeros, or values up to 1e41 against an eager gradient of 1e-3), the same whole graph under
+``split`` and ``none`` exact; a narrow model does not take the mix-order path and was exact.
+Where torch has the defect, every compile that gathers gradients into a bucket runs with the
+mix-order reduction off (the norm layers' backward then takes two kernels, as on torch 2.9), the
+report says so, and a ``fused`` compile asked to turn it on is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.torch_version import TorchVersion
+
+MIX_ORDER_REDUCTION = "triton.mix_order_reduction"
+FIXED_IN = "2.15"
+
+
+def reductions_into_views_lost() -> bool:
+    """Whether this torch's mix-order reduction loses its results computed into a view of another
+    buffer (NOTE [reductions into bucket views]). Checked on torch 2.11.0 (an H200: wrong
+    gradients), 2.13.0 and 2.14.1 (the generated code rebinds the name) and 2.15.0 (it writes
+    through the view). Releases without the option (before 2.10) have no such reduction."""
+    if MIX_ORDER_REDUCTION not in torch._inductor.config.get_config_copy():
+        return False
+    return TorchVersion(torch.__version__) < FIXED_IN
+
+
+def bucket_safe_patches() -> dict[str, Any]:
+    """Inductor config patches for a compile that computes gradients into a bucket's views."""
+    return {MIX_ORDER_REDUCTION: False} if reductions_into_views_lost() else {}
+
+
+def bucket_safe_note() -> str:
+    """The report's note where :func:`bucket_safe_patches` applies."""
+    return (
+        f"Inductor's mix-order reduction off in graphs that reduce gradients into buckets: torch "
+        f"{torch.__version__} loses its norm-layer gradients computed into a bucket (pytorch/pytorch#193061, "
+        f"fixed in torch {FIXED_IN}); the norm layers' backward takes two kernels instead of one "
+        "(NOTE [reductions into bucket views])"
+    )
