@@ -1,5 +1,5 @@
-"""Inductor defects that change what bucketwise's graphs compute, each with the torch releases it
-was checked on.
+"""Inductor defects and limits that change what bucketwise's graphs compute or can hold, each with
+the torch releases it was checked on.
 
 NOTE [reductions into bucket views]: ``fused`` gathers each bucket's gradients into one flat buffer
 with ``cat`` (NOTE [a bucket per block] does the same for a shared block's parameters), and
@@ -52,3 +52,29 @@ def bucket_safe_note() -> str:
         f"fixed in torch {FIXED_IN}); the norm layers' backward takes two kernels instead of one "
         "(NOTE [reductions into bucket views])"
     )
+
+
+# NOTE [collectives the C++ wrapper cannot call]: with Inductor's C++ wrapper, an operator without
+# a C shim is called back in Python through ``custom_op_wrapper``, which does not take the
+# arguments of two collectives ``fused`` may trace: ``_c10d_functional.all_reduce_coalesced_``
+# (the shared blocks' reductions grouped, NOTE [block reductions grouped]) and the embedding
+# rows' gather (NOTE [embedding rows]): ``NotImplementedError: arg type Any is not yet supported by
+# custom_op_wrapper`` while compiling the backward, on torch 2.13.0 (CPU, 1 and 2 gloo ranks). So
+# there the blocks reduce one bucket each and tables are all-reduced like any gradient, and the
+# report says so. The plain all-reduce of a bucket has a C shim.
+_CPP_WRAPPER = "Inductor's C++ wrapper (options['cpp_wrapper'] or TORCHINDUCTOR_CPP_WRAPPER=1)"
+_SEE = "(NOTE [collectives the C++ wrapper cannot call])"
+CPP_WRAPPER_UNGROUPED = (
+    f"shared blocks' all-reduces one per block, not grouped: {_CPP_WRAPPER} cannot call the coalesced "
+    f"all-reduce that groups them {_SEE}"
+)
+CPP_WRAPPER_NO_ROWS = (
+    f"embedding tables (if any) all-reduced like any gradient, not gathered as rows: {_CPP_WRAPPER} cannot "
+    f"call the rows' gather {_SEE}"
+)
+
+
+def cpp_wrapper_on(patches: dict[str, Any]) -> bool:
+    """Whether graphs compiled with these Inductor config ``patches`` (a compile's mode and
+    options) get Inductor's C++ wrapper: theirs, else torch's setting (``TORCHINDUCTOR_CPP_WRAPPER``)."""
+    return bool(patches.get("cpp_wrapper", torch._inductor.config.cpp_wrapper))

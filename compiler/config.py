@@ -162,6 +162,13 @@ class CompileConfig:
         return self.backend == "inductor"
 
     @property
+    def cpp_wrapper(self) -> bool:
+        """Inductor gives the graphs its C++ wrapper (``options={"cpp_wrapper": True}``, else
+        ``TORCHINDUCTOR_CPP_WRAPPER=1``), which cannot call every collective ``fused`` may trace
+        (NOTE [collectives the C++ wrapper cannot call])."""
+        return self.inductor and ci.cpp_wrapper_on(self.options or {})
+
+    @property
     def backend_name(self) -> str:
         if isinstance(self.backend, str):
             return self.backend

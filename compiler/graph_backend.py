@@ -223,7 +223,7 @@ class GraphBackend:
                 caps=decision.caps,
                 spec=decision.spec,
                 comm_hook=decision.comm_hook,
-                gather_rows=self.config.gather_embedding_rows,
+                gather_rows=self.config.gather_embedding_rows and not self.config.cpp_wrapper,
                 state=self._fused,
             )
         return apply_whole(job, compiler)
@@ -326,11 +326,19 @@ class GraphBackend:
         """The backend, with Inductor's comm/compute reordering on (scoped to its compiles)."""
         if self._fused_backend is None:
             if self.config.inductor:
+                cfg = self.config
                 caps = self.decision.caps if self.decision is not None else None
-                blocks = (SHARED_BLOCK_BACKWARD.name(), caps.bytes) if caps is not None else None
-                self._fused_backend = self._make_backend(fused_backend_options(self.config.options, blocks=blocks))
+                # No grouping and no rows with the C++ wrapper (NOTE [collectives the C++ wrapper cannot call]).
+                group = caps is not None and not cfg.cpp_wrapper
+                blocks = (SHARED_BLOCK_BACKWARD.name(), caps.bytes) if group else None
+                self._fused_backend = self._make_backend(fused_backend_options(cfg.options, blocks=blocks))
                 if ci.bucket_safe_patches() and torch.cuda.is_available():  # a Triton-only reduction
                     self.report.note(ci.bucket_safe_note())
+                if cfg.cpp_wrapper:
+                    if self.sharing.enabled:
+                        self.report.note(ci.CPP_WRAPPER_UNGROUPED)
+                    if cfg.gather_embedding_rows:
+                        self.report.note(ci.CPP_WRAPPER_NO_ROWS)
             else:
                 self._fused_backend = self.segment_backend
         return self._fused_backend

@@ -145,6 +145,8 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
         "object_arg": {"extra": _Opaque()},
         "side_effect": {"counts_calls": True},
         "hooked": {},
+        "cpp_wrapper": {"masked": True},
+        "cpp_wrapper_whole": {"masked": True},
     }[name]
     base = Net(depth=4, **kwargs)
     if name == "hooked":
@@ -158,7 +160,9 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
 
         for model in (eager, ddp):
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    compiled = bucketwise.compile(ddp, backend=backend, strategy=strategy, share_blocks=name != "not_shared")
+    options = {"cpp_wrapper": True} if name.startswith("cpp_wrapper") else None
+    share = name not in ("not_shared", "cpp_wrapper_whole")
+    compiled = bucketwise.compile(ddp, backend=backend, strategy=strategy, share_blocks=share, options=options)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager_net, net)]
     worst = 0.0
     for step in range(STEPS):
@@ -196,6 +200,7 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
         "buckets": [[b["params"] for b in g["buckets"]] for g in graphs],
         "calls": [net.blocks[0].calls, eager_net.blocks[0].calls] if name == "side_effect" else None,
         "forward_attributes": ["forward" in b.__dict__ for b in net.blocks],
+        "notes": report.notes,
     }
 
 
@@ -312,6 +317,24 @@ def test_shared_blocks_with_inductor_train_like_eager_ddp(tmp_path):
     assert calls["_c10d_functional::all_reduce_"] == 1, calls
     whole = results[("not_shared", "fused", "inductor")]["collectives"]
     assert whole == {"_c10d_functional::all_reduce_": 1, "c10d::allreduce_": 1, "gloo:all_reduce": 1}, whole
+
+
+def test_fused_under_inductors_cpp_wrapper_trains_like_eager_ddp(tmp_path):
+    """``options={"cpp_wrapper": True}`` (NOTE [collectives the C++ wrapper cannot call]): the C++
+    wrapper calls the shared blocks' operators and the buckets' all-reduces, not the coalesced
+    all-reduce that groups the blocks' reductions nor the embedding rows' gather; so each block
+    reduces its bucket on its own, the table is all-reduced, and the report says both."""
+    from bucketwise._compat import inductor as ci
+
+    cases = [("cpp_wrapper", "fused", "inductor"), ("cpp_wrapper_whole", "fused", "inductor")]
+    results = _run(tmp_path, cases)
+    for case, r in results.items():
+        assert r["worst"] <= 1e-5, (case, r["worst"])
+        assert ci.CPP_WRAPPER_NO_ROWS in r["notes"], (case, r["notes"])
+    shared = results[("cpp_wrapper", "fused", "inductor")]
+    assert shared["shared"][0]["compiles"] == 1 and shared["shared"][0]["bucket_per_block"] is True, shared["shared"]
+    assert ci.CPP_WRAPPER_UNGROUPED in shared["notes"], shared["notes"]
+    assert ci.CPP_WRAPPER_UNGROUPED not in results[("cpp_wrapper_whole", "fused", "inductor")]["notes"]
 
 
 @pytest.mark.parametrize("why", ["dropout"])
