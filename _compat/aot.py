@@ -60,15 +60,35 @@ def inductor_compile(
     gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode: Any, *, backward: bool, config_patches: dict
 ) -> Callable[[list[Any]], Any]:
     """``gm`` (an AOTAutograd forward or backward graph) compiled by Inductor, boxed: call it
-    with a list of inputs, which it empties. Its outputs have the strides of ``gm``'s."""
-    from torch._inductor.compile_fx import compile_fx_inner
+    with a list of inputs, which it empties. Its outputs have the strides of ``gm``'s.
+
+    With ``cpp_wrapper`` in ``config_patches`` (``options={"cpp_wrapper": True}``) the graph gets
+    Inductor's C++ wrapper, as ``torch.compile`` gives the graphs around it: ``compile_fx_inner``
+    builds one only when its ``cpp_wrapper`` argument asks, and on torch 2.11 leaves the settings
+    the C++ wrapper needs (``get_cpp_wrapper_config``: kernel binaries kept) to ``compile_fx``,
+    which a shared block does not go through. Checked on torch 2.11.0 (an H200) and 2.13.0 (CPU)."""
+    from torch._inductor.compile_fx import compile_fx_inner, get_cpp_wrapper_config
 
     # Every output keeps the strides of the traced graph (as a user-visible output does): the
     # graph that calls this one was traced against them.
     out = next(iter(gm.graph.find_nodes(op="output")))
     out.meta["user_visible_output_idxs"] = [i for i, node in enumerate(out.args[0]) if isinstance(node, fx.Node)]
-    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)), torch._inductor.config.patch(config_patches):
-        return _DirectAfterFirst(compile_fx_inner(gm, list(example_inputs), is_backward=backward))
+    cpp = bool(config_patches.get("cpp_wrapper"))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(fake_mode)))
+        stack.enter_context(torch._inductor.config.patch(config_patches))
+        if cpp:  # read inside the patches above (a block's CUDA graphs off)
+            stack.enter_context(torch._inductor.config.patch(get_cpp_wrapper_config()))
+        kwargs = {"cpp_wrapper": True} if cpp else {}
+        return _DirectAfterFirst(compile_fx_inner(gm, list(example_inputs), is_backward=backward, **kwargs))
+
+
+def cpp_wrapped(compiled: Any) -> bool:
+    """Whether a graph :func:`inductor_compile` returned runs in Inductor's C++ wrapper (its
+    generated Python module loads the C++ entry point: ``CompiledFxGraph.source_code``, checked
+    on torch 2.13.0)."""
+    source = getattr(getattr(compiled, "compiled", None), "source_code", None) or ""
+    return "load_pybinding" in source
 
 
 def inductor_compile_function(fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> Callable[[list[Any]], Any]:

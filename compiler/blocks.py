@@ -368,6 +368,8 @@ class Sharing:
             **({} if self.dynamo is None else {"dynamo_calls": self.dynamo}),
             **({"computed_before_blocks": moved} if (moved := self.computed_before_blocks) else {}),
             **({"timing": timed} if (timed := [b.timing.to_dict() for b in self.kept if b.timing]) else {}),
+            # Compiled in Inductor's C++ wrapper (options={"cpp_wrapper": True}), as the graph around them.
+            **({"cpp_wrapper": True} if any(aot.cpp_wrapped(b.forward) for b in self.kept) else {}),
         }
 
 

@@ -29,6 +29,9 @@ A recipe turns a freshly built model into the module a training step calls:
   compile); ``bw-auto-whole``, ``bw-fused-whole``: ``share_blocks=False`` (every block in the whole
   graph). Every other ``bw-`` config leaves ``share_blocks`` at the product's default, ``"auto"``.
 - ``bw-fused-noreorder``: Inductor's compute/communication reordering off (``options=NO_REORDER``).
+- ``*-cpp``: Inductor's C++ wrapper (``options=CPP_WRAPPER``): the graphs, shared blocks' included,
+  launch their kernels from C++ (``local-cpp``, ``bw-auto-cpp``, ``bw-fused-blocks-cpp``,
+  ``bw-fused-whole-cpp``); their floor is still ``local``.
 
 The names follow one vocabulary (``core/names.py``), which also says which configs the zoo and the
 HF Trainer harness run.
@@ -93,7 +96,7 @@ class Recipe:
     """bucketwise ``share_blocks=`` argument: the product's default, ``True`` (identical blocks share
     one compile) or ``False`` (every block in the whole graph)."""
     options: dict[str, Any] | None = None
-    """bucketwise ``options=`` (Inductor options), e.g. ``NO_REORDER``."""
+    """Inductor ``options=`` of ``bucketwise.compile`` or ``torch.compile``, e.g. ``NO_REORDER``."""
     compiled_autograd: bool = False
     """torch's compiled-DDP path with compiled autograd (``torch-ca``): DDP built for its Python
     reducer (``optimize_ddp="python_reducer"``), that mode in force during every step, and the
@@ -111,8 +114,10 @@ class Recipe:
             raise ValueError(f"comm_hook must be one of {COMM_HOOKS}, got {self.comm_hook!r}")
         if self.replicate and (self.ddp or self.compiler != "torch"):
             raise ValueError("replicate recipes compile with torch.compile and use no DDP (ddp=False)")
-        if self.compiler == "none" and (self.mode or self.optimize_ddp is not None):
-            raise ValueError("mode/optimize_ddp need a compiler")
+        if self.compiler == "none" and (self.mode or self.optimize_ddp is not None or self.options):
+            raise ValueError("mode/optimize_ddp/options need a compiler")
+        if self.mode is not None and self.options is not None:
+            raise ValueError(f"mode and options cannot both be set (as in torch.compile), got mode={self.mode!r}")
         if self.compiled_autograd:
             if self.compiler != "torch" or not self.ddp or self.replicate or self.regional:
                 raise ValueError(
@@ -191,7 +196,7 @@ class Recipe:
                 block.compile(backend=backend, mode=self.mode)
             return Prepared(module=wrapped, step_context=contextlib.nullcontext)
         if self.compiler == "torch":
-            compiled = torch.compile(wrapped, backend=backend, mode=self.mode)
+            compiled = torch.compile(wrapped, backend=backend, mode=self.mode, options=self.options)
             if self.optimize_ddp is None:
                 return Prepared(module=compiled, step_context=contextlib.nullcontext)
             flag = self.optimize_ddp
@@ -227,6 +232,9 @@ RO = "reduce-overhead"
 NO_REORDER = {"reorder_for_compute_comm_overlap": False}
 """Inductor's compute/communication reordering off (``bw-fused-noreorder``)."""
 
+CPP_WRAPPER = {"cpp_wrapper": True}
+"""Inductor's C++ wrapper (the ``*-cpp`` configs)."""
+
 CONFIGS: dict[str, Recipe] = {
     "eager": Recipe(),
     "torch": Recipe(compiler="torch"),
@@ -260,6 +268,10 @@ CONFIGS: dict[str, Recipe] = {
     "bw-none-cg": Recipe(compiler="bucketwise", strategy="none", cudagraphs=True),
     "bw-fused-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True),
     "bw-fused-blocks": Recipe(compiler="bucketwise", strategy="fused", share_blocks=True),
+    "local-cpp": Recipe(compiler="torch", ddp=False, options=CPP_WRAPPER),
+    "bw-auto-cpp": Recipe(compiler="bucketwise", strategy="auto", options=CPP_WRAPPER),
+    "bw-fused-blocks-cpp": Recipe(compiler="bucketwise", strategy="fused", share_blocks=True, options=CPP_WRAPPER),
+    "bw-fused-whole-cpp": Recipe(compiler="bucketwise", strategy="fused", share_blocks=False, options=CPP_WRAPPER),
     "bw-auto-whole": Recipe(compiler="bucketwise", strategy="auto", share_blocks=False),
     "bw-fused-whole": Recipe(compiler="bucketwise", strategy="fused", share_blocks=False),
     "bw-fused-blocks-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True, share_blocks=True),

@@ -4,9 +4,9 @@ A name is ``<compiler>[-<variant>...]``: ``eager`` (eager DDP), ``torch`` (``tor
 ``local`` (``torch.compile(model)``, no DDP), ``regional``, ``replicate``, ``bw-<strategy>``
 (``bucketwise.compile(DDP(model), strategy=...)``); suffixes ``-ro`` (``mode="reduce-overhead"``),
 ``-cg`` (``cudagraphs=True``), ``-blocks`` (``share_blocks=True``), ``-whole``
-(``share_blocks=False``), a comm hook (``-bf16``, ``-powersgd``) and so on. ``core/configs.py``
-holds the recipe behind each name; this module holds only names, so that the table generators
-read results without importing torch.
+(``share_blocks=False``), ``-cpp`` (Inductor's C++ wrapper), a comm hook (``-bf16``, ``-powersgd``)
+and so on. ``core/configs.py`` holds the recipe behind each name; this module holds only names,
+so that the table generators read results without importing torch.
 
 Results written before the vocabulary was one used other names for some of these configs (the
 zoo's check runs: ``auto``, ``fused``, ``split``; the HF Trainer runs: ``fused``, ``split``,

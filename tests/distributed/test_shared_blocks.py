@@ -320,8 +320,9 @@ def test_shared_blocks_with_inductor_train_like_eager_ddp(tmp_path):
 
 
 def test_fused_under_inductors_cpp_wrapper_trains_like_eager_ddp(tmp_path):
-    """``options={"cpp_wrapper": True}`` (NOTE [collectives the C++ wrapper cannot call]): the C++
-    wrapper calls the shared blocks' operators and the buckets' all-reduces, not the coalesced
+    """``options={"cpp_wrapper": True}`` (NOTE [collectives the C++ wrapper cannot call]): the
+    shared blocks' graphs get the C++ wrapper as the graphs around them do, which call the
+    blocks' operators and the buckets' all-reduces, not the coalesced
     all-reduce that groups the blocks' reductions nor the embedding rows' gather; so each block
     reduces its bucket on its own, the table is all-reduced, and the report says both."""
     from bucketwise._compat import inductor as ci
@@ -334,6 +335,9 @@ def test_fused_under_inductors_cpp_wrapper_trains_like_eager_ddp(tmp_path):
     shared = results[("cpp_wrapper", "fused", "inductor")]
     assert shared["shared"][0]["compiles"] == 1 and shared["shared"][0]["bucket_per_block"] is True, shared["shared"]
     assert ci.CPP_WRAPPER_UNGROUPED in shared["notes"], shared["notes"]
+    # The shared block's own graphs get the C++ wrapper too.
+    assert shared["shared"][0].get("cpp_wrapper") is True, shared["shared"]
+    assert all("cpp_wrapper" not in s for c, r in results.items() if c[0] != "cpp_wrapper" for s in r["shared"] if s)
     assert ci.CPP_WRAPPER_UNGROUPED not in results[("cpp_wrapper_whole", "fused", "inductor")]["notes"]
 
 
