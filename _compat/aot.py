@@ -85,8 +85,8 @@ def inductor_compile(
 
 def cpp_wrapped(compiled: Any) -> bool:
     """Whether a graph :func:`inductor_compile` returned runs in Inductor's C++ wrapper (its
-    generated Python module loads the C++ entry point: ``CompiledFxGraph.source_code``, checked
-    on torch 2.13.0)."""
+    generated Python module loads the C++ entry point with ``load_pybinding``:
+    ``CompiledFxGraph.source_code``, checked on torch 2.13.0, and in 2.15.0's C++ wrapper source)."""
     source = getattr(getattr(compiled, "compiled", None), "source_code", None) or ""
     return "load_pybinding" in source
 
