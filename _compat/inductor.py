@@ -75,6 +75,6 @@ CPP_WRAPPER_NO_ROWS = (
 
 
 def cpp_wrapper_on(patches: dict[str, Any]) -> bool:
-    """Whether graphs compiled with these Inductor config ``patches`` (a compile's mode and
-    options) get Inductor's C++ wrapper: theirs, else torch's setting (``TORCHINDUCTOR_CPP_WRAPPER``)."""
+    """Whether graphs compiled with these Inductor config ``patches`` (a compile's ``options``)
+    get Inductor's C++ wrapper: theirs, else torch's setting (``TORCHINDUCTOR_CPP_WRAPPER``)."""
     return bool(patches.get("cpp_wrapper", torch._inductor.config.cpp_wrapper))

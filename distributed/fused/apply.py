@@ -80,7 +80,6 @@ def fused_backend_options(user_options: dict[str, Any] | None, *, blocks: tuple[
     the cache keys of what the passes insert (NOTE [compile cache keys]), and no reduction that
     loses its results computed into a bucket (NOTE [reductions into bucket views]); the user's own
     options win (the config refuses the one that would turn that reduction back on)."""
-    # No reduction that loses its results computed into a bucket (NOTE [reductions into bucket views]).
     ours = {**cc.comm_overlap_options(comm_pass_key()), **ci.bucket_safe_patches()}
     if blocks is not None:
         ours["post_grad_custom_post_pass"] = block_wire.grouping_pass(*blocks)
