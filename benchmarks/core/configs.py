@@ -32,6 +32,10 @@ A recipe turns a freshly built model into the module a training step calls:
 - ``*-cpp``: Inductor's C++ wrapper (``options=CPP_WRAPPER``): the graphs, shared blocks' included,
   launch their kernels from C++ (``local-cpp``, ``bw-auto-cpp``, ``bw-fused-blocks-cpp``,
   ``bw-fused-whole-cpp``); their floor is still ``local``.
+- ``*-nomix``: Inductor's mix-order reduction off (``options=NO_MIX_ORDER``), as every compile that
+  gathers gradients into buckets runs on torch 2.10 to 2.14 (NOTE [reductions into bucket views]):
+  ``local-nomix`` beside ``local`` is what that costs the compute floor, ``bw-split-nomix`` beside
+  ``bw-split`` what it costs a strategy that needs no buckets.
 
 The names follow one vocabulary (``core/names.py``), which also says which configs the zoo and the
 HF Trainer harness run.
@@ -235,6 +239,9 @@ NO_REORDER = {"reorder_for_compute_comm_overlap": False}
 CPP_WRAPPER = {"cpp_wrapper": True}
 """Inductor's C++ wrapper (the ``*-cpp`` configs)."""
 
+NO_MIX_ORDER = {"triton.mix_order_reduction": False}
+"""Inductor's mix-order reduction off (the ``*-nomix`` configs)."""
+
 CONFIGS: dict[str, Recipe] = {
     "eager": Recipe(),
     "torch": Recipe(compiler="torch"),
@@ -272,6 +279,8 @@ CONFIGS: dict[str, Recipe] = {
     "bw-auto-cpp": Recipe(compiler="bucketwise", strategy="auto", options=CPP_WRAPPER),
     "bw-fused-blocks-cpp": Recipe(compiler="bucketwise", strategy="fused", share_blocks=True, options=CPP_WRAPPER),
     "bw-fused-whole-cpp": Recipe(compiler="bucketwise", strategy="fused", share_blocks=False, options=CPP_WRAPPER),
+    "local-nomix": Recipe(compiler="torch", ddp=False, options=NO_MIX_ORDER),
+    "bw-split-nomix": Recipe(compiler="bucketwise", strategy="split", options=NO_MIX_ORDER),
     "bw-auto-whole": Recipe(compiler="bucketwise", strategy="auto", share_blocks=False),
     "bw-fused-whole": Recipe(compiler="bucketwise", strategy="fused", share_blocks=False),
     "bw-fused-blocks-cg": Recipe(compiler="bucketwise", strategy="fused", cudagraphs=True, share_blocks=True),

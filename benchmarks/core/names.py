@@ -4,7 +4,8 @@ A name is ``<compiler>[-<variant>...]``: ``eager`` (eager DDP), ``torch`` (``tor
 ``local`` (``torch.compile(model)``, no DDP), ``regional``, ``replicate``, ``bw-<strategy>``
 (``bucketwise.compile(DDP(model), strategy=...)``); suffixes ``-ro`` (``mode="reduce-overhead"``),
 ``-cg`` (``cudagraphs=True``), ``-blocks`` (``share_blocks=True``), ``-whole``
-(``share_blocks=False``), ``-cpp`` (Inductor's C++ wrapper), a comm hook (``-bf16``, ``-powersgd``)
+(``share_blocks=False``), ``-cpp`` (Inductor's C++ wrapper), ``-nomix``
+(Inductor's mix-order reduction off), a comm hook (``-bf16``, ``-powersgd``)
 and so on. ``core/configs.py`` holds the recipe behind each name; this module holds only names,
 so that the table generators read results without importing torch.
 
