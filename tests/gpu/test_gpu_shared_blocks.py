@@ -4,11 +4,14 @@ A GPT of 4 identical blocks trains under ``bucketwise.compile(..., strategy="fus
 blocks sharing one compile, with ``cudagraphs=True`` and the default ``share_blocks`` ("auto",
 which shares there) and without CUDA graphs with ``share_blocks=True``, next to eager DDP and to
 the same compile with every block in the whole graph (``share_blocks=False``). Inductor's kernels
-differ from eager by themselves, so the distance to eager DDP (relative to each gradient's
-largest entry, after every backward over 5 steps: SGD in float64, AdamW in float32 with TF32
-off) must stay within 1e-7 (float64) or 1e-4 (float32), or within three times the whole-graph
-compile's own distance. The report says the 4 blocks shared 1 compile and, with CUDA graphs,
-that the forward and the backward around them both replayed. Skipped without CUDA.
+differ from eager by themselves, so the distance to eager DDP is relative to each gradient's
+largest entry. After the first backward (the same weights everywhere) both compiles must be
+within 1e-7 (float64) or 1e-4 (float32) of eager DDP: a defect the two share fails as well as one
+of sharing alone (NOTE [reductions into bucket views] was one). Over all 5 steps (SGD in float64,
+AdamW in float32 with TF32 off, whose division amplifies rounding in entries near zero) the shared
+blocks must stay within that, or within three times the whole graph's own distance. The report
+says the 4 blocks shared 1 compile and, with CUDA graphs, that the forward and the backward
+around them both replayed. Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ WORKER = textwrap.dedent(
     else:
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in nets]
     worst = {"shared": 0.0, "whole": 0.0}
+    first = {}
     for step in range(5):
         x, y = synthetic_tokens(cfg, 8, seed=step, device="cuda")
         for model in (ref, compiled, whole):
@@ -63,6 +67,8 @@ WORKER = textwrap.dedent(
             for p, q in zip(ref_net.parameters(), other.parameters()):
                 err = ((p.grad - q.grad).abs().max() / (p.grad.abs().max() + 1e-12)).item()
                 worst[name] = max(worst[name], err)
+        if step == 0:
+            first = dict(worst)
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -72,7 +78,8 @@ WORKER = textwrap.dedent(
     # cudagraphs=True: the forward and the backward around the shared blocks both replay.
     uncaptured = [(g["name"], g["reason"]) for g in report["cudagraphs"] if g["reason"] or not g["replays"]]
     print("UNCAPTURED", uncaptured if cudagraphs else [], flush=True)
-    print("RESULT", worst["shared"], worst["whole"], shared["count"], shared["compiles"], flush=True)
+    distances = (first["shared"], first["whole"], worst["shared"], worst["whole"])
+    print("RESULT", *distances, shared["count"], shared["compiles"], flush=True)
     dist.destroy_process_group()
     """
 )
@@ -82,9 +89,11 @@ WORKER = textwrap.dedent(
 @pytest.mark.parametrize("mode", ["plain", "cg"])
 def test_shared_blocks_train_like_eager_ddp_on_a_gpu(tmp_path, mode, dtype):
     printed = run_worker_script(tmp_path, WORKER, mode, str(tmp_path / "store"), dtype)
-    lines = [line for line in printed if line.startswith("RESULT")]  # RESULT shared whole count compiles
-    shared, whole, count, compiles = lines[-1].split()[1:]
+    # RESULT shared whole (after the first backward) shared whole (over all steps) count compiles
+    lines = [line for line in printed if line.startswith("RESULT")]
+    first_shared, first_whole, shared, whole, count, compiles = lines[-1].split()[1:]
     tolerance = 1e-7 if dtype == "float64" else 1e-4
+    assert float(first_shared) < tolerance and float(first_whole) < tolerance, lines[-1]
     assert float(shared) < max(tolerance, 3 * float(whole)), lines[-1]
     assert (int(count), int(compiles)) == (4, 1), lines[-1]
     uncaptured = [line for line in printed if line.startswith("UNCAPTURED")]
