@@ -69,7 +69,7 @@ CPP_WRAPPER_UNGROUPED = (
     f"all-reduce that groups them {_SEE}"
 )
 CPP_WRAPPER_NO_ROWS = (
-    f"embedding tables (if any) all-reduced like any gradient, not gathered as rows: {_CPP_WRAPPER} cannot "
+    f"embedding tables all-reduced like any gradient, not gathered as rows: {_CPP_WRAPPER} cannot "
     f"call the rows' gather {_SEE}"
 )
 

@@ -217,13 +217,17 @@ class GraphBackend:
         if decision.strategy is Strategy.FUSED:
             if self._fused is None:
                 raise AssertionError(f"expected the fused runtime's state with a fused decision, got {decision}")
+            # Rows asked for are not gathered under the C++ wrapper
+            # (NOTE [collectives the C++ wrapper cannot call]).
+            rows_off = ci.CPP_WRAPPER_NO_ROWS if self.config.gather_embedding_rows and self.config.cpp_wrapper else None
             return apply_fused(
                 job,
                 compiler,
                 caps=decision.caps,
                 spec=decision.spec,
                 comm_hook=decision.comm_hook,
-                gather_rows=self.config.gather_embedding_rows and not self.config.cpp_wrapper,
+                gather_rows=self.config.gather_embedding_rows and rows_off is None,
+                rows_off=rows_off,
                 state=self._fused,
             )
         return apply_whole(job, compiler)
@@ -334,11 +338,8 @@ class GraphBackend:
                 self._fused_backend = self._make_backend(fused_backend_options(cfg.options, blocks=blocks))
                 if ci.bucket_safe_patches() and torch.cuda.is_available():  # a Triton-only reduction
                     self.report.note(ci.bucket_safe_note())
-                if cfg.cpp_wrapper:
-                    if self.sharing.enabled:
-                        self.report.note(ci.CPP_WRAPPER_UNGROUPED)
-                    if cfg.gather_embedding_rows:
-                        self.report.note(ci.CPP_WRAPPER_NO_ROWS)
+                if cfg.cpp_wrapper and self.sharing.enabled:
+                    self.report.note(ci.CPP_WRAPPER_UNGROUPED)
             else:
                 self._fused_backend = self.segment_backend
         return self._fused_backend

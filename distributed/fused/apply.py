@@ -94,15 +94,18 @@ def apply_fused(
     spec: CommSpec,
     comm_hook: str,
     gather_rows: bool,
+    rows_off: str | None = None,
     state: FusedState,
 ) -> StrategyResult:
     """The graph with its buckets' collectives traced into its backward, compiled whole. ``caps``,
     ``spec`` and ``comm_hook``: the buckets and how they are reduced (the compiled object's
-    decision, NOTE [one decision])."""
+    decision, NOTE [one decision]). ``rows_off``: why no table's rows are gathered though the
+    config asks for it, a note of the graph's where it has a table that would be."""
     program = _hook_program(job.ddp, spec, state.runtime, comm_hook)
     if program is not None:
         return _apply_hooked(job, compiler, caps=caps, state=state, program=program)
     plan = fused_plan(job, spec, caps, state, rows=gather_rows)
+    notes = [rows_off] if rows_off is not None and plan_embedding_rows(job.gm, job.params, spec.world_size) else []
     # What each collective reduces, for the report: buckets, then the gathered tables (a
     # table's gather is issued after the gradient of its first use, its first lookup).
     reductions = [Reduction(b, "all_reduce", _wire_bytes(b, spec)) for b in plan.buckets] + [
@@ -118,7 +121,9 @@ def apply_fused(
         f" + {len(plan.tables)} row gathers" if plan.tables else ""
     )
     compiled, outcome = compiler.fused(gm, job.example_inputs, label=f"{job.label} segment 0", what=what)
-    return _result(job, spec, reductions, positions, compiled, outcome, state, plan.rank_check_s)
+    result = _result(job, spec, reductions, positions, compiled, outcome, state, plan.rank_check_s)
+    result.notes = notes
+    return result
 
 
 def _apply_hooked(
