@@ -83,6 +83,27 @@ def inductor_compile(
         return _DirectAfterFirst(compile_fx_inner(gm, list(example_inputs), is_backward=backward, **kwargs))
 
 
+def graph_cache_key(compiled: Any) -> str | None:
+    """The FX-graph cache key of a graph :func:`inductor_compile` returned: the same for the same
+    graph, Inductor settings and torch, in any process; ``None`` where torch's FX-graph cache did
+    not key it (caching off, a graph it bypassed, or a torch without the attribute).
+    ``OutputCode._fx_graph_cache_key``, set by ``compile_fx_inner`` on a cache miss and on a hit:
+    checked on torch 2.13.0 and 2.15.0."""
+    key = getattr(getattr(compiled, "compiled", compiled), "_fx_graph_cache_key", None)
+    return key if isinstance(key, str) and key else None
+
+
+def inductor_cache_dir() -> str | None:
+    """Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``, else torch's default under the temp
+    folder), made if missing; ``None`` where this torch does not say.
+    ``torch._inductor.runtime.cache_dir_utils.cache_dir``: checked on torch 2.13.0 and 2.15.0."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:
+        return None
+    return cache_dir()
+
+
 def cpp_wrapped(compiled: Any) -> bool:
     """Whether a graph :func:`inductor_compile` returned runs in Inductor's C++ wrapper (its
     generated Python module loads the C++ entry point with ``load_pybinding``:
@@ -93,12 +114,14 @@ def cpp_wrapped(compiled: Any) -> bool:
 
 def inductor_compile_function(fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> Callable[[list[Any]], Any]:
     """``fn`` traced to aten ops on ``args`` and compiled by Inductor as a shared block's graphs
-    are (:func:`inductor_compile`): a boxed callable (``probe host_calls`` times its calls)."""
+    are (:func:`inductor_compile`), through Inductor's FX-graph cache: a boxed callable (``probe
+    host_calls`` times its calls)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     gm = make_fx(fn)(*args)
-    fake_mode = FakeTensorMode()
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())  # as Dynamo's: Inductor's FX-graph cache needs one
     fakes = [fake_mode.from_tensor(a) for a in args]
     for node, fake in zip(gm.graph.find_nodes(op="placeholder"), fakes):
         node.meta["val"] = fake

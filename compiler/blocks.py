@@ -83,7 +83,7 @@ from ..partitioners import block_graphs as bg
 from ..partitioners.block_graphs import BlockLayout, MovedOut
 from ..partitioners.blocks import find_block_run, piece_signature
 from . import block_calls
-from .block_timing import BlockTiming, TimedSharing, time_block
+from .block_timing import BlockTiming, TimedSharing, timing_of
 
 log = logging.getLogger(__name__)
 
@@ -555,7 +555,7 @@ def _compile(
         bw_inputs = [n.meta["val"] for n in bw.graph.find_nodes(op="placeholder")]
         forward = aot.inductor_compile(fw, fw_inputs, fake_mode, backward=False, config_patches=config_patches)
         backward = aot.inductor_compile(bw, bw_inputs, fake_mode, backward=True, config_patches=config_patches)
-        timing = time_block(forward, backward, fw_inputs, bw_inputs) if timed else None
+        timing = timing_of(forward, backward, fw_inputs, bw_inputs) if timed else None
     else:
         forward, backward, timing = aot.boxed(fw), aot.boxed(bw), None
     block = SharedBlock(next(_KEYS), layout, forward, backward, wire=wire, moved=moved, reads=reads, timing=timing)

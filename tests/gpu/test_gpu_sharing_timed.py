@@ -11,7 +11,9 @@ entry (the LayerNorms' gradients of the wide GPT take Inductor's mix-order reduc
 [reductions into bucket views]). A GPT of
 tiny blocks (width 64, 2 x 32 tokens: a few microseconds of kernels against the host's calls)
 compiles its blocks with the whole graph, and the report says why, with the figures, in its
-notes and in ``unshared_blocks`` (for host time only). Skipped without CUDA.
+notes and in ``unshared_blocks`` (for host time only). A third compile of the wide GPT reads the
+first one's timing instead of timing again (NOTE [block timings kept]), from a cache folder of the
+test's own. Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 WORKER = textwrap.dedent(
     """
-    import copy, json, sys
+    import copy, json, os, sys
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = sys.argv[3]  # the kept timings' folder, the test's own
     import torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     import bucketwise
@@ -71,6 +74,10 @@ WORKER = textwrap.dedent(
         "unshared_blocks": report["unshared_blocks"],
         "notes": report["notes"],
     }
+    if size == "large":  # the same block compiled again: its timing is read, not measured
+        again = bucketwise.compile(DDP(copy.deepcopy(base), device_ids=[0]))
+        again(x, y).backward()
+        out["again"] = bucketwise.report(again).to_dict()["graphs"][0]["shared_blocks"]
     print("RESULT", json.dumps(out), flush=True)
     dist.destroy_process_group()
     """
@@ -78,7 +85,7 @@ WORKER = textwrap.dedent(
 
 
 def _run(tmp_path, size: str) -> dict:
-    printed = run_worker_script(tmp_path, WORKER, size, str(tmp_path / "store"))
+    printed = run_worker_script(tmp_path, WORKER, size, str(tmp_path / "store"), str(tmp_path / "inductor"))
     (line,) = [line for line in printed if line.startswith("RESULT")]
     return json.loads(line.removeprefix("RESULT "))
 
@@ -91,7 +98,11 @@ def test_blocks_whose_calls_hide_behind_their_kernels_share_one_compile_by_defau
     assert (shared.get("count"), shared.get("compiles")) == (4, 1), shared
     (timing,) = shared["timing"]
     assert timing["held"] and timing["host_ms"] <= HOST_SHARE_LIMIT * timing["gpu_ms"], timing
+    assert "kept" not in timing, timing  # timed by this compile
     assert out["unshared_blocks"] == [], out["unshared_blocks"]
+    (kept,) = out["again"]["timing"]
+    assert kept["kept"].startswith(str(tmp_path / "inductor")), kept
+    assert {k: kept[k] for k in timing} == timing, (kept, timing)
     assert out["default"] <= 1e-4 and out["whole"] <= 1e-4, out
 
 
