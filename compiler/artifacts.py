@@ -74,15 +74,19 @@ TIMINGS = "block_timings"
 
 
 def _copy_timings(source: Path | None, target: Path | None) -> str:
-    """Copy the kept block timings in ``source`` into ``target``; says how many, for the note."""
+    """Copy the kept block timings in ``source`` into ``target``; says how many, for the note. A
+    timing that cannot be copied is timed again where it is missing: said, never raised."""
     files = sorted(source.glob("*.json")) if source is not None and target is not None and source.is_dir() else []
     if not files:
         return ""
-    target.mkdir(parents=True, exist_ok=True)
-    for f in files:
-        partial = target / f"{f.name}.{os.getpid()}.partial"
-        shutil.copyfile(f, partial)
-        partial.replace(target / f.name)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            partial = target / f"{f.name}.{os.getpid()}.partial"
+            shutil.copyfile(f, partial)
+            partial.replace(target / f.name)
+    except OSError as exc:
+        return f", block timings not copied to {target} ({exc})"
     return f", {len(files)} block timing{'s' if len(files) > 1 else ''}"
 
 

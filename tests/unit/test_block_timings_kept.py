@@ -81,3 +81,16 @@ def test_kept_timings_travel_with_the_compile_artifacts(tmp_path, monkeypatch):
     kept = read_kept(kept_dir() / "block.json")
     assert kept is not None and (kept.host_ms, kept.gpu_ms, kept.held) == (1.25, 2.5, True), kept
     assert kept.kept.startswith(str(tmp_path / "machine-b")), kept
+
+
+def test_timings_that_cannot_be_copied_are_said_not_raised(tmp_path, monkeypatch):
+    from bucketwise.compiler.artifacts import Artifacts
+    from bucketwise.compiler.block_timing import kept_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "machine-a"))
+    aot.inductor_compile_function(_mm_relu, (torch.randn(4, 4), torch.randn(4, 4)))
+    keep(kept_dir() / "block.json", BlockTiming(host_ms=1.25, gpu_ms=2.5, held=True))
+    (tmp_path / "artifacts").mkdir()
+    (tmp_path / "artifacts" / "block_timings").write_text("a file where the folder would go")
+    saved = Artifacts(path=tmp_path / "artifacts" / "rank0.bin").save()
+    assert ", block timings not copied to" in saved and (tmp_path / "artifacts" / "rank0.bin").is_file(), saved
