@@ -52,7 +52,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -62,6 +61,7 @@ import torch
 from .._compat import aot
 from .._compat import cuda as cudac
 from ..distributed.rank_check import gather_on_all_ranks, rank_checks_ready
+from ..stats.files import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +160,7 @@ def keep(path: Path, timing: BlockTiming) -> None:
     a folder that cannot be written keeps nothing."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(dataclasses.replace(timing, kept=None).to_dict()))
-        partial.replace(path)
+        atomic_write_json(path, dataclasses.replace(timing, kept=None).to_dict())
     except OSError as exc:
         log.warning("bucketwise: could not keep a block's timing at %s (%s); a restart will time it again", path, exc)
 
