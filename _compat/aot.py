@@ -37,11 +37,7 @@ def partition(
     gm.meta.pop("dynamo_compile_id", None)  # a graph of bucketwise's, not Dynamo's
     for node in gm.graph.find_nodes(op="placeholder"):
         node._dynamo_source = None
-    decompositions = None
-    if decompose:
-        from torch._inductor.decomposition import select_decomp_table
-
-        decompositions = select_decomp_table()
+    decompositions = _decompositions(decompose)
     with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
         aot_module_simplified(
             gm,
@@ -181,13 +177,26 @@ def _warm_pool() -> None:
     maybe_warm_pool()  # honours TORCH_WARM_POOL=0 and TORCHINDUCTOR_COMPILE_THREADS=1
 
 
-def trace_into(graph: fx.Graph, fn: Callable[..., Any], args: Sequence[fx.Node], fake_mode: Any) -> fx.Node:
+def _decompositions(decompose: bool) -> dict[Any, Callable[..., Any]] | None:
+    """Inductor's decomposition table where ``decompose`` (a graph Inductor compiles), else none."""
+    if not decompose:
+        return None
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def trace_into(
+    graph: fx.Graph, fn: Callable[..., Any], args: Sequence[fx.Node], fake_mode: Any, *, decompose: bool
+) -> fx.Node:
     """``fn(*args)`` traced to aten ops (``make_fx`` on the nodes' fake values) and copied into
-    ``graph`` at its insertion point; returns the node of its one tensor result."""
+    ``graph`` at its insertion point; returns the node of its one tensor result. ``decompose`` as
+    ``graph`` was traced (:func:`partition`): Inductor lowers only decomposed ops (a compress
+    hook's ``aten._to_copy`` has no lowering of its own)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     with fake_mode:
-        traced = make_fx(fn)(*[a.meta["val"] for a in args])
+        traced = make_fx(fn, decomposition_table=_decompositions(decompose))(*[a.meta["val"] for a in args])
     val_map: dict[fx.Node, Any] = dict(zip(traced.graph.find_nodes(op="placeholder"), args))
     return graph.graph_copy(traced.graph, val_map)
 

@@ -548,7 +548,9 @@ def _compile(
             raise AssertionError(f"expected a comm spec for the reduced inputs {reduced}, got None")
         # A reduced parameter has a gradient, so the forward still takes it: its position there.
         at = tuple(i if reads is None else reads.index(i) for i in reduced)
-        wire, grads = block_wire.grads_onto_wire(bw, [fakes[i] for i in reduced], at, spec, fake_mode)
+        wire, grads = block_wire.grads_onto_wire(
+            bw, [fakes[i] for i in reduced], at, spec, fake_mode, decompose=backend == "inductor"
+        )
         layout = dataclasses.replace(layout, grads=grads)
     if backend == "inductor":
         fw_inputs = [n.meta["val"] for n in fw.graph.find_nodes(op="placeholder")]

@@ -44,12 +44,14 @@ def grads_onto_wire(
     reduced: tuple[int, ...],
     spec: CommSpec,
     fake_mode: Any,
+    *,
+    decompose: bool,
 ) -> tuple[BlockWire, tuple[TensorMeta | None, ...]]:
     """Rewrite ``bw`` in place so that it returns the gradients of the ``reduced`` inputs (the
     block's parameters, fakes ``params``) last, as one flat buffer in the wire's format (each
     flattened, cast and scaled as ``CommSpec.to_wire`` says, in input order, zeros for a
-    parameter the block leaves without a gradient) (NOTE [a bucket per block]). Returns the
-    reduction and what ``bw`` returns now."""
+    parameter the block leaves without a gradient) (NOTE [a bucket per block]), decomposed as
+    ``bw`` was (``decompose``). Returns the reduction and what ``bw`` returns now."""
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1 and spec.comm_dtype is None:
         raise NotShareable(f"the block's parameters have several dtypes ({sorted(map(str, dtypes))})")
@@ -71,7 +73,7 @@ def grads_onto_wire(
             return torch.cat([spec.to_wire(g.reshape(-1)) for g in full])
 
     with graph.inserting_before(out_node):
-        buffer = aot.trace_into(graph, pack, present, fake_mode)
+        buffer = aot.trace_into(graph, pack, present, fake_mode, decompose=decompose)
     positions = set(reduced)
     new_outs = [o for i, o in enumerate(outs) if i not in positions] + [buffer]
     out_node.args = (tuple(new_outs),)
