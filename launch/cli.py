@@ -153,6 +153,9 @@ def _cmd_launch(args: argparse.Namespace, raw: list[str], doctor_dir: str | None
             "missing SCRIPT: give the training script to run, e.g. "
             f"`bucketwise {command} --standalone --nproc-per-node 2 train.py`"
         )
+    problem = launcher.script_problem(args)
+    if problem is not None:  # before the stats folder and any rank: each would fail to open it
+        args.parser.error(problem)
     options, script = launcher.split_at_script(args.parser, raw)
     stats_dir = _prepare_stats_dir(args)
     print(f"bucketwise: stats folder {stats_dir}", file=sys.stderr, flush=True)

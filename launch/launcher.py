@@ -81,6 +81,26 @@ def launch_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def script_problem(args: argparse.Namespace) -> str | None:
+    """Why SCRIPT cannot start on any rank, as an error message, or ``None``. SCRIPT is read as
+    torchrun reads it: with ``-m``/``--module`` it names a module and with ``--no-python`` a
+    program (found on PATH), neither of them a file, so neither is checked; otherwise (``python
+    SCRIPT``, or ``--run-path``) it is a path, relative to the current folder, that must exist
+    or every rank of this node fails to open it. ``-`` (python reads the script from stdin) is
+    left to python."""
+    script = args.training_script
+    if script is None or args.module or args.no_python or (script == "-" and not args.run_path):
+        return None
+    if os.path.exists(script):
+        return None
+    where = f" (no such file: {os.path.abspath(script)})" if not os.path.isabs(script) else ": no such file"
+    return (
+        f"SCRIPT {script}{where}; no rank was started. Give the training script's path, absolute or "
+        "relative to the current folder; to run a module instead, put -m (--module) before its name "
+        "(--no-python before a program's)"
+    )
+
+
 COMPILE_ARTIFACTS_HELP = (
     "keep each rank's compiled artifacts in DIR/rank{R}.bin: loaded into the local compile caches when the "
     "model is compiled, saved after its first step, so a restart on a machine with an empty cache starts warm "

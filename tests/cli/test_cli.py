@@ -303,9 +303,60 @@ def test_demo_rejects_unknown_backend(capsys):
 
 
 def test_launch_refuses_used_stats_dir(run_dir, tmp_path, capsys):
+    (tmp_path / "x.py").write_text("")
     with pytest.raises(SystemExit):
         cli.main(["launch", "--standalone", "--stats-dir", str(run_dir), str(tmp_path / "x.py")])
     assert "already holds rank*.json" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """``launcher.run_torchrun`` recorded instead of run: the torchrun arguments of each call."""
+    calls: list[list[str]] = []
+
+    def record(torchrun_args, stats_dir, extra_env=None):
+        calls.append(list(torchrun_args))
+        return 0
+
+    monkeypatch.setattr(launcher, "run_torchrun", record)
+    return calls
+
+
+@pytest.mark.parametrize("command", ["launch", "doctor"])
+@pytest.mark.parametrize("mode", [[], ["--run-path"]])
+def test_launch_refuses_a_missing_script_before_any_rank(tmp_path, monkeypatch, capsys, no_ranks, command, mode):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--standalone", "--nproc-per-node", "2", *mode, "nonexistent.py", "--lr", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"SCRIPT nonexistent.py (no such file: {os.path.join(os.getcwd(), 'nonexistent.py')}); no rank" in err
+    assert "-m (--module)" in err
+    assert no_ranks == [] and not (tmp_path / "bucketwise-runs").exists()
+
+
+@pytest.mark.parametrize(
+    "mode, script",
+    [
+        (["-m"], "no_such.module"),  # a module, not a file: python -m finds it, or says it cannot
+        (["--module"], "no_such.module"),
+        (["--no-python"], "no-such-program"),  # a program, found on PATH
+        ([], "train.py"),
+        ([], "-"),  # python reads the script from stdin
+    ],
+)
+def test_launch_reads_script_as_torchrun_does(tmp_path, monkeypatch, no_ranks, mode, script):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    assert cli.main(["launch", "--standalone", "--nproc-per-node", "2", "--stats-dir", "s", *mode, script, "x"]) == 0
+    assert len(no_ranks) == 1 and no_ranks[0][-len(mode) - 2 :] == [*mode, script, "x"]
+
+
+def test_launch_of_a_missing_script_exits_at_once(tmp_path):
+    result = _run_cli(["launch", "--standalone", "--nproc-per-node", "2", "nonexistent.py"], tmp_path, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"SCRIPT nonexistent.py (no such file: {tmp_path / 'nonexistent.py'})" in result.stderr
+    assert "stats folder" not in result.stderr and not (tmp_path / "bucketwise-runs").exists()
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["launch", "--help"], ["stats", "--help"], ["demo", "--help"]])
