@@ -3,6 +3,7 @@ torchrun (``--standalone``: torchrun picks a free port, so these run in parallel
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,7 @@ from bucketwise.stats.report_data import ReportData
 from bucketwise.stats.report_format import format_table
 
 JOB_TIMEOUT = 300
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -739,6 +742,25 @@ def test_demo_aot_eager(tmp_path):
     )
     _check_demo(result, 3, "split")
     assert (tmp_path / "s" / "rank0.json").exists()
+
+
+def test_readme_names_the_demo_run_folder_as_the_demo_does(run_dir, tmp_path, monkeypatch):
+    """The README's demo output names the run folder as ``bucketwise demo`` prints it: the
+    default ``./bucketwise-runs/<timestamp>`` under the folder it ran in."""
+    monkeypatch.chdir(tmp_path)
+    args = cli.build_parser().parse_args(["demo"])
+    stats_dir = cli._prepare_stats_dir(args)  # what _cmd_demo writes into, --stats-dir not given
+    for rank_file in run_dir.glob("rank*.json"):
+        shutil.copy(rank_file, stats_dir)
+    out = io.StringIO()
+    launcher.summarize(stats_dir, table=False, out=out)
+    printed = next(line for line in out.getvalue().splitlines() if "per-bucket compile stats" in line)
+    folder = printed.split(" from ", 1)[1]
+    assert folder == os.path.join(os.getcwd(), "bucketwise-runs", os.path.basename(stats_dir))
+    readme = README.read_text()
+    shown = next(line for line in readme.splitlines() if line.startswith("bucketwise: per-bucket compile stats"))
+    assert shown.split(" from ", 1)[1] == "<current folder>/bucketwise-runs/<timestamp>"
+    assert "`./bucketwise-runs/<timestamp>`\nin the folder you run it from" in readme
 
 
 @pytest.mark.inductor
