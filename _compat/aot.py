@@ -79,27 +79,6 @@ def inductor_compile(
         return _DirectAfterFirst(compile_fx_inner(gm, list(example_inputs), is_backward=backward, **kwargs))
 
 
-def graph_cache_key(compiled: Any) -> str | None:
-    """The FX-graph cache key of a graph :func:`inductor_compile` returned: the same for the same
-    graph, Inductor settings and torch, in any process; ``None`` where torch's FX-graph cache did
-    not key it (caching off, a graph it bypassed, or a torch without the attribute).
-    ``OutputCode._fx_graph_cache_key``, set by ``compile_fx_inner`` on a cache miss and on a hit:
-    checked on torch 2.13.0 and 2.15.0."""
-    key = getattr(getattr(compiled, "compiled", compiled), "_fx_graph_cache_key", None)
-    return key if isinstance(key, str) and key else None
-
-
-def inductor_cache_dir() -> str | None:
-    """Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``, else torch's default under the temp
-    folder), made if missing; ``None`` where this torch does not say.
-    ``torch._inductor.runtime.cache_dir_utils.cache_dir``: checked on torch 2.13.0 and 2.15.0."""
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-    except ImportError:
-        return None
-    return cache_dir()
-
-
 def cpp_wrapped(compiled: Any) -> bool:
     """Whether a graph :func:`inductor_compile` returned runs in Inductor's C++ wrapper (its
     generated Python module loads the C++ entry point with ``load_pybinding``:
@@ -210,6 +189,24 @@ def boxed(gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
         return gm(*values)
 
     return run
+
+
+def node_flops(node: fx.Node) -> tuple[int, torch.dtype | None]:
+    """The FLOPs of one aten op node (matmuls, convolutions, attention: ``FlopCounterMode``'s
+    formulas, on the nodes' fake values; 0 for every other op) and the dtype of its first tensor
+    input. ``torch.utils.flop_counter.flop_registry`` is keyed by op packet; checked on torch
+    2.11.0 (device machines), 2.13.0 and 2.15.0 (CPU)."""
+    from torch.utils.flop_counter import flop_registry
+
+    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    if formula is None:
+        return 0, None
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)
+    try:
+        return int(formula(*args, **kwargs, out_val=node.meta.get("val"))), dtype
+    except Exception:  # noqa: BLE001 - a formula that cannot read these arguments counts nothing
+        return 0, dtype
 
 
 def aliases_an_input(node: fx.Node) -> bool:

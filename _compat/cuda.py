@@ -1,5 +1,4 @@
-"""The CUDA caching allocator around CUDA-graph captures (cudagraphs/runner.py), and a kernel that
-holds a stream while a compiled block is timed (compiler/block_timing.py).
+"""The CUDA caching allocator around CUDA-graph captures (cudagraphs/runner.py).
 
 Checked on torch 2.11.0 (device machines) and 2.13.0, 2.15.0 (CPU builds: the calls exist and are
 not reached without CUDA). Inductor's cudagraph trees make the same calls around their captures.
@@ -18,11 +17,3 @@ def clear_cublas_workspaces() -> None:
     pool keeps the memory while the graph lives), so no later capture or eager matmul shares it
     and nothing of the graph's pool stays allocated once the graph is gone."""
     torch._C._cuda_clearCublasWorkspaces()
-
-
-def hold_stream(cycles: int) -> None:
-    """Keep the current stream busy for about ``cycles`` GPU clock cycles (``torch.cuda._sleep``,
-    one spinning kernel): work queued behind it waits, so a host that queues it sees no
-    back-pressure from the GPU while it issues, and what it queued then runs back to back.
-    Checked on torch 2.11.0 (device machines) and 2.13.0 (present on the CPU build, not reached)."""
-    torch.cuda._sleep(cycles)

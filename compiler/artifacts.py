@@ -10,8 +10,7 @@ object is made and the file exists, it is loaded into the local caches
 (``torch.compiler.load_cache_artifacts``), so the graphs' compiles are cache hits. The file
 is written at the start of the second call, when the first step's forward and backward have
 compiled: where none was loaded, or where the first step still missed a cache (the model or the
-versions changed). Shared blocks' kept timings (NOTE [block timings kept]) go with them, in
-``DIR/block_timings/``, and are loaded with them. Dynamo's trace is not an artifact: a restart
+versions changed). Dynamo's trace is not an artifact: a restart
 traces the frames again (with ``share_blocks``, one call per block, NOTE [Dynamo calls a block]).
 The report's notes say what was loaded and saved.
 """
@@ -20,13 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from .block_timing import kept_dir
 
 ENV = "BUCKETWISE_COMPILE_ARTIFACTS"
 
@@ -47,8 +43,7 @@ class Artifacts:
             return f"compile artifacts: none at {self.path} yet; they are saved after the first step"
         info = torch.compiler.load_cache_artifacts(self.path.read_bytes())
         self.loaded = _counts(info)
-        timings = _copy_timings(self.path.parent / TIMINGS, kept_dir())
-        return f"compile artifacts: loaded {self.path} ({_describe(self.loaded)}{timings})"
+        return f"compile artifacts: loaded {self.path} ({_describe(self.loaded)})"
 
     def should_save(self, cache_misses: int) -> bool:
         return self.loaded is None or cache_misses > 0
@@ -63,31 +58,7 @@ class Artifacts:
         partial = self.path.with_name(self.path.name + f".{os.getpid()}.partial")
         partial.write_bytes(data)
         partial.replace(self.path)
-        timings = _copy_timings(kept_dir(), self.path.parent / TIMINGS)
-        return (
-            f"compile artifacts: saved {self.path} ({_describe(_counts(info))}{timings}, {len(data) / 2**20:.1f} MiB)"
-        )
-
-
-TIMINGS = "block_timings"
-"""The artifacts folder's subfolder of shared blocks' kept timings."""
-
-
-def _copy_timings(source: Path | None, target: Path | None) -> str:
-    """Copy the kept block timings in ``source`` into ``target``; says how many, for the note. A
-    timing that cannot be copied is timed again where it is missing: said, never raised."""
-    files = sorted(source.glob("*.json")) if source is not None and target is not None and source.is_dir() else []
-    if not files:
-        return ""
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-        for f in files:
-            partial = target / f"{f.name}.{os.getpid()}.partial"
-            shutil.copyfile(f, partial)
-            partial.replace(target / f.name)
-    except OSError as exc:
-        return f", block timings not copied to {target} ({exc})"
-    return f", {len(files)} block timing{'s' if len(files) > 1 else ''}"
+        return f"compile artifacts: saved {self.path} ({_describe(_counts(info))}, {len(data) / 2**20:.1f} MiB)"
 
 
 def artifacts_for(directory: str | os.PathLike | None) -> Artifacts | None:

@@ -33,8 +33,8 @@ call (``BlockCalls.changed``, one pass in C over the modules' ``__dict__``s). Wh
 Dynamo inlines every block from then on, as if a block had refused, and compiles the graph again
 with its guards on the new value; the report says which attribute changed. Where blocks are not shared
 (``share_blocks=False``, or ``"auto"`` without CUDA graphs on the CPU: NOTE [sharing by default])
-Dynamo inlines the blocks; where ``"auto"`` times a block and keeps it whole (NOTE [sharing measured
-at compile time]), AOTAutograd traces it through :func:`block_call`, as for a block that refused.
+Dynamo inlines the blocks; where ``"auto"`` estimates a block and keeps it whole (NOTE [sharing by
+cost]), AOTAutograd traces it through :func:`block_call`, as for a block that refused.
 """
 
 from __future__ import annotations

@@ -82,8 +82,7 @@ from ..distributed.result import CompileOutcome
 from ..partitioners import block_graphs as bg
 from ..partitioners.block_graphs import BlockLayout, MovedOut
 from ..partitioners.blocks import find_block_run, piece_signature
-from . import block_calls
-from .block_timing import BlockTiming, TimedSharing, timing_of
+from . import block_calls, block_cost
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +144,8 @@ class SharedBlock:
     reads: tuple[int, ...] | None = None
     """The positions, among a call's inputs (the block's own, then what ``moved`` computed), of
     those the compiled forward takes (``bg.drop_unread``); ``None``: all of them."""
-    timing: BlockTiming | None = None
-    """Its call timed at compile time, where ``share_blocks="auto"`` decides by it (NOTE [sharing
-    measured at compile time])."""
+    cost: block_cost.BlockCost | None = None
+    """Its call's estimated cost, where ``share_blocks="auto"`` decides by it (NOTE [sharing by cost])."""
     first_call: FirstCall = dataclasses.field(default_factory=FirstCall)
 
 
@@ -367,7 +365,7 @@ class Sharing:
             **({} if self.bucket_per_block is None else {"bucket_per_block": self.bucket_per_block}),
             **({} if self.dynamo is None else {"dynamo_calls": self.dynamo}),
             **({"computed_before_blocks": moved} if (moved := self.computed_before_blocks) else {}),
-            **({"timing": timed} if (timed := [b.timing.to_dict() for b in self.kept if b.timing]) else {}),
+            **({"cost": costs} if (costs := [b.cost.to_dict() for b in self.kept if b.cost]) else {}),
             # Compiled in Inductor's C++ wrapper (options={"cpp_wrapper": True}), as the graph around them.
             **({"cpp_wrapper": True} if any(aot.cpp_wrapped(b.forward) for b in self.kept) else {}),
         }
@@ -380,13 +378,12 @@ def share_blocks(
     backend: str,
     config_patches: dict,
     buckets: BlockBuckets | None = None,
-    timed: TimedSharing | None = None,
+    cost: block_cost.CostRule | None = None,
 ) -> tuple[Sharing | None, str | None]:
     """Rewrite ``gm`` in place so that its identical blocks call one compiled block; returns what
     was shared, or ``None`` and why nothing was (NOTE [one compile per block]). ``buckets``
     (``fused``): the parameters a shared block may reduce itself (NOTE [a bucket per block]);
-    ``timed``: share only where the compiled blocks' timed calls say so (NOTE [sharing measured
-    at compile time])."""
+    ``cost``: share only where the blocks' estimated cost says so (NOTE [sharing by cost])."""
     if any(isinstance(a, torch.SymInt) or (isinstance(a, torch.Tensor) and bg.is_symbolic(a)) for a in example_inputs):
         return None, "dynamic shapes"
     if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs):
@@ -426,17 +423,15 @@ def share_blocks(
                     reduced=reduced.get(signature, ()),
                     spec=buckets.spec if buckets is not None else None,
                     invariant=invariant[signature],
-                    timed=timed is not None,
+                    cost=cost,
                 )
             except bg.NotShareable as exc:
                 return None, f"{run.name}.{k}: {exc}"
+            except block_cost.KeptWhole as exc:
+                cost.refused(run.name, sum(sig in repeated for sig in signatures), str(exc))
+                return None, str(exc)
             outcomes.append(outcome)
     shared = [(part, blocks[sig]) for part, sig in zip(parts, signatures) if sig in blocks]
-    if timed is not None:
-        spent = sum(o.seconds for o in outcomes)
-        why = timed.refusal(run.name, len(shared), [b.timing for b in blocks.values()], spent_s=spent)
-        if why is not None:
-            return None, why
     computed: dict[int, list[fx.Node]] = {}  # block key -> what ``block.moved.before`` computed
     with aot.dynamo_sources_kept(gm):
         for k, (part, block) in enumerate(shared):
@@ -521,7 +516,7 @@ def _compile(
     reduced: tuple[int, ...] = (),
     spec: CommSpec | None = None,
     invariant: tuple[int, ...] = (),
-    timed: bool = False,
+    cost: block_cost.CostRule | None = None,
 ) -> tuple[SharedBlock, CompileOutcome]:
     phases0, counts0 = dc.compile_phase_seconds(), dc.compile_counters()
     start = time.perf_counter()
@@ -538,6 +533,7 @@ def _compile(
         raise bg.NotShareable(f"the block draws random numbers ({random[0]})")
     if any(n.op == "call_function" and dc.written_args(n) for n in fw.graph.nodes):
         raise bg.NotShareable("the block writes into one of its inputs")
+    estimated = cost.check(fw, bw) if cost is not None else None  # before anything is compiled
     # The stages of NOTE [a shared block in stages], in order: each rewrites fw and bw in place.
     moved = bg.move_out(fw, bw, invariant, n_user=len(bg.user_outputs(sub)))
     reads = bg.drop_unread(fw, bw)
@@ -557,10 +553,9 @@ def _compile(
         bw_inputs = [n.meta["val"] for n in bw.graph.find_nodes(op="placeholder")]
         forward = aot.inductor_compile(fw, fw_inputs, fake_mode, backward=False, config_patches=config_patches)
         backward = aot.inductor_compile(bw, bw_inputs, fake_mode, backward=True, config_patches=config_patches)
-        timing = timing_of(forward, backward, fw_inputs, bw_inputs) if timed else None
     else:
-        forward, backward, timing = aot.boxed(fw), aot.boxed(bw), None
-    block = SharedBlock(next(_KEYS), layout, forward, backward, wire=wire, moved=moved, reads=reads, timing=timing)
+        forward, backward = aot.boxed(fw), aot.boxed(bw)
+    block = SharedBlock(next(_KEYS), layout, forward, backward, wire=wire, moved=moved, reads=reads, cost=estimated)
     _BLOCKS[block.key] = block
     outcome = CompileOutcome(backend=backend, seconds=time.perf_counter() - start)
     phases1 = dc.compile_phase_seconds()

@@ -81,9 +81,9 @@ class CompileConfig:
     compiled forward and backward, so AOTAutograd and the backend run once per distinct block
     (NOTE [one compile per block]); ``False`` compiles every block with the whole graph;
     ``"auto"`` (default): ``True`` where bucketwise's CUDA graphs are on and the strategy is not
-    ``split``; without CUDA graphs on a GPU, where the compiled block's call, timed at compile
-    time, hides behind its kernels on every rank (NOTE [sharing measured at compile time]); else
-    ``False`` (NOTE [sharing by default]; the report says which and why)."""
+    ``split``; without CUDA graphs on a GPU, where the block's call, estimated from its graphs,
+    hides behind its kernels (NOTE [sharing by cost]); else ``False`` (NOTE [sharing by
+    default]; the report says which and why)."""
 
     artifacts: str | os.PathLike | None = None
     """A folder for this rank's compiled artifacts, loaded now and saved after the first step

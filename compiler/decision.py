@@ -54,9 +54,9 @@ class Variant(str, enum.Enum):
 # calls, output allocations and a few kernels that no longer fuse across the block's edges: host
 # time every step, which a step that is host-bound pays in full. Bucketwise's CUDA graphs replay
 # all of that as one launch. So ``share_blocks="auto"`` (the default) shares where bucketwise's
-# CUDA graphs are on; without them, on a GPU, each graph shares its blocks where the compiled
-# block's call, timed when it has compiled, hides behind its kernels on every rank (NOTE [sharing
-# measured at compile time]), and on the CPU, whose host time is the step, it does not. Never
+# CUDA graphs are on; without them, on a GPU, each graph shares its blocks where the block's call,
+# estimated from its graphs, hides behind its kernels (NOTE [sharing by cost]), and on the CPU,
+# whose host time is the step, it does not. Never
 # under ``strategy="split"``, where a shared block is never cut and the bucket segments inside it
 # would merge. ``True`` shares anyway; ``False`` never. It is decided once per compiled object from
 # what was asked, the CUDA-graph decision and whether CUDA is there (whether Dynamo meets blocks
@@ -81,9 +81,9 @@ class BlockSharing:
     """Left unshared only for the host time each shared block's call costs every step (``auto``
     without CUDA graphs): where the GPU, not the host, bounds the step, sharing costs nothing
     (NOTE [saying when sharing blocks is free])."""
-    timed: bool = False
-    """Shared in a graph only where the compiled block's call, timed on its GPU, hides behind its
-    kernels (``auto`` without CUDA graphs, NOTE [sharing measured at compile time])."""
+    by_cost: bool = False
+    """Shared in a graph only where the block's call, estimated from its graphs, hides behind its
+    kernels (``auto`` without CUDA graphs, NOTE [sharing by cost])."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -251,9 +251,7 @@ def decide_sharing(config: CompileConfig, *, cudagraphs: bool, strategy: Strateg
         return BlockSharing(
             enabled=False,
             host_time=True,
-            reason="share_blocks='auto' shares identical blocks with bucketwise's CUDA graphs on (cudagraphs=True), "
-            "which replay a shared block's calls in one launch, or on a GPU where a compiled block's call is timed "
-            "to hide behind its kernels; on the CPU each call costs host time every step. Pass share_blocks=True "
-            "for a shorter first step all the same",
+            reason="share_blocks='auto' leaves identical blocks to the whole graph: on the CPU each call costs host "
+            "time every step. Pass share_blocks=True for a shorter first step all the same",
         )
-    return BlockSharing(enabled=True, timed=True)
+    return BlockSharing(enabled=True, by_cost=True)

@@ -35,9 +35,8 @@ from ..distributed.whole import apply_whole
 from ..partitioners.param_usage import GraphParam, ParamInput, higher_order_ops, match_params, params_in_graph
 from ..stats.compile_times import CompileTimes, backend_call_times
 from ..stats.report import GraphStats, Report, SegmentStats, eager_regions
-from . import doctor
+from . import block_cost, doctor
 from .block_calls import BlockCallRefused, BlockCalls, find_block_calls, is_block_call, repeated_blocks
-from .block_timing import TimedSharing
 from .blocks import SHARED_BLOCK_BACKWARD, BlockBuckets, Sharing, share_blocks
 from .blocks import cache_targets as blocks_cache_targets
 from .config import CompileConfig
@@ -312,12 +311,13 @@ class GraphBackend:
         if buckets is not None:  # the blocks' backward gathers their gradients into a bucket
             patches.update(ci.bucket_safe_patches())  # NOTE [reductions into bucket views]
         aot.start_compile_workers(backend, example_inputs)  # NOTE [compile workers from the start]
-        timed = None
-        if chosen.timed:
-            ddp = self.ddp  # resolved by this graph's call (``_resolve_ddp``)
-            timed = TimedSharing(report=self.report, group=ddpc.process_group(ddp) if ddp is not None else None)
+        cost = None
+        if chosen.by_cost:
+            cost, why = self._cost_rule(example_inputs)
+            if cost is None:
+                return None, why
         sharing, unshared = share_blocks(
-            gm, example_inputs, backend=backend, config_patches=patches, buckets=buckets, timed=timed
+            gm, example_inputs, backend=backend, config_patches=patches, buckets=buckets, cost=cost
         )
         calls = self.block_calls
         if sharing is not None:
@@ -325,6 +325,23 @@ class GraphBackend:
         elif not called and calls is not None and calls.off is not None and unshared is not None:
             unshared = f"{unshared} (Dynamo traced every block: {calls.off})"
         return sharing, unshared
+
+    def _cost_rule(self, example_inputs: Sequence[Any]) -> tuple[block_cost.CostRule | None, str | None]:
+        """How ``share_blocks="auto"`` decides for this graph without CUDA graphs (NOTE [sharing by
+        cost]), or why its blocks stay whole: the estimate is of Inductor's blocks on one GPU."""
+        devices = {a.device for a in example_inputs if isinstance(a, torch.Tensor)}
+        if not self.config.inductor or len(devices) != 1 or next(iter(devices)).type != "cuda":
+            why = (
+                "share_blocks='auto' shares blocks without CUDA graphs where a block's call, estimated for "
+                "Inductor's kernels on one GPU, hides behind them; this graph "
+                + ("compiles with another backend" if not self.config.inductor else "does not run on one GPU")
+                + ". Pass share_blocks=True for a shorter first step all the same"
+            )
+            return None, why
+        device, note = block_cost.device_cost(next(iter(devices)))
+        if note is not None:
+            self.report.note(f"share_blocks='auto': {note}")
+        return block_cost.CostRule(device=device, report=self.report), None
 
     def fused_backend(self) -> Callable[..., Any]:
         """The backend, with Inductor's comm/compute reordering on (scoped to its compiles)."""

@@ -181,15 +181,15 @@ HOST_BOUND_PREFIX = "host-bound: "
 
 # NOTE [saying when sharing blocks is free]: without CUDA graphs ``share_blocks="auto"`` compiles
 # a model's repeated blocks with the whole graph where each call of a shared block would cost the
-# step host time: on the CPU, and on a GPU where the block's call, timed at compile time, does not
-# hide behind its kernels (NOTE [sharing measured at compile time]). A step bound by its GPU does
+# step host time: on the CPU, and on a GPU where the block's call, estimated from its graphs, does
+# not hide behind its kernels (NOTE [sharing by cost]). A step bound by its GPU does
 # not pay it: the host
 # issues ahead of the GPU, and the shared blocks' kernels are the same. On one H200 an HF Llama
 # at batch 12 x 1024 stepped in 0.97x the whole graph's time with its 16 or 32 blocks shared,
 # at 0.97x the peak memory, and its first step compiled one block instead of all; at batch 4 the
 # host bounded the step and sharing cost 1.10x to 1.53x
 # (benchmarks/results/2026-11-29_1xH200_tax-llama16-32-b12-shared-blocks and
-# 2026-11-27_1xH100_shared-blocks-default-depth-table). The compile-time timing sees one block's
+# 2026-11-27_1xH100_shared-blocks-default-depth-table). The compile-time estimate sees one block's
 # call, not the whole step (the optimizer, the loss, data loading, the host's noise in a run): so
 # where the profiled steps kept the GPU busy at least GPU_BOUND_BUSY of the time and the report
 # lists blocks left unshared for host time only, the view says so and what to try. It is advice,

@@ -254,8 +254,8 @@ def summarize(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 {k: c[k] for k in ("name", "replays", "uncaptured_runs", "uncaptured_reasons", "reason", "note")}
                 for c in e["report"].to_dict().get("cudagraphs", [])
             ]
-            # What the default did with the model's blocks, and why (NOTE [sharing measured at
-            # compile time]): each graph's shared blocks (with their timed call) or the reason not.
+            # What the default did with the model's blocks, and why (NOTE [sharing by cost]): each
+            # graph's shared blocks (with their estimated call) or the reason not.
             report = e["report"].to_dict()
             row["shared_blocks"] = [g.get("shared_blocks") for g in report.get("graphs", [])]
             row["unshared_blocks"] = report.get("unshared_blocks")

@@ -766,13 +766,6 @@ def test_readme_names_the_demo_run_folder_as_the_demo_does(run_dir, tmp_path, mo
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the demo runs on the CPU only where no GPU is visible")
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the report's note on blocks left unshared by share_blocks='auto' on the CPU (compiler/decision.py, "
-    "decide_sharing's reason where torch.cuda.is_available() is False) speaks of CUDA graphs and a GPU: "
-    "library code; remove this mark with its fix",
-)
 def test_demo_on_cpu_says_nothing_of_cuda_graphs_or_gpus(tmp_path):
     result = _run_cli(["demo", "--steps", "1", "--backend", "aot_eager", "--stats-dir", str(tmp_path / "s")], tmp_path)
     if result.returncode != 0 or " ranks on cpu," not in result.stdout:  # a failure, not the expected one

@@ -27,7 +27,7 @@ ON_GPU = torch.cuda.is_available()
         ("auto", "none", True, True, None),
         ("auto", "split", True, False, "strategy='split'"),
         ("auto", "split", False, False, "strategy='split'"),
-        # Without CUDA graphs: timed per graph on a GPU (NOTE [sharing measured at compile time]).
+        # Without CUDA graphs: estimated per graph on a GPU (NOTE [sharing by cost]).
         ("auto", "fused", False, ON_GPU, None if ON_GPU else "on the CPU each call costs host time"),
         (True, "split", False, True, None),
         (False, "fused", True, False, None),
@@ -37,7 +37,7 @@ def test_the_default_shares_where_cuda_graphs_replay_the_blocks(share_blocks, st
     decision = decide_sharing(CompileConfig(share_blocks=share_blocks, strategy=strategy), cudagraphs=cudagraphs)
     assert decision.enabled is enabled
     # Only the default without CUDA graphs on a GPU is decided by timing the compiled block.
-    assert decision.timed is (share_blocks == "auto" and strategy != "split" and not cudagraphs and ON_GPU)
+    assert decision.by_cost is (share_blocks == "auto" and strategy != "split" and not cudagraphs and ON_GPU)
     if why is None:
         assert decision.reason is None, decision.reason
     else:
