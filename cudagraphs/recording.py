@@ -16,6 +16,8 @@ from .._compat import storage as st
 @dataclasses.dataclass(eq=False)
 class Recording:
     graph: Any
+    pool: Any
+    """The memory pool it captured into (a backward that joined its forward: the forward's)."""
     inputs: list[Any]  # the copy buffers at copy_idxs (None elsewhere: no reference is kept to
     # tensors read in place, their owners' use counts stay exact, see NOTE [cudagraph replay safety])
     copy_idxs: list[int]

@@ -27,7 +27,10 @@ runner therefore
   is checked each call, a moved one runs uncaptured, then re-records), and copies every other
   tensor input into a static buffer;
 - runs a new input signature once uncaptured (the warm-up) and records on its second call,
-  at most ``max_records`` times; past that it runs uncaptured and the stats say why.
+  at most ``max_records`` times; past that it runs uncaptured and the stats say why. The
+  warm-up allocates from the pool the recording will capture into (a backward's from its
+  forward's), as Inductor's cudagraph trees do: what it frees is reused by the capture instead
+  of staying cached, and fragmenting, outside every pool.
 
 The first call of a signature and every fallback call run the compiled graph itself, so a
 failed or refused capture never changes numerics.
@@ -135,23 +138,29 @@ class CudaGraphs:
     def __init__(self) -> None:
         self._stream = None
 
-    def capture(self, fn: Callable[[list[Any]], Any], inputs: list[Any], *, pool_of: Any = None) -> tuple[Any, Any]:
-        """Record ``fn(inputs)`` into a new graph; returns (graph, fn's result). ``fn`` consumes
-        ``inputs`` (it clears the list, and frees each tensor nothing else holds once it is
-        read). The graph gets a memory pool of its own, or the pool of the graph ``pool_of``
-        (NOTE [a forward and its backward share a pool]). Nothing runs: the first replay
-        computes. The graph keeps no reference to ``inputs``, only their addresses."""
+    def new_pool(self) -> Any:
+        """A memory pool for one recording (and the backward that joins it)."""
+        return torch.cuda.MemPool()
+
+    def allocating_in(self, pool: Any) -> contextlib.AbstractContextManager:
+        """Within the block, this thread's allocations come from ``pool``."""
+        return torch.cuda.use_mem_pool(pool)
+
+    def capture(self, fn: Callable[[list[Any]], Any], inputs: list[Any], *, pool: Any) -> tuple[Any, Any]:
+        """Record ``fn(inputs)`` into a new graph whose memory comes from ``pool``; returns
+        (graph, fn's result). ``fn`` consumes ``inputs`` (it clears the list, and frees each
+        tensor nothing else holds once it is read). Nothing runs: the first replay computes. The
+        graph keeps no reference to ``inputs``, only their addresses."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
-        pool = pool_of.pool() if pool_of is not None else None
-        # Memory the warm-up left cached goes back before the pool is filled, so the two are not
-        # reserved at once; and the capture gets a cuBLAS workspace of its own, in its pool.
+        # What eager work left cached goes back before the pool grows, and the capture gets a
+        # cuBLAS workspace of its own, in its pool.
         torch.cuda.empty_cache()
         cuc.clear_cublas_workspaces()
         try:
             # thread_local: NCCL's watchdog and other threads keep querying events meanwhile.
-            with torch.cuda.graph(graph, pool=pool, stream=self._stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool.id, stream=self._stream, capture_error_mode="thread_local"):
                 out = fn(inputs)
         finally:
             cuc.clear_cublas_workspaces()
@@ -198,6 +207,9 @@ class CudaGraphGroup:
         # Forward recordings whose pool a backward may still join, by the address of each of
         # their saved activations (NOTE [a forward and its backward share a pool]).
         self.open_forwards: "weakref.WeakValueDictionary[int, Recording]" = weakref.WeakValueDictionary()
+        # The pools of forwards warmed up and not yet recorded, by the address of each saved
+        # activation: their backward warms up in the same pool.
+        self.warm_pools: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         # Held weakly: a runner lives as long as the compiled graph that calls it (Dynamo's
         # cache), so torch._dynamo.reset() still frees its recordings.
         self._runners: "weakref.WeakSet[CudaGraphRunner]" = weakref.WeakSet()
@@ -223,6 +235,7 @@ class CudaGraphGroup:
         for r in live:
             r.release(reason)
         self.open_forwards.clear()
+        self.warm_pools.clear()
         log.info("bucketwise: released %d CUDA graph recording(s) at %s", len(live), reason)
 
     def runner(
@@ -280,6 +293,8 @@ class CudaGraphRunner:
         self.disabled = blocked
         self.records: dict[tuple, Recording] = {}
         self.warmed: set[tuple] = set()
+        self.pools: dict[tuple, Any] = {}
+        """The pool each signature warmed up in, until its recording captures into it."""
         self._moved_calls = 0
         self.lend = returned_outputs == 0
         """A backward: hand out its gradients as aliases (see NOTE [cudagraph replay safety])."""
@@ -291,9 +306,7 @@ class CudaGraphRunner:
         rec = self.records.get(key)
         if rec is None:
             if key not in self.warmed:
-                self.warmed.add(key)
-                self.stats.warmups += 1
-                return self.compiled(args)
+                return self._warm_up(key, args)
             return self._record(key, args)
         why = self._why_not_replay(rec, args)
         if why is not None:
@@ -311,6 +324,35 @@ class CudaGraphRunner:
             return self.compiled(args)
         self._moved_calls = 0
         return self._replay(rec, args)
+
+    def _warm_up(self, key: tuple, args: list[Any]) -> Any:
+        """The first call of a signature, uncaptured, allocating from the pool its recording
+        will use: a backward's is the pool its forward warmed up in, if that one records none
+        yet (its saved activations are there), else one of its own."""
+        self.warmed.add(key)
+        self.stats.warmups += 1
+        graphs = self.group.graphs
+        pool = None
+        if self.returned_outputs == 0:
+            pool = next(
+                (
+                    p
+                    for a in args
+                    if isinstance(a, torch.Tensor)
+                    for p in [self.group.warm_pools.get(a.data_ptr())]
+                    if p
+                ),
+                None,
+            )
+        if pool is None:
+            pool = self.pools[key] = graphs.new_pool()
+        with graphs.allocating_in(pool):
+            out = self.compiled(args)
+        if self.returned_outputs not in (None, 0):
+            for o in out[self.returned_outputs :]:
+                if isinstance(o, torch.Tensor):
+                    self.group.warm_pools[o.data_ptr()] = pool
+        return out
 
     def _stop_lending(self) -> None:
         if self.lend:
@@ -370,8 +412,16 @@ class CudaGraphRunner:
         if refused is not None:
             self._disable(refused)
             return self.compiled(args)
-        plan = plan_inputs(args, self.static_input_idxs, self.group.stable_ptrs)
-        forward = self._forward_to_join(args, plan)
+        forward = self._forward_to_join(args)
+        warmed_in = self._take_warm_pool(key)
+        pool = forward.pool if forward is not None else warmed_in or self.group.graphs.new_pool()
+        # The copy buffers come from the pool too; before the forward lets go of its
+        # activations, so that none of them sits where an activation lives.
+        with self.group.graphs.allocating_in(pool):
+            plan = plan_inputs(args, self.static_input_idxs, self.group.stable_ptrs)
+        if forward is not None:
+            mine = {id(forward.outputs[j]): j for j in forward.held_idxs}
+            plan.consumed = {k: mine[id(args[k])] for k in plan.stable_idxs if id(args[k]) in mine}
         consumed = [
             (i, st.tensor_use_count(args[i]), st.storage_use_count(st.storage_cdata(args[i]))) for i in plan.consumed
         ]
@@ -381,7 +431,7 @@ class CudaGraphRunner:
         args.clear()
         before = self.group.graphs.reserved_bytes()
         try:
-            rec = self._capture(plan, forward)
+            rec = self._capture(plan, forward, pool)
         except Exception as exc:  # a refused capture: run uncaptured from now on, numerics unchanged
             log.warning("bucketwise: CUDA-graph capture of %s failed, running uncaptured: %s", self.stats.name, exc)
             self._disable(f"capture failed: {type(exc).__name__}: {exc}"[:300])
@@ -406,6 +456,7 @@ class CudaGraphRunner:
     def _disable(self, reason: str) -> None:
         self.disabled = True
         self.records.clear()
+        self.pools.clear()
         self.stats.captured = False
         self.stats.reason = reason
 
@@ -423,29 +474,37 @@ class CudaGraphRunner:
                 return f"input {i} is not dense (strides {tuple(a.stride())}): cannot keep a static copy"
         return None
 
-    def _forward_to_join(self, args: list[Any], plan: Plan) -> "Recording | None":
-        """A backward reading, in place, the saved activations of a forward recording whose pool
-        is still open: that recording (and ``plan.consumed`` lists those inputs); else None."""
+    def _forward_to_join(self, args: list[Any]) -> "Recording | None":
+        """A backward reading, in place, saved activations of a forward recording whose pool is
+        still open: that recording; else None."""
         if self.returned_outputs != 0:
             return None
-        for i in plan.stable_idxs:
-            forward = self.group.open_forwards.get(args[i].data_ptr())
-            if forward is None:
-                continue
-            mine = {id(forward.outputs[j]): j for j in forward.held_idxs}
-            plan.consumed = {k: mine[id(args[k])] for k in plan.stable_idxs if id(args[k]) in mine}
-            return forward if plan.consumed else None
+        for a in args:
+            forward = self.group.open_forwards.get(a.data_ptr()) if isinstance(a, torch.Tensor) else None
+            if forward is not None and any(forward.outputs[j] is a for j in forward.held_idxs):
+                return forward
         return None
 
-    def _capture(self, plan: Plan, forward: "Recording | None") -> Recording:
+    def _take_warm_pool(self, key: tuple) -> Any:
+        """The pool this signature warmed up in, if any; from now on no backward warms up there
+        (a capture is about to use its memory)."""
+        pool = self.pools.pop(key, None)
+        if pool is None:
+            return None
+        warm = self.group.warm_pools
+        for ptr in [p for p, q in warm.items() if q is pool]:
+            del warm[ptr]
+        return pool
+
+    def _capture(self, plan: Plan, forward: "Recording | None", pool: Any) -> Recording:
         if forward is None:
-            graph, outputs = self.group.graphs.capture(self.compiled, plan.inputs)
+            graph, outputs = self.group.graphs.capture(self.compiled, plan.inputs, pool=pool)
         else:
             for ptr in [p for p, r in self.group.open_forwards.items() if r is forward]:
                 del self.group.open_forwards[ptr]
             saved = let_go(forward)
             try:
-                graph, outputs = self.group.graphs.capture(self.compiled, plan.inputs, pool_of=forward.graph)
+                graph, outputs = self.group.graphs.capture(self.compiled, plan.inputs, pool=pool)
             finally:
                 alias(forward, saved)
         outputs = list(outputs)
@@ -465,6 +524,7 @@ class CudaGraphRunner:
         self.group.stable_ptrs.update(plan.stable_ptrs)
         rec = Recording(
             graph=graph,
+            pool=pool,
             inputs=plan.buffers,
             copy_idxs=plan.copy_idxs,
             stable_idxs=plan.stable_idxs,

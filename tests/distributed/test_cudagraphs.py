@@ -232,6 +232,19 @@ def test_accumulating_stolen_gradients_stops_lending(monkeypatch):
     assert fw["records"] == bw["records"] == 1, stats
 
 
+def test_warm_ups_allocate_from_the_pool_their_recordings_capture_into(monkeypatch):
+    # What a warm-up frees stays in the pool its recording captures into (on a GPU it would
+    # otherwise stay cached outside every pool): the forward's warm-up makes the pool, its
+    # backward warms up there too, and both graphs and their copy buffers come from it.
+    emulators = use_emulated_graphs(monkeypatch)
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 3)
+    em = emulators[0]
+    assert em.pools == 1 and em.shared == 1, (em.pools, em.shared)
+    (pool,) = {id(p()): p() for p in em.allocated_in}.values()
+    assert len(em.allocated_in) == 4 and len(pool.graphs) == 2, (em.allocated_in, pool.graphs)
+
+
 def test_backward_with_retain_graph_keeps_the_activations(monkeypatch):
     # The backward frees (and may overwrite) the activations it reads; retain_graph=True keeps
     # them for a second backward, so that backward runs uncaptured and the second one reads

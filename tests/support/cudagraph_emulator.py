@@ -12,6 +12,9 @@ some graph of the pool overwrote sees it.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import torch
 
 
@@ -26,8 +29,21 @@ class EmulatedGraphs:
         self.fail_capture = fail_capture
         self.shared = 0
         """Captures into another graph's pool."""
+        self.pools = 0
+        """Pools made (one per warm-up or recording that joins none)."""
+        self.allocated_in: list[weakref.ref[_Pool]] = []
+        """The pool of every block of eager allocations (warm-ups, copy buffers), in order (held
+        weakly: a dropped model frees its pools)."""
 
-    def capture(self, fn, inputs, *, pool_of=None):
+    def new_pool(self):
+        self.pools += 1
+        return _Pool()
+
+    def allocating_in(self, pool):
+        self.allocated_in.append(weakref.ref(pool))
+        return contextlib.nullcontext()
+
+    def capture(self, fn, inputs, *, pool):
         if self.fail_capture:
             raise RuntimeError("emulated capture failure")
         self.captures += 1
@@ -38,17 +54,14 @@ class EmulatedGraphs:
         for t, before in saved:
             t.copy_(before)
         self.output_ptrs.update(o.data_ptr() for o in out if isinstance(o, torch.Tensor))
-        if pool_of is not None:
+        if pool.graphs:
             self.shared += 1
-            pool = pool_of.pool
-        else:
-            pool = []
         # What the capture allocated lives in the pool; inputs handed back do not.
         in_pool = [
             o for o in out if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in input_storages
         ]
-        graph = _Graph(fn, ptrs, list(out), pool, in_pool)
-        pool.append(graph)
+        graph = _Graph(fn, ptrs, list(out), pool.graphs, in_pool)
+        pool.graphs.append(graph)
         return graph, out
 
     def replay(self, graph, inputs) -> None:
@@ -72,6 +85,11 @@ class EmulatedGraphs:
 
     def wait_idle(self, timeout_s: float) -> bool:
         return True
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.graphs: list[_Graph] = []
 
 
 class _Graph:
