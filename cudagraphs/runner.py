@@ -29,8 +29,9 @@ runner therefore
 - runs a new input signature once uncaptured (the warm-up) and records on its second call,
   at most ``max_records`` times; past that it runs uncaptured and the stats say why. The
   warm-up allocates from the pool the recording will capture into (a backward's from its
-  forward's), as Inductor's cudagraph trees do: what it frees is reused by the capture instead
-  of staying cached, and fragmenting, outside every pool.
+  forward's), on the capture stream, as Inductor's cudagraph trees do: what it frees is reused by
+  the capture instead of staying cached outside every pool, where an optimizer's first step
+  would take part of it and keep the rest from being freed.
 
 The first call of a signature and every fallback call run the compiled graph itself, so a
 failed or refused capture never changes numerics.
@@ -142,17 +143,32 @@ class CudaGraphs:
         """A memory pool for one recording (and the backward that joins it)."""
         return torch.cuda.MemPool()
 
-    def allocating_in(self, pool: Any) -> contextlib.AbstractContextManager:
-        """Within the block, this thread's allocations come from ``pool``."""
-        return torch.cuda.use_mem_pool(pool)
+    @contextlib.contextmanager
+    def allocating_in(self, pool: Any) -> Iterator[None]:
+        """Within the block, this thread's allocations come from ``pool`` and its work runs on the
+        capture stream, after the current stream's: the caching allocator hands a free block only
+        to the stream that freed it, so what a warm-up frees there is what a capture can reuse (as
+        Inductor's cudagraph trees warm up). The current stream then waits for it."""
+        stream = self._capture_stream()
+        current = torch.cuda.current_stream()
+        stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(stream), torch.cuda.use_mem_pool(pool):
+                yield
+        finally:
+            current.wait_stream(stream)
+
+    def _capture_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
 
     def capture(self, fn: Callable[[list[Any]], Any], inputs: list[Any], *, pool: Any) -> tuple[Any, Any]:
         """Record ``fn(inputs)`` into a new graph whose memory comes from ``pool``; returns
         (graph, fn's result). ``fn`` consumes ``inputs`` (it clears the list, and frees each
         tensor nothing else holds once it is read). Nothing runs: the first replay computes. The
         graph keeps no reference to ``inputs``, only their addresses."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
+        stream = self._capture_stream()
         graph = torch.cuda.CUDAGraph()
         # What eager work left cached goes back before the pool grows, and the capture gets a
         # cuBLAS workspace of its own, in its pool.
@@ -160,7 +176,7 @@ class CudaGraphs:
         cuc.clear_cublas_workspaces()
         try:
             # thread_local: NCCL's watchdog and other threads keep querying events meanwhile.
-            with torch.cuda.graph(graph, pool=pool.id, stream=self._stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool.id, stream=stream, capture_error_mode="thread_local"):
                 out = fn(inputs)
         finally:
             cuc.clear_cublas_workspaces()
