@@ -24,7 +24,6 @@ import faulthandler
 import gc
 import json
 import math
-import os
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -32,7 +31,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
-from support.gpu_ranks import run_ranks
+from support.gpu_ranks import run_ranks, world_of_one
 from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -188,25 +187,13 @@ def _worker(
     hook = hooks[rank]
     try:
         faulthandler.dump_traceback_later(TIMEOUT - 30, exit=True)
-        os.environ.update(
-            NCCL_NVLS_ENABLE="0",
-            TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-            NVSHMEM_DISABLE_NVLS="1",
-            BUCKETWISE_PROGRESS="0",
-        )
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
-        torch._inductor.config.compile_threads = 2  # seven processes compile at once
         dev = torch.device(device)
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        pg, pg_device = ("nccl", dev) if dev.type == "cuda" else ("gloo", None)
-        dist.init_process_group(pg, init_method=f"file://{store}-{hook}", rank=0, world_size=1, device_id=pg_device)
+        world_of_one(f"{store}-{hook}", dev)
         results = {}
         for config in [c for c in CONFIGS if dev.type == "cuda" or not CONFIGS[c].get("cudagraphs")]:
-            results[config] = train(hook, config, dev, backend)
-            torch._dynamo.reset()
+            with torch._inductor.config.patch(compile_threads=2):  # seven processes compile at once
+                results[config] = train(hook, config, dev, backend)
+            torch.compiler.reset()
             gc.collect()
         Path(out_dir, f"{hook}.json").write_text(json.dumps(results))
         dist.destroy_process_group()

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from support.gpu_ranks import run_ranks
+from support.gpu_ranks import run_ranks, world_of_one
 
 import bucketwise
 from bucketwise.benchmarks.zoo import registry
@@ -168,19 +168,9 @@ def _worker(rank: int, world: int, store: str, names: list[str], out_dir: str, e
     name = names[rank]
     try:
         faulthandler.dump_traceback_later(TIMEOUT - 30, exit=True)
-        os.environ.update(
-            NCCL_NVLS_ENABLE="0",
-            TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-            NVSHMEM_DISABLE_NVLS="1",
-            BUCKETWISE_PROGRESS="0",
-            HF_HUB_OFFLINE="1",
-        )
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
-        torch.cuda.set_device(0)
+        os.environ["HF_HUB_OFFLINE"] = "1"
         device = torch.device("cuda", 0)
-        dist.init_process_group("nccl", init_method=f"file://{store}-{name}", rank=0, world_size=1, device_id=device)
+        world_of_one(f"{store}-{name}", device)
         result = model_grads(name, device)
         Path(out_dir, f"{name}.json").write_text(json.dumps(result))
         dist.destroy_process_group()

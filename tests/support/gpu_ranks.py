@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import pytest
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -53,6 +55,28 @@ def run_ranks(world: int, worker: Callable[..., None], store: str, *args: Any, t
         failures.append(errors.get())
     assert not failures, "\n".join(failures)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def world_of_one(store: str, device: torch.device) -> None:
+    """This process as the one rank of a process group through the file ``store`` (NCCL on a GPU,
+    gloo on the CPU), with NVLink multicast off as on the device machines, float32 matmuls in
+    full precision (TF32 off) and no progress lines."""
+    os.environ.update(
+        NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", BUCKETWISE_PROGRESS="0"
+    )
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"file://{store}",
+        rank=0,
+        world_size=1,
+        device_id=device if cuda else None,
+    )
 
 
 def step_side_by_side(pairs: Sequence[tuple[Any, Any]], *inputs: Any) -> list[float]:
