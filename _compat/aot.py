@@ -108,15 +108,13 @@ class _DirectAfterFirst:
     through its ``current_callable`` (the generated module's ``call``) directly.
 
     NOTE [a compiled block called directly]: a shared block's graphs run once per block and step,
-    forward and backward. Inductor's wrapper around each call checks for a graph-execution
-    recorder, an active autotune-cache bundle and the profiler, and finishes a runtime-metrics
-    context: a small graph's call took 3.60 us through it and 2.60 us through this class on a
-    2-core CPU, the generated ``call`` alone 2.43 us (torch 2.13, ``probe host_calls``, results
-    ``2026-11-28_cpu-1rank_host-calls-compiled-block-direct``). The first call goes through the
-    wrapper (autotune-cache writes happen there); later calls skip it, unless the profiler is on,
-    so traces keep the wrapper's record of each call. ``CompiledFxGraph.current_callable``:
-    checked on torch 2.13.0; read with ``getattr``, so where it is missing every call goes
-    through the wrapper.
+    forward and backward, so whatever a call costs the host is paid many times a step. Inductor's
+    wrapper around each call checks for a graph-execution recorder, an active autotune-cache
+    bundle and the profiler, and finishes a runtime-metrics context: host work on top of the
+    generated ``call`` it wraps. The first call goes through the wrapper (autotune-cache writes
+    happen there); later calls skip it, unless the profiler is on, so traces keep the wrapper's
+    record of each call. ``CompiledFxGraph.current_callable`` (checked on torch 2.13.0) is read
+    with ``getattr``, so where it is missing every call goes through the wrapper.
     """
 
     __slots__ = ("compiled", "_direct")

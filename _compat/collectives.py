@@ -114,30 +114,18 @@ def wait(t: Any) -> Any:
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
-# NOTE [late waits]: Inductor orders the collectives of a graph with "fake" weak dependencies
+# NOTE [late waits]: Inductor orders a graph's collectives with fake weak dependencies
 # (``WeakDep(is_fake=True)``, ``comms.decide_global_ordering_of_comms``): collective k+1 depends
 # on what collective k wrote, which its wait reads, so the built-in passes leave every wait right
-# before the next collective (``sink_waits_iterative`` will not move a wait past a collective;
-# ``sink_waits`` honours the fake dependency and drags every later collective to the end). The
-# compute stream then waits for bucket k's allreduce before bucket k+1's is even issued: one
-# bucket in flight, and any lag between ranks stalls the backward (seen on 2 H200s, gpt,
-# non-graphed: 4.5-9.3 ms gaps). Waiting later is safe: collectives keep their order (the same
-# on every rank), NCCL runs them one after another on its stream, and nothing reads a reduced
-# bucket before its own wait. The fake dependencies exist only to fix that order (their own doc
-# says so), so ``sink_waits_to_consumers`` keeps only the order they give the collectives
-# themselves, schedules what each collective needs as early as it can, in that order (Inductor's
-# own order had swapped two: a bf16-compressed first bucket then waited for the whole backward),
-# and delays every wait, and whatever reads its result (a comm hook's decompress), until nothing
-# else is ready. Cost: a compressed bucket stays allocated until the end of the backward (half
-# or less of the gradient bytes, when activations are mostly freed).
-#
-# It is the only pass: its order already issues every collective as soon as what it reduces is
-# computed, so Inductor's own raise pass (``reorder_communication_preserving_peak_memory``) run
-# before it leaves no trace in the result, and that pass costs time that grows with collectives
-# times nodes. Measured on one H100, torch 2.11, an HF Llama of 32 layers (56 buckets), cold: a
-# first step of 135.1 s with it, 87.4 s without, the same step time and peak memory at 16 layers
-# (results/2026-11-26_1xH100_comm-pass-cold-start); on CPU, a 6-layer gpt-tiny's 26 buckets start
-# at the same fractions of the backward either way.
+# before the next collective (``sink_waits_iterative``) or drag every later collective to the end
+# (``sink_waits``). One bucket is then in flight at a time, and any lag between ranks stalls the
+# backward. Waiting later is safe: the collectives keep their order (the same on every rank), NCCL
+# runs them one after another, and nothing reads a reduced bucket before its own wait. So this
+# pass keeps only the collectives' order, schedules what each needs as early as it can, and delays
+# every wait, and what reads its result (a comm hook's decompress), until nothing else is ready; a
+# compressed bucket then stays allocated to the end of the backward. It runs alone: Inductor's
+# raise pass (``reorder_communication_preserving_peak_memory``) would change nothing after it, at
+# a compile cost that grows with collectives times nodes.
 def sink_waits_to_consumers(snodes: list[Any]) -> list[Any]:
     """Scheduler pass: a topological order of ``snodes`` where what each collective needs comes
     first, collective by collective, then the rest in the original order, and waits and the

@@ -36,20 +36,17 @@ def pre_forward(ddp: DDP, args: tuple, kwargs: dict, buffers: BufferBroadcast) -
         return ddp._pre_forward(*args, **kwargs)
 
 
-# NOTE [buffer broadcast]: before every forward that syncs, DDP broadcasts rank 0's buffers to
-# the other ranks, and to find them it walks every module of the model again
-# (``_assign_modules_buffers``, for buffers the user reassigned): on a 16-layer HF Llama, 0.65
-# ms of host time per step in ``named_modules`` alone, and 0.37 ms to send its one buffer to a
-# world of one (one H200, results/2026-11-28_1xH200_host-tax-llama16-ddp-buckets); a step bound
-# by its host pays it in full. bucketwise broadcasts the same buffers from the same rank at the
-# same point instead, and walks the modules again only when something changed: a submodule or a
-# buffer added, removed or replaced (reassigned, or swapped by ``.to()``/``.half()``), which one
-# pass over the dicts found last time tells without DDP's recursive walk. (Torch's global
-# registration hooks would tell it for less, but a model that builds a module in its forward,
-# as HF Llama's ``self.layers[:n]`` does, runs them inside the compiled frame, and Dynamo guards
-# on what they change: a recompile every step.) With one rank there is nothing to broadcast, so
-# nothing is sent. Where DDP's broadcast is not the plain one (a buffer comm hook, ``join()``,
-# which first agrees on the rank to send from) DDP does it itself, as before.
+# NOTE [buffer broadcast]: before every forward that syncs, DDP broadcasts rank 0's buffers, and to
+# find them it walks every module of the model again (``_assign_modules_buffers``, for buffers the
+# user reassigned): host time every step, which a step bound by its host pays in full. bucketwise
+# broadcasts the same buffers from the same rank at the same point, and walks the modules again
+# only when one pass over the dicts it found last time shows a submodule or buffer added, removed
+# or replaced (reassigned, or swapped by ``.to()``/``.half()``). Torch's global registration hooks
+# would tell that for less, but a model that builds a module in its forward (HF Llama's
+# ``self.layers[:n]``) runs them inside the compiled frame, and Dynamo guards on what they change:
+# a recompile every step. With one rank nothing is sent. Where DDP's broadcast is not the plain
+# one (a buffer comm hook, ``join()``, which first agrees on the rank to send from) DDP does it
+# itself.
 
 
 class BufferBroadcast:
@@ -358,19 +355,17 @@ def run_forward_with_idle_reducer(ddp: DDP, args: tuple, kwargs: dict, call: Any
 
 
 # --- DDP's bucket buffers (fused strategy) ------------------------------------------------
-# NOTE [released reducer]: DDP's reducer allocates its bucket buffers, one flat tensor per
-# bucket and together a copy of every gradient, when the DDP module is built, and holds them
-# for the module's life. Under ``fused`` the reducer is idle: the compiled backward reduces
-# each bucket into a buffer of its own, whose views become ``param.grad`` (and are freed with
-# them at ``zero_grad(set_to_none=True)``), so the reducer's buffers are a second copy of the
-# gradients that nothing reads: 15-17% of a transformer's peak memory on one GPU. bucketwise
-# therefore destroys the reducer (and the logger that keeps it alive) once ``fused`` is
-# confirmed, and puts in their place a stand-in that answers the one call DDP's idle forward
-# makes (``_rebuild_buckets()``: nothing to rebuild). Anything else asked of it (``join()``
-# once a rank has joined, a comm hook registered later, DDP's logging data) first rebuilds the
-# real reducer, the way DDP's own ``__setstate__`` does, with the comm hooks and static-graph
-# setting the module had, and is then answered by it. A fresh reducer is what the idle one was:
-# never run, buckets not yet rebuilt, so ranks that rebuild it at the same step (join) agree.
+# NOTE [released reducer]: DDP's reducer allocates its bucket buffers (one flat tensor per bucket,
+# together a copy of every gradient) when the DDP module is built, and holds them for the
+# module's life. Under ``fused`` the reducer is idle: the compiled backward reduces each bucket
+# into a buffer of its own, whose views become ``param.grad``, so the reducer's buffers are a
+# second copy of the gradients that nothing reads. Once ``fused`` is confirmed, bucketwise
+# destroys the reducer (and the logger that keeps it alive) and puts in their place a stand-in
+# that answers the one call DDP's idle forward makes (``_rebuild_buckets()``: nothing to
+# rebuild). Anything else (``join()`` once a rank has joined, a comm hook registered later, DDP's
+# logging data) first rebuilds the real reducer as DDP's ``__setstate__`` does, with the module's
+# comm hooks and static-graph setting. A fresh reducer is what the idle one was (never run,
+# buckets not yet rebuilt), so ranks that rebuild it at the same step agree.
 
 _RELEASED_KEY = "_bucketwise_released_reducer"
 

@@ -3,19 +3,16 @@ the torch releases it was checked on.
 
 NOTE [reductions into bucket views]: ``fused`` gathers each bucket's gradients into one flat buffer
 with ``cat`` (NOTE [a bucket per block] does the same for a shared block's parameters), and
-Inductor computes each gradient straight into its slice of that buffer (the gradient's buffer a
-view of the bucket's storage). Inductor's mix-order reduction (``triton.mix_order_reduction``, on
-by default since torch 2.10) fuses a norm layer's backward into one kernel and finishes the
-weight's and bias's gradients with a last ``sum`` on the host side of the generated code, which
-on torch 2.10 to 2.14 binds the gradient's name to a new tensor instead of writing into the
-bucket: the bucket's slice is never written, and the all-reduce sends whatever that memory held
-(pytorch/pytorch#193061, fixed in torch 2.15). On an H200 with torch 2.11, a GPT of width 2048
-over 8 x 1024 tokens came out of ``fused`` with every LayerNorm weight and bias gradient wrong
-(zeros, or values up to 1e41 against an eager gradient of 1e-3), the same whole graph under
-``split`` and ``none`` exact; a narrow model does not take the mix-order path and was exact.
-Where torch has the defect, every compile that gathers gradients into a bucket runs with the
-mix-order reduction off (the norm layers' backward then takes two kernels, as on torch 2.9), the
-report says so, and a ``fused`` compile asked to turn it on is refused.
+Inductor computes each gradient straight into its slice of that buffer. Inductor's mix-order
+reduction (``triton.mix_order_reduction``, on by default since torch 2.10) fuses a norm layer's
+backward into one kernel and finishes the weight's and bias's gradients with a last ``sum`` on
+the host side of the generated code, which on torch 2.10 to 2.14 binds the gradient's name to a
+new tensor instead of writing into the bucket: the bucket's slice is never written, and the
+all-reduce sends whatever that memory held (pytorch/pytorch#193061, fixed in torch 2.15). Only
+norm layers wide enough for that path are hit, so a small model does not show it. Where torch
+has the defect, every compile that gathers gradients into a bucket runs with the mix-order
+reduction off (the norm layers' backward then takes two kernels), the report says so, and a
+``fused`` compile asked to turn it on is refused.
 """
 
 from __future__ import annotations

@@ -5,18 +5,15 @@ Checked on torch 2.11.0 (device machines), 2.13.0, 2.14.1 and 2.15.0 (CPU).
 NOTE [one Python call per op]: an operator made with ``torch.library.custom_op`` runs five Python
 functions per call under autograd's dispatch key, even where no gradient is wanted (its autograd
 kernel, a redispatch below autograd, the backend kernel with its aliasing checks, Dynamo's
-``disable`` wrapper): 70 us of host time per call on a 2-core CPU for an operator taking 30
-tensors, against 31 us registered as below (``python -m bucketwise.benchmarks probe host_calls``).
-A compiled graph calls bucketwise's shared block twice per block and step, and a step without
-CUDA graphs is bound by its host time. :func:`define` registers an operator with torch's
-lower-level ``torch.library.Library`` API instead: its autograd kernel runs the Python kernel
-directly when nothing traces the call (no Python dispatch key in the call's key set: every input
-a plain tensor or a parameter, no dispatch mode on; and no gradient wanted), and otherwise goes
-the way ``custom_op`` goes (an ``autograd.Function`` while AOTAutograd traces the joint graph, a
-redispatch below autograd under fake tensors and tracing modes), so tracing, fake tensors and the
-autograd formula work unchanged. That the Python key marks exactly those calls (a mode on, fake
-tensors, a tensor subclass with ``__torch_dispatch__``; not plain tensors or parameters): checked
-on torch 2.13.0.
+``disable`` wrapper). A compiled graph calls the shared block's operators twice per block and
+step, and a step without CUDA graphs is often bound by its host time. :func:`define` registers
+an operator with torch's lower-level ``torch.library.Library`` API instead: its autograd kernel
+runs the Python kernel directly when nothing traces the call (no Python dispatch key in the
+call's key set, and no gradient wanted), and otherwise goes the way ``custom_op`` goes (an
+``autograd.Function`` while AOTAutograd traces the joint graph, a redispatch below autograd under
+fake tensors and tracing modes), so tracing, fake tensors and the autograd formula work unchanged.
+That the Python key marks exactly those calls (a mode on, fake tensors, a ``__torch_dispatch__``
+subclass; not plain tensors or parameters) is checked on torch 2.13.0.
 """
 
 from __future__ import annotations
