@@ -143,14 +143,13 @@ def target_name(module: nn.Module) -> str:
 
 
 # NOTE [compile workers from the start]: Inductor compiles Triton kernels in a pool of worker
-# processes, but only once the pool is up: until then it compiles each kernel in the calling
-# process, one after the other. torch starts the pool when its ``inductor`` backend is called,
-# after Dynamo's trace; bucketwise's backend compiles the shared block (NOTE [one compile per
-# block]) before it calls Inductor's entry point, so the block's kernels were all compiled that
-# way (2.9 s of a 32-layer HF Llama's cold first step on one H100, under py-spy). So the pool is
-# started when a module on the GPU is compiled for Inductor, and its workers start while the
-# first call is traced; and again (a no-op where it runs) before a graph on the GPU shares its
-# blocks, for a module moved to the GPU after ``compile``. ``TORCH_WARM_POOL=0`` and
+# processes once the pool is up, and until then in the calling process, one after the other.
+# torch starts the pool when its ``inductor`` backend is called, after Dynamo's trace, but
+# bucketwise's backend compiles the shared block (NOTE [one compile per block]) before it calls
+# Inductor's entry point, so the block's kernels would compile one by one. So the pool is started
+# when a module on the GPU is compiled for Inductor, its workers starting while the first call is
+# traced; and again (a no-op where it runs) before a graph on the GPU shares its blocks, for a
+# module moved to the GPU after ``compile``. ``TORCH_WARM_POOL=0`` and
 # ``TORCHINDUCTOR_COMPILE_THREADS=1`` still turn it off.
 
 

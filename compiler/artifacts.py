@@ -4,15 +4,14 @@ NOTE [compile artifacts]: a restart (a failure, a preemption, a new node) recomp
 nothing where the local caches are empty, and every rank waits for its first step.
 ``bucketwise.compile(..., artifacts=DIR)`` (or ``BUCKETWISE_COMPILE_ARTIFACTS=DIR``, which
 ``bucketwise launch --compile-artifacts DIR`` sets for every rank) keeps each rank's compiled
-artifacts in ``DIR/rank{R}.bin``, torch's own format (``torch.compiler.save_cache_artifacts``:
-Inductor's compiled graphs, AOTAutograd's, Triton's autotuning results). When the compiled
-object is made and the file exists, it is loaded into the local caches
-(``torch.compiler.load_cache_artifacts``), so the graphs' compiles are cache hits. The file
-is written at the start of the second call, when the first step's forward and backward have
-compiled: where none was loaded, or where the first step still missed a cache (the model or the
-versions changed). Dynamo's trace is not an artifact: a restart
-traces the frames again (with ``share_blocks``, one call per block, NOTE [Dynamo calls a block]).
-The report's notes say what was loaded and saved.
+artifacts in ``DIR/rank{R}.bin``, in torch's own format (``torch.compiler.save_cache_artifacts``:
+Inductor's and AOTAutograd's compiled graphs, Triton's autotuning results). When the compiled
+object is made and the file exists, it is loaded into the local caches, so the graphs' compiles
+are cache hits. The file is written at the start of the second call, once the first step has
+compiled, where none was loaded or the first step still missed a cache (the model or the
+versions changed). Dynamo's trace is not an artifact: a restart traces the frames again (with
+``share_blocks``, one call per block, NOTE [Dynamo calls a block]). The report's notes say what
+was loaded and saved.
 """
 
 from __future__ import annotations

@@ -1,40 +1,17 @@
 """Dynamo meets each repeated block as one call: ``bucketwise::block_call``.
 
-NOTE [Dynamo calls a block]: compiling once per block (NOTE [one compile per block]) still left
-Dynamo inlining every block of the model, the part of the first step (and of every warm
-restart: Dynamo's work is never cached across processes) that grew with depth. With
-``share_blocks``, while a compiled call runs, each block of a repeated ``nn.ModuleList`` has a
-forward of bucketwise's (the module's ``__dict__``, set and taken back around every call, so
-that outside them the model is untouched: ``deepcopy``, pickling, eager calls), which calls
-:func:`block_call` with the block's parameters, buffers and arguments. Dynamo puts that call into
-the graph as it is (``torch.compiler.allow_in_graph``) and only runs the block on fake tensors
-for its outputs; while it does, the block's ATen ops and autograd graph are recorded
-(``aot.op_trace_key``), so the graph backend can tell which blocks are the same computation
-without a trace of each (``fingerprint``). A block whose call is not shared is traced by
-AOTAutograd through :func:`block_call` as Dynamo would have traced it: the module's forward on
-its own parameters (``torch.func.functional_call``).
-
-What Dynamo gives up on such a block is what it would guard and replay: so a block is called
-this way only where nothing of that applies. No hooks on the block or its modules, and none
-global; no forward attribute of its own (a framework's hook); arguments that are tensors,
-numbers, strings, ``None`` and lists or tuples of them (a cache object is not: ``use_cache=False``
-for training); static shapes (Dynamo would guard on the shapes a block branches on); and the
-fake run must leave every module's attributes as they were. A block that refuses while Dynamo
-traces (:class:`BlockCallRefused`) has its attributes put back, and the call is made again with
-every block inlined, from then on (``BlockCalls.wrap``); the report says why. So is a graph
-calling the blocks that does not compile (the backend raises the refusal instead of running it
-eagerly: HF's reentrant activation checkpointing, whose backward AOTAutograd cannot trace around
-a block call). The modules' ``training`` flags are read in Dynamo's trace, so
-``train()``/``eval()`` recompiles as before.
-Attributes the block's forward reads (a scale, a flag) are read when the graph compiles, and
-Dynamo does not guard them: so every compiled call first compares the blocks' modules' plain
-attributes (numbers, strings, flags, ``None`` and tuples of them) with what they were at the first
-call (``BlockCalls.changed``, one pass in C over the modules' ``__dict__``s). Where one changed,
-Dynamo inlines every block from then on, as if a block had refused, and compiles the graph again
-with its guards on the new value; the report says which attribute changed. Where blocks are not shared
-(``share_blocks=False``, or ``"auto"`` without CUDA graphs on the CPU: NOTE [sharing by default])
-Dynamo inlines the blocks; where ``"auto"`` estimates a block and keeps it whole (NOTE [sharing by
-cost]), AOTAutograd traces it through :func:`block_call`, as for a block that refused.
+NOTE [Dynamo calls a block]: Dynamo's work is never cached across processes, and where Dynamo
+inlines every block of the model, that work grows with depth, in the first step and every restart.
+With ``share_blocks``, while a compiled call runs, each block of a repeated ``nn.ModuleList`` has a
+forward of bucketwise's (in the module's ``__dict__`` during the call only, so that outside it the
+model is untouched) that calls :func:`block_call`, which Dynamo puts into the graph as it is
+(``torch.compiler.allow_in_graph``): it runs the block once on fake tensors, recording its ATen
+ops, so the backend tells which blocks are the same computation without a trace of each. What
+Dynamo would guard and replay is lost, so a block is called this way only without hooks, with
+plain arguments and static shapes, and where the fake run changes no attribute; otherwise the
+call is made again with every block inlined from then on, and the report says why. Dynamo does
+not guard the attributes a block reads either, so each call compares the blocks' plain
+attributes with the first call's, and a change inlines the blocks and recompiles.
 """
 
 from __future__ import annotations
@@ -251,10 +228,9 @@ def _block_forward(entry: BlockEntry, block: nn.Module) -> Callable[..., Any]:
 
     NOTE [a block call in straight lines]: Dynamo interprets every bytecode of this function, for
     every block, in the first step and in every restart. A loop over the parameters' paths and a
-    generator over the modules' ``training`` flags cost about 650 instructions per HF Llama
-    layer, most of Dynamo's work per block; so the function is generated for the block, one
-    line per submodule, parameter and flag: about 150 instructions, and 100 more for the check
-    that the arguments are plain."""
+    generator over the modules' ``training`` flags would be most of Dynamo's work per block, so
+    the function is generated for the block: one line per submodule, parameter and flag, then the
+    check that the arguments are plain."""
     local: dict[tuple[str, ...], str] = {(): "self"}
     lines = [
         "def forward(self, *args, **kwargs):",

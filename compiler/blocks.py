@@ -1,62 +1,48 @@
 """Compile once per block: identical blocks of a whole graph share one compiled forward and backward.
 
+A block is not shared, and compiles with the whole graph, when its graph differs from the others
+(shapes, dtypes, constants, hooks), when shapes are dynamic, in a graph without gradients
+(evaluation), when it draws random numbers (dropout in training), writes into an input, or sits
+in an autocast or grad-mode region that starts outside it, and with a backend other than
+Inductor or ``aot_eager``: the report says why (``shared_blocks``).
+
 NOTE [one compile per block]: a model of N identical blocks gives Dynamo one graph in which the
-block's computation appears N times, and AOTAutograd and Inductor then trace, partition and
-compile it N times: the first step grows with the model's depth. Compiling each block as a
-graph of its own (torch's regional compilation) keeps that flat, but leaves the embeddings, the
-head and the loss uncompiled and DDP's reducer around it; torch's way of marking a region inside
-a whole graph (``nested_compile_region``) gave wrong gradients for repeated transformer blocks
-under Inductor on torch 2.13 and 2.15 (CPU). bucketwise keeps the whole graph and makes each block
-one opaque operation in it: ``bucketwise::shared_block(key, inputs)``. The first block's nodes are
-cut out of the graph (``partitioners/blocks.py`` finds the run of blocks and says which are the
-same computation), AOTAutograd splits them into a forward and a backward graph once, the backend
-compiles both once, and every identical block calls them with its own parameters and
-activations. The operation's autograd formula runs the shared backward
-(``bucketwise::shared_block_backward``) on what the shared forward returned for the backward, so
-AOTAutograd and Inductor compile the rest of the graph (embeddings, head, loss, the bucket
-allreduces of ``fused`` around each block's parameters) as usual, with late waits and CUDA
-graphs over the whole step. What the backward reads is returned once per distinct tensor: a
-view (a transposed weight, ``q``/``k``/``v`` of one projection) is rebuilt from the tensor it
-views at the start of the shared backward graph (free there, where it would be nodes of the
-graph around every block), an input is taken from the operation's inputs.
+block's computation appears N times, and AOTAutograd and Inductor trace, partition and compile
+it N times: the first step grows with the model's depth. Compiling each block as a graph of its
+own (torch's regional compilation) leaves the embeddings, head and loss uncompiled and DDP's
+reducer around it, and torch's ``nested_compile_region`` gives wrong gradients for repeated
+transformer blocks under Inductor (torch 2.13 and 2.15, CPU). So bucketwise keeps the whole graph
+and makes each block one opaque operation in it, ``bucketwise::shared_block(key, inputs)``: the
+first block's nodes are cut out (``partitioners/blocks.py``), split into a forward and a backward
+and compiled once, and every identical block calls them with its own parameters and activations,
+while the rest of the graph compiles as usual (bucket all-reduces, late waits, CUDA graphs over
+the whole step). What the backward reads is returned once per distinct tensor; a view is rebuilt
+at the start of the shared backward, where it is free, not as nodes around every block.
 
 NOTE [a bucket per block]: under ``fused`` the graph around the blocks would carry, for every
-parameter of every block, the ``BucketSync`` view in the forward, its recomputation in the
-backward, the flatten and scale onto the wire, the slice back and the view of the reduced
-gradient: most of what AOTAutograd and Inductor still trace per block. Instead, each shared block
-reduces its own parameters (those read inside it only) as one bucket: its compiled backward
-returns their gradients last as one flat buffer already on the wire (``CommSpec.to_wire``, the
-same rule as ``BucketSync``: so compiled once, with the block), and the operation's autograd
-formula all-reduces it (the traced functional all-reduce of ``BucketSync``, issued as soon as
-the block's backward is done, its wait late, NOTE [late waits]) and hands back views of it. The
-buckets of the other parameters are planned around them as DDP plans its own
-(``fused/apply.py``). A bucket is then a block's parameters whatever the bucket cap: the report
-lists one bucket per block (``bucket_per_block`` in ``shared_blocks``). Not done, and every
-parameter keeps its ``BucketSync``, under comm hooks reduced by a hook program (PowerSGD, a
-traceable hook of the user's), when a block's parameters differ in dtype without a compress
-hook, or when the same block takes parameters at other inputs elsewhere in the graph.
+parameter of every block, the ``BucketSync`` view, its recomputation in the backward, the flatten
+and scale onto the wire and the views of the reduced gradient: most of what AOTAutograd and
+Inductor would still trace per block. Instead each shared block reduces its own parameters (those
+read inside it only) as one bucket: its compiled backward returns their gradients last as one
+flat buffer already on the wire (``CommSpec.to_wire``, ``BucketSync``'s rule, so compiled once
+with the block), and the operation's autograd formula all-reduces it as soon as the block's
+backward is done (its wait late, NOTE [late waits]) and hands back views of it. The other
+parameters' buckets are planned around them; the report lists one bucket per block. Every
+parameter keeps its ``BucketSync`` instead under a comm hook reduced by a hook program (PowerSGD,
+a traceable user hook), when a block's parameters differ in dtype without a compress hook, or
+when the same block takes parameters at other inputs elsewhere in the graph.
 
 NOTE [computed once before the blocks]: what a block computes from values every block reads the
-same (HF Llama's attention mask made an additive bias in each block's attention) the whole graph
-computes once: AOTAutograd's CSE merges the blocks' copies. A shared block computed it again at
-every call, and returned it to its backward as one more tensor kept per block (the bias of a
-batch of 4 x 1024 tokens: 8 MiB per block in bf16). So the part of the shared forward graph that
-reads only such inputs (the same node at that input of every block sharing the compile, no
-gradient) and constants is moved into the graph around the blocks, before the first of them, and
-what it computes becomes the last inputs of every block's call. Only ops that autocast leaves
-alone move (comparisons, selection, casts, element-wise arithmetic without a precision rule,
-shape ops), since the graph around the blocks is traced again under the step's autocast mode;
-views stay in the block, where they are free. The report lists what moved
-(``computed_before_blocks``). An input the forward reads no more after that (HF Llama's boolean
-mask, read only by what moved) or never read, without a gradient, is not passed to the block at
-all (``bg.drop_unread``): Inductor copies a view given to an operator at every call, a kernel and
-an allocation per block and step.
-
-A block is not shared, and compiles with the whole graph as before, when its graph differs from
-the others (shapes, dtypes, constants, hooks), when shapes are dynamic, in a graph without
-gradients (evaluation), when it draws random numbers (dropout in training), writes into an
-input, or sits in an autocast or grad-mode region that starts outside it, and with a backend
-other than Inductor or ``aot_eager``: the report says why (``shared_blocks``).
+same (HF Llama's attention mask made an additive bias) the whole graph computes once, AOTAutograd's
+CSE merging the blocks' copies, while a shared block would compute it at every call and keep it
+for its backward, once per block. So the part of the shared forward that reads only such inputs
+(the same node at that input of every block, no gradient) and constants moves into the graph
+around the blocks, before the first, and what it computes becomes the last inputs of every
+block's call. Only ops that autocast leaves alone move (comparisons, selection, casts, element-wise
+arithmetic without a precision rule, shape ops), since the graph around the blocks is traced again
+under the step's autocast mode; views stay in the block, where they are free. An input the forward
+no longer reads, without a gradient, is not passed at all (``bg.drop_unread``): Inductor copies a
+view given to an operator at every call. The report lists what moved (``computed_before_blocks``).
 """
 
 from __future__ import annotations
@@ -90,15 +76,13 @@ _RANDOM = ("rand", "dropout", "bernoulli", "philox", "seed", "normal_", "uniform
 
 
 # NOTE [an int key, not the block]: the operation takes an int that names its block here, not
-# the block itself. torch's opaque reference types (torch._library.opaque_object, private)
-# would let it take the SharedBlock, checked on torch 2.13 (CPU, a two-block toy, forward and
-# backward under fullgraph Inductor): the gradients match eager, at about 1 us more per call.
-# Three things keep the int for now. The FX-graph and AOTAutograd caches pickle the object
-# into their keys: a block holding compiled callables makes both bypass (the compile time
-# sharing exists to save), unless the class pickles as its layout alone. Dynamo guards the
-# object by type only, so blocks of two layouts would share a graph unless a guard_fn returns
-# the layout; while AOTAutograd traces, the autograd formula sees a fake that exposes only the
-# attributes registered as members. And the registration API changed between torch 2.11 and
+# the block itself. torch's opaque reference types (``torch._library.opaque_object``, private)
+# would let it take the SharedBlock, but the FX-graph and AOTAutograd caches pickle the object
+# into their keys, so a block holding compiled callables makes both bypass (the compile time
+# sharing exists to save) unless the class pickles as its layout alone; Dynamo guards the object
+# by type only, so blocks of two layouts would share a graph unless a guard_fn returns the
+# layout; while AOTAutograd traces, the autograd formula sees a fake that exposes only the
+# attributes registered as members; and the registration API differs between torch 2.11 and
 # 2.13 (a required base class, member and guard hooks). The weak dictionary drops a block with
 # the graph backend that keeps it (``Sharing.kept``); keys are never reused within a process.
 _BLOCKS: weakref.WeakValueDictionary[int, SharedBlock] = weakref.WeakValueDictionary()

@@ -50,20 +50,16 @@ class Variant(str, enum.Enum):
 
 
 # NOTE [sharing by default]: sharing one compile among identical blocks (NOTE [one compile per
-# block]) shortens the first step of every job and restart, but each shared block is two more
-# calls, output allocations and a few kernels that no longer fuse across the block's edges: host
-# time every step, which a step that is host-bound pays in full. Bucketwise's CUDA graphs replay
-# all of that as one launch. So ``share_blocks="auto"`` (the default) shares where bucketwise's
-# CUDA graphs are on; without them, on a GPU, each graph shares its blocks where the block's call,
-# estimated from its graphs, hides behind its kernels (NOTE [sharing by cost]), and on the CPU,
-# whose host time is the step, it does not. Never
-# under ``strategy="split"``, where a shared block is never cut and the bucket segments inside it
-# would merge. ``True`` shares anyway; ``False`` never. It is decided once per compiled object from
-# what was asked, the CUDA-graph decision and whether CUDA is there (whether Dynamo meets blocks
-# as calls at all), and once more with the strategy chosen, as part of the ``Decision`` every
-# graph reads (an ``auto`` that falls back to ``split``: a gradient hook): then Dynamo inlines the
-# blocks and no graph shares them. The report says why blocks were left to the whole graph where
-# ``"auto"`` left them.
+# block]) shortens the first step of every job and restart, but each shared block costs two more
+# calls, output allocations and a few kernels that no longer fuse across its edges: host time
+# every step, which a host-bound step pays in full and bucketwise's CUDA graphs replay as one
+# launch. So ``share_blocks="auto"`` (the default) shares where bucketwise's CUDA graphs are on;
+# without them, on a GPU, where the block's call, estimated from its graphs, hides behind its
+# kernels (NOTE [sharing by cost]); not on the CPU, whose host time is the step; and never under
+# ``strategy="split"``, where a shared block is never cut and the bucket segments inside it would
+# merge. ``True`` shares anyway, ``False`` never. It is decided once per compiled object, and once
+# more with the strategy chosen (an ``auto`` that falls back to ``split`` inlines the blocks), as
+# part of the ``Decision`` every graph reads; the report says why ``"auto"`` left blocks whole.
 
 
 SHAREABLE_BACKENDS = ("inductor", "aot_eager")

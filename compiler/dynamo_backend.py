@@ -6,31 +6,17 @@ Fabric and Trainer, accelerate, HF Trainer through a compiled model) reach bucke
 without importing it first.
 
 NOTE [registered backend takes over the DDP forward]: a backend only ever sees graphs, and for a
-DDP module it does not even see whole ones: with torch's default ``optimize_ddp=True``, Dynamo
-hands a graph captured inside DDP's forward to torch's own DDPOptimizer, which cuts it at
-torch's bucket boundaries and calls the backend once per piece. Nor can a backend scope
-``optimize_ddp=False`` around the calls of the compiled object: ``torch.compile`` wraps a named
-backend in ``_TorchCompileWrapper``, which does not carry a ``backend_ctx_ctor`` through (torch
-2.11, 2.13). What the backend does see is the DDP module whose forward is running
-(``DistributedDataParallel._get_active_ddp_module()``) and the frame being compiled: Dynamo
-never traces DDP's own forward, it runs it eagerly and compiles the frames below it.
-
-- The compile wraps the DDP module (``torch.compile(DDP(m))``: accelerate after ``prepare``,
-  Lightning Fabric): the frame is the wrapped module's own. At its first call the backend builds
-  what ``bucketwise.compile(ddp)`` builds (a ``CompiledModule`` with its own frame, Dynamo
-  cache, report, strategy ``auto``, rank checks, CUDA graphs on request) and routes that DDP
-  module's forward to it (``_compat/ddp.route_forward``: an instance attribute of that one
-  module; the class and torch untouched). From the second call on, DDP's pre/post-forward run
-  eagerly around bucketwise's compiled inner module, exactly as under ``bucketwise.compile``,
-  and torch's DDPOptimizer never sees those frames (no active DDP module during them).
-- DDP wraps the compiled module (``DDP(torch.compile(m))``: HF Trainer given a compiled model)
-  or a module compiled deeper inside (a LightningModule's network): :class:`InsideDDP`, DDP's
-  own forward and reducer, whole graphs split at its buckets (NOTE [compiled inside DDP]).
-
-Either way the pieces of the first call run as they are (uncompiled graph modules, DDP's
-reducer reducing), so the first step is an eager DDP step, and their cache entries are dropped
-once it returns (``_FirstCall``). ``bucketwise.report`` accepts the framework's object (the
-``OptimizedModule``, the DDP module, the compiled module) and finds bucketwise's through it.
+DDP module not even whole ones: with torch's default ``optimize_ddp=True`` Dynamo hands a graph
+captured inside DDP's forward to torch's DDPOptimizer, which cuts it at torch's buckets, and a
+named backend cannot scope ``optimize_ddp=False`` around its calls (``_TorchCompileWrapper``
+does not carry a ``backend_ctx_ctor`` through; torch 2.11, 2.13). It does see the DDP module whose
+forward runs (``_get_active_ddp_module()``). Where the compile wraps the DDP module
+(``torch.compile(DDP(m))``: accelerate, Lightning Fabric), the first call builds what
+``bucketwise.compile(ddp)`` builds and routes that one module's forward to it (an instance
+attribute, ``_compat/ddp.route_forward``), so later calls run DDP's pre/post-forward eagerly around
+bucketwise's frames, which DDPOptimizer never sees. Where DDP wraps the compiled module
+(``DDP(torch.compile(m))``: HF Trainer), :class:`InsideDDP` keeps DDP's forward and reducer
+(NOTE [compiled inside DDP]). Either way the first step is an eager DDP step (``_FirstCall``).
 """
 
 from __future__ import annotations

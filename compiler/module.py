@@ -38,9 +38,9 @@ def _inner_forward(module: nn.Module) -> Callable[..., Any]:
 
     NOTE [one cache per compiled object]: Dynamo keeps its compiled entries, and counts them
     against ``recompile_limit`` (8), per code object. Every closure made here shares one code
-    object, so compiled objects would compete for those 8 entries: the 9th model compiled in a
-    process (a sweep, a notebook, a test suite) ran eagerly. Each compiled object gets a copy
-    of the code object instead, and with it a cache of its own.
+    object, so compiled objects would compete for those 8 entries, and the 9th model compiled in
+    a process (a sweep, a notebook, a test suite) would run eagerly. Each compiled object gets a
+    copy of the code object instead, and with it a cache of its own.
     """
 
     def bucketwise_forward(*args: Any, **kwargs: Any) -> Any:
@@ -54,19 +54,17 @@ class CompiledModule(nn.Module):
     """What :func:`bucketwise.compile` returns for a module: that module, with a compiled forward.
 
     NOTE [the compiled module is the module]: the compiled object shares the module's state, its
-    very ``__dict__`` (parameters, buffers, submodules, hooks, ``training``, attributes), so it
-    has the module's parameters, names, ``state_dict`` keys and submodules by construction, and
-    everything that walks a module's attributes (``torch.distributed.checkpoint``'s state-dict
-    helpers, ``torch.func.functional_call``, a framework's unwrapping) sees what it sees on the
-    module. Only calls differ: they run the compiled frame. bucketwise's own state lives in a
-    slot (``_bucketwise``), outside the shared ``__dict__``. For a DDP module the compiled object
-    is a :class:`CompiledDDP`, a ``DistributedDataParallel`` itself (``isinstance`` holds, and
-    ``no_sync()``, ``join()`` and DDP's attributes are the module's own); its ``__call__`` is
-    ``nn.Module``'s, so hooks on the DDP module run around the compiled forward as they run
-    around DDP's. A plain module's hooks run inside the compiled frame, which calls the module
-    (as ``torch.compile`` does). Attributes of the module's own class (methods, properties) are
-    looked up on the module. Copying or pickling a compiled module copies or pickles the module
-    and compiles the copy with the same options.
+    very ``__dict__`` (parameters, buffers, submodules, hooks, ``training``, attributes), so its
+    names, ``state_dict`` keys and submodules are the module's by construction, and everything
+    that walks a module's attributes (``torch.distributed.checkpoint``'s state-dict helpers,
+    ``torch.func.functional_call``, a framework's unwrapping) sees what it sees on the module.
+    Only calls differ: they run the compiled frame. bucketwise's own state lives in a slot
+    (``_bucketwise``), outside the shared ``__dict__``. For a DDP module the compiled object is a
+    :class:`CompiledDDP`, itself a ``DistributedDataParallel`` (``isinstance``, ``no_sync()``,
+    ``join()`` and DDP's attributes are the module's), with ``nn.Module``'s ``__call__``, so hooks
+    on the DDP module run around the compiled forward as around DDP's; a plain module's hooks run
+    inside the compiled frame, as under ``torch.compile``. Copying or pickling a compiled module
+    copies or pickles the module and compiles the copy with the same options.
     """
 
     __slots__ = ("_bucketwise",)
