@@ -3,61 +3,35 @@
 One :class:`CudaGraphRunner` wraps one Inductor-compiled graph (the forward, the backward or the
 inference graph of a segment) and replays it from a ``torch.cuda.CUDAGraph``; the runners of one
 compiled object share a :class:`CudaGraphGroup` (one capture stream, one set of stats; a
-forward and its backward share a memory pool, every other recording has one of its own, NOTE [a
-forward and its backward share a pool]). A replay is one launch
-and a few pointer checks: no cudagraph trees.
+forward and its backward share a memory pool, every other recording has one of its own,
+NOTE [a forward and its backward share a pool]). A replay is one launch and a few pointer
+checks: no cudagraph trees.
 
-NOTE [cudagraph replay safety]: a replay writes into the same output memory every time. The
-runner therefore
-
-- clones the outputs a forward returns to autograd/the user (cheap: activations saved for the
-  backward are not among them) and every output of an inference graph;
-- hands out the other outputs (saved activations, gradients) without a copy, and before the
-  next replay checks that nobody still holds their memory (tensor and storage use counts);
-  if someone does (two forwards before their backwards, gradients kept across steps), that
-  call runs uncaptured instead of overwriting them;
-- hands a backward's gradients out as fresh aliases of its static outputs (``detach()``), so
-  autograd's AccumulateGrad *steals* each one into ``param.grad`` instead of cloning it (it
-  clones a tensor somebody else references, and the runner keeps the static ones: one copy
-  kernel per parameter per step). A stolen gradient that is kept
-  (``no_sync()`` micro-steps after ``zero_grad(set_to_none=True)``) makes the next backward
-  run uncaptured; the runner then stops lending and hands out the static tensors themselves,
-  which AccumulateGrad copies, instead of running uncaptured again;
-- uses parameters, buffers and outputs of other runners of its group in place (their address
-  is checked each call, a moved one runs uncaptured, then re-records), and copies every other
-  tensor input into a static buffer;
-- runs a new input signature once uncaptured (the warm-up) and records on its second call,
-  at most ``max_records`` times; past that it runs uncaptured and the stats say why. The
-  warm-up allocates from the pool the recording will capture into (a backward's from its
-  forward's), on the capture stream, as Inductor's cudagraph trees do: what it frees is reused by
-  the capture instead of staying cached outside every pool, where an optimizer's first step
-  would take part of it and keep the rest from being freed.
-
-The first call of a signature and every fallback call run the compiled graph itself, so a
-failed or refused capture never changes numerics.
+NOTE [cudagraph replay safety]: a replay writes into the same output memory every time, so the
+runner never replays over memory someone still holds, and a call it does not replay runs the
+compiled graph itself (numerics unchanged). It clones the outputs a forward returns to autograd
+or the user and every inference output (saved activations are not among them); hands out saved
+activations and gradients without a copy, and before the next replay checks their use counts,
+running uncaptured while someone holds them. Gradients go out as fresh ``detach()`` aliases, so
+that AccumulateGrad steals them into ``param.grad`` instead of cloning; once a stolen gradient is
+kept (``no_sync()`` micro-steps), it hands out the static tensors, which AccumulateGrad copies.
+Parameters, buffers and the group's other outputs are read in place (a moved one runs uncaptured,
+then re-records), other inputs copied into static buffers. A new signature runs once uncaptured,
+from the recording's pool on the capture stream, so that the capture, not an optimizer's first
+step, reuses what it frees; it records on its second call, at most ``max_records`` times.
 
 NOTE [a forward and its backward share a pool]: graphs captured into one pool may place their
-outputs in memory that another graph of the pool uses as scratch. A shared pool is therefore
-safe only for graphs that replay in one fixed order with nothing of one alive while the other
-writes. On a T5 and a Whisper model (one H100, ``fused``) one pool for every graph gave wrong
-gradients from the third step: a backward recorded a step late put a parameter's gradient in
-the scratch of the backwards replayed after it. So every recording has a pool of its own, with
-one exception, the pair that the memory is about: a backward recorded while its forward's
-saved activations are the very tensors that forward's capture allocated joins that forward's
-pool, and the forward lets go of those tensors for the capture, so that the backward frees
-each activation as it reads it and puts its scratch and its gradients in the freed memory, as
-eager autograd does (without that, a step held every activation and every gradient at once:
-1.13-1.37x the peak of Inductor's own CUDA graphs). Afterwards the forward hands out aliases of
-the same memory (``storage_at``). What keeps the pair safe, checked before every replay (a
-failed check runs that call uncaptured, numerics unchanged):
-
-- the forward replays only when the gradients its backward handed out last time are no longer
-  held: they may sit where the forward writes. Gradients kept across micro-steps make the
-  backward stop lending (its gradients are then copied out, NOTE [cudagraph replay safety]);
-- the backward replays only when nobody but autograd holds the activations it frees (a
-  ``backward(retain_graph=True)`` keeps them: they must not be overwritten);
-- a pool is shared once: a backward recorded later (new shapes, moved parameters) gets a pool
-  of its own, since the allocator no longer knows which of the forward's memory is in use.
+outputs in memory another graph of the pool uses as scratch, which is safe only for graphs that
+replay in one fixed order with nothing of one alive while the other writes. So every recording
+has a pool of its own but one pair: a backward recorded while its forward's saved activations
+are the very tensors that forward's capture allocated joins that forward's pool, and the forward
+lets go of them for the capture, so that the backward frees each activation as it reads it and
+reuses the memory for its scratch and gradients, as eager autograd does, instead of a step
+holding every activation and every gradient at once. Before every replay (a failed check runs
+that call uncaptured) the forward checks that the gradients its backward handed out are no longer
+held (they may sit where it writes), the backward that nobody but autograd holds the activations
+it frees (``retain_graph=True``). A pool is shared once: a backward recorded later gets its own, since the
+allocator no longer knows which of the forward's memory is in use.
 """
 
 from __future__ import annotations
