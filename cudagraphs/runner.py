@@ -30,8 +30,8 @@ reuses the memory for its scratch and gradients, as eager autograd does, instead
 holding every activation and every gradient at once. Before every replay (a failed check runs
 that call uncaptured) the forward checks that the gradients its backward handed out are no longer
 held (they may sit where it writes), the backward that nobody but autograd holds the activations
-it frees (``retain_graph=True``). A pool is shared once: a backward recorded later gets its own, since the
-allocator no longer knows which of the forward's memory is in use.
+it frees (``retain_graph=True``). A pool is shared once: a backward recorded later gets its own,
+since the allocator no longer knows which of the forward's memory is in use.
 """
 
 from __future__ import annotations
