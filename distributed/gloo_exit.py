@@ -2,24 +2,16 @@
 
 NOTE [gloo at exit]: every gloo collective is run by one of the group's ``pt_gloo_runloop``
 threads, and the work object it frees afterwards holds a copy of the issuing thread's Python
-context (``at::ThreadLocalState`` keeps the ``contextvars.Context``): freeing it takes the GIL.
-Checked on torch 2.13.0 with a core file of a rank that aborted at exit (``terminate called
-without an active exception``): the main thread was in ``Py_FinalizeEx`` and the gloo thread in
-``~AsyncAllreduceWork`` -> ``~ThreadLocalState`` -> ``decref`` -> ``take_gil`` ->
-``PyThread_exit_thread``: once the interpreter is finalizing, a thread that asks for the GIL is
-made to exit, and that exit unwinds through a ``noexcept`` destructor. A rank whose last
-collective finished just before the script ended (its gloo thread not yet scheduled again, as
-happens on a loaded machine) could so abort after training correctly, and torchrun then failed
-the whole job. pytorch issue 190489 tracks the same abort.
-
-The fix is to let the thread finish before finalization starts: the last at-exit phase
-(NOTE [at-exit order]) sleeps ``SETTLE_S`` with the GIL released when a job compiled a DDP model
-over a gloo group. NCCL groups free their work without Python and are left alone; so is the
-process group a user ends with ``destroy_process_group()`` (while a compiled model lives, its
-DDP module holds the group, which is freed at finalization, after this phase). A script that
-ends its group right after its last collective frees it there and then, while a gloo thread may
-still need the GIL the main thread holds: that rank hangs. ``end_process_group()`` waits first
-(the benchmarks end their groups with it).
+context (``at::ThreadLocalState`` keeps the ``contextvars.Context``), so freeing it takes the GIL.
+Once the interpreter is finalizing, a thread that asks for the GIL is made to exit, and that exit
+unwinds through a ``noexcept`` destructor: ``terminate called without an active exception``
+(torch 2.13.0, pytorch/pytorch#190489), and torchrun fails the job of a rank that trained
+correctly. So the last at-exit phase (NOTE [at-exit order]) sleeps ``SETTLE_S``, GIL released,
+when a job compiled a DDP model over a gloo group, so that the thread finishes before
+finalization starts. NCCL groups free their work without Python. A group ended with
+``destroy_process_group()`` right after its last collective is freed there and then, while a gloo
+thread may still need the GIL the main thread holds: that rank hangs, so ``end_process_group()``
+waits first.
 """
 
 from __future__ import annotations

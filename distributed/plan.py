@@ -80,28 +80,17 @@ class BucketCaps:
 
 
 # NOTE [fused bucket sizes]: DDP's reducer caps its buckets at 25 MiB (1 MiB for the first) so
-# that its eager allreduces start early and overlap. Under ``fused`` a bucket's allreduce is
-# traced into the compiled backward, and every collective costs the host about the same,
-# whatever its size: 70 to 100 us on an H200 machine (the collective, its event record and
-# stream wait, its wait, the flight recorder's entry; one H200, a 16-layer HF Llama:
-# results/2026-11-28_1xH200_host-tax-llama16-ddp-buckets). A 32-layer model of 440M parameters
-# has about 70 buckets of 25 MiB: 5 to 7 ms of host time per step, which a step bound by its
-# host pays in full. What the overlap needs is different: a bucket's allreduce must be done
-# before the backward ends, and only the last bucket's is exposed. Buckets of a quarter of the
-# gradient bytes each, then halving (1/4, 1/4, 1/4, 1/8, 1/16, ...) down to DDP's cap, give
-# that: while the allreduce of all gradients takes at most half the backward, each bucket's
-# allreduce ends before the next bucket is ready, the first starts a quarter into the backward,
-# and the exposed tail is one bucket of DDP's cap, as with DDP's buckets. The count is about
-# 3 + log2(bytes / 4 / cap): 8 for those 1.76 GB of gradients (the 16-layer Llama: 8 instead of
-# 29, and a step at ``local``'s, results/2026-11-28_1xH200_host-tax-llama16-sized-buckets). One
-# rank keeps these sizes too: one bucket there showed no clear gain (an 8-layer Llama's host
-# issue 1.04x `local`'s against 1.06x, on other hosts) and raised gpt-medium's peak by 6%, its
-# flat buffer allocated at the first gradient, under the activations
-# (results/2026-11-28_1xH200_tax-gpt-medium-b8-one-bucket). This
-# is the fused default where the DDP module's caps are DDP's defaults and the buckets are
-# reduced elementwise (DDP's reducer, torch's allreduce/fp16/bf16 hooks); caps the user set
-# (``bucket_cap_mb`` on DDP or bucketwise, DDP's ``bucket_cap_mb_list``) are kept, and so are
-# DDP's buckets for a hook that sees them (PowerSGD, a traceable user hook), as in eager DDP.
+# that its eager all-reduces start early and overlap. Under ``fused`` every collective traced
+# into the backward costs the host about the same whatever its size (the collective, its event
+# record, stream wait and wait), which a host-bound step pays in full, and the overlap needs only
+# each bucket's all-reduce done before the backward ends, the last one's exposed. Buckets of a
+# quarter of the gradient bytes each, then halving (1/4, 1/4, 1/4, 1/8, ...) down to DDP's cap,
+# give that while all-reducing every gradient takes at most half the backward: each ends before
+# the next bucket is ready, and the exposed tail is one bucket of DDP's cap, in about
+# 3 + log2(bytes / 4 / cap) collectives. One rank keeps these sizes: a single bucket's buffer
+# would be allocated at the first gradient, under the activations, raising the peak. This is the
+# default where the DDP module's caps are DDP's and buckets are reduced elementwise; caps the user
+# set, and DDP's buckets for a hook that sees them (PowerSGD, a traceable user hook), are kept.
 
 
 def overlap_limits(total_bytes: int, floor: int) -> list[int]:

@@ -1,26 +1,17 @@
 """Release what holds NCCL kernels before NCCL's communicators are torn down.
 
 NOTE [cuda graphs at teardown]: NCCL cannot destroy a communicator while a CUDA graph that
-captured its kernels is alive: its teardown waits for those graphs, so
-``dist.destroy_process_group()`` hangs (pytorch issue 115388). The fused strategy with
-``cudagraphs=True`` captures every bucket's allreduce in the backward graph, and the recordings
-live as long as the compiled module (Dynamo's cache holds them), so a plain training script that
-ends with ``destroy_process_group()`` would never exit. Nobody should have to free them first:
-
-- every rank of the DDP group also joins a small process group of bucketwise's own (a Python
-  backend with no communication) whose ``shutdown()`` releases every live recording.
-  ``destroy_process_group()`` shuts the groups down one by one, last group name first; the
-  release group is created (again, with a new name, if need be) so that it comes before the DDP
-  group (``_compat/c10d.shuts_down_before``);
-- at interpreter exit they are released before torch's own teardown (NOTE [at-exit order]): a script
-  that never calls ``destroy_process_group()``, an exception that ends the script, Ctrl-C.
-
-A released recording is gone for good: its runner runs the compiled graph uncaptured from then on
-(numerics unchanged). A release first waits a few seconds at most for replays in flight: after
-Ctrl-C a replayed allreduce may be waiting for a rank that has already stopped and will never
-finish; its recordings are then left to the end of the process, where NCCL aborts rather than
-waits (an unbounded ``torch.cuda.synchronize()`` there hung such a rank). A process killed by a
-signal (torchrun stopping a worker group) runs none of this and needs none of it.
+captured its kernels is alive: ``dist.destroy_process_group()`` waits for those graphs and hangs
+(pytorch/pytorch#115388). ``fused`` with ``cudagraphs=True`` captures every bucket's all-reduce,
+and the recordings live as long as the compiled module, so a script that ends with
+``destroy_process_group()`` would never exit, and nobody should have to free them first. So every
+rank of the DDP group also joins a process group of bucketwise's own (a Python backend, no
+communication) whose ``shutdown()`` releases every live recording, created so that
+``destroy_process_group()``, which shuts groups down last name first, reaches it before the DDP
+group (``_compat/c10d.shuts_down_before``); and at interpreter exit the recordings are released
+before torch's own teardown (NOTE [at-exit order]). A released recording's runner runs uncaptured
+from then on. A release waits a few seconds at most for replays in flight (after Ctrl-C one may
+wait for a rank that has stopped), then leaves its recordings to NCCL's abort at process end.
 """
 
 from __future__ import annotations

@@ -106,18 +106,14 @@ def reduced_grads(wire: BlockWire, grads: list[torch.Tensor | None]) -> list[tor
 
 # NOTE [block reductions grouped]: a bucket per block (NOTE [a bucket per block]) is a collective
 # per block, and each collective costs the host time whatever its size (NOTE [fused bucket
-# sizes]): 16 at 16 layers where the whole graph issues the fused rule's few. So once the
-# backward around the blocks is traced, a post-grad pass groups the blocks' all-reduces in the
-# order the backward issues them, by the fused rule's sizes over the blocks' bytes
-# (``plan.overlap_limits``: a quarter each, then halving, none below the DDP module's cap), and
-# each group becomes one ``all_reduce_coalesced`` issued when its last block's backward is done
-# (NCCL runs the group as one launch). The late-waits pass then schedules it as any collective
+# sizes]). So once the backward around the blocks is traced, a post-grad pass groups the blocks'
+# all-reduces in the order the backward issues them, by the fused rule's sizes over the blocks'
+# bytes (``plan.overlap_limits``: a quarter each, then halving, none below the DDP module's cap),
+# and each group becomes one ``all_reduce_coalesced`` issued when its last block's backward is
+# done (NCCL runs the group as one launch), which the late-waits pass schedules as any collective
 # (NOTE [late waits]). The gradients, their values and the report's buckets (one per block) are
-# unchanged; blocks whose bytes reach the cap alone stay a collective each, the last ones among
-# them (the exposed tail). A 16-layer tiny HF Llama on the CPU (one gloo rank, the blocks well under
-# the cap, so one group): the shared backward's host time 3.48 -> 2.82 ms, the whole graph's
-# 2.27 ms (results/2026-11-28_cpu-1rank_host-phases-shared-blocks-grouped). An Inductor
-# ``post_grad_custom_post_pass`` of the user's own replaces this pass.
+# unchanged; blocks whose bytes reach the cap alone stay a collective each (the exposed tail). An
+# Inductor ``post_grad_custom_post_pass`` of the user's own replaces this pass.
 
 
 def group_block_reductions(graph: fx.Graph, *, producer: str, floor_bytes: int) -> None:

@@ -1,27 +1,17 @@
 """Stable compile-cache keys for what bucketwise puts into compiled graphs.
 
-NOTE [compile cache keys]: a second process over the same Inductor cache dir (a restart) should
-load its compiled graphs instead of compiling them again. Inductor's FX graph cache and
-AOTAutograd's cache key a graph by its content, the config and the code behind anything the
-graph calls. What bucketwise adds must take part in that key, or the cache is bypassed (every
-restart pays AOTAutograd's trace and partition again) or, worse, a stale entry is loaded after
-bucketwise's code changed:
-
-- the fused graph pass inserts calls of ``fused/sync.bucket_sync`` and ``fused/embedding_rows.embedding_rows``
-  (autograd.Functions AOTAutograd traces into the forward and backward). AOTAutograd's cache
-  accepts only call targets it knows to be safe; these are declared safe through Inductor's
-  ``unsafe_marked_cacheable_functions`` option, scoped to bucketwise's own compiles, with a key
-  that changes whenever the code they trace changes (:func:`traced_call_targets`);
-- the scheduler pass handed to Inductor (``_compat/collectives.sink_waits_to_consumers``) is an
-  object whose pickled form (what the FX graph cache hashes) carries the same kind of key.
-
-A key is the hash of the source files of the modules whose code ends up in the compiled graph.
-
-Two compiles still pay AOTAutograd again on a restart (the FX graph cache still serves Inductor's
-part): the segments of ``split``, compiled with ``fakify_first_call`` so that each segment sees
-the strides the previous one really produces, which AOTAutograd's cache refuses (torch's own
-DDPOptimizer does the same, with the same cost); and ``cudagraphs=True``, whose inner compile
-wraps every compiled graph in a CUDA-graph runner, which a cache hit would skip.
+NOTE [compile cache keys]: a restart over the same Inductor cache dir should load its compiled
+graphs, not compile them again. Inductor's FX graph cache and AOTAutograd's cache key a graph by
+its content, the config and the code behind what it calls, so what bucketwise adds must take
+part in that key, or the cache is bypassed or, worse, a stale entry loads after bucketwise's
+code changed. The calls of ``fused/sync.bucket_sync`` and ``fused/embedding_rows.embedding_rows``
+(autograd.Functions traced into the graphs) are declared safe through Inductor's
+``unsafe_marked_cacheable_functions``, scoped to bucketwise's compiles, with a key that changes
+with the code they trace (:func:`traced_call_targets`); the scheduler pass handed to Inductor
+pickles with the same kind of key: the hash of the source files whose code ends up in the graph.
+``split``'s segments (``fakify_first_call``, which AOTAutograd's cache refuses, as for torch's
+DDPOptimizer) and ``cudagraphs=True`` (a cache hit would skip the CUDA-graph wrapper) still pay
+AOTAutograd again on a restart; the FX graph cache still serves Inductor's part.
 """
 
 from __future__ import annotations

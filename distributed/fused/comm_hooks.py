@@ -1,23 +1,17 @@
 """DDP comm hooks other than torch's allreduce/fp16/bf16 ones, under the fused strategy.
 
 NOTE [comm hooks in the graph]: a comm hook turns a bucket's gradients into its reduced
-gradients. Hooks the fused strategy reproduces in the compiled backward, bucket by bucket:
-
-- ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``: ``fused.BucketSync``;
-- ``powerSGD_hook`` with its ``PowerSGDState``: ``powersgd.PowerSGDSync`` and the host side in
-  ``powersgd_run`` (NOTE [powersgd in the graph]);
-- a hook written with functional collectives and wrapped in ``bucketwise.traceable_comm_hook``:
-  traced as it is into the bucket's backward (``HookSync``).
-
-Any other hook (Python code around ``dist.all_reduce`` futures, ``batched_powerSGD_hook``, ...)
-cannot be traced: ``auto`` then compiles with ``split`` and DDP's reducer runs the hook between
-compiled segments, each bucket's hook overlapping the rest of the backward; the report says why
-per graph.
-
-A hook with per-step host decisions or state is a :class:`HookProgram`: the graph it runs in is
-a :class:`HookedGraph`, compiled once per variant the program asks for (a plain all-reduce, the
-hook, the hook with the gradients accumulated before the step), each extra graph input (state
-tensors, accumulated gradients) appended after Dynamo's.
+gradients, and ``fused`` reduces inside the compiled backward, so it reproduces there, bucket by
+bucket, the hooks it can trace: ``allreduce_hook``, ``fp16_compress_hook`` and
+``bf16_compress_hook`` (``fused.BucketSync``), ``powerSGD_hook`` with its ``PowerSGDState``
+(NOTE [powersgd in the graph]) and a hook written with functional collectives and wrapped in
+``bucketwise.traceable_comm_hook`` (``HookSync``). Any other hook (Python around
+``dist.all_reduce`` futures, ``batched_powerSGD_hook``) cannot be traced: ``auto`` then compiles
+with ``split``, DDP's reducer running the hook between compiled segments, and the report says
+why. A hook with per-step host decisions or state is a :class:`HookProgram`, its graph a
+:class:`HookedGraph` compiled once per variant the program asks for (a plain all-reduce, the
+hook, the hook with accumulated gradients), with the extra inputs (state tensors, accumulated
+gradients) after Dynamo's.
 """
 
 from __future__ import annotations

@@ -1,34 +1,17 @@
 """Embedding gradients reduced as the rows each rank looked up (fused strategy).
 
-NOTE [embedding rows]: an embedding table's gradient is zero outside the rows of the ids the
-rank looked up, and it is complete only at the very end of the backward (a token embedding is
-the first op of the forward), so its allreduce overlaps nothing: on ``gpt`` (50304 x 768, 154 MB
-in fp32) it is the exposed tail of every step. The table gradient is linear in the gradient
-reaching the lookup: with ``E(g, ids) = embedding_dense_backward(g, ids)``,
-
-    avg over ranks r of E(g_r, ids_r) == E(cat_r(g_r / world), cat_r(ids_r))
-
-so instead of all-reducing the table, the fused strategy all-gathers the gradient rows that reach
-the lookup (ids x dim) with the ids, and every rank builds the averaged table gradient from all
-ranks' rows. That sends ``world x ids x dim`` elements instead of about ``2 x rows x dim``; it is
-used when ``world x ids <= rows`` (``gpt`` on 2 ranks: 16384 of 50304 rows; on 8 ranks the table
-is all-reduced as before), and not on one rank, where nothing is sent either way and the lookup's
-own backward, which Inductor fuses, launches about 20 fewer kernels than the gather, the ids'
-digits and ATen's sorted kernel (one H200, 16-layer HF Llama).
-
-Every rank must compute the same bits from the same gathered rows, or DDP's replicas drift apart.
-Inductor lowers ``embedding_dense_backward`` to an atomic scatter-add whose order varies from
-run to run, so the table gradient is built by ``bucketwise::embedding_rows_grad``, an op Inductor
-cannot see into that runs ATen's kernel (deterministic: sorted ids, or a per-feature pass). On
-CUDA that kernel keeps the count of distinct ids on the device (CUB's ``unique_by_key``): no
-device-to-host sync, which ``tests/gpu/test_gpu_no_sync.py`` checks for the op and for whole
-steps of every strategy (torch 2.11, CUDA 13).
-
-A parameter qualifies when every use of it in the graph is such a lookup (``F.embedding``)
-outside torch.func transforms, with a static number of ids and no ``max_norm``,
-``scale_grad_by_freq`` or ``sparse``; a tied LM head keeps the table's allreduce. All ranks
-must look up the same number of ids (the collectives gather equal shapes); the fused layout
-check compares the counts, and ``gather_embedding_rows=False`` turns this off.
+NOTE [embedding rows]: an embedding table's gradient is zero outside the rows of the ids the rank
+looked up, and complete only at the very end of the backward (a token embedding is the first op
+of the forward), so its all-reduce overlaps nothing. The gradient is linear in what reaches the
+lookup, so with ``E(g, ids) = embedding_dense_backward(g, ids)`` the average of the ranks'
+``E(g_r, ids_r)`` is ``E(cat_r(g_r / world), cat_r(ids_r))``: ``fused`` all-gathers the rows that
+reach the lookup with their ids (``world x ids x dim`` elements instead of about
+``2 x rows x dim``) where ``world x ids <= rows`` on more than one rank, and every rank builds the
+averaged gradient. Each rank must compute the same bits, or the replicas drift: Inductor's atomic
+scatter-add sums in a varying order, so ``bucketwise::embedding_rows_grad``, opaque to Inductor,
+runs ATen's deterministic kernel (on CUDA without a device-to-host sync). Only a table whose every
+use is a plain ``F.embedding`` with a static id count qualifies (a tied LM head keeps the
+all-reduce), and all ranks must look up as many ids (the fused layout check compares the counts).
 """
 
 from __future__ import annotations
@@ -184,9 +167,9 @@ class EmbeddingRows(torch.autograd.Function):
         # Gathered, not reduced: each rank's rows scaled here, whatever the all-reduces do.
         wire = spec.scaled(g)
         # NOTE [ids in the rows]: one collective carries rows and ids, so it depends on the
-        # gradient and stays in the backward (a separate ids gather depends on forward values
-        # only, and AOTAutograd's partitioner moved it into the forward graph, where a captured
-        # CUDA graph holding an NCCL kernel kept ncclCommDestroy from returning).
+        # gradient and stays in the backward. A separate ids gather depends on forward values
+        # only, so AOTAutograd's partitioner would move it into the forward graph, where a
+        # captured CUDA graph holding an NCCL kernel keeps ncclCommDestroy from returning.
         digits = _ids_to_digits(ids.reshape(-1), ctx.rows, wire.dtype)
         # Autocast (the forward's, traced into the backward) rejects cat of fp16 under bf16 on CPU.
         with torch.autocast(g.device.type, enabled=False):

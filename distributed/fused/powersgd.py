@@ -1,72 +1,17 @@
 """torch's PowerSGD comm hook (``powerSGD_hook``) traced into the fused backward, bucket by bucket.
 
 NOTE [powersgd in the graph]: ``powerSGD_hook(state, bucket)`` mixes host decisions with tensor
-work. bucketwise splits them where they naturally fall:
-
-- host, per compiled graph (``plan_bucket``): which tensors of a bucket are compressed (torch's
-  ``_should_compress``: a tensor is viewed as ``n = shape[0]`` x ``m = the rest`` and compressed
-  when ``(n + m) * r * min_compression_rate < n * m``, ``r = min(n, m, rank)``; so vectors stay
-  uncompressed unless the rate is below 1), the batching of same-shape tensors, the offsets of
-  each P and Q. A function of the bucket's shapes and the state's hyperparameters.
-- host, per step (``powersgd_run.PowerSGDRun``, when the graph's forward is called): before
-  ``start_powerSGD_iter`` the graph runs its plain variant (torch's ``allreduce_hook``: divide,
-  then all-reduce), from then on the PowerSGD variant. Where torch draws a fresh Q (the first
-  compressed step of a bucket under ``warm_start``, every step without) the seed comes from
-  ``state.rng`` in bucket order, and the bucket's Q memory is written before the graph's forward
-  runs: Q's orthogonalisation depends on no gradient, so AOTAutograd's partitioner may place it
-  in the forward graph; written before, its placement does not matter. ``iter`` increases once
-  per synced step, after the forward (torch: when the last bucket is reduced), and so do the
-  compression statistics.
-- graph, per bucket (``PowerSGDSync``): error feedback, the uncompressed all-reduce, P = M Q,
-  all-reduce P, orthogonalise, Q = M^T P, all-reduce Q, divide, decompress, the new error, with
-  functional collectives in the bucket's backward: it overlaps and compiles like any bucket.
-  Collectives of bucket k keep their order (uncompressed, P, Q) and come before bucket k+1's;
-  Q's all-reduce needs P's result, so the backward waits for P_k before computing Q_k.
-
-State lives in torch's own ``PowerSGDState`` dicts, keyed by bucket index: ``error_dict``,
-``p_memory_dict`` and ``q_memory_dict`` hold the very tensors the compiled backward reads and
-updates. They are extra graph inputs (appended after Dynamo's) that do not require grad, written
-with ``copy_`` in the backward: AOTAutograd keeps data mutations of forward inputs in the
-backward graph (it supports them for Float8's buffers), so nothing is copied out after the step,
-the tensors keep their address (CUDA-graph runners read them in place) and their values equal
-torch's after every step (torch rebinds ``error_dict[i]`` to a new tensor each step, here it is
-updated in place). Considered and not taken: a custom op declaring the state as mutated (the same
-mechanism once functionalised, plus an opaque op), and handing the new state out as the
-"gradient" of a dummy input (an extra copy per step). ``warm_start=False`` leaves both memory
-dicts empty after each step, as torch does; the backward then reads private buffers. A graph
-whose compile failed runs the same autograd function eagerly.
-
-Variants: the plain all-reduce before ``start_powerSGD_iter``, PowerSGD after it, and PowerSGD
-with the gradients already accumulated (below) are different graphs. Each Dynamo graph is
-compiled once per variant it needs, when first needed (``comm_hooks.HookedGraph``, from a copy
-of the Dynamo graph): crossing ``start_powerSGD_iter`` costs one compile, never one per step,
-and is no Dynamo recompile (guards, ``freeze`` and the recompile limit are unaffected); the
-report lists each compile (``variants``). ``compiler/module.py``'s ``no_sync`` variant is a
-second Dynamo cache entry picked per call by the compiled module; the hook's variants are picked
-inside the compiled callable instead, so the module needs no knowledge of hooks and ``no_sync``
-keeps its collective-free graphs.
-
-Accumulated gradients (``no_sync()`` micro-steps, or gradients not zeroed): eager DDP compresses
-``accumulated + new``. Compression is not linear, so the fused runtime's averaging of the
-accumulated part apart (NOTE [fused strategy runtime] (1)) would change the result; instead
-the graph's forward call takes those gradients off the parameters and hands them to the
-backward, which adds them to the new gradient before the hook, as DDP's bucket holds them.
-
-Equal to eager DDP: the same aten ops run on the same values in the same order (torch's in-place
-ops become out-of-place ones; Gram-Schmidt is torch's own function, see ``orthogonalize``); Q's
-random values come from a generator seeded like torch's, and ``torch.manual_seed`` is replayed
-after the forward for its side effect on the other devices' generators (torch seeds them inside
-``fork_rng(devices=[])``, which restores only the CPU's), so dropout draws the same masks. Left
-over on CPU: torch writes P and Q with ``bmm(out=...)`` into slices of one buffer, and MKL sums
-in another order into a slice that is not 16-byte aligned (last bits). Equal results also need
-the reducer's buckets: the fused plan follows DDP's bucket assignment over the predicted ready
-order, which is the reducer's rebuilt buckets for a model compiled as one graph. With several
-graphs (each plans its own buckets) or ``find_unused_parameters=True`` (the reducer keeps its
-construction-time buckets) the buckets differ, and with them the random projections: PowerSGD
-still, not eager's numbers (the report notes it). Gradients produced outside compiled graphs
-(a ``torch.compiler.disable``d submodule, the eager uses of a parameter) are averaged apart,
-uncompressed (NOTE [fused strategy runtime] (2), (3)), and a parameter read by two graphs is
-compressed in each graph's bucket, where eager DDP compresses the sum once.
+work; bucketwise splits them where they fall, so that the graphs compute what the hook computes,
+the same ops in the same order, with Q's draws seeded as torch seeds them. The host plans each
+bucket once per compiled graph (``plan_bucket``: which tensors compress, batching, P and Q
+offsets) and, per step (``powersgd_run.PowerSGDRun``), picks the variant (a plain all-reduce
+before ``start_powerSGD_iter``), advances ``iter`` and writes Q's fresh draws before the
+forward, where the partitioner may have put Q's orthogonalisation. The tensor work
+(``PowerSGDSync``) is traced into the bucket's backward with functional collectives, so it
+overlaps like any bucket. The state stays in torch's ``PowerSGDState`` dicts, updated in place
+(``copy_``) as graph inputs: fixed addresses for CUDA graphs, torch's values after every step.
+Compression is not linear, so accumulated gradients join the new ones before the hook, as in
+DDP's bucket. Each variant is a graph compiled when first needed, not a Dynamo recompile.
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """Run-time side of the fused strategy: what the compiled graphs do not reduce themselves.
 
 NOTE [fused strategy runtime]: with the reducer idle (``run_forward_with_idle_reducer``), three
-kinds of gradient still need DDP's treatment, each reduced exactly once:
-
-1. gradients accumulated under ``no_sync()``: the compiled graphs reduce only the gradient of
-   the step they run in, so on the first synced step after accumulation the accumulated part of
-   every parameter a graph syncs is averaged before its backward (avg(acc) + avg(new) ==
-   avg(acc + new), which is what eager DDP reduces). A comm hook that is not linear (PowerSGD,
-   a traceable user hook) takes the accumulated gradients into its graph instead, before this
-   runs (NOTE [powersgd in the graph]);
-2. parameters no compiled graph syncs (used only in eager code between graph breaks, or in a
-   ``torch.compiler.disable``d submodule): a post-accumulate-grad hook collects them and one
-   callback at the end of the backward averages them. Only those parameters carry the hook
-   (updated when the set changes): a per-parameter Python hook on every gradient would cost
-   launch-bound models more than the rest of the step's bookkeeping;
-3. parameters a graph syncs but eager code also uses: their gradient reaches the accumulator
-   from two autograd nodes; the eager node's contribution is averaged by a hook on that node,
-   found by walking the autograd graph after the forward (done while such parameters exist,
-   and once after every new compile to look for them).
-
-A graph that was compiled but did not run in a step (Dynamo ran its frame eagerly:
-``bucketwise.freeze(..., on_recompile="eager")``, the recompile limit) reduces nothing that step:
-each compiled graph marks itself when it runs, and the parameters of graphs that did not run
-are treated as in (2) for that step.
+kinds of gradient still need DDP's treatment, each reduced exactly once. (1) Gradients
+accumulated under ``no_sync()``: the graphs reduce only their step's gradient, so on the first
+synced step the accumulated part of every parameter a graph syncs is averaged before its
+backward (avg(acc) + avg(new) == avg(acc + new)); a comm hook that is not linear takes them into
+its graph instead (NOTE [powersgd in the graph]). (2) Parameters no compiled graph syncs (eager
+code between graph breaks, a ``torch.compiler.disable``d submodule): a post-accumulate-grad hook
+on those only (one on every gradient would cost launch-bound models more than the rest of the
+step's bookkeeping) collects them, and one callback at the end of the backward averages them.
+(3) Parameters a graph syncs that eager code also uses: a hook on the eager autograd node
+averages its contribution. A graph that did not run in a step (Dynamo ran its frame eagerly)
+reduces nothing, so its parameters are treated as in (2) for that step.
 """
 
 from __future__ import annotations

@@ -39,24 +39,16 @@ block] in ``compiler/blocks.py``): the placeholders of the bucket's parameters."
 
 
 # NOTE [the average in the collective]: DDP's reducer scales each gradient by ``1/world`` on its
-# way into the bucket (``grad * (1/world)`` in float, reducer.cpp), then sums the bucket across
-# ranks. NCCL's ``ncclAvg`` of floating-point data is that same rule inside its reduction kernel:
-# a pre-multiplied sum by ``float(1/nRanks)`` (``hostToDevRedOp`` in NCCL's enqueue.cc), so the
-# reduced bits are the reducer's. Where the bucket's gradients come out of kernels Inductor cannot
-# fuse a multiply into (LayerNorm's weight and bias gradients: a reduction each), the graph's own
-# multiply is one more kernel per gradient; with the average in the collective it is none. Only
-# for DDP's reducer rule on an NCCL group: gloo has no average, and torch's comm hooks divide
-# (``x / world``, not bit-equal to ``x * (1/world)`` for a world size that is not a power of 2).
-# And only where the bits agree: for fp32 and fp64 gradients (the reducer multiplies in the
-# gradient's own precision there, as NCCL does), and for fp16 and bf16 ones where the world size is
-# a power of 2 (an exact scale); otherwise the reducer multiplies in fp32 by ``1/world`` and rounds
-# once, NCCL multiplies by ``1/world`` rounded to the 16-bit type, and the graph keeps the scale.
-# On a world of one rank there is nothing to scale (``x * 1.0`` and ``x / 1`` are ``x``, bit for
-# bit): no multiply in the graph, and a sum, which NCCL runs in place on one rank as no kernel at
-# all, where its average is a pre-multiplied copy of every bucket through NCCL's kernel: gpt-medium
-# at batch 8 on one H200 took 50.87 ms of GPU time per step with it (against 47.71 for no DDP) and
-# 47.36 without (against 47.51): results/2026-11-28_1xH200_tax-one-rank-nccl-avg-torch-paths and
-# results/2026-11-28_1xH200_tax-one-rank-sum-gpt-medium-llama8-16-32.
+# way into the bucket (``grad * (1/world)``, reducer.cpp), then sums the bucket across ranks.
+# NCCL's ``ncclAvg`` of floating-point data is the same rule inside its reduction kernel (a sum
+# pre-multiplied by ``float(1/nRanks)``, NCCL's enqueue.cc), so the reduced bits are the
+# reducer's, and the graph saves the multiply kernel of each gradient Inductor cannot fuse it
+# into (LayerNorm's weight and bias: a reduction each). Only for the reducer's rule on an NCCL
+# group (gloo has no average; torch's comm hooks divide, ``x / world``), and only where the bits
+# agree: fp32 and fp64, and fp16 and bf16 where the world size is a power of 2 (an exact scale;
+# otherwise the reducer rounds once in fp32, NCCL scales by ``1/world`` rounded to 16 bits);
+# elsewhere the graph keeps the scale. On one rank nothing is scaled and the bucket is summed:
+# NCCL runs a one-rank sum in place as no kernel, where its average copies every bucket.
 
 
 @dataclasses.dataclass(frozen=True)
