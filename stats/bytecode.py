@@ -1,22 +1,18 @@
 """Whether this Python runs torch's compile stack from compiled bytecode or compiles its source
 again in every process.
 
-NOTE [compiled bytecode]: Python runs a module from the bytecode it cached in ``__pycache__``
-(or under ``PYTHONPYCACHEPREFIX``) and, where there is none, compiles the source and caches the
+NOTE [compiled bytecode]: Python runs a module from the bytecode it cached in ``__pycache__`` (or
+under ``PYTHONPYCACHEPREFIX``) and, where there is none, compiles the source and caches the
 result, unless it may not: ``PYTHONDONTWRITEBYTECODE`` (set in many container images) or a
-read-only installation. Then every process compiles every module it imports again. For a compile
-that costs most where it hurts most: Dynamo, AOTAutograd and Inductor are large modules, mostly
-imported at the first compile, so each rank pays it in its start and in its first step, at every
-restart. On one H200 with such an image, a 32-layer HF Llama's cold first step took 29.2 s
-without torch's bytecode and 19.1 s with it, its warm restart 10.6 s and 5.8 s, and its process
-start 7.6 s and 2.6 s (``benchmarks/results/2026-11-28_1xH200_llama32-restarts-python-bytecode``).
-
-So :func:`torch_bytecode` looks at a few of the large modules a compile
-imports: whether each has up-to-date bytecode (the cached file's header names this Python and
-the source's modification time and size, as Python checks it) and, if not, whether Python will
-keep what it compiles. ``bucketwise.compile`` warns when every process would compile them
-again (on local rank 0 only: it is a fact of the machine) and names the fix;
-the report says which of the three it is (``python_bytecode`` in its totals).
+read-only installation. Then every process compiles every module it imports again, which costs
+most where it hurts most: Dynamo, AOTAutograd and Inductor are large modules, mostly imported at
+the first compile, so each rank pays it in its start and its first step, at every restart. So
+:func:`torch_bytecode` looks at a few of the large modules a compile imports: whether each has
+up-to-date bytecode (the cached file's header names this Python and the source's modification
+time and size, as Python checks it) and, if not, whether Python will keep what it compiles.
+``bucketwise.compile`` warns where every process would compile them again (on local rank 0 only:
+it is a fact of the machine) and names the fix; the report says which of the three it is
+(``python_bytecode`` in its totals).
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
 """Where each graph's compile seconds go: Dynamo, bucketwise's own work, AOTAutograd, the
 backend, and what the compile caches did.
 
-NOTE [compile-time breakdown]: one Dynamo graph is compiled in three places at three times:
-
-1. Dynamo traces the frame, hands the graph to bucketwise's backend, then builds guards;
-2. bucketwise's backend plans buckets, checks the layout across ranks and rewrites the graph
-   (``bucketwise_s``, of which ``rank_check_s`` is the rank check, waiting for the other ranks
-   included), then hands the graph (or each segment) to the backend: AOTAutograd traces and
-   partitions it and the backend proper (Inductor's ``compile_fx_inner``) compiles the forward;
-3. AOTAutograd compiles the backward lazily, at the first backward.
-
-Step 2 is measured around the backend call: its wall time, the part torch's own timer gives to
-``compile_fx_inner`` (``backend_s``; with a backend that is not AOTAutograd-based the whole
-call), the rest is AOTAutograd (``aot_autograd_s``, cache lookups and loads included), and the
-cache outcomes from torch's counters read before and after. Steps 1 and 3 happen outside the
-backend call; torch keeps a record of each (``CompilationMetrics``: one for the frame, one per
-lazily compiled backward, all under the graph's compile id), and :class:`CompileTimesTracker`
-adds them to the graph they belong to when the report is read, when the next graph is
-compiled (torch keeps only its 64 latest records), and on the first calls after a compile (so
-the per-rank stats file gets them too).
-Until then ``dynamo_s`` is ``None`` and ``backward_compiles`` 0. A backward's FX-graph-cache
-lookup that neither hit nor missed was bypassed (torch records no bypass count there).
+NOTE [compile-time breakdown]: one Dynamo graph is compiled in three places at three times.
+(1) Dynamo traces the frame, hands the graph to bucketwise's backend, then builds guards. (2) The
+backend plans buckets, checks the layout across ranks and rewrites the graph (``bucketwise_s``,
+of which ``rank_check_s`` is the rank check, waiting included), then AOTAutograd traces and
+partitions it and Inductor's ``compile_fx_inner`` compiles the forward. (3) AOTAutograd compiles
+the backward lazily, at the first backward. Step 2 is timed around the backend call: its wall
+time, the part torch's own timer gives ``compile_fx_inner`` (``backend_s``; the whole call for a
+backend that is not AOTAutograd-based), the rest AOTAutograd's (``aot_autograd_s``), and cache
+outcomes from torch's counters read before and after. Steps 1 and 3 happen outside that call, so
+torch's records of them (``CompilationMetrics``, only the latest 64 kept) are added to their graph
+when the report is read, when the next graph compiles and at the first calls after a compile. A
+backward's FX-graph-cache lookup that neither hit nor missed was bypassed (torch counts no bypass).
 """
 
 from __future__ import annotations

@@ -1,38 +1,16 @@
 """Every rank's rank files, gathered into rank 0's stats folder through the job's own store.
 
 NOTE [job-wide stats]: ``bucketwise launch`` runs once per node, and each node's ranks write
-``rank<R>.json`` into that node's ``--stats-dir``: with one launcher per node, no folder holds
-the whole job, and a shared folder cannot be assumed. So the ranks also send what they write
-through the store of the default process group (the TCP store torchrun's agents share, or
-whatever store ``init_process_group`` was given), and rank 0 writes the other ranks' files into
-its own folder, where node 0's launcher prints the job-wide table from:
-
-- every write of a rank file (after each compile, at the eager-call counts' writes) is also
-  published under ``bucketwise/stats/<restart>/rank<R>``, with every file the rank has written
-  (``rank<R>.json``, ``obj<k>/rank<R>.json``, ``runtime-rank<R>.json``). Local files are
-  written as before;
-- at interpreter exit, after the last rank-file writes (eager-call counts, a runtime profile
-  still open), each rank publishes once more and marks its entry final. This covers a script
-  that ends with ``destroy_process_group()``, one that raises and one that does neither: the
-  store is this module's own client of the default store's TCP server, opened at the first
-  publish, so it outlives ``destroy_process_group()``; torchrun's agents keep that server up
-  until every node's workers have exited;
-- rank 0, at its exit, waits for every other rank's final entry (``$BUCKETWISE_STATS_GATHER_TIMEOUT``
-  seconds at most, 60 by default; not at all when rank 0 itself is ending with an unhandled
-  exception: the other ranks are then usually blocked in a collective that only its exit ends),
-  writes each other rank's files into its folder where no file of that name exists (a folder
-  shared by every node keeps the ranks' own files) and records in ``job.json`` which ranks sent a
-  final entry, which only an earlier one (a rank that was killed, or still running when the wait
-  ended: its last published report is shown), and which none;
-- every other rank whose folder is not rank 0's writes ``job.json`` naming rank 0's host and
-  folder, so its node's launcher says where the job-wide table is instead of printing a partial
-  one.
-
-A node that dies loses nothing already published: its ranks' last reports reach rank 0's folder,
-as long as rank 0 still ends by itself (an error from the collective the dead peer left, say). If
-node 0 itself dies, or rank 0 is killed (a watchdog's abort), no job-wide table is written; each
-node's folder
-still holds its own ranks' files (``bucketwise stats DIR1 DIR2`` merges copies of them).
+``rank<R>.json`` into that node's ``--stats-dir``: no folder holds the whole job, and a shared one
+cannot be assumed. So every rank-file write is also published through the default process
+group's store (``bucketwise/stats/<restart>/rank<R>``: every file the rank has written), and at
+interpreter exit each rank publishes once more, marked final, through its own client of the
+store's TCP server, which outlives ``destroy_process_group()`` (torchrun's agents keep the server
+up until every node's workers exit). Rank 0, at its exit, waits for the other ranks' final entries
+(``$BUCKETWISE_STATS_GATHER_TIMEOUT``, 60 s by default; not when it ends with an unhandled
+exception, which the others are then likely blocked on), writes their files into its folder where
+no file of that name exists, and records in ``job.json`` who sent what; every other rank's
+``job.json`` names rank 0's host and folder. A node that dies loses nothing already published.
 Nothing is published without an initialised process group of more than one rank.
 """
 

@@ -190,14 +190,11 @@ class Profile:
 
 # NOTE [a step's CPU time]: on a GPU, autograd runs a backward's host work (the compiled
 # backward's kernel launches, its collectives) on its own thread for the device, not on the
-# thread that called ``backward()``, which waits meanwhile. That thread's CPU time
-# (``time.thread_time``) counts a step's forward and optimizer only: 9.4 to 13.7 ms of the 20.4 to
-# 26.8 ms the process spent per step of a 16-layer HF Llama at batch 4 on an H200 host, without
-# DDP (benchmarks/results/2026-11-29_1xH200_tax-llama16-32-b4-process-cpu-shared-blocks,
-# ``cpu_ms`` against ``process_cpu_ms``). A step's CPU time is the process's
-# (``time.process_time``): every thread of it, so also NCCL's watchdog (asleep between its checks)
-# and, on a CPU device, intra-op and gloo's threads. Near the step's wall time it says the host
-# is working, not waiting; under the profiler it includes the profiler's own work.
+# thread that called ``backward()``, which waits meanwhile; that thread's CPU time
+# (``time.thread_time``) counts only a step's forward and optimizer. So a step's CPU time is the
+# process's (``time.process_time``): every thread of it, so also NCCL's watchdog (asleep between
+# its checks) and, on a CPU device, intra-op and gloo's threads. Near the step's wall time it says
+# the host is working, not waiting; under the profiler it includes the profiler's own work.
 
 
 def _clocks() -> tuple[float, float]:
@@ -251,9 +248,9 @@ def _without_kineto_markers() -> Any:
     NOTE [kineto's markers]: torch 2.13's profiler library (kineto) prints ``USDT:<time> <pid>:<tid>
     SyncActivityProfilerHandler.cpp:52] profiler_start`` (and ``profiler_stop``) to stderr at every
     start and stop, at a log level above its errors (so ``KINETO_LOG_LEVEL`` would silence its
-    errors with them). Under ``bucketwise launch`` every rank printed them. Only the start and stop
-    calls are wrapped; anything else written meanwhile (another thread's output) still comes out,
-    a moment later."""
+    errors with them), and under ``bucketwise launch`` every rank would print them. Only the start
+    and stop calls are wrapped; anything else written meanwhile (another thread's output) still
+    comes out, a moment later."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)

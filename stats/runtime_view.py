@@ -170,10 +170,7 @@ def totals_line(view: RuntimeView) -> str:
 # says what to try; where the compiled object already replays CUDA graphs, the host time left is
 # outside its graphs (the optimizer step, data loading, Python). Where it calls shared blocks
 # without CUDA graphs (``share_blocks=True``), the note names them: each call costs the host its
-# own launches, allocations and checks (an HF Llama of 16 layers at batch 4 stepped in 1.21x to
-# 1.67x the whole graph's time per round, benchmarks/results/2026-11-29_1xH200_tax-llama16-32-b4-
-# process-cpu-shared-blocks and 2026-11-29_1xH200_gpu-tests-tax-llama16-shared-blocks-unread-
-# inputs), which CUDA graphs remove and ``share_blocks=False`` avoids.
+# own launches, allocations and checks, which CUDA graphs remove and ``share_blocks=False`` avoids.
 
 
 HOST_BOUND_PREFIX = "host-bound: "
@@ -182,23 +179,14 @@ HOST_BOUND_PREFIX = "host-bound: "
 # NOTE [saying when sharing blocks is free]: without CUDA graphs ``share_blocks="auto"`` compiles
 # a model's repeated blocks with the whole graph where each call of a shared block would cost the
 # step host time: on the CPU, and on a GPU where the block's call, estimated from its graphs, does
-# not hide behind its kernels (NOTE [sharing by cost]). A step bound by its GPU does
-# not pay it: the host
-# issues ahead of the GPU, and the shared blocks' kernels are the same. On one H200 an HF Llama
-# at batch 12 x 1024 stepped in 0.97x the whole graph's time with its 16 or 32 blocks shared,
-# at 0.97x the peak memory, and its first step compiled one block instead of all; at batch 4 the
-# host bounded the step and sharing cost 1.10x to 1.53x
-# (benchmarks/results/2026-11-29_1xH200_tax-llama16-32-b12-shared-blocks and
-# 2026-11-27_1xH100_shared-blocks-default-depth-table). The compile-time estimate sees one block's
-# call, not the whole step (the optimizer, the loss, data loading, the host's noise in a run): so
-# where the profiled steps kept the GPU busy at least GPU_BOUND_BUSY of the time and the report
-# lists blocks left unshared for host time only, the view says so and what to try. It is advice,
-# not a change: the user compares the two steps.
-# The profiler slows the host, so a profiled step looks less GPU-bound than it is: in those runs
-# the whole graph's profiled steps kept the GPU busy 94% (32 layers) and 96% (16 layers) of the
-# time at batch 12, and the default's 54% (8 layers) and 65% (16 layers) at batch 4 (kernel time
-# against kernel time plus idle, ``gpu_idle_ms`` of 2026-11-29_1xH200_tax-llama16-32-b12-shared-blocks
-# and 2026-11-29_1xH200_tax-llama8-16-gpu-idle): 0.9 lies between.
+# not hide behind its kernels (NOTE [sharing by cost]). A step bound by its GPU does not pay that
+# time (the host issues ahead of the GPU, and the shared blocks' kernels are the same), and its
+# first step compiles one block instead of all. The compile-time estimate sees one block's call,
+# not the whole step (the optimizer, the loss, data loading, the host's noise), so where the
+# profiled steps kept the GPU busy at least GPU_BOUND_BUSY of the time and the report lists blocks
+# left unshared for host time only, the view says so and what to try: advice, not a change, as
+# the user compares the two steps. The profiler slows the host, so a profiled step looks less
+# GPU-bound than it is: GPU_BOUND_BUSY lies between what GPU-bound and host-bound steps show.
 
 GPU_BOUND_BUSY = 0.9
 """A step whose GPU is busy at least this fraction of it has host time to spare (NOTE [saying
