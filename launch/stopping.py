@@ -3,24 +3,15 @@
 NOTE [stopping a job]: torchrun's agent starts each rank in a session of its own, and on SIGINT
 (or SIGTERM) sends that signal to every rank's process group, then waits 30 s before SIGKILL. A
 rank does not always stop on SIGINT: Python swallows a ``KeyboardInterrupt`` raised inside a
-``__del__`` or a weakref callback (``Exception ignored in ... KeyboardInterrupt``, frequent while
-Dynamo compiles), and a rank blocked in a C++ call (a store wait, a collective) sees it only when
-that call returns. Such a rank trained on, or until the agent's SIGKILL 30 s later, and the agent
-printed its own traceback on the way out. So ``bucketwise launch`` owns the signal:
-
-- torchrun runs in a session of its own, so a terminal's Ctrl-C (sent to the foreground process
-  group) reaches the launcher alone, and so does ``timeout -s INT`` (sent to its own group);
-- on SIGINT, SIGTERM or SIGHUP the launcher prints one line, freezes the agent (SIGSTOP: it starts
-  no rank, restarts nothing and prints nothing from then on), and sends the signal to every
-  rank's process group (the rank and what it started, Inductor's compile workers included); a
-  rank still there after :data:`INTERRUPT_GRACE_S` gets SIGTERM, after :data:`TERM_GRACE_S` more
-  SIGKILL (a second Ctrl-C skips the wait). Then the agent's process group gets SIGKILL, and the
-  launcher exits with 128 + the signal's number (130 for Ctrl-C), without the run's tables.
-
-A rank that handles ``KeyboardInterrupt`` (a checkpoint on Ctrl-C) has those seconds to finish;
-its output goes to its log only (the agent, which copies it to the console, is frozen). The
-ranks are found as the agent's child processes, through ``/proc`` (Linux); elsewhere the agent
-gets the signal and stops its ranks itself, as torchrun does.
+``__del__`` or a weakref callback (frequent while Dynamo compiles), and a rank blocked in a C++
+call (a store wait, a collective) sees it only when that call returns. So ``bucketwise launch``
+owns the signal: torchrun runs in a session of its own, so that a terminal's Ctrl-C reaches the
+launcher alone. On SIGINT, SIGTERM or SIGHUP the launcher prints one line, freezes the agent
+(SIGSTOP: it starts, restarts and prints nothing more) and sends the signal to every rank's
+process group (Inductor's compile workers included); a rank still there after
+:data:`INTERRUPT_GRACE_S` gets SIGTERM, after :data:`TERM_GRACE_S` more SIGKILL (a second Ctrl-C
+skips the wait). The launcher exits with 128 + the signal's number. The ranks are found as the
+agent's children through ``/proc`` (Linux); elsewhere the agent stops its ranks itself.
 """
 
 from __future__ import annotations
