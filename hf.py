@@ -8,31 +8,21 @@
 library (TRL's ``SFTTrainer``, ...). Needs ``transformers``; ``import bucketwise`` does not import
 this module.
 
-NOTE [HF Trainer on fused]: given ``model=torch.compile(model)``, the Trainer wraps the compiled
-model in DDP, so DDP's own forward and reducer stay in charge (``split``, and torch's
-DDPOptimizer takes the first step uncompiled). ``fused`` needs bucketwise to run the DDP forward,
-and the Trainer builds its DDP module inside ``train()`` (through accelerate's ``prepare``),
-where no public hook hands it out before it is called. The first place that sees it is
-``Trainer.compute_loss(model, inputs, ...)``, the documented method for subclasses to override,
-which the Trainer calls with the DDP module for every training step (and every evaluation step
-with labels). There, once per DDP module, :class:`BucketwiseTrainer` builds what
-``bucketwise.compile(ddp)`` builds and routes that module's forward to it
-(``_compat/ddp.route_forward``: an instance attribute of that one module, as the ``"bucketwise"``
-torch.compile backend does; the classes of torch and transformers stay untouched), then hands the
-same DDP module on to the Trainer's own ``compute_loss``. Everything of the Trainer sees the
-objects it built (``unwrap_model``, ``no_sync()`` under gradient accumulation, saving), and the
-first step is compiled like the others.
-
-The Trainer asks DDP for ``find_unused_parameters=True`` for a ``PreTrainedModel`` without
-gradient checkpointing, by default rather than because a parameter is unused; ``auto`` would then
-pick ``split``. Unless ``ddp_find_unused_parameters=True`` was set by you, or a ``strategy`` is
-given in ``bucketwise_options``, the strategy is ``"fused"`` (``"auto"`` where a comm hook or
-gradient hooks already rule ``fused`` out: NOTE [explicit strategies]): ranks whose graphs read
-different parameters then raise ``RankMismatchError`` at their first step instead of training
-apart, and the report notes the choice.
-
 Without a DDP module (one process) the model the Trainer trains is compiled with
 ``bucketwise.compile(model)`` (no buckets: the inner backend alone), and the log says so.
+
+NOTE [HF Trainer on fused]: given ``model=torch.compile(model)``, the Trainer wraps the compiled
+model in DDP, so DDP's own forward and reducer stay in charge (``split``). ``fused`` needs
+bucketwise to run the DDP forward, and the Trainer builds its DDP module inside ``train()``
+(through accelerate's ``prepare``), where no public hook hands it out before it is called. The
+first place that sees it is ``Trainer.compute_loss``, the documented override, called with the
+DDP module at every training step: there, once per DDP module, :class:`BucketwiseTrainer` builds
+what ``bucketwise.compile(ddp)`` builds and routes that module's forward to it
+(``_compat/ddp.route_forward``), so the Trainer keeps the objects it built (``unwrap_model``,
+``no_sync()``, saving). The Trainer asks DDP for ``find_unused_parameters=True`` by default, not
+because a parameter is unused, and ``auto`` would then pick ``split``; so unless that or a
+``strategy`` was set, the strategy is ``"fused"`` (NOTE [explicit strategies]), and ranks whose
+graphs read different parameters raise ``RankMismatchError`` instead of training apart.
 """
 
 from __future__ import annotations
