@@ -120,9 +120,9 @@ class CudaGraphs:
     @contextlib.contextmanager
     def allocating_in(self, pool: Any) -> Iterator[None]:
         """Within the block, this thread's allocations come from ``pool`` and its work runs on the
-        capture stream, after the current stream's: the caching allocator hands a free block only
-        to the stream that freed it, so what a warm-up frees there is what a capture can reuse (as
-        Inductor's cudagraph trees warm up). The current stream then waits for it."""
+        capture stream, after the current stream's: the caching allocator reuses a free block only
+        for allocations on the stream it was allocated on, so what a warm-up frees there is what a
+        capture can reuse (as Inductor's cudagraph trees warm up). The current stream then waits."""
         stream = self._capture_stream()
         current = torch.cuda.current_stream()
         stream.wait_stream(current)
