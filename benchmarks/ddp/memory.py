@@ -14,10 +14,9 @@ dropped. Memory allocated above what the process held before the model was built
   ``peak_reserved``: ``torch.cuda.max_memory_reserved`` likewise (above the reserved memory at
   the start), and ``steady_peak``: allocated, over the steps after the first two;
 - ``after_gc``: after the drop and one ``gc.collect()``; ``after_reset``: after
-  ``torch._dynamo.reset()`` and ``gc.collect()`` too; ``after_cublas``: after cuBLAS's
-  per-stream workspaces are cleared as well (torch keeps a workspace for the process from a
-  stream's first matmul on, 32 MiB on an H100, also after plain ``torch.compile``: what stays
-  beyond it is the compile's).
+  ``torch.compiler.reset()`` and ``gc.collect()`` too. Both include cuBLAS's per-stream
+  workspaces, which torch keeps for the process from a stream's first matmul on (32 MiB on an
+  H100), after plain ``torch.compile`` too: compare a config with ``local``.
 
 ``--rounds`` repeats every config in new processes, interleaved (A B C, then A B C again).
 Writes ``results.json`` (every process's figures) and ``results.md`` (the median per config).
@@ -35,8 +34,6 @@ from typing import Any
 
 import torch
 
-from bucketwise._compat import cuda as cuc
-from bucketwise._compat import dynamo as dc
 from bucketwise.benchmarks.core import procs
 from bucketwise.benchmarks.core.configs import recipe_for
 from bucketwise.benchmarks.core.meta import run_meta
@@ -44,7 +41,7 @@ from bucketwise.benchmarks.core.models import MODELS, SIZE_FLAGS, make_spec
 from bucketwise.benchmarks.core.step import training_step
 
 MIB = 2**20
-FIGURES = ("rest", "rest_reserved", "peak", "peak_reserved", "steady_peak", "after_gc", "after_reset", "after_cublas")
+FIGURES = ("rest", "rest_reserved", "peak", "peak_reserved", "steady_peak", "after_gc", "after_reset")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -103,12 +100,9 @@ def measure(config: str, spec: Any, device: torch.device, backend: str, steps: i
     del model, prepared, opt, step
     gc.collect()
     out["after_gc"] = _allocated(device) - start
-    dc.reset()
+    torch.compiler.reset()
     gc.collect()
     out["after_reset"] = _allocated(device) - start
-    if cuda:
-        cuc.clear_cublas_workspaces()
-    out["after_cublas"] = _allocated(device) - start
     return {k: v / MIB for k, v in out.items()}
 
 
@@ -148,8 +142,8 @@ def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         f"median of {meta['rounds']} process(es) per config; `{meta['command']}`",
         "",
         "| config | at rest | reserved at rest | peak | peak reserved | steady-step peak | after `gc.collect()` "
-        "| after `torch._dynamo.reset()` too | and cuBLAS's workspaces cleared |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| after `torch.compiler.reset()` too |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for config in configs:
         mine = [r for r in runs if r["config"] == config]

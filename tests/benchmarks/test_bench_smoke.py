@@ -397,7 +397,7 @@ def test_memory_bench_runs_each_config_in_a_process_of_its_own(tmp_path):
 
     assert all(set(FIGURES) <= set(r) for r in data["runs"]), data["runs"]
     table = (out / "results.md").read_text()
-    assert "| `bw-fused` |" in table and "cuBLAS" in table
+    assert "| `bw-fused` |" in table and "after `torch.compiler.reset()` too" in table
     bad = _run([*cmd[:4], "--steps", "2", "--one", "local"], timeout=120)
     assert bad.returncode != 0 and "--steps must be >= 3" in bad.stdout
 
