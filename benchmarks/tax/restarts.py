@@ -35,7 +35,9 @@ from typing import Any
 
 from bucketwise.benchmarks.core import procs
 from bucketwise.benchmarks.core.configs import recipe_for
-from bucketwise.compiler.artifacts import ENV as ARTIFACTS_ENV
+
+ARTIFACTS_ENV = "BUCKETWISE_COMPILE_ARTIFACTS"
+"""The default folder of ``bucketwise.compile(artifacts=)`` (docs/user-guide.md)."""
 
 RESULT_MARK = "TAX_FIRST_STEP "
 RUN_MARK = "TAX_RESTART_RUN "
