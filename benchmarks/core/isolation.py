@@ -8,7 +8,7 @@ and its backend compares equal, which it does for two ``torch.compile`` calls wi
 backend and mode: ``torch`` built after ``local`` ran ``local``'s whole graph instead of its own
 DDPOptimizer graphs, ``torch-nosplit`` after ``torch`` ran ``torch``'s split ones (seen on
 torch 2.11 and 2.13; configs compiled under backends that compare unequal would still count
-against each code object's ``recompile_limit``: ``_compat.dynamo.side_by_side_compile_limits``).
+against each code object's ``recompile_limit``: :func:`side_by_side_compile_limits`).
 :func:`own_code` gives a config's model classes of its own, whose methods are copies with code
 objects of their own, so each config compiles and finds only its own frames, as in a process of
 its own. torch's own frames stay shared: Dynamo runs ``nn.Module.__call__`` and
@@ -22,8 +22,11 @@ graph break inside one of them would make it a frame of its own, shared by the c
 
 from __future__ import annotations
 
+import contextlib
 import types
+from typing import Iterator
 
+import torch
 import torch.nn as nn
 
 
@@ -66,3 +69,18 @@ def _copy(fn: types.FunctionType) -> types.FunctionType:
     copy.__doc__ = fn.__doc__
     copy.__dict__.update(fn.__dict__)
     return copy
+
+
+@contextlib.contextmanager
+def side_by_side_compile_limits(configs: int) -> Iterator[None]:
+    """Within the block, Dynamo's per-code-object ``recompile_limit`` (and its
+    ``accumulated_recompile_limit``, at least as much) is ``configs`` times its value
+    (``torch.compiler.config``), so that each of ``configs`` compiled objects alive side by side
+    in one process keeps the budget it has alone: frames they share (torch's own) count every
+    config's compiles, and the 9th would run eagerly."""
+    config = torch.compiler.config
+    limit = int(config.recompile_limit) * max(1, configs)
+    with config.patch(
+        recompile_limit=limit, accumulated_recompile_limit=max(int(config.accumulated_recompile_limit), limit)
+    ):
+        yield

@@ -262,26 +262,28 @@ def write_markdown(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any
 
 
 def _cache_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """Compile-cache lookups of rank 0 per config, first and restarted job (when recorded)."""
-    rows = [r for r in rows if r.get("compile_caches")]
+    """Compile-cache lookups of rank 0 per bucketwise config, first and restarted job, as its
+    report counts them (the other configs have no report)."""
+    rows = [r for r in rows if (r.get("bucketwise") or {}).get("compile_times")]
     if not rows:
         return []
 
-    def c(caches: dict[str, Any] | None, name: str) -> str:
-        return "-" if not caches else "{hit}/{miss}/{bypass}".format(**caches[name])
+    def c(times: dict[str, Any] | None, name: str) -> str:
+        return "-" if not times else "{hit}/{miss}/{bypass}".format(**times[name])
 
     lines = ["| config | FX graph cache h/m/b | warm | AOTAutograd cache h/m/b | warm |", "|---|---:|---:|---:|---:|"]
-    lines += [
-        f"| {r['config']} | {c(r['compile_caches'], 'fx_graph')} | {c(r.get('warm_compile_caches'), 'fx_graph')} | "
-        f"{c(r['compile_caches'], 'aot_autograd')} | {c(r.get('warm_compile_caches'), 'aot_autograd')} |"
-        for r in rows
-    ]
+    for r in rows:
+        cold, warm = r["bucketwise"]["compile_times"], r.get("warm_compile_times")
+        lines.append(
+            f"| {r['config']} | {c(cold, 'fx_graph_cache')} | {c(warm, 'fx_graph_cache')} | "
+            f"{c(cold, 'aot_autograd_cache')} | {c(warm, 'aot_autograd_cache')} |"
+        )
     return [
         "",
         *lines,
         "",
-        "h/m/b: compile-cache hits/misses/bypasses of rank 0 in the first step and warm-up steps; "
-        "warm: the same in the restarted job.",
+        "h/m/b: compile-cache hits/misses/bypasses of rank 0 in the compiles of the first step and "
+        "warm-up steps (the bucketwise report's); warm: the same in the restarted job.",
         "",
     ]
 

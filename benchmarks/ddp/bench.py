@@ -31,10 +31,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from bucketwise._compat import dynamo as dc
 from bucketwise.benchmarks.core import metrics as bm
 from bucketwise.benchmarks.core.configs import Prepared, Recipe, recipe_for
-from bucketwise.benchmarks.core.isolation import own_code
+from bucketwise.benchmarks.core.isolation import own_code, side_by_side_compile_limits
 from bucketwise.benchmarks.core.meta import run_meta
 from bucketwise.benchmarks.core.models import ModelSpec, make_spec
 from bucketwise.benchmarks.core.output import add_floor_ratios, safe_name, write_jsonl, write_markdown
@@ -48,6 +47,7 @@ from bucketwise.benchmarks.ddp.cli import (
     RECORD_ENV,
     SOCKET_ENV,
     BenchArgs,
+    cache_env_errors,
     job_env,
     parse,
     rank_argv,
@@ -57,18 +57,14 @@ from bucketwise.distributed.gloo_exit import end_process_group
 
 
 def _fresh_state(device: torch.device, *, reset: bool = True) -> None:
-    """Memory freed and its peak reset; ``reset``: Dynamo's compiled frames and counters dropped
-    too (not with ``--rounds``, whose configs stay compiled)."""
+    """Memory freed and its peak reset; ``reset``: Dynamo's compiled frames dropped too
+    (``torch.compiler.reset()``; not with ``--rounds``, whose configs stay compiled)."""
     if reset:
-        dc.reset()
+        torch.compiler.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-
-
-def _dynamo_counts() -> dict[str, int]:
-    return dc.graph_counts()
 
 
 def _profile(args: BenchArgs, config: str, step: Callable[[], Any], device: torch.device, rank: int) -> dict:
@@ -145,10 +141,8 @@ def measure(args: BenchArgs, config: str, recipe: Recipe, spec: ModelSpec, devic
     step = make_step(prepared, spec, opt, batch, device, annotate=False, **kw)
 
     out = _train_and_time(args, step, device)
-    out["compile_caches"] = br.cache_counts()
     out["param_spread"] = bm.param_spread(model.parameters()) if recipe.ddp else None
     out["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    out["dynamo"] = _dynamo_counts() if recipe.compiler != "none" else None
     _report(out, prepared)
     _report_file_and_profiles(args, config, recipe, prepared, spec, opt, batch, step, device, rank, out)
     return out
@@ -206,12 +200,12 @@ def measure_restart(
         step()
     bm.sync(device)
     times = prepared.report.totals.get("compile_times") if prepared.report is not None else None
-    return {"first_step_s": first_s, "compile_caches": br.cache_counts(), "compile_times": times}
+    return {"first_step_s": first_s, "compile_times": times}
 
 
-def _notes(recipe: Recipe, first: dict) -> list[str]:
+def _notes(first: dict) -> list[str]:
     notes = list(first["notes"])
-    bw, dyn = first.get("bucketwise"), first.get("dynamo")
+    bw = first.get("bucketwise")
     if bw:
         notes += [
             f"{bw[k]} {label}"
@@ -223,11 +217,6 @@ def _notes(recipe: Recipe, first: dict) -> list[str]:
             if bw.get(k)
         ]
         notes.append(f"{bw['graphs']} graph(s), {bw['segments']} segment(s)")
-    if dyn and recipe.compiler != "none":
-        if dyn["unique_graphs"] == 0:
-            notes.append("Dynamo compiled no graph (ran eagerly)")
-        elif not bw and dyn["graph_breaks"]:
-            notes.append(f"{dyn['graph_breaks']} graph break(s)")
     return notes
 
 
@@ -267,7 +256,6 @@ def _per_rank(ranks: list[dict], slow: int) -> dict[str, Any]:
         },
         "cpu_issue_ms": [{k: round(v, 3) for k, v in d["cpu_issue_ms"].items()} for d in ranks],
         "cpu_time_ms": [{k: round(v, 3) for k, v in d["cpu_time_ms"].items()} for d in ranks],
-        "compile_caches": [d["compile_caches"] for d in ranks],
         "per_step_ms": [[round(t, 3) for t in d["per_step_ms"]] for d in ranks],
     }
 
@@ -289,7 +277,6 @@ def merge_ranks(config: str, recipe: Recipe, ranks: list[dict], spec: ModelSpec)
     )
     row["first_step_s"] = max(d["first_step_s"] for d in ranks)
     row["warm_first_step_s"] = None  # the restarted job's (--restart)
-    row["compile_caches"] = ranks[0]["compile_caches"]
     row["compile_s"] = max(d["compile_s"] for d in ranks) if s["compile_s"] is not None else None
     row["peak_mib"] = max(d["peak_mib"] for d in ranks) if s["peak_mib"] is not None else None
     row["throughput_per_s"] = spec.items_per_batch * world / (s["median_ms"] / 1e3)
@@ -305,8 +292,8 @@ def merge_ranks(config: str, recipe: Recipe, ranks: list[dict], spec: ModelSpec)
     row["spread"] = {"rank": slow, **bm.spread(s["per_step_ms"])}
     row["losses"] = loss_summary([d["losses"] for d in ranks])
     row["param_spread"] = s.get("param_spread")
-    row["bucketwise"], row["dynamo"] = ranks[0]["bucketwise"], ranks[0]["dynamo"]
-    row["notes"] = _notes(recipe, ranks[0])
+    row["bucketwise"] = ranks[0]["bucketwise"]
+    row["notes"] = _notes(ranks[0])
     if row["param_spread"]:
         row["notes"].append(f"replicas diverged: parameters differ across ranks by up to {row['param_spread']:.3g}")
     return row
@@ -354,17 +341,6 @@ def _allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
-def _counts() -> dict[str, dict]:
-    return {"dynamo": _dynamo_counts(), "caches": br.cache_counts()}
-
-
-def _since(before: Any, after: Any) -> Any:
-    """``after - before`` of nested dicts of counts."""
-    if isinstance(after, dict):
-        return {k: _since(before[k], v) for k, v in after.items()}
-    return after - before
-
-
 def measure_round(
     args: BenchArgs,
     config: str,
@@ -379,13 +355,12 @@ def measure_round(
     Round 1 builds the config beside those built before it (kept in ``built``) and times its
     first step as a one-round run does; a later round times ``--warmup`` + ``--steps`` more steps
     of the same objects. Peak memory is the config's own: the peak above what the other configs
-    held when its block began. Dynamo's and the compile caches' counts are this block's. The
-    last round adds what a one-round run measures after the timed steps (``param_spread``, the
-    report file, the profiled steps, the host profile)."""
+    held when its block began. The last round adds what a one-round run measures after the timed
+    steps (``param_spread``, the report file, the profiled steps, the host profile)."""
     cuda = device.type == "cuda"
     if k == 1:
         _fresh_state(device, reset=False)
-        others, before = _allocated(device), _counts()
+        others = _allocated(device)
         model, prepared, opt, batch = _setup(args, config, recipe, spec, device, rank, side_by_side=True)
         kw = dict(mark_cudagraph_step=recipe.mode == "reduce-overhead")
         step = make_step(prepared, spec, opt, batch, device, annotate=False, **kw)
@@ -401,15 +376,12 @@ def measure_round(
         built[config] = b
     else:
         b = built[config]
-        others, before = _allocated(device) - b.rest_bytes, _counts()
+        others = _allocated(device) - b.rest_bytes
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         out = _train_and_time(args, b.step, device, first=False)
     out["timed_steps"] = args.steps
     out["peak_mib"] = (torch.cuda.max_memory_allocated(device) - others) / 2**20 if cuda else None
-    counts = _since(before, _counts())
-    out["compile_caches"] = counts["caches"]
-    out["dynamo"] = counts["dynamo"] if recipe.compiler != "none" else None
     _report(out, b.prepared)
     out["param_spread"], out["overlap"] = None, None
     if k == args.rounds:
@@ -418,18 +390,11 @@ def measure_round(
     return out
 
 
-def _sum(counts: list[Any]) -> Any:
-    """The sum of nested dicts of counts."""
-    if isinstance(counts[0], dict):
-        return {k: _sum([c[k] for c in counts]) for k in counts[0]}
-    return sum(counts)
-
-
 def _rank_over_rounds(rounds: list[dict]) -> dict:
     """One rank's measurements of every round as one (what :func:`merge_ranks` merges): the
     median over rounds of its round medians, the lowest and highest step, every timed step and
     loss in training order, CPU issue times (median of round medians, largest maximum), the
-    highest peak, the counts summed; the first step from round 1, ``param_spread``, the profile
+    highest peak; the first step from round 1, ``param_spread``, the profile
     and the report's totals from the last round."""
     first, last = rounds[0], rounds[-1]
     return {
@@ -450,8 +415,6 @@ def _rank_over_rounds(rounds: list[dict]) -> dict:
         },
         "losses": [x for d in rounds for x in d["losses"]],
         "peak_mib": None if first["peak_mib"] is None else max(d["peak_mib"] for d in rounds),
-        "compile_caches": _sum([d["compile_caches"] for d in rounds]),
-        "dynamo": None if first["dynamo"] is None else _sum([d["dynamo"] for d in rounds]),
         "notes": [n for d in rounds for n in d["notes"]],
     }
 
@@ -459,7 +422,7 @@ def _rank_over_rounds(rounds: list[dict]) -> dict:
 def _round_figures(k: int, ranks: list[dict]) -> dict[str, Any]:
     """Round ``k``'s own figures: the step times of its slowest rank (largest median), its
     spread, the largest CPU issue median and peak over ranks, every rank's median and timed
-    steps, the loss of its last step (mean over ranks) and the graphs Dynamo compiled in it."""
+    steps and the loss of its last step (mean over ranks)."""
     slow = max(range(len(ranks)), key=lambda r: ranks[r]["median_ms"])
     s = ranks[slow]
     figures: dict[str, Any] = {"round": k, **{key: s[key] for key in ("median_ms", "min_ms", "max_ms", "mean_ms")}}
@@ -471,7 +434,6 @@ def _round_figures(k: int, ranks: list[dict]) -> dict[str, Any]:
         cpu_time_ms=max(d["cpu_time_ms"]["median"] for d in ranks),
         peak_mib=None if s["peak_mib"] is None else max(d["peak_mib"] for d in ranks),
         final_loss=statistics.fmean(d["losses"][-1] for d in ranks),
-        graphs_compiled=None if s["dynamo"] is None else ranks[0]["dynamo"]["unique_graphs"],
         per_rank={
             "median_ms": [d["median_ms"] for d in ranks],
             "per_step_ms": [[round(t, 3) for t in d["per_step_ms"]] for d in ranks],
@@ -511,9 +473,6 @@ def merge_rounds(config: str, recipe: Recipe, rounds: list[list[dict]], spec: Mo
         "pct": 100 * (max(medians) - min(medians)) / median,
     }
     row["rounds"] = per_round
-    later = sum(f["graphs_compiled"] or 0 for f in per_round[1:])
-    if later:
-        row["notes"].append(f"Dynamo compiled {later} graph(s) after round 1: those rounds' times include compiling")
     return row
 
 
@@ -644,7 +603,7 @@ def run_all(args: BenchArgs, device: torch.device) -> None:
     if args.rounds > 1:
         meta["allreduce_probe_rounds"] = [probe]
         # Each config keeps Dynamo's per-frame budget it has alone (NOTE [configs side by side]).
-        with dc.side_by_side_compile_limits(len(args.configs)):
+        with side_by_side_compile_limits(len(args.configs)):
             rows = run_rounds(args, spec, device, rank, meta)
     for i, config in enumerate(args.configs if args.rounds == 1 else [], 1):
         if rank == 0:
@@ -684,11 +643,7 @@ def run_restart(args: BenchArgs, device: torch.device) -> None:
             w = warm[config]
             print(
                 f"[{i}/{len(args.configs)}] {config} restarted: "
-                + (
-                    f"error: {w['error']}"
-                    if "error" in w
-                    else f"first step {w['first_step_s']:.1f} s, caches {w['compile_caches']}"
-                ),
+                + (f"error: {w['error']}" if "error" in w else f"first step {w['first_step_s']:.1f} s"),
                 flush=True,
             )
     if rank == 0:
@@ -702,7 +657,7 @@ def _prime_compiler(backend: str, device: torch.device) -> None:
     x = torch.ones(8, 8, device=device, requires_grad=True)
     torch.compile(lambda t: torch.relu(t @ t) * 2, backend=backend)(x).sum().backward()
     bm.sync(device)
-    dc.reset()
+    torch.compiler.reset()
 
 
 def worker(args: BenchArgs) -> int:
@@ -711,6 +666,8 @@ def worker(args: BenchArgs) -> int:
             "ddp: error: --restart runs the job twice: start `python -m bucketwise.benchmarks ddp` itself, "
             "not under torchrun"
         )
+    if (error := cache_env_errors(args, os.environ)) is not None:
+        raise SystemExit(f"ddp: error: {error}")
     os.environ.update(job_env(args))  # NCCL reads these at communicator creation
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":
@@ -733,11 +690,9 @@ def worker(args: BenchArgs) -> int:
             ),
         )
     try:
-        # The environment says the same (job_env), but torch read it when this process imported it.
-        with dc.compile_caches(args.compile_cache == "on"):
-            br.use_config_cache(args.cache_dir, "_prime", cold=args.phase == "cold")
-            _prime_compiler(args.backend, device)
-            (run_restart if args.phase == "warm" else run_all)(args, device)
+        br.use_config_cache(args.cache_dir, "_prime", cold=args.phase == "cold")
+        _prime_compiler(args.backend, device)
+        (run_restart if args.phase == "warm" else run_all)(args, device)
         dist.barrier()
     finally:
         end_process_group()

@@ -12,6 +12,7 @@ import re
 import shlex
 import sys
 from pathlib import Path
+from typing import Mapping
 
 from bucketwise.benchmarks.core import models as bench_models
 from bucketwise.benchmarks.core import procs
@@ -264,6 +265,20 @@ def job_env(args: BenchArgs) -> dict[str, str]:
         env.update(SOCKET_ENV)
     env.update(NO_CACHE_ENV if args.compile_cache == "off" else CACHE_ENV)
     return env
+
+
+def cache_env_errors(args: BenchArgs, environ: Mapping[str, str]) -> str | None:
+    """Why ``environ`` (a rank's environment) does not turn the compile caches on or off as
+    ``--compile-cache`` asks, or ``None``: torch reads the variables once, when it is imported
+    (unset: torch's default, on), so a rank started under torchrun directly needs them there."""
+    wanted = CACHE_ENV if args.compile_cache == "on" else NO_CACHE_ENV
+    if all(environ.get(k, "1") == v for k, v in wanted.items()):
+        return None
+    return (
+        f"--compile-cache {args.compile_cache} needs {' '.join(f'{k}={v}' for k, v in wanted.items())} in the "
+        "environment of the ranks (torch reads them when it is imported): start `python -m bucketwise.benchmarks "
+        "ddp` without torchrun, which sets them, or set them for torchrun"
+    )
 
 
 def check_launch(args: BenchArgs) -> None:

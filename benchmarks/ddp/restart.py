@@ -3,11 +3,15 @@
 A developer restarts a training script many times a day; each restart pays the first step of a
 new process whose Inductor FX graph cache and AOTAutograd cache are warm. With the compile
 caches on (``--compile-cache on``, implied by ``--restart``) every job gets a fresh cache root,
-never the user's default cache, and every config its own cache dir under it, so a config's first
-step is really cold (no config reads what another one compiled). With ``--restart`` the launcher
-then runs the job a second time over the same root (``--phase warm``): each config's first step
-and warm-up steps, whose first-step seconds and cache lookups become ``warm_first_step_s`` and
-``warm_compile_caches`` of the first job's records.
+never the user's default cache, and every config its own cache dir under it, so no config reads
+from disk what another one compiled. What this process keeps in memory from an earlier config
+(Inductor's loaded modules, Triton's compiled kernels) stays, torch having no public call that
+drops it: a config can still find there a kernel an earlier one built. ``tax --restarts`` runs
+every cold and warm first step in a process of its own. With ``--restart`` the launcher then
+runs the job a second time over the same root (``--phase warm``): each config's first step and
+warm-up steps, whose first-step seconds (and, for bucketwise configs, the report's compile
+times with its cache lookups) become ``warm_first_step_s`` and ``warm_compile_times`` of the
+first job's records.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import shutil
 import tempfile
 from typing import Any, Sequence
 
-from bucketwise._compat import dynamo as dc
 from bucketwise.benchmarks.core import procs
 from bucketwise.benchmarks.core.output import read_jsonl, safe_name, write_jsonl, write_markdown
 
@@ -32,8 +35,7 @@ def new_cache_root() -> str:
 
 
 def use_config_cache(root: str | None, config: str, *, cold: bool) -> None:
-    """Point Inductor (and Triton) at ``config``'s own cache dir under ``root`` and drop what this
-    process keeps in memory from the previous config, as a new process would (``None``: caches
+    """Point Inductor (and Triton) at ``config``'s own cache dir under ``root`` (``None``: caches
     off, nothing to do). ``cold``: the dir must be new or empty."""
     if root is None:
         return
@@ -45,17 +47,6 @@ def use_config_cache(root: str | None, config: str, *, cold: bool) -> None:
         )
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     os.environ["TRITON_CACHE_DIR"] = os.path.join(path, "triton")
-    dc.clear_inductor_caches()
-
-
-def cache_counts() -> dict[str, dict[str, int]]:
-    """This process's FX-graph-cache and AOTAutograd-cache lookups since the counters were last
-    cleared (the harness clears them before each config)."""
-    c = dc.compile_counters()
-    return {
-        name: {kind: c[f"{prefix}_{kind}"] for kind in ("hit", "miss", "bypass")}
-        for name, prefix in (("fx_graph", "fx"), ("aot_autograd", "aot"))
-    }
 
 
 def run_jobs(job: Sequence[procs.Proc], env: dict[str, str], root: str, *, restart: bool, keep: bool) -> int:
@@ -93,7 +84,6 @@ def merge_warm(out: str, warm: dict[str, dict[str, Any]]) -> list[dict[str, Any]
             row["warm_error"] = w["error"]
             continue
         row["warm_first_step_s"] = w["first_step_s"]
-        row["warm_compile_caches"] = w["compile_caches"]
         row["warm_compile_times"] = w.get("compile_times")
         row["per_rank"]["warm_first_step_s"] = w["per_rank_first_step_s"]
     meta["restart"] = True
@@ -103,14 +93,13 @@ def merge_warm(out: str, warm: dict[str, dict[str, Any]]) -> list[dict[str, Any]
 
 
 def merge_warm_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """One config's warm figures from every rank's: the slowest rank's first step, rank 0's
-    cache lookups and compile-time breakdown."""
+    """One config's warm figures from every rank's: the slowest rank's first step and rank 0's
+    compile-time breakdown (bucketwise configs)."""
     errors = [d["error"] for d in ranks if "error" in d]
     if errors:
         return {"error": errors[0].strip().splitlines()[-1]}
     return {
         "first_step_s": max(d["first_step_s"] for d in ranks),
-        "compile_caches": ranks[0]["compile_caches"],
         "compile_times": ranks[0].get("compile_times"),
         "per_rank_first_step_s": [d["first_step_s"] for d in ranks],
     }

@@ -13,9 +13,10 @@ is the median of the per-pair ratios of CPU issue time.
 Per config (``results.json`` and ``results.md`` in ``--out``):
 
 - ``first_step_s``: the first step, compile included. Each config's model has code of its own
-  (NOTE [configs side by side]), so Dynamo compiles every config's frames afresh; the compile
-  caches are off, but a kernel an earlier config built may still be found in memory or in
-  Triton's cache, so cold and warm compiles are measured by ``ddp --restart`` instead;
+  (NOTE [configs side by side]), so Dynamo compiles every config's frames afresh, and every
+  compile cache is off (``torch.compiler.config.force_disable_caches``: Inductor compiles each
+  graph in a fresh cache folder, Triton's kernels included); a restart's cold and warm first
+  steps are measured by ``--restarts``, each in a new process;
   ``compile_s``: bucketwise's own compile-time total, where it applies; ``compile_breakdown``:
   the report's compile-time breakdown (dynamo, bucketwise, AOTAutograd, backend, caches) and
   ``compile_accounted``, its total over the first step's wall time; ``first_step_breakdown``:
@@ -55,9 +56,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from bucketwise._compat import dynamo as dc
 from bucketwise.benchmarks.core import metrics as bm
 from bucketwise.benchmarks.core.configs import floor_config, recipe_for
+from bucketwise.benchmarks.core.isolation import side_by_side_compile_limits
 from bucketwise.benchmarks.core.meta import run_meta
 from bucketwise.benchmarks.core.models import MODELS, make_spec
 from bucketwise.benchmarks.core.output import THREAD_ONLY_MARK, THREAD_ONLY_NOTE, cold_graphs_text, step_cpu
@@ -455,9 +456,7 @@ def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
     from bucketwise.benchmarks.tax import restarts as tax_restarts
 
     started = tax_restarts.started_s()
-    before = dc.compile_counters()
     entry = build(args.configs[0], make_spec(args.model, _sizes(args)), device, args.backend, warmup=0)
-    after = dc.compile_counters()
     _sync()
     t0 = time.perf_counter()
     entry["step"]()
@@ -470,10 +469,9 @@ def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
             "prepare_s": entry["prepare_s"],
             "started_s": started,
             "second_step_s": time.perf_counter() - t0,
+            # bucketwise configs: the report's compile times, with its cache lookups.
             "compile_times": entry["compile_breakdown"],
             "first_step": entry["first_step_breakdown"],
-            # Every config's cache lookups, torch's own included (it has no report).
-            "caches": {k: after[k] - before[k] for k in after},
         }
     )
 
@@ -588,13 +586,13 @@ def main(argv: list[str] | None = None) -> int:
             end_process_group()
         return 0
     try:
-        # Every config compiles cold: no FX-graph or AOTAutograd cache hit from a config built earlier.
-        with dc.compile_caches(False):
+        # Every config compiles cold: no compile-cache hit from a config built earlier.
+        with torch.compiler.config.patch(force_disable_caches=True):
             # The process's compiler start-up (imports, workers) before the first config's first step.
             x = torch.ones(8, 8, device=device, requires_grad=True)
             torch.compile(lambda t: torch.relu(t @ t) * 2, backend=args.backend)(x).sum().backward()
             # Every config compiled beside the others keeps Dynamo's per-frame budget of its own.
-            with dc.side_by_side_compile_limits(len(args.configs)):
+            with side_by_side_compile_limits(len(args.configs)):
                 run(args, device)
     finally:
         end_process_group()

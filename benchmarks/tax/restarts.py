@@ -19,8 +19,8 @@ the imports) and ``process_s`` (spawn to exit), and is printed as it ends (``TAX
 Rounds interleave the configs, the order reversed every other round (A B C, C B A, ...), and a
 ratio to another config is the median of the per-round ratios. Each child process builds one
 config, runs its first step and one more, and prints one JSON line: the first step's seconds,
-the second step's, the report's compile-time and first-step breakdowns, and the compile-cache
-lookups of the first step (for every config, torch's included).
+the second step's, and (bucketwise configs) the report's compile-time breakdown, with its
+compile-cache lookups, and first-step breakdown.
 """
 
 from __future__ import annotations
@@ -174,8 +174,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             "cold_runs": cold,
             "warm_runs": warm,
             "first_step_accounted": _median([_accounted(r["cold"]) for r in rs]),
-            "cold_fx_graphs": _median([_fx(r["cold"], "fx_hit", "fx_miss", "fx_bypass") for r in rs]),
-            "cold_fx_hits": _median([_fx(r["cold"], "fx_hit") for r in rs]),
+            "cold_fx_graphs": _median([_fx(r["cold"], "hit", "miss", "bypass") for r in rs]),
+            "cold_fx_hits": _median([_fx(r["cold"], "hit") for r in rs]),
         }
         row["warm_restart_s"] = _median([_restart(r["warm"]) for r in rs])
         fresh = [r for r in rs if "fresh" in r]
@@ -184,7 +184,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             row["fresh_s"] = _median([r["fresh"].get("first_step_s") for r in fresh])
             row["fresh_restart_s"] = _median(restarts)
             row["fresh_over_warm"] = median_ratio(restarts, [_restart(r["warm"]) for r in fresh])
-            row["fresh_fx_hits"] = _median([_fx(r["fresh"], "fx_hit") for r in fresh])
+            row["fresh_fx_hits"] = _median([_fx(r["fresh"], "hit") for r in fresh])
         if "torch" in runs and config != "torch":
             row["cold_over_torch"] = median_ratio(cold, _first(runs["torch"], "cold"))
         twin = config.removesuffix("-cg")
@@ -207,9 +207,10 @@ def _accounted(run: dict[str, Any]) -> float | None:
 
 
 def _fx(run: dict[str, Any], *keys: str) -> float | None:
-    """The sum of a child's cache-lookup counts under ``keys`` (None where it recorded none)."""
-    caches = run.get("caches")
-    return float(sum(caches[k] for k in keys)) if caches else None
+    """The sum of a child's FX-graph-cache lookups under ``keys`` (``hit``, ``miss``, ``bypass``)
+    as its bucketwise report counts them (None for the other configs, which have no report)."""
+    times = run.get("compile_times")
+    return float(sum(times["fx_graph_cache"][k] for k in keys)) if times else None
 
 
 def _median(values: list[float | None]) -> float | None:

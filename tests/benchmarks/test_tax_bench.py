@@ -185,19 +185,21 @@ def test_restarts_run_cold_then_warm_in_new_processes(bench, monkeypatch):
     assert "error" not in cold and "error" not in warm, run
     assert cold["compile_times"]["aot_autograd_cache"]["miss"] == 1
     assert warm["compile_times"]["aot_autograd_cache"]["hit"] == 1
-    # The child's own cache counters agree with the report's, and the summary counts the cold graphs.
-    assert cold["caches"]["aot_miss"] == 1 and warm["caches"]["aot_hit"] == 1
-    assert cold["caches"]["fx_miss"] == cold["compile_times"]["fx_graph_cache"]["miss"] >= 1
+    # The summary counts the cold graphs the report looked up.
+    cold_fx = cold["compile_times"]["fx_graph_cache"]
+    assert cold_fx["miss"] >= 1
     summary = result["summary"]["bw-fused"]
-    assert summary["cold_fx_graphs"] == cold["caches"]["fx_miss"] + cold["caches"]["fx_hit"]
+    assert summary["cold_fx_graphs"] == cold_fx["miss"] + cold_fx["hit"] + cold_fx["bypass"]
     for r in (cold, warm):
         first = r["first_step"]
         assert 0 < first["compiled_calls_s"] <= r["first_step_s"]
     assert result["summary"]["bw-fused"]["cold_s"] == cold["first_step_s"]
     fresh = run["fresh"]
     assert "error" not in fresh, run
-    assert fresh["caches"]["aot_hit"] == 1 and fresh["caches"]["aot_miss"] == 0, fresh["caches"]
-    assert fresh["caches"]["fx_miss"] == 0, fresh["caches"]
+    fresh_times = fresh["compile_times"]
+    assert fresh_times["aot_autograd_cache"]["hit"] == 1 and fresh_times["aot_autograd_cache"]["miss"] == 0
+    assert fresh_times["fx_graph_cache"]["miss"] == 0, fresh_times
+    assert summary["fresh_fx_hits"] == fresh_times["fx_graph_cache"]["hit"]
     assert summary["fresh_restart_s"] == fresh["prepare_s"] + fresh["first_step_s"]
     assert summary["fresh_over_warm"] == pytest.approx(
         summary["fresh_restart_s"] / (warm["prepare_s"] + warm["first_step_s"])
