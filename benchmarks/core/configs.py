@@ -4,14 +4,14 @@ A recipe turns a freshly built model into the module a training step calls:
 
 - ``eager``: ``DDP(model)``, no compile.
 - ``torch``: ``torch.compile(DDP(model))`` (torch's DDPOptimizer, default ``optimize_ddp``).
-- ``torch-nosplit``: the same with ``optimize_ddp=False`` (``bucketwise._compat.dynamo.optimize_ddp``) around every
+- ``torch-nosplit``: the same with ``optimize_ddp=False`` (``core/torch_paths.py``) around every
   training-step call (Dynamo reads the flag per frame when it converts it, so the patch must be
   active while the step runs, not while ``torch.compile()`` is called).
 - ``torch-ca``: torch's compiled-DDP path with compiled autograd: DDP built under
   ``optimize_ddp="python_reducer"`` (its Python reducer: a hook per parameter all-reduces the
   gradient with functional collectives), ``torch.compile(DDP(model))`` for the forward, and every
   step run with that mode in force and its backward captured by compiled autograd and compiled by
-  ``torch.compile`` with the run's backend (``bucketwise._compat.dynamo.python_reducer_steps``);
+  ``torch.compile`` with the run's backend (``core/torch_paths.py``);
   both compiles get the Inductor options DDP sets for that mode (``options=``).
   What DDP's constructor changes process-wide for that mode is put back once it is built, so
   configs built beside it in one process are unchanged (``build_for_python_reducer``).
@@ -54,7 +54,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bucketwise._compat import dynamo as dc
+from bucketwise.benchmarks.core import torch_paths
 
 COMPILERS = ("none", "torch", "bucketwise")
 COMM_HOOKS = (None, "bf16", "powersgd")
@@ -162,7 +162,7 @@ class Recipe:
 
     def wrap(self, model: nn.Module, *, device: torch.device, bucket_cap_mb: float | None) -> nn.Module:
         if self.replicate:
-            return _replicate(model)
+            return torch_paths.replicate(model)
         if not self.ddp:
             return model
         kwargs: dict[str, Any] = {}
@@ -185,14 +185,16 @@ class Recipe:
         if self.compiled_autograd:
             # DDP reads optimize_ddp in its constructor; what it changes process-wide for the
             # python reducer is put back once it is built, and put in force around each step.
-            built = dc.build_for_python_reducer(lambda: self.wrap(model, device=device, bucket_cap_mb=bucket_cap_mb))
+            built = torch_paths.build_for_python_reducer(
+                lambda: self.wrap(model, device=device, bucket_cap_mb=bucket_cap_mb)
+            )
             # Both compiles get the Inductor options DDP set for the whole process in torch's own
             # path; they also keep torch-ca's compiled frames apart from those of other
             # torch.compile(DDP(model)) configs in one process (NOTE [configs side by side]).
             options = built.inductor_options
             compiled = torch.compile(built.module, backend=backend, options=options)
             backward_compiler = torch.compile(backend=backend, options=options)
-            return Prepared(module=compiled, step_context=lambda: dc.python_reducer_steps(backward_compiler))
+            return Prepared(module=compiled, step_context=lambda: torch_paths.python_reducer_steps(backward_compiler))
         wrapped = self.wrap(model, device=device, bucket_cap_mb=bucket_cap_mb)
         if self.compiler == "none":
             return Prepared(module=wrapped, step_context=contextlib.nullcontext)
@@ -205,7 +207,7 @@ class Recipe:
             if self.optimize_ddp is None:
                 return Prepared(module=compiled, step_context=contextlib.nullcontext)
             flag = self.optimize_ddp
-            return Prepared(module=compiled, step_context=lambda: dc.optimize_ddp(flag))
+            return Prepared(module=compiled, step_context=lambda: torch_paths.optimize_ddp(flag))
         import bucketwise
 
         compiled = bucketwise.compile(
@@ -219,18 +221,6 @@ class Recipe:
             options=self.options,
         )
         return Prepared(module=compiled, step_context=contextlib.nullcontext, report=bucketwise.report(compiled))
-
-
-def _replicate(model: nn.Module) -> nn.Module:
-    """FSDP2's ``replicate()`` on each block of the first ``nn.ModuleList`` (the transformer
-    blocks), then on the root, as torchtitan applies it. A private torch module (checked on torch
-    2.11 and 2.13); the benchmark's only use of it."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
-    blocks = next((m for m in model.modules() if isinstance(m, nn.ModuleList)), [])
-    for block in blocks:
-        replicate(block)
-    return replicate(model)
 
 
 RO = "reduce-overhead"

@@ -68,3 +68,66 @@ def test_no_module_takes_an_underscore_name_from_another():
 def test_results_hold_data_and_readmes_only():
     code = sorted(str(p.relative_to(BENCH)) for p in (BENCH / "results").rglob("*") if p.suffix in (".py", ".sh"))
     assert not code, f"scripts belong in benchmarks/probes/, not results/: {code}"
+
+
+INTERNALS = ("bucketwise._compat", "bucketwise.compiler")
+"""Packages of the library a benchmark may not import: torch's private API as the library wraps it,
+and the compiler's internals (the public API is the ``bucketwise`` root)."""
+TORCH_PRIVATE_ALLOWED = {"core/torch_paths.py"}
+"""The one module that reaches torch's private API: torch's own paths that nothing public selects."""
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _private(dotted: str) -> bool:
+    return any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in dotted.split("."))
+
+
+def _absolute(path: Path, node: ast.ImportFrom) -> str:
+    """The module an ``import from`` names, a relative one resolved against the benchmarks package."""
+    if not node.level:
+        return node.module or ""
+    package = ["bucketwise", "benchmarks", *path.relative_to(BENCH).parent.parts]
+    base = package[: len(package) - node.level + 1]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def test_benchmarks_use_bucketwise_through_its_public_api():
+    bad = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = _absolute(path, node)
+                named = [f"{module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                named = [a.name for a in node.names]
+            else:
+                continue
+            bad += [f"{path.relative_to(BENCH)}: {n}" for n in named if n.startswith(INTERNALS)]
+    assert not bad, "\n".join(bad)
+
+
+def test_only_torch_paths_reaches_torchs_private_api():
+    bad = []
+    for path in _modules():
+        if str(path.relative_to(BENCH)) in TORCH_PRIVATE_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "torch"]
+            elif isinstance(node, ast.Attribute) and (dotted := _dotted(node)) and dotted.split(".")[0] == "torch":
+                names = [dotted]
+            else:
+                continue
+            bad += [f"{path.relative_to(BENCH)}:{node.lineno}: {n}" for n in names if _private(n)]
+    assert not bad, "\n".join(sorted(set(bad)))

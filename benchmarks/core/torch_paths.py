@@ -1,0 +1,99 @@
+"""torch's own ways of training a DDP model that the docs compare bucketwise with, where torch
+selects them only through its private API.
+
+``torch-nosplit`` (torch's DDPOptimizer off), ``torch-ca`` (DDP's Python reducer under compiled
+autograd) and ``replicate`` (FSDP2's ``replicate()``) are the alternatives README.md and
+docs/performance.md measure bucketwise against, and torch has no public switch for any of them:
+``optimize_ddp`` lives in ``torch._dynamo.config``, compiled autograd in
+``torch._dynamo.compiled_autograd`` and ``replicate()`` in ``torch.distributed._composable``. This
+module is the benchmarks' one use of torch's private API (tests/benchmarks/test_layout.py holds
+them to it); checked on torch 2.11.0 (device machines) and 2.13.0 (CI, which runs
+tests/benchmarks/test_torch_ca.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import torch.nn as nn
+
+
+def optimize_ddp(flag: bool) -> contextlib.AbstractContextManager:
+    """Within the block, frames Dynamo converts use (``True``) or skip (``False``) torch's
+    DDPOptimizer: Dynamo reads the flag when it converts a frame, so the block must hold the
+    calls that compile, not ``torch.compile()``."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(optimize_ddp=flag)
+
+
+_PYTHON_REDUCER_INDUCTOR_OPTIONS = ("_fuse_ddp_communication", "_fuse_ddp_bucket_size")
+"""The Inductor options DDP's constructor sets for its Python reducer."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PythonReducerBuild:
+    """A module built by :func:`build_for_python_reducer` and the Inductor options DDP's
+    constructor set for it (its gradient all-reduces fused into buckets), for the
+    ``torch.compile`` calls that compile it."""
+
+    module: Any
+    inductor_options: dict[str, Any]
+
+
+def build_for_python_reducer(build: Callable[[], Any]) -> PythonReducerBuild:
+    """``build()`` (which constructs ``DistributedDataParallel`` modules) under
+    ``optimize_ddp="python_reducer"``: DDP reads the mode in its constructor, keeps its C++
+    reducer out of the backward and registers a hook per parameter that all-reduces the
+    parameter's gradient with functional collectives, for compiled autograd to trace.
+
+    DDP's constructor also changes process-wide state for that mode: it sets Inductor's
+    ``_fuse_ddp_communication`` and ``_fuse_ddp_bucket_size`` and adds
+    ``torch.nn.parallel.distributed`` to Dynamo's ``LEGACY_MOD_INLINELIST`` (every later
+    ``torch.compile(DDP(model))`` would trace into the C++ reducer's calls). Both are put back on
+    return, so configs built beside it run as without it; the options DDP set come back with the
+    module, for ``torch.compile(..., options=)`` (what torch's own path compiles with)."""
+    import torch._dynamo
+    import torch._inductor.config
+    from torch._dynamo import trace_rules
+
+    config = torch._inductor.config
+    legacy_before = set(trace_rules.LEGACY_MOD_INLINELIST)
+    try:
+        with config.patch({k: getattr(config, k) for k in _PYTHON_REDUCER_INDUCTOR_OPTIONS}):
+            with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+                module = build()
+            options = {k: getattr(config, k) for k in _PYTHON_REDUCER_INDUCTOR_OPTIONS}
+    finally:
+        added = set(trace_rules.LEGACY_MOD_INLINELIST) - legacy_before
+        if added:
+            trace_rules.LEGACY_MOD_INLINELIST.difference_update(added)
+            trace_rules.get_legacy_mod_inlinelist.cache_clear()
+    return PythonReducerBuild(module=module, inductor_options=options)
+
+
+@contextlib.contextmanager
+def python_reducer_steps(compiler: Callable[..., Any]) -> Iterator[None]:
+    """Within the block, torch's compiled-DDP path with compiled autograd: ``optimize_ddp`` is
+    ``"python_reducer"`` (Dynamo reads it per frame) and every backward pass is captured by
+    compiled autograd and compiled by ``compiler``. Enter it around the forward as well as the
+    backward; on exit both are as they were."""
+    import torch._dynamo
+    from torch._dynamo import compiled_autograd
+
+    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"), enable(compiler):
+        yield
+
+
+def replicate(model: nn.Module) -> nn.Module:
+    """FSDP2's ``replicate()`` on each block of the first ``nn.ModuleList`` (the transformer
+    blocks), then on the root, as torchtitan applies it."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_module
+
+    blocks = next((m for m in model.modules() if isinstance(m, nn.ModuleList)), [])
+    for block in blocks:
+        replicate_module(block)
+    return replicate_module(model)
