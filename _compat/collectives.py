@@ -35,37 +35,6 @@ def averages_natively(pg: Any) -> bool:
     return dist.get_backend(pg) == "nccl"
 
 
-def all_reduce_sum_(flat: torch.Tensor, group: str) -> torch.Tensor:
-    """The in-place functional all-reduce sum and its wait: what Inductor's code issues for
-    :func:`all_reduce` in a compiled graph (``probe collective_host`` times it)."""
-    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce_(flat, "sum", group))
-
-
-def symmetric_pool(pg: Any, device: torch.device) -> Any:
-    """A memory pool of ``pg``'s NCCL allocator (``torch.cuda.use_mem_pool(pool)`` allocates in
-    it), to be registered by :func:`register_symmetric`. Checked on torch 2.11.0 with NCCL 2.28.9
-    (``ProcessGroupNCCL.mem_allocator``)."""
-    return torch.cuda.MemPool(pg._get_backend(device).mem_allocator)
-
-
-def register_symmetric(pg: Any, device: torch.device, pool: Any) -> None:
-    """Register the segments ``pool`` holds now as NCCL symmetric windows
-    (``ncclCommWindowRegister``): NCCL >= 2.27 then all-reduces tensors in them with its symmetric
-    kernels (``AllReduce [Symmetric]`` in ``NCCL_DEBUG=INFO``), sums only. A collective call:
-    every rank's pool holds the same sizes in the same order. Checked on torch 2.11.0 with NCCL
-    2.28.9 (``ProcessGroupNCCL.register_mem_pool(pool, symm)``)."""
-    pg._get_backend(device).register_mem_pool(pool, True)
-
-
-def symmetric_buffers(pg: Any, numels: list[int], device: torch.device) -> list[torch.Tensor]:
-    """fp32 buffers of ``numels`` in a :func:`symmetric_pool`, registered (:func:`register_symmetric`)."""
-    pool = symmetric_pool(pg, device)
-    with torch.cuda.use_mem_pool(pool):
-        buffers = [torch.ones(n, device=device) for n in numels]
-    register_symmetric(pg, device, pool)
-    return buffers
-
-
 def all_gather(t: torch.Tensor, group: str, world: int) -> torch.Tensor:
     """Functional (traceable) all-gather along dim 0: ``world`` times ``t``'s rows, rank order."""
     out = torch.ops._c10d_functional.all_gather_into_tensor(t.contiguous(), world, group)

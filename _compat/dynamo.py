@@ -546,110 +546,12 @@ def graph_counts() -> dict[str, int]:
     }
 
 
-def optimize_ddp(flag: bool) -> contextlib.AbstractContextManager:
-    """Within the block, frames Dynamo converts use (``True``) or skip (``False``) torch's own
-    DDPOptimizer: Dynamo reads the flag when it converts a frame, so the block must hold the
-    calls that compile, not ``torch.compile()``."""
-    return torch._dynamo.config.patch(optimize_ddp=flag)
-
-
-@contextlib.contextmanager
-def compile_caches(enabled: bool) -> Iterator[None]:
-    """Within the block, Inductor's FX graph cache and the AOTAutograd cache are on or off."""
-    import torch._functorch.config
-
-    with (
-        torch._inductor.config.patch(fx_graph_cache=enabled),
-        torch._functorch.config.patch(enable_autograd_cache=enabled),
-    ):
-        yield
-
-
-def clear_inductor_caches() -> None:
-    """Drop what this process keeps in memory of Inductor's compiled code (a new cache dir is then
-    read as a new process would)."""
-    import torch._inductor.utils
-
-    clear = getattr(torch._inductor.utils, "clear_caches", None) or getattr(
-        torch._inductor.utils, "clear_inductor_caches", None
-    )
-    if clear is not None:
-        clear()
-
-
 # --- torch's python reducer and compiled autograd (the benchmarks' ``torch-ca``) ----------------
 # Checked on torch 2.13.0 (CI, run by tests/benchmarks/test_torch_ca.py) and against the source of
 # 2.11.0 (device machines): the same config names (``optimize_ddp``, ``_fuse_ddp_communication``,
 # ``_fuse_ddp_bucket_size``, ``recompile_limit``, ``accumulated_recompile_limit``), the same side
 # effects in DDP's constructor, ``compiled_autograd._enable`` (``enable`` in older torch) and its
 # ``captures`` counter.
-
-_PYTHON_REDUCER_INDUCTOR_OPTIONS = ("_fuse_ddp_communication", "_fuse_ddp_bucket_size")
-"""The Inductor options DDP's constructor sets for its python reducer."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PythonReducerBuild:
-    """A module built by :func:`build_for_python_reducer` and the Inductor options DDP's
-    constructor set for it (``_fuse_ddp_communication``, ``_fuse_ddp_bucket_size``: its
-    gradient all-reduces fused into buckets), for the ``torch.compile`` calls that compile it."""
-
-    module: Any
-    inductor_options: dict[str, Any]
-
-
-def build_for_python_reducer(build: Callable[[], Any]) -> PythonReducerBuild:
-    """``build()`` (which constructs ``DistributedDataParallel`` modules) under
-    ``optimize_ddp="python_reducer"``: DDP reads the mode in its constructor, keeps its C++
-    reducer out of the backward and registers a hook per parameter that all-reduces the
-    parameter's gradient with functional collectives, for compiled autograd to trace into the
-    backward graph.
-
-    DDP's constructor also changes process-wide state for that mode: it sets Inductor's
-    ``_fuse_ddp_communication`` and ``_fuse_ddp_bucket_size`` (every later Inductor compile in
-    the process would run its DDP fusion passes) and adds ``torch.nn.parallel.distributed`` to
-    Dynamo's ``LEGACY_MOD_INLINELIST`` (every later ``torch.compile(DDP(model))`` would trace
-    into the C++ reducer's calls and break its graph there instead of running DDP's forward
-    eagerly). Both are put back as they were on return: the Inductor options through the config's
-    own ``patch()``, the inline list by taking out what the build added. The options DDP set come
-    back with the module, for ``torch.compile(..., options=)`` (they are what torch's own path
-    compiles with, DDP having set them for the whole process). The inline list is not needed
-    afterwards: a DDP forward called from ``torch.compile``'s frame is inlined under ``torch.nn``'s
-    own rule, and the Python reducer's forward has nothing that breaks the graph.
-    """
-    from torch._dynamo import trace_rules
-
-    config = torch._inductor.config
-    legacy_before = set(trace_rules.LEGACY_MOD_INLINELIST)
-    try:
-        with config.patch({k: getattr(config, k) for k in _PYTHON_REDUCER_INDUCTOR_OPTIONS}):
-            with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
-                module = build()
-            options = {k: getattr(config, k) for k in _PYTHON_REDUCER_INDUCTOR_OPTIONS}
-    finally:
-        added = set(trace_rules.LEGACY_MOD_INLINELIST) - legacy_before
-        if added:
-            trace_rules.LEGACY_MOD_INLINELIST.difference_update(added)
-            trace_rules.get_legacy_mod_inlinelist.cache_clear()
-    return PythonReducerBuild(module=module, inductor_options=options)
-
-
-@contextlib.contextmanager
-def python_reducer_steps(compiler: Callable[..., Any]) -> Iterator[None]:
-    """Within the block, torch's compiled-DDP path with compiled autograd: ``optimize_ddp``
-    is ``"python_reducer"`` (Dynamo reads it per frame) and every backward pass is captured by
-    compiled autograd and compiled by ``compiler`` (e.g. ``torch.compile(backend=...)``). Enter
-    it around the forward as well as the backward; on exit both are as they were."""
-    from torch._dynamo import compiled_autograd
-
-    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
-    with torch._dynamo.config.patch(optimize_ddp="python_reducer"), enable(compiler):
-        yield
-
-
-def uses_python_reducer(ddp: Any) -> bool:
-    """Whether a ``DistributedDataParallel`` module was built for torch's python reducer."""
-    return bool(getattr(ddp, "_use_python_reducer", False))
 
 
 def ddp_inline_rule_added() -> bool:
@@ -670,21 +572,3 @@ def compiled_autograd_enabled() -> bool:
     from torch._dynamo import compiled_autograd
 
     return bool(compiled_autograd.compiled_autograd_enabled)
-
-
-@contextlib.contextmanager
-def side_by_side_compile_limits(configs: int) -> Iterator[None]:
-    """Within the block, Dynamo's ``recompile_limit`` (and ``accumulated_recompile_limit``, at
-    least as much) is ``configs`` times its value: for ``configs`` compiled objects alive side by
-    side in one process. Objects compiled by separate ``torch.compile`` calls share the code
-    objects they run (the model's ``forward``, ``torch.compile``'s wrapper of a module) and keep
-    their compiled versions apart by backend, but each counts against that code object's limit:
-    the 9th would run eagerly."""
-    config = torch._dynamo.config
-    limit = recompile_limit() * max(1, configs)
-    changes = {"recompile_limit": limit}
-    accumulated = getattr(config, "accumulated_recompile_limit", None)
-    if accumulated is not None:
-        changes["accumulated_recompile_limit"] = max(int(accumulated), limit)
-    with config.patch(changes):
-        yield

@@ -11,6 +11,7 @@ import torch._dynamo
 import torch._inductor.config
 from support.dist import run_distributed
 
+from bucketwise._compat import ddp as ddpc
 from bucketwise._compat import dynamo as dc
 from bucketwise.benchmarks.core.configs import CONFIGS, Recipe
 from bucketwise.benchmarks.core.models import make_spec
@@ -37,7 +38,7 @@ def _train(rank: int, world_size: int, config: str) -> dict:
     return {
         "losses": losses,
         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-        "python_reducer": dc.uses_python_reducer(ddp),
+        "python_reducer": ddpc.uses_python_reducer(ddp),
         "captures": dc.compiled_autograd_captures(),
         "graphs": dc.graph_counts(),
     }
@@ -102,15 +103,15 @@ def test_torch_ca_beside_other_configs_leaves_them_unchanged(single_rank_group):
     dc.reset()
 
     ca, ca_step = built("torch-ca")
-    assert dc.uses_python_reducer(dc.uncompiled(ca.module))
+    assert ddpc.uses_python_reducer(dc.uncompiled(ca.module))
     assert _process_state() == state, "building torch-ca changed the process"
     others = {}
     for config in ("local", "torch", "bw-auto"):
         prepared, step = built(config)
         others[config] = {"prepared": prepared, "step": step, "losses": []}
     torch_ddp = dc.uncompiled(others["torch"]["prepared"].module)
-    assert not dc.uses_python_reducer(torch_ddp)
-    assert not dc.uses_python_reducer(others["bw-auto"]["prepared"].module)
+    assert not ddpc.uses_python_reducer(torch_ddp)
+    assert not ddpc.uses_python_reducer(others["bw-auto"]["prepared"].module)
     ca_losses, torch_graphs = [], dict.fromkeys(alone_graphs, 0)
     for i in range(3):
         compiled = (dc.graph_counts(), dc.compiled_autograd_captures())
