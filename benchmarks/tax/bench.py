@@ -60,7 +60,7 @@ from bucketwise.benchmarks.core import metrics as bm
 from bucketwise.benchmarks.core.configs import floor_config, recipe_for
 from bucketwise.benchmarks.core.isolation import side_by_side_compile_limits
 from bucketwise.benchmarks.core.meta import run_meta
-from bucketwise.benchmarks.core.models import MODELS, make_spec
+from bucketwise.benchmarks.core.models import MODELS, SIZE_FLAGS, make_spec
 from bucketwise.benchmarks.core.output import THREAD_ONLY_MARK, THREAD_ONLY_NOTE, cold_graphs_text, step_cpu
 from bucketwise.benchmarks.core.step import training_step
 from bucketwise.distributed.gloo_exit import end_process_group
@@ -71,8 +71,11 @@ DEFAULT_CONFIGS = "local,local-ro,torch-nosplit,torch,torch-ca,replicate,bw-fuse
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt-medium", choices=MODELS)
-    p.add_argument("--layers", type=int, default=None, help="the model's depth (default: the model's own)")
-    p.add_argument("--batch", type=int, default=None, help="the model's batch (default: the model's own)")
+    for flag in SIZE_FLAGS:
+        p.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help="(default: the model's own)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch's CPU threads (torch.set_num_threads; default: torch's)"
+    )
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
     p.add_argument("--pairs", type=int, default=4, help="interleaved rounds (>= 3)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per config per round")
@@ -477,7 +480,7 @@ def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
 
 
 def _sizes(args: argparse.Namespace) -> dict[str, int | None]:
-    return {k: v for k, v in (("layers", args.layers), ("batch", args.batch)) if v is not None}
+    return {f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f) is not None}
 
 
 def run(args: argparse.Namespace, device: torch.device) -> None:
@@ -573,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         ("LOCAL_RANK", "0"),
     ):
         os.environ.setdefault(key, value)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
