@@ -4,14 +4,14 @@ A recipe turns a freshly built model into the module a training step calls:
 
 - ``eager``: ``DDP(model)``, no compile.
 - ``torch``: ``torch.compile(DDP(model))`` (torch's DDPOptimizer, default ``optimize_ddp``).
-- ``torch-nosplit``: the same with ``optimize_ddp=False`` (``core/torch_paths.py``) around every
+- ``torch-nosplit``: the same with ``optimize_ddp=False`` (``_compat/torch_paths.py``) around every
   training-step call (Dynamo reads the flag per frame when it converts it, so the patch must be
   active while the step runs, not while ``torch.compile()`` is called).
 - ``torch-ca``: torch's compiled-DDP path with compiled autograd: DDP built under
   ``optimize_ddp="python_reducer"`` (its Python reducer: a hook per parameter all-reduces the
   gradient with functional collectives), ``torch.compile(DDP(model))`` for the forward, and every
   step run with that mode in force and its backward captured by compiled autograd and compiled by
-  ``torch.compile`` with the run's backend (``core/torch_paths.py``);
+  ``torch.compile`` with the run's backend (``_compat/torch_paths.py``);
   both compiles get the Inductor options DDP sets for that mode (``options=``).
   What DDP's constructor changes process-wide for that mode is put back once it is built, so
   configs built beside it in one process are unchanged (``build_for_python_reducer``).
@@ -54,7 +54,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bucketwise.benchmarks.core import torch_paths
+from bucketwise._compat import torch_paths
 
 COMPILERS = ("none", "torch", "bucketwise")
 COMM_HOOKS = (None, "bf16", "powersgd")

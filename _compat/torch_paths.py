@@ -5,10 +5,10 @@ selects them only through its private API.
 autograd) and ``replicate`` (FSDP2's ``replicate()``) are the alternatives README.md and
 docs/performance.md measure bucketwise against, and torch has no public switch for any of them:
 ``optimize_ddp`` lives in ``torch._dynamo.config``, compiled autograd in
-``torch._dynamo.compiled_autograd`` and ``replicate()`` in ``torch.distributed._composable``. This
-module is the benchmarks' one use of torch's private API (tests/benchmarks/test_layout.py holds
-them to it); checked on torch 2.11.0 (device machines) and 2.13.0 (CI, which runs
-tests/benchmarks/test_torch_ca.py).
+``torch._dynamo.compiled_autograd`` and ``replicate()`` in ``torch.distributed._composable``. The
+library never uses this module; it lives here because private torch API lives in ``_compat/``
+only, and it is the one module of ``_compat`` the benchmarks import (tests/benchmarks/test_layout.py).
+Checked on torch 2.11.0 (device machines) and 2.13.0 (CI, which runs tests/benchmarks/test_torch_ca.py).
 """
 
 from __future__ import annotations
