@@ -41,10 +41,10 @@ def _llama_block_graphs(batch: int) -> tuple:
         graphs.append(aot.partition(sub, [values[n] for n in inputs], fake_mode, decompose=True))
         return gm.forward
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     ids = torch.zeros(batch, 1024, dtype=torch.long, device="meta")
     torch.compile(model, backend=capture)(input_ids=ids)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     return graphs[0]
 
 
