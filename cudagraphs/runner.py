@@ -324,16 +324,9 @@ class CudaGraphRunner:
         graphs = self.group.graphs
         pool = None
         if self.returned_outputs == 0:
-            pool = next(
-                (
-                    p
-                    for a in args
-                    if isinstance(a, torch.Tensor)
-                    for p in [self.group.warm_pools.get(a.data_ptr())]
-                    if p
-                ),
-                None,
-            )
+            warm = self.group.warm_pools
+            ptrs = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
+            pool = next((warm[p] for p in ptrs if p in warm), None)
         if pool is None:
             pool = self.pools[key] = graphs.new_pool()
         with graphs.allocating_in(pool):
