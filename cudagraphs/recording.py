@@ -133,11 +133,11 @@ def plan_inputs(args: list[Any], static_idxs: frozenset[int], stable: set[int]) 
     )
 
 
-def let_go(rec: Recording) -> dict[int, tuple]:
-    """Drop ``rec``'s references to its held outputs (so a capture that reads them can free
-    them); returns what :func:`alias` needs to view the same memory again."""
+def let_go(rec: Recording, idxs: Sequence[int]) -> dict[int, tuple]:
+    """Drop ``rec``'s references to its outputs at ``idxs`` (so that a capture may reuse their
+    memory); returns what :func:`alias` needs to view the same memory again."""
     saved = {}
-    for i in rec.held_idxs:
+    for i in idxs:
         t = rec.outputs[i]
         s = t.untyped_storage()
         saved[i] = (s.data_ptr(), s.nbytes(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
@@ -147,8 +147,8 @@ def let_go(rec: Recording) -> dict[int, tuple]:
 
 
 def alias(rec: Recording, saved: dict[int, tuple]) -> None:
-    """Give ``rec`` its held outputs back, as views of the memory they lived in (which its
-    graph's pool keeps; NOTE [a forward and its backward share a pool])."""
+    """Give ``rec`` the outputs :func:`let_go` took back, as views of the memory they lived in
+    (which its graph's pool keeps; NOTE [a forward and its backward share a pool])."""
     storages: dict[int, torch.UntypedStorage] = {}
     for i, (ptr, nbytes, offset, size, stride, dtype, device) in saved.items():
         if ptr not in storages:

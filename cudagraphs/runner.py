@@ -17,8 +17,10 @@ that AccumulateGrad steals them into ``param.grad`` instead of cloning; once a s
 kept (``no_sync()`` micro-steps), it hands out the static tensors, which AccumulateGrad copies.
 Parameters, buffers and the group's other outputs are read in place (a moved one runs uncaptured,
 then re-records), other inputs copied into static buffers. A new signature runs once uncaptured,
-from the recording's pool on the capture stream, so that the capture, not an optimizer's first
-step, reuses what it frees; it records on its second call, at most ``max_records`` times.
+on the capture stream, from a warm-up pool dropped after a backward's warm-up and before any
+capture: what the warm-up frees goes back to the device instead of staying cached where an
+optimizer's first step would pin it, and each recording's pool starts empty. It records on its second call, at most
+``max_records`` times.
 
 NOTE [a forward and its backward share a pool]: graphs captured into one pool may place their
 outputs in memory another graph of the pool uses as scratch, which is safe only for graphs that
@@ -114,15 +116,15 @@ class CudaGraphs:
         self._stream = None
 
     def new_pool(self) -> Any:
-        """A memory pool for one recording (and the backward that joins it)."""
+        """A memory pool for one recording (and the backward that joins it), or for warm-ups."""
         return torch.cuda.MemPool()
 
     @contextlib.contextmanager
     def allocating_in(self, pool: Any) -> Iterator[None]:
         """Within the block, this thread's allocations come from ``pool`` and its work runs on the
-        capture stream, after the current stream's: the caching allocator reuses a free block only
-        for allocations on the stream it was allocated on, so what a warm-up frees there is what a
-        capture can reuse (as Inductor's cudagraph trees warm up). The current stream then waits."""
+        capture stream, after the current stream's (the caching allocator gives a free block only
+        to allocations on the stream it was made on, and captures allocate there). The current
+        stream then waits."""
         stream = self._capture_stream()
         current = torch.cuda.current_stream()
         stream.wait_stream(current)
@@ -131,6 +133,10 @@ class CudaGraphs:
                 yield
         finally:
             current.wait_stream(stream)
+
+    def release_cached(self) -> None:
+        """Give what the caching allocator keeps free (and dropped pools' free memory) back."""
+        torch.cuda.empty_cache()
 
     def _capture_stream(self) -> Any:
         if self._stream is None:
@@ -197,9 +203,8 @@ class CudaGraphGroup:
         # Forward recordings whose pool a backward may still join, by the address of each of
         # their saved activations (NOTE [a forward and its backward share a pool]).
         self.open_forwards: "weakref.WeakValueDictionary[int, Recording]" = weakref.WeakValueDictionary()
-        # The pools of forwards warmed up and not yet recorded, by the address of each saved
-        # activation: their backward warms up in the same pool.
-        self.warm_pools: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+        self._warm_pool: Any = None
+        """Where warm-ups allocate until the next capture (NOTE [cudagraph replay safety])."""
         # Held weakly: a runner lives as long as the compiled graph that calls it (Dynamo's
         # cache), so torch._dynamo.reset() still frees its recordings.
         self._runners: "weakref.WeakSet[CudaGraphRunner]" = weakref.WeakSet()
@@ -225,8 +230,21 @@ class CudaGraphGroup:
         for r in live:
             r.release(reason)
         self.open_forwards.clear()
-        self.warm_pools.clear()
+        self._warm_pool = None
         log.info("bucketwise: released %d CUDA graph recording(s) at %s", len(live), reason)
+
+    def warm_pool(self) -> Any:
+        if self._warm_pool is None:
+            self._warm_pool = self.graphs.new_pool()
+        return self._warm_pool
+
+    def drop_warm_pool(self) -> None:
+        """After a backward's warm-up and before a capture: the warm-up pool goes, and its free
+        memory with it (what is still held goes back once freed, at the next capture), so that
+        the optimizer's first step and the recordings do not add to it."""
+        if self._warm_pool is not None:
+            self._warm_pool = None
+            self.graphs.release_cached()
 
     def runner(
         self,
@@ -283,8 +301,6 @@ class CudaGraphRunner:
         self.disabled = blocked
         self.records: dict[tuple, Recording] = {}
         self.warmed: set[tuple] = set()
-        self.pools: dict[tuple, Any] = {}
-        """The pool each signature warmed up in, until its recording captures into it."""
         self._moved_calls = 0
         self.lend = returned_outputs == 0
         """A backward: hand out its gradients as aliases (see NOTE [cudagraph replay safety])."""
@@ -316,25 +332,13 @@ class CudaGraphRunner:
         return self._replay(rec, args)
 
     def _warm_up(self, key: tuple, args: list[Any]) -> Any:
-        """The first call of a signature, uncaptured, allocating from the pool its recording
-        will use: a backward's is the pool its forward warmed up in, if that one records none
-        yet (its saved activations are there), else one of its own."""
+        """The first call of a signature, uncaptured, in the group's warm-up pool."""
         self.warmed.add(key)
         self.stats.warmups += 1
-        graphs = self.group.graphs
-        pool = None
-        if self.returned_outputs == 0:
-            warm = self.group.warm_pools
-            ptrs = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
-            pool = next((warm[p] for p in ptrs if p in warm), None)
-        if pool is None:
-            pool = self.pools[key] = graphs.new_pool()
-        with graphs.allocating_in(pool):
+        with self.group.graphs.allocating_in(self.group.warm_pool()):
             out = self.compiled(args)
-        if self.returned_outputs not in (None, 0):
-            for o in out[self.returned_outputs :]:
-                if isinstance(o, torch.Tensor):
-                    self.group.warm_pools[o.data_ptr()] = pool
+        if self.returned_outputs == 0:
+            self.group.drop_warm_pool()
         return out
 
     def _stop_lending(self) -> None:
@@ -395,13 +399,29 @@ class CudaGraphRunner:
         if refused is not None:
             self._disable(refused)
             return self.compiled(args)
+        self.group.drop_warm_pool()
         forward = self._forward_to_join(args)
-        warmed_in = self._take_warm_pool(key)
-        pool = forward.pool if forward is not None else warmed_in or self.group.graphs.new_pool()
-        # The copy buffers come from the pool too; before the forward lets go of its
+        pool = forward.pool if forward is not None else self.group.graphs.new_pool()
+        # The forward's returned outputs are cloned after each replay, so their memory is free
+        # for the backward: its copy buffers (the loss's gradient has the logits' shape) and its
+        # scratch. The copy buffers come from the pool before the forward lets go of its
         # activations, so that none of them sits where an activation lives.
-        with self.group.graphs.allocating_in(pool):
-            plan = plan_inputs(args, self.static_input_idxs, self.group.stable_ptrs)
+        returned = let_go(forward, forward.clone_idxs) if forward is not None else {}
+        try:
+            with self.group.graphs.allocating_in(pool):
+                plan = plan_inputs(args, self.static_input_idxs, self.group.stable_ptrs)
+            rec = self._record_plan(key, plan, args, forward, pool)
+        finally:
+            if forward is not None:
+                alias(forward, returned)
+        if rec is None:
+            return self.compiled(plan.call_args(forward))
+        return self._replay(rec, plan.call_args(forward))
+
+    def _record_plan(
+        self, key: tuple, plan: Plan, args: list[Any], forward: "Recording | None", pool: Any
+    ) -> Recording | None:
+        """Capture ``plan`` (None: the capture failed, and this runner runs uncaptured)."""
         if forward is not None:
             mine = {id(forward.outputs[j]): j for j in forward.held_idxs}
             plan.consumed = {k: mine[id(args[k])] for k in plan.stable_idxs if id(args[k]) in mine}
@@ -418,7 +438,7 @@ class CudaGraphRunner:
         except Exception as exc:  # a refused capture: run uncaptured from now on, numerics unchanged
             log.warning("bucketwise: CUDA-graph capture of %s failed, running uncaptured: %s", self.stats.name, exc)
             self._disable(f"capture failed: {type(exc).__name__}: {exc}"[:300])
-            return self.compiled(plan.call_args(forward))
+            return None
         self.stats.pool_bytes += max(0, self.group.graphs.reserved_bytes() - before)
         rec.consumed = consumed
         if forward is not None:
@@ -431,7 +451,7 @@ class CudaGraphRunner:
         self.stats.inputs_in_place, self.stats.inputs_copied = len(rec.stable_idxs), len(rec.copy_idxs)
         self.stats.captured = True
         self._moved_calls = 0
-        return self._replay(rec, plan.call_args(forward))
+        return rec
 
     def release(self, reason: str) -> None:
         self._disable(f"released at {reason}: runs uncaptured")
@@ -439,7 +459,6 @@ class CudaGraphRunner:
     def _disable(self, reason: str) -> None:
         self.disabled = True
         self.records.clear()
-        self.pools.clear()
         self.stats.captured = False
         self.stats.reason = reason
 
@@ -468,24 +487,13 @@ class CudaGraphRunner:
                 return forward
         return None
 
-    def _take_warm_pool(self, key: tuple) -> Any:
-        """The pool this signature warmed up in, if any; from now on no backward warms up there
-        (a capture is about to use its memory)."""
-        pool = self.pools.pop(key, None)
-        if pool is None:
-            return None
-        warm = self.group.warm_pools
-        for ptr in [p for p, q in warm.items() if q is pool]:
-            del warm[ptr]
-        return pool
-
     def _capture(self, plan: Plan, forward: "Recording | None", pool: Any) -> Recording:
         if forward is None:
             graph, outputs = self.group.graphs.capture(self.compiled, plan.inputs, pool=pool)
         else:
             for ptr in [p for p, r in self.group.open_forwards.items() if r is forward]:
                 del self.group.open_forwards[ptr]
-            saved = let_go(forward)
+            saved = let_go(forward, forward.held_idxs)
             try:
                 graph, outputs = self.group.graphs.capture(self.compiled, plan.inputs, pool=pool)
             finally:

@@ -232,17 +232,19 @@ def test_accumulating_stolen_gradients_stops_lending(monkeypatch):
     assert fw["records"] == bw["records"] == 1, stats
 
 
-def test_warm_ups_allocate_from_the_pool_their_recordings_capture_into(monkeypatch):
-    # What a warm-up frees stays in the pool its recording captures into (on a GPU it would
-    # otherwise stay cached outside every pool): the forward's warm-up makes the pool, its
-    # backward warms up there too, and both graphs and their copy buffers come from it.
+def test_warm_ups_allocate_from_a_pool_dropped_before_the_first_capture(monkeypatch):
+    # What a warm-up frees must not stay cached where an optimizer's first step would pin it (on
+    # a GPU), nor crowd the recording's pool: the warm-ups allocate from a pool of their own,
+    # gone before the first capture; the forward's recording makes a pool, its backward joins
+    # it, and both copy buffers come from it.
     emulators = use_emulated_graphs(monkeypatch)
     ref, mod, compiled = _pair()
     _train(ref, mod, compiled, 3)
     em = emulators[0]
-    assert em.pools == 1 and em.shared == 1, (em.pools, em.shared)
-    (pool,) = {id(p()): p() for p in em.allocated_in}.values()
-    assert len(em.allocated_in) == 4 and len(pool.graphs) == 2, (em.allocated_in, pool.graphs)
+    assert em.pools == 2 and em.shared == 1 and em.warm_pools_at_capture == 0, (em.pools, em.shared)
+    pools = [p() for p in em.allocated_in]
+    assert len(pools) == 4 and pools[0] is None and pools[1] is None, pools
+    assert pools[2] is pools[3] and len(pools[2].graphs) == 2, pools
 
 
 def test_backward_with_retain_graph_keeps_the_activations(monkeypatch):

@@ -34,10 +34,15 @@ class EmulatedGraphs:
         self.allocated_in: list[weakref.ref[_Pool]] = []
         """The pool of every block of eager allocations (warm-ups, copy buffers), in order (held
         weakly: a dropped model frees its pools)."""
+        self.warm_pools_at_capture = 0
+        """The most pools without a graph (warm-up pools) alive at any capture, besides its own."""
 
     def new_pool(self):
         self.pools += 1
         return _Pool()
+
+    def release_cached(self):
+        pass
 
     def allocating_in(self, pool):
         self.allocated_in.append(weakref.ref(pool))
@@ -47,6 +52,8 @@ class EmulatedGraphs:
         if self.fail_capture:
             raise RuntimeError("emulated capture failure")
         self.captures += 1
+        alive = {id(p): p for p in (r() for r in self.allocated_in) if p is not None and p is not pool and not p.graphs}
+        self.warm_pools_at_capture = max(self.warm_pools_at_capture, len(alive))
         saved = [(t, t.clone()) for t in inputs if isinstance(t, torch.Tensor)]
         ptrs = [t.data_ptr() if isinstance(t, torch.Tensor) else None for t in inputs]
         input_storages = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
