@@ -1,4 +1,4 @@
-"""A CPU stand-in for ``bucketwise.cudagraphs.runner.CudaGraphs`` (the test seam).
+"""A CPU stand-in for ``bucketwise.cudagraphs.cuda.CudaGraphs`` (the test seam).
 
 It keeps the properties of a real CUDA graph that bucketwise's runner must respect: capture
 runs nothing (inputs are restored, so in-place updates of buffers happen once), a replay writes

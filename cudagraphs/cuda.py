@@ -1,0 +1,90 @@
+"""Memory pools, capture stream, capture and replay of CUDA graphs, apart from the runner's
+bookkeeping (cudagraphs/runner.py) so that a test on CPU can pass an emulation instead
+(tests/support/cudagraph_emulator.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from .._compat import cuda as cuc
+
+
+class CudaGraphs:
+    """The CUDA side of capture and replay (a test on CPU passes an emulation instead)."""
+
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        self._stream = None
+
+    def new_pool(self) -> Any:
+        """A memory pool for one recording (and the backward that joins it), or for warm-ups."""
+        return torch.cuda.MemPool()
+
+    @contextlib.contextmanager
+    def allocating_in(self, pool: Any) -> Iterator[None]:
+        """Within the block, this thread's allocations come from ``pool`` and its work runs on the
+        capture stream, after the current stream's (the caching allocator gives a free block only
+        to allocations on the stream it was made on, and captures allocate there). The current
+        stream then waits."""
+        stream = self._capture_stream()
+        current = torch.cuda.current_stream()
+        stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(stream), torch.cuda.use_mem_pool(pool):
+                yield
+        finally:
+            current.wait_stream(stream)
+
+    def release_cached(self) -> None:
+        """Give what the caching allocator keeps free (and dropped pools' free memory) back."""
+        torch.cuda.empty_cache()
+
+    def _capture_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def capture(self, fn: Callable[[list[Any]], Any], inputs: list[Any], *, pool: Any) -> tuple[Any, Any]:
+        """Record ``fn(inputs)`` into a new graph whose memory comes from ``pool``; returns
+        (graph, fn's result). ``fn`` consumes ``inputs`` (it clears the list, and frees each
+        tensor nothing else holds once it is read). Nothing runs: the first replay computes. The
+        graph keeps no reference to ``inputs``, only their addresses."""
+        stream = self._capture_stream()
+        graph = torch.cuda.CUDAGraph()
+        # What eager work left cached goes back before the pool grows, and the capture gets a
+        # cuBLAS workspace of its own, in its pool.
+        torch.cuda.empty_cache()
+        cuc.clear_cublas_workspaces()
+        try:
+            # thread_local: NCCL's watchdog and other threads keep querying events meanwhile.
+            with torch.cuda.graph(graph, pool=pool.id, stream=stream, capture_error_mode="thread_local"):
+                out = fn(inputs)
+        finally:
+            cuc.clear_cublas_workspaces()
+        return graph, out
+
+    def replay(self, graph: Any, inputs: Sequence[Any]) -> None:
+        """Replay ``graph``; ``inputs`` are the tensors at the recorded addresses right now
+        (a real graph reads the addresses; an emulation reads the tensors)."""
+        graph.replay()
+
+    def reserved_bytes(self) -> int:
+        return torch.cuda.memory_reserved()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the work queued so far on the current stream (replays and
+        the NCCL kernels they hold) to finish; False if it has not (a collective waiting for a
+        rank that is gone never does: no unbounded ``synchronize()`` at exit)."""
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
