@@ -1,6 +1,6 @@
-"""What one CUDA-graph recording holds and how it reads its inputs (cudagraphs/runner.py drives
-them; NOTE [cudagraph replay safety] and NOTE [a forward and its backward share a pool] are
-there)."""
+"""What one CUDA-graph recording holds, how it reads its inputs, and what a runner counts
+(cudagraphs/runner.py drives them; NOTE [cudagraph replay safety] and NOTE [a forward and its
+backward share a pool] are there)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,38 @@ import torch
 
 from .._compat import dynamo as dc
 from .._compat import storage as st
+
+
+@dataclasses.dataclass
+class CudaGraphStats:
+    """One wrapped graph: a segment's forward, backward or inference graph."""
+
+    name: str
+    captured: bool = False
+    """At least one recording is live and replaying."""
+    reason: str | None = None
+    """Why it does not replay from a CUDA graph (``None`` while it does or may)."""
+    replays: int = 0
+    records: int = 0
+    warmups: int = 0
+    uncaptured_runs: int = 0
+    """Calls after the warm-up that ran uncaptured (reasons counted in ``uncaptured_reasons``)."""
+    uncaptured_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    pool_bytes: int = 0
+    """Bytes this graph's recordings added to the group's memory pool."""
+    inputs_in_place: int = 0
+    """Latest recording: tensor inputs read in place (parameters, buffers, other graphs' outputs)."""
+    inputs_copied: int = 0
+    """Latest recording: tensor inputs copied into a static buffer on every replay."""
+    note: str | None = None
+    """What a replay costs beyond the launch, where something does (gradients copied out)."""
+
+    def ran_uncaptured(self, why: str) -> None:
+        self.uncaptured_runs += 1
+        self.uncaptured_reasons[why] = self.uncaptured_reasons.get(why, 0) + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(eq=False)

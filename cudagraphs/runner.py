@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import logging
 import weakref
 from typing import Any, Callable, Iterator, Sequence
@@ -51,7 +50,7 @@ from .._compat import dynamo as dc
 from .._compat import storage as st
 from ..distributed import teardown
 from .cuda import CudaGraphs
-from .recording import Plan, Recording, alias, dense, let_go, plan_inputs, reads_in_place, signature
+from .recording import CudaGraphStats, Plan, Recording, alias, dense, let_go, plan_inputs, reads_in_place, signature
 
 log = logging.getLogger(__name__)
 
@@ -72,38 +71,6 @@ _RELEASE_WAIT_S = 5.0
 
 _MOVED_BEFORE_RERECORD = 2
 """Consecutive calls with a moved static input before the runner records again."""
-
-
-@dataclasses.dataclass
-class CudaGraphStats:
-    """One wrapped graph: a segment's forward, backward or inference graph."""
-
-    name: str
-    captured: bool = False
-    """At least one recording is live and replaying."""
-    reason: str | None = None
-    """Why it does not replay from a CUDA graph (``None`` while it does or may)."""
-    replays: int = 0
-    records: int = 0
-    warmups: int = 0
-    uncaptured_runs: int = 0
-    """Calls after the warm-up that ran uncaptured (reasons counted in ``uncaptured_reasons``)."""
-    uncaptured_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
-    pool_bytes: int = 0
-    """Bytes this graph's recordings added to the group's memory pool."""
-    inputs_in_place: int = 0
-    """Latest recording: tensor inputs read in place (parameters, buffers, other graphs' outputs)."""
-    inputs_copied: int = 0
-    """Latest recording: tensor inputs copied into a static buffer on every replay."""
-    note: str | None = None
-    """What a replay costs beyond the launch, where something does (gradients copied out)."""
-
-    def ran_uncaptured(self, why: str) -> None:
-        self.uncaptured_runs += 1
-        self.uncaptured_reasons[why] = self.uncaptured_reasons.get(why, 0) + 1
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 class CudaGraphGroup:
