@@ -13,6 +13,8 @@ import torch
 import torch._guards
 import torch.fx as fx
 
+from .capabilities import Capabilities
+
 
 def partition(
     gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode: Any, *, decompose: bool
@@ -79,14 +81,6 @@ def inductor_compile(
         return _DirectAfterFirst(compile_fx_inner(gm, list(example_inputs), is_backward=backward, **kwargs))
 
 
-def cpp_wrapped(compiled: Any) -> bool:
-    """Whether a graph :func:`inductor_compile` returned runs in Inductor's C++ wrapper (its
-    generated Python module loads the C++ entry point with ``load_pybinding``:
-    ``CompiledFxGraph.source_code``, checked on torch 2.13.0, and in 2.15.0's C++ wrapper source)."""
-    source = getattr(getattr(compiled, "compiled", None), "source_code", None) or ""
-    return "load_pybinding" in source
-
-
 def inductor_compile_function(fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> Callable[[list[Any]], Any]:
     """``fn`` traced to aten ops on ``args`` and compiled by Inductor as a shared block's graphs
     are (:func:`inductor_compile`), through Inductor's FX-graph cache: a boxed callable (``probe
@@ -137,12 +131,12 @@ class _DirectAfterFirst:
         return out
 
 
-def start_compile_workers(backend: Any, tensors: Iterable[Any]) -> bool:
+def start_compile_workers(backend: Capabilities, tensors: Iterable[Any]) -> bool:
     """Start Inductor's pool of Triton compile workers now if ``backend`` is Inductor and one of
     ``tensors`` is on a CUDA device; torch starts it only when its own ``inductor`` backend is
     called (NOTE [compile workers from the start]). Returns whether it was asked to start.
     ``async_compile.maybe_warm_pool``: checked on torch 2.11.0, 2.13.0 and 2.15.0."""
-    if backend != "inductor" or not any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
+    if not backend.inductor or not any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
         return False
     _warm_pool()
     return True

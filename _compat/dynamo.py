@@ -18,6 +18,8 @@ import torch._guards
 import torch._inductor.config
 from torch._dynamo.utils import counters as _dynamo_counters
 
+from .capabilities import capabilities
+
 # --- backends ---------------------------------------------------------------------------
 
 
@@ -31,7 +33,7 @@ def make_backend(
     ``torch._TorchCompileWrapper``. We reuse both so a segment compiles exactly as a plain
     ``torch.compile`` graph would.
     """
-    if backend == "inductor":
+    if capabilities(backend).inductor:
         return torch._TorchCompileInductorWrapper(mode, options, dynamic)
     return torch._TorchCompileWrapper(backend, mode, options, dynamic)
 

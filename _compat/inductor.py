@@ -69,9 +69,3 @@ CPP_WRAPPER_NO_ROWS = (
     f"embedding tables all-reduced like any gradient, not gathered as rows: {_CPP_WRAPPER} cannot "
     f"call the rows' gather {_SEE}"
 )
-
-
-def cpp_wrapper_on(patches: dict[str, Any]) -> bool:
-    """Whether graphs compiled with these Inductor config ``patches`` (a compile's ``options``)
-    get Inductor's C++ wrapper: theirs, else torch's setting (``TORCHINDUCTOR_CPP_WRAPPER``)."""
-    return bool(patches.get("cpp_wrapper", torch._inductor.config.cpp_wrapper))

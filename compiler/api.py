@@ -119,7 +119,7 @@ def compile_with_config(obj: nn.Module | Callable[..., Any], config: CompileConf
     cudagraphs = resolve_cudagraphs(config)
     warn_uncached_bytecode()
     if isinstance(obj, nn.Module):
-        aot.start_compile_workers(config.backend, itertools.chain(obj.parameters(), obj.buffers()))
+        aot.start_compile_workers(config.capabilities, itertools.chain(obj.parameters(), obj.buffers()))
         return compile_module(obj, config, cudagraphs=cudagraphs, first_call=first_call)
     return compile_function(obj, config, cudagraphs=cudagraphs)
 
@@ -167,7 +167,7 @@ def resolve_cudagraphs(config: CompileConfig) -> cudagraph_policy.Decision:
     decision = cudagraph_policy.resolve(
         config.cudagraphs,
         cuda=torch.cuda.is_available(),
-        backend=config.backend,
+        backend=config.capabilities,
         mode=config.mode,
         dynamic=config.dynamic,
     )

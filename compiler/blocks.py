@@ -60,6 +60,7 @@ import torch.fx as fx
 
 from .._compat import aot, ops
 from .._compat import dynamo as dc
+from .._compat.capabilities import Capabilities
 from ..distributed.fused import block_wire
 from ..distributed.fused.block_wire import BlockWire
 from ..distributed.fused.cache_keys import source_key
@@ -319,6 +320,8 @@ class Sharing:
     dynamo: bool | str | None = None
     """``True`` where Dynamo met each block as one call (NOTE [Dynamo calls a block]), else why
     it traced every block."""
+    cpp_wrapper: bool = False
+    """Compiled in Inductor's C++ wrapper, as the graph around them."""
 
     @property
     def computed_before_blocks(self) -> list[str]:
@@ -350,8 +353,7 @@ class Sharing:
             **({} if self.dynamo is None else {"dynamo_calls": self.dynamo}),
             **({"computed_before_blocks": moved} if (moved := self.computed_before_blocks) else {}),
             **({"cost": costs} if (costs := [b.cost.to_dict() for b in self.kept if b.cost]) else {}),
-            # Compiled in Inductor's C++ wrapper (options={"cpp_wrapper": True}), as the graph around them.
-            **({"cpp_wrapper": True} if any(aot.cpp_wrapped(b.forward) for b in self.kept) else {}),
+            **({"cpp_wrapper": True} if self.cpp_wrapper else {}),
         }
 
 
@@ -359,7 +361,7 @@ def share_blocks(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
     *,
-    backend: str,
+    backend: Capabilities,
     config_patches: dict,
     buckets: BlockBuckets | None = None,
     cost: block_cost.CostRule | None = None,
@@ -441,7 +443,9 @@ def share_blocks(
         gm.graph.lint()
         gm.recompile()
     kept = list(blocks.values())
-    sharing = Sharing(run.name, run.block_class, len(shared), len(kept), outcomes, kept, per_block)
+    sharing = Sharing(
+        run.name, run.block_class, len(shared), len(kept), outcomes, kept, per_block, cpp_wrapper=backend.cpp_wrapper
+    )
     return sharing, None
 
 
@@ -494,7 +498,7 @@ def _compile(
     sub: fx.GraphModule,
     fakes: list[Any],
     fake_mode: Any,
-    backend: str,
+    backend: Capabilities,
     config_patches: dict,
     *,
     reduced: tuple[int, ...] = (),
@@ -505,7 +509,7 @@ def _compile(
     phases0, counts0 = dc.compile_phase_seconds(), dc.compile_counters()
     start = time.perf_counter()
     try:
-        fw, bw = aot.partition(sub, fakes, fake_mode, decompose=backend == "inductor")
+        fw, bw = aot.partition(sub, fakes, fake_mode, decompose=backend.inductor)
     except Exception as exc:  # noqa: BLE001 - any failure: the block compiles with the whole graph
         raise bg.NotShareable(
             f"AOTAutograd could not split the block on its own: {type(exc).__name__}: {exc}"[:300]
@@ -529,10 +533,10 @@ def _compile(
         # A reduced parameter has a gradient, so the forward still takes it: its position there.
         at = tuple(i if reads is None else reads.index(i) for i in reduced)
         wire, grads = block_wire.grads_onto_wire(
-            bw, [fakes[i] for i in reduced], at, spec, fake_mode, decompose=backend == "inductor"
+            bw, [fakes[i] for i in reduced], at, spec, fake_mode, decompose=backend.inductor
         )
         layout = dataclasses.replace(layout, grads=grads)
-    if backend == "inductor":
+    if backend.inductor:
         fw_inputs = [n.meta["val"] for n in fw.graph.find_nodes(op="placeholder")]
         bw_inputs = [n.meta["val"] for n in bw.graph.find_nodes(op="placeholder")]
         forward = aot.inductor_compile(fw, fw_inputs, fake_mode, backward=False, config_patches=config_patches)
@@ -541,7 +545,7 @@ def _compile(
         forward, backward = aot.boxed(fw), aot.boxed(bw)
     block = SharedBlock(next(_KEYS), layout, forward, backward, wire=wire, moved=moved, reads=reads, cost=estimated)
     _BLOCKS[block.key] = block
-    outcome = CompileOutcome(backend=backend, seconds=time.perf_counter() - start)
+    outcome = CompileOutcome(backend=backend.name, seconds=time.perf_counter() - start)
     phases1 = dc.compile_phase_seconds()
     outcome.phases = {k: round(v - phases0.get(k, 0.0), 6) for k, v in phases1.items() if v - phases0.get(k, 0.0) > 0}
     outcome.counts = {k: v - counts0[k] for k, v in dc.compile_counters().items() if v > counts0[k]}

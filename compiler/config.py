@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, Callable
@@ -10,6 +11,8 @@ from typing import Any, Callable
 import torch
 
 from .._compat import inductor as ci
+from .._compat.capabilities import Capabilities
+from .._compat.capabilities import capabilities as resolve_capabilities
 
 STRATEGIES = ("auto", "split", "fused", "none")
 FALLBACKS = ("eager", "raise")
@@ -156,20 +159,11 @@ class CompileConfig:
             return None
         return "raise" if self.freeze is True else self.freeze
 
-    @property
-    def inductor(self) -> bool:
-        """The graphs compile with Inductor (``backend="inductor"``, the default)."""
-        return self.backend == "inductor"
-
-    @property
-    def cpp_wrapper(self) -> bool:
-        """Inductor gives the graphs its C++ wrapper (``options={"cpp_wrapper": True}``, else
-        ``TORCHINDUCTOR_CPP_WRAPPER=1``), which cannot call every collective ``fused`` may trace
-        (NOTE [collectives the C++ wrapper cannot call])."""
-        return self.inductor and ci.cpp_wrapper_on(self.options or {})
+    @functools.cached_property
+    def capabilities(self) -> Capabilities:
+        """What the backend can do, resolved once (the only place backend names are compared)."""
+        return resolve_capabilities(self.backend, self.options)
 
     @property
     def backend_name(self) -> str:
-        if isinstance(self.backend, str):
-            return self.backend
-        return getattr(self.backend, "__name__", type(self.backend).__name__)
+        return self.capabilities.name

@@ -20,6 +20,7 @@ from typing import Any, Collection
 import torch
 
 from .._compat import ddp as ddpc
+from .._compat.capabilities import SHAREABLE
 from ..distributed.fused.apply import HOOK_PROGRAMS, comm_spec
 from ..distributed.fused.comm_hooks import comm_hook_kind
 from ..distributed.fused.policy import hooked_gradients, why_not_fused
@@ -60,10 +61,6 @@ class Variant(str, enum.Enum):
 # merge. ``True`` shares anyway, ``False`` never. It is decided once per compiled object, and once
 # more with the strategy chosen (an ``auto`` that falls back to ``split`` inlines the blocks), as
 # part of the ``Decision`` every graph reads; the report says why ``"auto"`` left blocks whole.
-
-
-SHAREABLE_BACKENDS = ("inductor", "aot_eager")
-"""The backends a shared block compiles with (NOTE [one compile per block])."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -224,10 +221,10 @@ def decide_sharing(config: CompileConfig, *, cudagraphs: bool, strategy: Strateg
     one asked for stands in (``auto`` may still become ``split``: resolved again once chosen)."""
     if config.share_blocks is False:
         return BlockSharing(enabled=False)
-    if config.backend not in SHAREABLE_BACKENDS:
+    if not config.capabilities.shares_blocks:
         return BlockSharing(
             enabled=False,
-            reason=f"blocks are shared with the backends {list(SHAREABLE_BACKENDS)}, not {config.backend_name!r}",
+            reason=f"blocks are shared with the backends {list(SHAREABLE)}, not {config.backend_name!r}",
         )
     if config.share_blocks is True:
         return BlockSharing(enabled=True)

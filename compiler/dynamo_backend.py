@@ -32,6 +32,7 @@ import torch
 
 from .._compat import ddp as ddpc
 from .._compat import dynamo as dc
+from .._compat.capabilities import capabilities
 from ..distributed.split.alignment import AlignmentPoll
 from ..stats.report import Report
 from .config import CompileConfig
@@ -70,12 +71,13 @@ def config_from_options(mode: str | None, options: dict[str, Any] | None, dynami
             "torch.compile(backend='bucketwise'): inner_backend cannot be 'bucketwise'; use e.g. 'inductor'"
         )
     if rest:
-        known = set(dc.inductor_option_names()) if inner == "inductor" else set()
+        inductor = capabilities(inner).inductor
+        known = set(dc.inductor_option_names()) if inductor else set()
         bad = sorted(k for k in rest if k not in known)
         if bad:
             others = (
                 "and Inductor's options (torch._inductor.list_options())"
-                if inner == "inductor"
+                if inductor
                 else f"(inner_backend={inner!r} takes no other options)"
             )
             raise ValueError(

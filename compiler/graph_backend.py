@@ -136,7 +136,7 @@ class GraphBackend:
         """The backend segments and graphs are compiled with: the user's, or Inductor with every
         compiled graph wrapped in a CUDA-graph runner (``cudagraphs``)."""
         cfg = self.config
-        if self.sharing.enabled and cfg.inductor:
+        if self.sharing.enabled and cfg.capabilities.inductor:
             options = dc.cacheable_calls_options(blocks_cache_targets(), options)
         if self.cudagraphs is None:
             return dc.make_backend(cfg.backend, cfg.mode, options, cfg.dynamic)
@@ -218,7 +218,11 @@ class GraphBackend:
                 raise AssertionError(f"expected the fused runtime's state with a fused decision, got {decision}")
             # Rows asked for are not gathered under the C++ wrapper
             # (NOTE [collectives the C++ wrapper cannot call]).
-            rows_off = ci.CPP_WRAPPER_NO_ROWS if self.config.gather_embedding_rows and self.config.cpp_wrapper else None
+            rows_off = (
+                ci.CPP_WRAPPER_NO_ROWS
+                if self.config.gather_embedding_rows and not self.config.capabilities.gathers_rows
+                else None
+            )
             return apply_fused(
                 job,
                 compiler,
@@ -292,8 +296,7 @@ class GraphBackend:
         chosen = choice.sharing
         if not chosen.enabled:
             return None, chosen.reason
-        backend = cfg.backend_name
-        patches = dc.inductor_config_patches(cfg.mode, cfg.options, cfg.dynamic) if cfg.inductor else {}
+        patches = dc.inductor_config_patches(cfg.mode, cfg.options, cfg.dynamic) if cfg.capabilities.inductor else {}
         buckets = None
         if choice.plain_buckets:
             tensors = collections.Counter(id(a) for a in example_inputs if isinstance(a, torch.Tensor))
@@ -310,14 +313,14 @@ class GraphBackend:
         patches = {**patches, "triton.cudagraphs": False, "size_asserts": False}
         if buckets is not None:  # the blocks' backward gathers their gradients into a bucket
             patches.update(ci.bucket_safe_patches())  # NOTE [reductions into bucket views]
-        aot.start_compile_workers(backend, example_inputs)  # NOTE [compile workers from the start]
+        aot.start_compile_workers(cfg.capabilities, example_inputs)  # NOTE [compile workers from the start]
         cost = None
         if chosen.by_cost:
             cost, why = self._cost_rule(example_inputs)
             if cost is None:
                 return None, why
         sharing, unshared = share_blocks(
-            gm, example_inputs, backend=backend, config_patches=patches, buckets=buckets, cost=cost
+            gm, example_inputs, backend=cfg.capabilities, config_patches=patches, buckets=buckets, cost=cost
         )
         calls = self.block_calls
         if sharing is not None:
@@ -330,11 +333,12 @@ class GraphBackend:
         """How ``share_blocks="auto"`` decides for this graph without CUDA graphs (NOTE [sharing by
         cost]), or why its blocks stay whole: the estimate is of Inductor's blocks on one GPU."""
         devices = {a.device for a in example_inputs if isinstance(a, torch.Tensor)}
-        if not self.config.inductor or len(devices) != 1 or next(iter(devices)).type != "cuda":
+        inductor = self.config.capabilities.inductor
+        if not inductor or len(devices) != 1 or next(iter(devices)).type != "cuda":
             why = (
                 "share_blocks='auto' shares blocks without CUDA graphs where a block's call, estimated for "
                 "Inductor's kernels on one GPU, hides behind them; this graph "
-                + ("compiles with another backend" if not self.config.inductor else "does not run on one GPU")
+                + ("compiles with another backend" if not inductor else "does not run on one GPU")
                 + ". Pass share_blocks=True for a shorter first step all the same"
             )
             return None, why
@@ -346,16 +350,15 @@ class GraphBackend:
     def fused_backend(self) -> Callable[..., Any]:
         """The backend, with Inductor's comm/compute reordering on (scoped to its compiles)."""
         if self._fused_backend is None:
-            if self.config.inductor:
-                cfg = self.config
+            cfg = self.config
+            if cfg.capabilities.inductor:
                 caps = self.decision.caps if self.decision is not None else None
-                # No grouping and no rows with the C++ wrapper (NOTE [collectives the C++ wrapper cannot call]).
-                group = caps is not None and not cfg.cpp_wrapper
+                group = caps is not None and cfg.capabilities.groups_block_reductions
                 blocks = (SHARED_BLOCK_BACKWARD.name(), caps.bytes) if group else None
                 self._fused_backend = self._make_backend(fused_backend_options(cfg.options, blocks=blocks))
                 if ci.bucket_safe_patches() and torch.cuda.is_available():  # a Triton-only reduction
                     self.report.note(ci.bucket_safe_note())
-                if cfg.cpp_wrapper and self.sharing.enabled:
+                if not cfg.capabilities.groups_block_reductions and self.sharing.enabled:
                     self.report.note(ci.CPP_WRAPPER_UNGROUPED)
             else:
                 self._fused_backend = self.segment_backend

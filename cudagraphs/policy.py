@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from .._compat import dynamo as dc
+from .._compat.capabilities import Capabilities
 
 # Ops that read a tensor's value on the host (a device-to-host copy + synchronisation) or whose
 # output shape depends on tensor values: a capture would bake one step's answer into the graph.
@@ -51,7 +52,7 @@ class Decision:
 
 
 def resolve(
-    requested: bool | str, *, cuda: bool, backend: str | Any, mode: str | None, dynamic: bool | None
+    requested: bool | str, *, cuda: bool, backend: Capabilities, mode: str | None, dynamic: bool | None
 ) -> Decision:
     """The compile-level decision for ``cudagraphs=requested``.
 
@@ -71,13 +72,13 @@ def resolve(
         return Decision(enabled=False, reason="mode='reduce-overhead': Inductor's cudagraph trees are in use")
     if not cuda:
         return Decision(enabled=False, reason="no CUDA device: CUDA graphs are a no-op")
-    if backend != "inductor":
+    if not backend.inductor:
         if requested is True:
             raise ValueError(
-                f"cudagraphs=True wraps Inductor-compiled graphs; backend {backend!r} is not 'inductor' "
+                f"cudagraphs=True wraps Inductor-compiled graphs; backend {backend.name!r} is not 'inductor' "
                 "(use backend='inductor' or cudagraphs=False)"
             )
-        return Decision(enabled=False, reason=f"backend {backend!r}: only Inductor graphs are wrapped")
+        return Decision(enabled=False, reason=f"backend {backend.name!r}: only Inductor graphs are wrapped")
     if requested == "auto" and dynamic is True:
         return Decision(enabled=False, reason="auto: dynamic=True (shapes change between calls)")
     return Decision(enabled=True)

@@ -22,6 +22,7 @@ from support.dist import run_distributed
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import bucketwise
+from bucketwise._compat.capabilities import capabilities
 from bucketwise.cudagraphs import policy
 from bucketwise.cudagraphs.recording import plan_inputs
 from bucketwise.cudagraphs.runner import MAX_RECORDS
@@ -33,19 +34,19 @@ pytestmark = pytest.mark.inductor
 
 
 def test_resolve_matrix():
-    r = functools.partial(policy.resolve, backend="inductor", mode=None, dynamic=None)
+    r = functools.partial(policy.resolve, backend=capabilities("inductor"), mode=None, dynamic=None)
     assert r(False, cuda=True) == policy.Decision(enabled=False)
     assert r(True, cuda=True).enabled and r("auto", cuda=True).enabled
     off = r(True, cuda=False)
     assert not off.enabled and "no CUDA" in off.reason
-    auto_dyn = policy.resolve("auto", cuda=True, backend="inductor", mode=None, dynamic=True)
+    auto_dyn = policy.resolve("auto", cuda=True, backend=capabilities("inductor"), mode=None, dynamic=True)
     assert not auto_dyn.enabled and "dynamic" in auto_dyn.reason
-    assert policy.resolve(True, cuda=True, backend="inductor", mode=None, dynamic=True).enabled
-    assert not policy.resolve("auto", cuda=True, backend="aot_eager", mode=None, dynamic=None).enabled
+    assert policy.resolve(True, cuda=True, backend=capabilities("inductor"), mode=None, dynamic=True).enabled
+    assert not policy.resolve("auto", cuda=True, backend=capabilities("aot_eager"), mode=None, dynamic=None).enabled
     with pytest.raises(ValueError, match="backend 'aot_eager'"):
-        policy.resolve(True, cuda=True, backend="aot_eager", mode=None, dynamic=None)
+        policy.resolve(True, cuda=True, backend=capabilities("aot_eager"), mode=None, dynamic=None)
     with pytest.raises(ValueError, match="reduce-overhead"):
-        policy.resolve(True, cuda=False, backend="inductor", mode="reduce-overhead", dynamic=None)
+        policy.resolve(True, cuda=False, backend=capabilities("inductor"), mode="reduce-overhead", dynamic=None)
 
 
 def test_contradictory_request_is_rejected_before_compiling():

@@ -19,6 +19,7 @@ import torch.utils.checkpoint as checkpoint
 from support.dist import run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bucketwise._compat.capabilities import capabilities
 from bucketwise.partitioners.blocks import find_block_run, piece_of
 
 STEPS = 4
@@ -111,7 +112,7 @@ def test_a_block_call_passes_only_what_its_compiled_forward_reads():
 
     def backend(gm, example_inputs):
         whole = copy.deepcopy(gm)
-        sharing, why = blocks.share_blocks(gm, example_inputs, backend="aot_eager", config_patches={})
+        sharing, why = blocks.share_blocks(gm, example_inputs, backend=capabilities("aot_eager"), config_patches={})
         assert sharing is not None, why
         calls.extend(n for n in gm.graph.nodes if n.target is blocks.SHARED_BLOCK)
         return whole.forward
