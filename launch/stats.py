@@ -1,26 +1,16 @@
-"""Reading and merging the per-rank report files of one run (``rank<R>.json``).
+"""Reading and merging the per-rank report files of one run (``rank<R>.json``, ``Report.to_dict()``).
 
-Each rank's :class:`bucketwise.Report` writes ``$BUCKETWISE_STATS_DIR/rank<R>.json``
-(``Report.to_dict()``). :func:`merge` combines them into one dict:
-
-``{"schema", "ranks", "world_size", "missing_ranks", "target", "strategy", "backend",
-"segments": [{"graph_id", "index", "params", "bytes", "op_count", "ranks",
-"compile_seconds": {"min", "median", "max", "per_rank"}, "backends", "fallback_ranks",
-"fallback_reasons"}], "plan_differences": [{"rank", "reference_rank", "graph_id", "part",
-"index", "difference"}], "compile_times": [{"graph_id", "ranks", "slowest", "per_rank"}],
-"totals": {"<rank>": {...}}, "alignment": {"<rank>": float | None}, "graph_notes": [...],
-"notes": [...], "eager_calls": {...}, "fused_buckets": [{"graph_id", "comm_hook", "buckets": [...]}]}``
-
-``compile_times``: each graph's compile-time breakdown (NOTE [compile-time breakdown]) per rank,
-and ``slowest``: each phase's largest seconds over ranks, cache lookups summed over ranks.
-
-Per-segment sizes (params, bytes, ops) and the fused buckets are the reference rank's (the lowest rank
-present); ranks whose bucket plan differs from it are listed in ``plan_differences``.
+:func:`merge` makes the dict ``bucketwise stats --json`` prints: ``schema``, ``ranks``,
+``world_size``, ``missing_ranks``, ``target``, ``strategy``, ``backend``, ``segments`` (compile
+seconds min/median/max over ranks, backends, fallbacks), ``plan_differences``, ``compile_times``
+(per graph: each phase's slowest rank, cache lookups summed over ranks), ``totals`` and
+``alignment`` per rank, ``graph_notes``, ``notes``, ``eager_calls``, ``fused_buckets``. Sizes
+and fused buckets are the reference rank's (the lowest present); ranks whose bucket plan differs
+from it are in ``plan_differences``.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -30,7 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 from ..stats.bytecode import COMPILE_ONCE, BytecodeState
 from ..stats.compile_times import BREAKDOWN_FOOTER, BREAKDOWN_HEADER, breakdown_row
 from ..stats.job_stats import JOB_FILE
-from ..stats.report_data import GraphData, ReportData
+from ..stats.report_data import GraphData, ReportData, SegmentData
 from ..stats.report_format import bucket_table, compile_seconds
 from ..stats.table import align
 
@@ -49,10 +39,13 @@ def rank_files(path: str) -> list[str]:
         return [path]
     if not os.path.isdir(path):
         raise StatsError(f"{path}: no such file or folder")
-    found = [
-        f for f in glob.glob(os.path.join(glob.escape(path), "rank*.json")) if _RANK_FILE.match(os.path.basename(f))
-    ]
-    return sorted(found, key=lambda f: int(_RANK_FILE.match(os.path.basename(f)).group(1)))
+    return _by_rank(path, _RANK_FILE)
+
+
+def _by_rank(folder: str, pattern: re.Pattern[str]) -> list[str]:
+    """The files of ``folder`` whose names match ``pattern`` (the rank its group), by rank."""
+    found = [(m, os.path.join(folder, f)) for f in os.listdir(folder) if (m := pattern.match(f))]
+    return [f for m, f in sorted(found, key=lambda mf: int(mf[0].group(1)))]
 
 
 def load_rank_file(path: str) -> ReportData:
@@ -122,15 +115,11 @@ def plan_differences(reports: list[ReportData]) -> list[dict[str, Any]]:
                 what = f"{key[1]} not on rank {ref.rank}"
             else:
                 what = _describe_param_diff(a, b, ref.rank, other.rank)
+            graph_id, part, index = key
             diffs.append(
-                {
-                    "rank": other.rank,
-                    "reference_rank": ref.rank,
-                    "graph_id": key[0],
-                    "part": key[1],
-                    "index": key[2],
-                    "difference": what,
-                }
+                dict(
+                    rank=other.rank, reference_rank=ref.rank, graph_id=graph_id, part=part, index=index, difference=what
+                )
             )
     return diffs
 
@@ -154,47 +143,36 @@ def _names(names: list[str], limit: int = 4) -> str:
 
 
 def _segment_rows(reports: list[ReportData]) -> list[dict[str, Any]]:
-    rows: dict[tuple[int, int], dict[str, Any]] = {}
+    found: dict[tuple[int, int], list[tuple[int, SegmentData]]] = {}
     for rep in reports:
         for g in rep.graphs:
             for s in g.segments:
-                key = (g.graph_id, s.index)
-                row = rows.get(key)
-                if row is None:
-                    row = rows[key] = {
-                        "graph_id": key[0],
-                        "index": key[1],
-                        "params": len(s.params),
-                        "bytes": s.bytes,
-                        "op_count": s.op_count,
-                        "ranks": [],
-                        "per_rank": {},
-                        "backends": [],
-                        "fallback_ranks": [],
-                        "fallback_reasons": [],
-                    }
-                row["ranks"].append(rep.rank)
-                row["per_rank"][str(rep.rank)] = s.compile_seconds
-                if s.backend not in row["backends"]:
-                    row["backends"].append(s.backend)
-                if s.fell_back:
-                    row["fallback_ranks"].append(rep.rank)
-                    reason = s.reason or "unknown reason"
-                    if reason not in row["fallback_reasons"]:
-                        row["fallback_reasons"].append(reason)
-    out = []
-    for key in sorted(rows):
-        row = rows[key]
-        times = list(row.pop("per_rank").items())
-        values = [t for _, t in times]
-        row["compile_seconds"] = {
-            "min": min(values),
-            "median": statistics.median(values),
-            "max": max(values),
-            "per_rank": dict(times),
-        }
-        out.append(row)
-    return out
+                found.setdefault((g.graph_id, s.index), []).append((rep.rank, s))
+    rows = []
+    for (graph_id, index), seen in sorted(found.items()):
+        first = seen[0][1]
+        times = {str(rank): s.compile_seconds for rank, s in seen}
+        fell = [(rank, s.reason or "unknown reason") for rank, s in seen if s.fell_back]
+        rows.append(
+            {
+                "graph_id": graph_id,
+                "index": index,
+                "params": len(first.params),
+                "bytes": first.bytes,
+                "op_count": first.op_count,
+                "ranks": [rank for rank, _ in seen],
+                "backends": list(dict.fromkeys(s.backend for _, s in seen)),
+                "fallback_ranks": [rank for rank, _ in fell],
+                "fallback_reasons": list(dict.fromkeys(reason for _, reason in fell)),
+                "compile_seconds": {
+                    "min": min(times.values()),
+                    "median": statistics.median(times.values()),
+                    "max": max(times.values()),
+                    "per_rank": times,
+                },
+            }
+        )
+    return rows
 
 
 def _compile_time_rows(reports: list[ReportData]) -> list[dict[str, Any]]:
@@ -269,11 +247,11 @@ def fused_buckets(report: ReportData) -> list[dict[str, Any]]:
     """The reference rank's fused buckets per graph: ``[{"graph_id", "comm_hook", "buckets"}]``
     (each bucket as ``Report.to_dict()`` has it: collective, ``wire_bytes``, ...). Every rank
     runs the same collectives (the fused layout check), so one rank's view is the run's."""
-    out = []
-    for g in report.graphs:
-        if g.fused_buckets:
-            out.append({"graph_id": g.graph_id, "comm_hook": g.comm_hook, "buckets": g.fused_buckets})
-    return out
+    return [
+        {"graph_id": g.graph_id, "comm_hook": g.comm_hook, "buckets": g.fused_buckets}
+        for g in report.graphs
+        if g.fused_buckets
+    ]
 
 
 # -- text ----------------------------------------------------------------------------------
@@ -285,22 +263,11 @@ def format_merged(merged: dict[str, Any]) -> str:
     rows = [header]
     n_ranks = len(merged["ranks"])
     for s in merged["segments"]:
-        t = s["compile_seconds"]
-        rows.append(
-            (
-                str(s["graph_id"]),
-                str(s["index"]),
-                str(s["params"]),
-                f"{s['bytes'] / 2**20:.2f}",
-                str(s["op_count"]),
-                f"{t['min']:.2f}",
-                f"{t['median']:.2f}",
-                f"{t['max']:.2f}",
-                "/".join(s["backends"]),
-                _fallback_cell(s, n_ranks),
-            )
-        )
-    lines = [_align_merged(rows)]
+        counts = [str(s[k]) for k in ("graph_id", "index", "params")]
+        seconds = [f"{s['compile_seconds'][k]:.2f}" for k in ("min", "median", "max")]
+        mib, backends = f"{s['bytes'] / 2**20:.2f}", "/".join(s["backends"])
+        rows.append((*counts, mib, str(s["op_count"]), *seconds, backends, _fallback_cell(s, n_ranks)))
+    lines = [align(rows, right=range(8))]  # backend and fallbacks left-aligned
     if merged.get("fused_buckets"):
         graphs = [GraphData.from_dict({**entry, "segments": []}) for entry in merged["fused_buckets"]]
         lines.extend(bucket_table(graphs))
@@ -348,11 +315,6 @@ def eager_summary(stats_dir: str) -> list[str]:
         if reports:
             lines += eager_lines(merge(reports))
     return lines
-
-
-def _align_merged(rows: list[tuple[str, ...]]) -> str:
-    # Numeric columns right-aligned, backend and fallbacks left-aligned.
-    return align(rows, right=range(8))
 
 
 def _fallback_cell(segment: dict[str, Any], n_ranks: int) -> str:
@@ -410,13 +372,8 @@ def runtime_views(path: str, warn: Callable[[str], None]) -> list[Any]:
 
     if not os.path.isdir(path):
         return []
-    found = [
-        f
-        for f in glob.glob(os.path.join(glob.escape(path), "runtime-rank*.json"))
-        if _RUNTIME_FILE.match(os.path.basename(f))
-    ]
     views = []
-    for f in sorted(found, key=lambda f: int(_RUNTIME_FILE.match(os.path.basename(f)).group(1))):
+    for f in _by_rank(path, _RUNTIME_FILE):
         try:
             with open(f) as fh:
                 views.append(RuntimeView.from_dict(json.load(fh)))
@@ -484,7 +441,7 @@ def is_elsewhere(stats_dir: str, job: dict[str, Any] | None) -> bool:
 def pointer_lines(stats_dir: str, job: dict[str, Any]) -> list[str]:
     """What a node other than rank 0's prints: its own ranks and where the whole table is."""
     at = job["gathered_by"]
-    here = [int(_RANK_FILE.match(os.path.basename(f)).group(1)) for f in rank_files(stats_dir)]
+    here = [int(_RANK_FILE.match(os.path.basename(f))[1]) for f in rank_files(stats_dir)]
     return [
         f"bucketwise: rank(s) {rank_ranges(here) or 'none'} of {job.get('world_size', '?')} "
         f"wrote their files into {stats_dir}",
