@@ -61,8 +61,7 @@ def load_rank_file(path: str) -> ReportData:
 
 
 def load_reports(path: str | Sequence[str], warn: Callable[[str], None]) -> list[ReportData]:
-    """Every readable rank report under ``path`` (or several paths); unreadable files are
-    skipped via ``warn``."""
+    """Every readable rank report under ``path`` (or several paths); ``warn`` names those skipped."""
     reports = []
     for f in [f for p in ([path] if isinstance(path, str) else path) for f in rank_files(p)]:
         try:
@@ -82,8 +81,7 @@ def load_reports(path: str | Sequence[str], warn: Callable[[str], None]) -> list
 
 
 def plan_of(report: ReportData) -> dict[tuple[int, str, int], tuple[str, ...]]:
-    """A rank's bucket plan: ``(graph_id, "segment", index) -> parameter names`` per segment,
-    plus ``(graph_id, "bucket", index)`` entries where the file lists planned buckets."""
+    """``(graph_id, "segment" or "bucket", index) -> parameter names``; buckets where the file lists them."""
     plan = {}
     for g in report.graphs:
         for s in g.segments:
@@ -95,9 +93,8 @@ def plan_of(report: ReportData) -> dict[tuple[int, str, int], tuple[str, ...]]:
 
 
 def plan_differences(reports: list[ReportData]) -> list[dict[str, Any]]:
-    """Where each rank's plan differs from the reference (first) rank's, segment by segment
-    (and bucket by bucket): ``{"rank", "reference_rank", "graph_id", "part", "index",
-    "difference"}`` with ``part`` ``"segment"`` or ``"bucket"``."""
+    """Where each rank's plan differs from the reference (first) rank's, segment by segment and
+    bucket by bucket (``part``)."""
     if not reports:
         return []
     ref = reports[0]
@@ -115,12 +112,8 @@ def plan_differences(reports: list[ReportData]) -> list[dict[str, Any]]:
                 what = f"{key[1]} not on rank {ref.rank}"
             else:
                 what = _describe_param_diff(a, b, ref.rank, other.rank)
-            graph_id, part, index = key
-            diffs.append(
-                dict(
-                    rank=other.rank, reference_rank=ref.rank, graph_id=graph_id, part=part, index=index, difference=what
-                )
-            )
+            where = dict(zip(("graph_id", "part", "index"), key))
+            diffs.append({"rank": other.rank, "reference_rank": ref.rank, **where, "difference": what})
     return diffs
 
 
@@ -244,9 +237,8 @@ def merge(reports: list[ReportData]) -> dict[str, Any]:
 
 
 def fused_buckets(report: ReportData) -> list[dict[str, Any]]:
-    """The reference rank's fused buckets per graph: ``[{"graph_id", "comm_hook", "buckets"}]``
-    (each bucket as ``Report.to_dict()`` has it: collective, ``wire_bytes``, ...). Every rank
-    runs the same collectives (the fused layout check), so one rank's view is the run's."""
+    """The reference rank's fused buckets per graph: every rank runs the same collectives (the fused
+    layout check), so one rank's view is the run's."""
     return [
         {"graph_id": g.graph_id, "comm_hook": g.comm_hook, "buckets": g.fused_buckets}
         for g in report.graphs
@@ -286,24 +278,20 @@ def format_merged(merged: dict[str, Any]) -> str:
 
 
 def eager_lines(merged: dict[str, Any]) -> list[str]:
-    """Calls that ran no compiled graph (NOTE [never silently eager]), one line per reason with
-    the ranks and counts."""
+    """Calls that ran no compiled graph, one line per reason with the ranks and counts."""
     by_reason: dict[str, list[tuple[str, int]]] = {}
     for rank, calls in merged.get("eager_calls", {}).items():
         for reason, n in calls.items():
             by_reason.setdefault(reason, []).append((rank, n))
-    lines = []
-    for reason, seen in by_reason.items():
-        ranks = ",".join(r for r, _ in seen)
-        lines.append(
-            f"{merged.get('target')} RAN EAGERLY on rank {ranks} ({_span(n for _, n in seen)} call(s)): {reason}"
-        )
-    return lines
+    return [
+        f"{merged.get('target')} RAN EAGERLY on rank {','.join(r for r, _ in seen)} "
+        f"({_span(n for _, n in seen)} call(s)): {reason}"
+        for reason, seen in by_reason.items()
+    ]
 
 
 def eager_summary(stats_dir: str) -> list[str]:
-    """:func:`eager_lines` of every compiled object that wrote into a run folder (the first one's
-    ``rank<R>.json`` and the others' ``obj<k>/``)."""
+    """:func:`eager_lines` of every compiled object of a run folder (``rank<R>.json``, ``obj<k>/``)."""
     folders = [stats_dir] + sorted(
         os.path.join(stats_dir, d)
         for d in (os.listdir(stats_dir) if os.path.isdir(stats_dir) else [])
@@ -330,12 +318,7 @@ def totals_line(merged: dict[str, Any]) -> str:
     totals = list(merged["totals"].values())
     compile_s = [compile_seconds(t) for t in totals]  # every phase, as the breakdown table
     aligns = sorted({a for a in merged["alignment"].values() if a is not None})
-    if not aligns:
-        align = "n/a"
-    elif len(aligns) == 1:
-        align = f"{aligns[0]:.2f}"
-    else:
-        align = f"{aligns[0]:.2f}..{aligns[-1]:.2f} across ranks"
+    align = f"{aligns[0]:.2f}" + (f"..{aligns[-1]:.2f} across ranks" if len(aligns) > 1 else "") if aligns else "n/a"
     line = (
         f"ranks {len(merged['ranks'])} of {merged['world_size']}, graphs {_span(t['graphs'] for t in totals)}, "
         f"graph breaks {_span(t['graph_breaks'] for t in totals)}, "
@@ -366,8 +349,7 @@ def _span(values: Iterable[int]) -> str:
 
 
 def runtime_views(path: str, warn: Callable[[str], None]) -> list[Any]:
-    """The ``runtime-rank<R>.json`` views of a run folder, by rank (unreadable ones skipped via
-    ``warn``)."""
+    """The ``runtime-rank<R>.json`` views of a run folder, by rank; ``warn`` names those skipped."""
     from ..stats.runtime_view import RuntimeView
 
     if not os.path.isdir(path):
@@ -383,11 +365,8 @@ def runtime_views(path: str, warn: Callable[[str], None]) -> list[Any]:
 
 
 def host_bound_lines(path: str, steps: int) -> list[str]:
-    """``bucketwise doctor``'s verdict on the host from the runtime views of a run folder (``steps``
-    profiled steps were asked for): which ranks' profiled steps the host bounds, and what to try
-    (NOTE [saying when the host is the step]); one line when none does or nothing was profiled,
-    followed where a rank's GPU was the step by its advice on shared blocks (NOTE [saying when
-    sharing blocks is free])."""
+    """``bucketwise doctor``'s verdict on the host from a run folder's runtime views (``steps``
+    asked for): the host-bound ranks' notes, else one line and the GPU-bound ranks' advice."""
     from ..stats.runtime_view import GPU_BOUND_PREFIX, HOST_BOUND_PREFIX
 
     views = runtime_views(path, lambda msg: None)
@@ -423,8 +402,7 @@ def runtime_lines(path: str, warn: Callable[[str], None]) -> list[str]:
 
 
 def read_job_file(stats_dir: str) -> dict[str, Any] | None:
-    """``job.json`` of a run folder: rank 0's record of the gather, or, in another node's
-    folder, where rank 0's folder is. ``None`` when absent or unreadable."""
+    """A run folder's ``job.json`` (rank 0's record of the gather, or where rank 0's folder is), or ``None``."""
     try:
         with open(os.path.join(stats_dir, JOB_FILE)) as f:
             job = json.load(f)
@@ -451,8 +429,7 @@ def pointer_lines(stats_dir: str, job: dict[str, Any]) -> list[str]:
 
 
 def job_lines(job: dict[str, Any] | None) -> list[str]:
-    """Which ranks' files came through the job's store, from which folders; which did not
-    finish."""
+    """Which ranks' files came through the job's store, from which folders; which did not finish."""
     if job is None or "ranks" not in job:
         return []
     by_folder: dict[tuple[str, str], list[int]] = {}
