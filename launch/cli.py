@@ -18,6 +18,7 @@ import sys
 from typing import Sequence
 
 from ..compiler import doctor
+from ..stats import job_stats
 from ..stats.report_data import ReportData
 from . import failures, launcher, stats, stopping
 from .demo import add_demo_arguments
@@ -199,7 +200,7 @@ def _cmd_stats(args: argparse.Namespace, raw: list[str]) -> int:
         print(json.dumps(merged, indent=1))
         return 0
     print(_single_rank_table(reports[0], merged) if len(reports) == 1 else stats.format_merged(merged))
-    lines = stats.job_lines(stats.read_job_file(args.path[0])) if len(args.path) == 1 else []
+    lines = job_stats.job_lines(job_stats.read_job_file(args.path[0])) if len(args.path) == 1 else []
     for path in args.path:
         lines += stats.runtime_lines(path, warn)
     if lines:

@@ -15,6 +15,7 @@ import sys
 from typing import Sequence, TextIO
 
 from ..compiler.artifacts import ENV as ARTIFACTS_ENV
+from ..stats import job_stats
 from ..stats.profiling import AUTO_WARMUP_MAX, AUTO_WARMUP_MIN, PROFILE_STEPS_ENV, PROFILE_WARMUP_ENV
 from ..stats.rank_file import STATS_DIR_ENV
 from . import stats, stopping
@@ -186,8 +187,8 @@ def summarize(stats_dir: str, *, table: bool = True, out: TextIO | None = None) 
     finished run: every rank's, where rank 0 gathered them into this folder (NOTE [job-wide
     stats]); where another node's folder has them, say which. False when no rank wrote a report."""
     out = out or sys.stdout
-    job = stats.read_job_file(stats_dir)
-    if stats.is_elsewhere(stats_dir, job):
+    job = job_stats.read_job_file(stats_dir)
+    if job_stats.is_elsewhere(stats_dir, job):
         print("\n" + "\n".join(stats.pointer_lines(stats_dir, job)), file=out, flush=True)
         return True
     warn = lambda msg: print(f"bucketwise: warning: {msg}", file=sys.stderr)  # noqa: E731
@@ -206,7 +207,7 @@ def summarize(stats_dir: str, *, table: bool = True, out: TextIO | None = None) 
         print("\n".join(stats.runtime_lines(stats_dir, warn)), file=out)
     else:
         print("\n".join([stats.totals_line(merged), *stats.plan_check_lines(merged)]), file=out)
-    for line in stats.job_lines(job):
+    for line in job_stats.job_lines(job):
         print(line, file=out)
     others = sorted(
         d for d in os.listdir(stats_dir) if d.startswith("obj") and os.path.isdir(os.path.join(stats_dir, d))

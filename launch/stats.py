@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..stats.bytecode import COMPILE_ONCE, BytecodeState
 from ..stats.compile_times import BREAKDOWN_FOOTER, BREAKDOWN_HEADER, breakdown_row
-from ..stats.job_stats import JOB_FILE
+from ..stats.job_stats import rank_ranges
 from ..stats.report_data import GraphData, ReportData, SegmentData
 from ..stats.report_format import bucket_table, compile_seconds
 from ..stats.table import align
@@ -398,24 +398,6 @@ def runtime_lines(path: str, warn: Callable[[str], None]) -> list[str]:
     return ["", merged_table(views)] if views else []
 
 
-# -- the job-wide gather (NOTE [job-wide stats] in stats/job_stats.py) -------------------
-
-
-def read_job_file(stats_dir: str) -> dict[str, Any] | None:
-    """A run folder's ``job.json`` (rank 0's record of the gather, or where rank 0's folder is), or ``None``."""
-    try:
-        with open(os.path.join(stats_dir, JOB_FILE)) as f:
-            job = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return job if isinstance(job, dict) and isinstance(job.get("gathered_by"), dict) else None
-
-
-def is_elsewhere(stats_dir: str, job: dict[str, Any] | None) -> bool:
-    """This folder is not the one the job-wide table was gathered into."""
-    return job is not None and "ranks" not in job and not os.path.exists(os.path.join(stats_dir, "rank0.json"))
-
-
 def pointer_lines(stats_dir: str, job: dict[str, Any]) -> list[str]:
     """What a node other than rank 0's prints: its own ranks and where the whole table is."""
     at = job["gathered_by"]
@@ -426,46 +408,6 @@ def pointer_lines(stats_dir: str, job: dict[str, Any]) -> list[str]:
         f"bucketwise: the job-wide table is printed by `bucketwise launch` on {at.get('host')}, the node that "
         f"ran rank 0, from {at.get('stats_dir')} (`bucketwise stats {at.get('stats_dir')}` prints it again)",
     ]
-
-
-def job_lines(job: dict[str, Any] | None) -> list[str]:
-    """Which ranks' files came through the job's store, from which folders; which did not finish."""
-    if job is None or "ranks" not in job:
-        return []
-    by_folder: dict[tuple[str, str], list[int]] = {}
-    for rank, info in job["ranks"].items():
-        by_folder.setdefault((info.get("host"), info.get("stats_dir")), []).append(int(rank))
-    own = (job["gathered_by"].get("host"), job["gathered_by"].get("stats_dir"))
-    parts = [
-        f"rank(s) {rank_ranges(r)} from {h}:{d}"
-        for (h, d), r in sorted(by_folder.items(), key=lambda x: min(x[1]))
-        if (h, d) != own
-    ]
-    lines = [f"gathered through the job's store: {'; '.join(parts)}"] if parts else []
-    if job.get("not_final"):
-        when = (
-            f"within {job['waited_s']:g} s of rank 0's end (killed, or still running)"
-            if job.get("waited_s")
-            else "before rank 0 ended with an error"
-        )
-        lines.append(
-            f"warning: rank(s) {rank_ranges(job['not_final'])} sent no final report {when}: "
-            "the last one they sent (after a compile) is shown"
-        )
-    if job.get("missing"):
-        lines.append(f"warning: nothing from rank(s) {rank_ranges(job['missing'])} reached the job's store")
-    return lines
-
-
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    out: list[list[int]] = []
-    for r in sorted(set(ranks)):
-        if out and out[-1][1] == r - 1:
-            out[-1][1] = r
-        else:
-            out.append([r, r])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
 def plan_check_lines(merged: dict[str, Any]) -> list[str]:
