@@ -114,6 +114,25 @@ class Plan:
         self.keep = [None if i in self.consumed else a for i, a in enumerate(self.inputs)]
         self.input_ptrs = {a.untyped_storage().data_ptr() for a in self.keep if isinstance(a, torch.Tensor)}
 
+    def recording(
+        self, graph: Any, pool: Any, outputs: list[Any], clone_idxs: list[int], held_idxs: list[int]
+    ) -> Recording:
+        """What the capture of this plan into ``graph`` records (the held outputs' use counts as now)."""
+        rec = Recording(
+            graph=graph,
+            pool=pool,
+            inputs=self.buffers,
+            copy_idxs=self.copy_idxs,
+            stable_idxs=self.stable_idxs,
+            stable_ptrs=self.stable_ptrs,
+            param_idxs=self.param_idxs,
+            outputs=outputs,
+            clone_idxs=clone_idxs,
+            held_idxs=held_idxs,
+        )
+        rec.count_held()
+        return rec
+
     def call_args(self, forward: "Recording | None") -> list[Any]:
         """The inputs for a run after the capture: the consumed activations as the forward's
         aliases of the same memory (the tensors the capture read are gone)."""
@@ -132,6 +151,20 @@ def reads_in_place(i: int, a: torch.Tensor, static_idxs: frozenset[int], stable:
     """A recording reads input ``i`` where it is: a parameter or buffer, or another recording's
     output; every other tensor input is copied into a static buffer."""
     return is_param(i, a, static_idxs) or a.data_ptr() in stable
+
+
+def refusal(args: list[Any], static_idxs: frozenset[int], mutated: dict[int, str], stable: set[int]) -> str | None:
+    """Why these inputs cannot be recorded (the runner then stays uncaptured), or None."""
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            continue
+        if reads_in_place(i, a, static_idxs, stable):
+            continue
+        if i in mutated:
+            return f"{mutated[i]} writes into input {i}, which is not a parameter or buffer"
+        if not dense(a):
+            return f"input {i} is not dense (strides {tuple(a.stride())}): cannot keep a static copy"
+    return None
 
 
 def plan_inputs(args: list[Any], static_idxs: frozenset[int], stable: set[int]) -> Plan:

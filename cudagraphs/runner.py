@@ -20,7 +20,7 @@ then re-records), other inputs copied into static buffers. A new signature runs 
 on the capture stream, from a warm-up pool dropped after a backward's warm-up and before any
 capture: what the warm-up frees goes back to the device instead of staying cached where an
 optimizer's first step would pin it, and each recording's pool starts empty. It records on its second call, at most
-``max_records`` times.
+``MAX_RECORDS`` times.
 
 NOTE [a forward and its backward share a pool]: graphs captured into one pool may place their
 outputs in memory another graph of the pool uses as scratch, which is safe only for graphs that
@@ -50,7 +50,7 @@ from .._compat import dynamo as dc
 from .._compat import storage as st
 from ..distributed import teardown
 from .cuda import CudaGraphs
-from .recording import CudaGraphStats, Plan, Recording, alias, dense, let_go, plan_inputs, reads_in_place, signature
+from .recording import CudaGraphStats, Plan, Recording, alias, let_go, plan_inputs, refusal, signature
 
 log = logging.getLogger(__name__)
 
@@ -76,16 +76,9 @@ _MOVED_BEFORE_RERECORD = 2
 class CudaGraphGroup:
     """The runners of one compiled object: capture stream, stats, stable addresses."""
 
-    def __init__(
-        self,
-        on_stats: Callable[[CudaGraphStats], None],
-        graphs: CudaGraphs | None = None,
-        *,
-        max_records: int = MAX_RECORDS,
-    ) -> None:
+    def __init__(self, on_stats: Callable[[CudaGraphStats], None], graphs: CudaGraphs | None = None) -> None:
         self.graphs = graphs if graphs is not None else CudaGraphs()
         self.on_stats = on_stats
-        self.max_records = max_records
         # data_ptr of every tensor at a fixed address a runner may use in place: static inputs
         # of forwards (parameters, buffers) and the static outputs of every recording.
         self.stable_ptrs: set[int] = set()
@@ -117,7 +110,7 @@ class CudaGraphGroup:
             )
             return
         for r in live:
-            r.release(reason)
+            r._disable(f"released at {reason}: runs uncaptured")
         self.open_forwards.clear()
         self._warm_pool = None
         log.info("bucketwise: released %d CUDA graph recording(s) at %s", len(live), reason)
@@ -136,26 +129,12 @@ class CudaGraphGroup:
             self.graphs.release_cached()
 
     def runner(
-        self,
-        compiled: Callable[[list[Any]], Any],
-        *,
-        name: str,
-        static_input_idxs: Sequence[int],
-        mutated_inputs: dict[int, str],
-        returned_outputs: int | None,
-        blockers: Sequence[str],
+        self, compiled: Callable[[list[Any]], Any], *, name: str, blockers: Sequence[str], **kwargs: Any
     ) -> "CudaGraphRunner":
+        """A runner of ``compiled``; ``kwargs``: the rest of :class:`CudaGraphRunner`'s arguments."""
         stats = CudaGraphStats(name=name, reason="; ".join(blockers) if blockers else None)
         self.on_stats(stats)
-        runner = CudaGraphRunner(
-            compiled,
-            self,
-            stats,
-            static_input_idxs=static_input_idxs,
-            mutated_inputs=mutated_inputs,
-            returned_outputs=returned_outputs,
-            blocked=bool(blockers),
-        )
+        runner = CudaGraphRunner(compiled, self, stats, blocked=bool(blockers), **kwargs)
         self._runners.add(runner)
         return runner
 
@@ -279,12 +258,12 @@ class CudaGraphRunner:
     # -- record ------------------------------------------------------------------------------
 
     def _record(self, key: tuple, args: list[Any]) -> list[Any]:
-        if self.stats.records >= self.group.max_records:
+        if self.stats.records >= MAX_RECORDS:
             self._disable(
                 f"recorded {self.stats.records} times (new input shapes or moved parameters); runs uncaptured"
             )
             return self.compiled(args)
-        refused = self._refusal(args)
+        refused = refusal(args, self.static_input_idxs, self.mutated_inputs, self.group.stable_ptrs)
         if refused is not None:
             self._disable(refused)
             return self.compiled(args)
@@ -342,28 +321,11 @@ class CudaGraphRunner:
         self._moved_calls = 0
         return rec
 
-    def release(self, reason: str) -> None:
-        self._disable(f"released at {reason}: runs uncaptured")
-
     def _disable(self, reason: str) -> None:
         self.disabled = True
         self.records.clear()
         self.stats.captured = False
         self.stats.reason = reason
-
-    def _refusal(self, args: list[Any]) -> str | None:
-        """Why this call's inputs cannot be recorded (the runner then stays uncaptured)."""
-        stable = self.group.stable_ptrs
-        for i, a in enumerate(args):
-            if not isinstance(a, torch.Tensor):
-                continue
-            if reads_in_place(i, a, self.static_input_idxs, stable):
-                continue
-            if i in self.mutated_inputs:
-                return f"{self.mutated_inputs[i]} writes into input {i}, which is not a parameter or buffer"
-            if not dense(a):
-                return f"input {i} is not dense (strides {tuple(a.stride())}): cannot keep a static copy"
-        return None
 
     def _forward_to_join(self, args: list[Any]) -> "Recording | None":
         """A backward reading, in place, saved activations of a forward recording whose pool is
@@ -402,20 +364,7 @@ class CudaGraphRunner:
                 held_idxs.append(i)
                 self.group.stable_ptrs.add(o.data_ptr())
         self.group.stable_ptrs.update(plan.stable_ptrs)
-        rec = Recording(
-            graph=graph,
-            pool=pool,
-            inputs=plan.buffers,
-            copy_idxs=plan.copy_idxs,
-            stable_idxs=plan.stable_idxs,
-            stable_ptrs=plan.stable_ptrs,
-            param_idxs=plan.param_idxs,
-            outputs=outputs,
-            clone_idxs=clone_idxs,
-            held_idxs=held_idxs,
-        )
-        rec.count_held()
-        return rec
+        return plan.recording(graph, pool, outputs, clone_idxs, held_idxs)
 
 
 _LABEL: contextvars.ContextVar[str] = contextvars.ContextVar("bucketwise_cudagraph_label", default="graph")
@@ -471,9 +420,5 @@ def inner_compile_factory(group: CudaGraphGroup, *, auto: bool) -> Callable[[], 
 
 
 def _symbolic(example_inputs: Sequence[Any]) -> bool:
-    for a in example_inputs:
-        if isinstance(a, torch.SymInt):
-            return True
-        if isinstance(a, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in a.shape):
-            return True
-    return False
+    shapes = (a.shape if isinstance(a, torch.Tensor) else (a,) for a in example_inputs)
+    return any(isinstance(d, torch.SymInt) for shape in shapes for d in shape)
