@@ -29,7 +29,7 @@ class CudaGraphStats:
     """Calls after the warm-up that ran uncaptured (reasons counted in ``uncaptured_reasons``)."""
     uncaptured_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     pool_bytes: int = 0
-    """Bytes this graph's recordings added to the group's memory pool."""
+    """Bytes the allocator reserved for this graph's captures (their memory pools)."""
     inputs_in_place: int = 0
     """Latest recording: tensor inputs read in place (parameters, buffers, other graphs' outputs)."""
     inputs_copied: int = 0

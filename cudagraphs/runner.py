@@ -1,39 +1,30 @@
-"""bucketwise's own CUDA-graph wrapper for compiled graphs (``cudagraphs=True``).
+"""bucketwise's own CUDA-graph wrapper (``cudagraphs=True``): a :class:`CudaGraphRunner` replays one
+Inductor-compiled graph from a ``torch.cuda.CUDAGraph`` in one launch and a few pointer checks (no
+cudagraph trees); the runners of one compiled object share a :class:`CudaGraphGroup`.
 
-One :class:`CudaGraphRunner` wraps one Inductor-compiled graph (the forward, the backward or the
-inference graph of a segment) and replays it from a ``torch.cuda.CUDAGraph``; the runners of one
-compiled object share a :class:`CudaGraphGroup` (one capture stream, one set of stats; a
-forward and its backward share a memory pool, every other recording has one of its own,
-NOTE [a forward and its backward share a pool]). A replay is one launch and a few pointer
-checks: no cudagraph trees.
+NOTE [cudagraph replay safety]: a replay rewrites the same output memory, so the runner never
+replays over memory someone still holds; a call it does not replay runs the compiled graph itself
+(numerics unchanged). Outputs for autograd or the user are cloned; saved activations and gradients
+go out without a copy, their use counts checked before the next replay. Gradients go out as fresh
+``detach()`` aliases so that AccumulateGrad steals them instead of cloning; once one is kept
+(``no_sync()``), the static tensors go out and AccumulateGrad copies them. Parameters, buffers and
+other recordings' outputs are read in place (a moved one: uncaptured, then re-recorded), other
+inputs copied into static buffers. A new signature runs once uncaptured, on the capture stream,
+from a warm-up pool dropped after a backward's warm-up and before any capture, so that what the
+warm-up frees goes back to the device (not pinned by the optimizer's first step) and each
+recording's pool starts empty. It records on its second call, at most ``MAX_RECORDS`` times.
 
-NOTE [cudagraph replay safety]: a replay writes into the same output memory every time, so the
-runner never replays over memory someone still holds, and a call it does not replay runs the
-compiled graph itself (numerics unchanged). It clones the outputs a forward returns to autograd
-or the user and every inference output (saved activations are not among them); hands out saved
-activations and gradients without a copy, and before the next replay checks their use counts,
-running uncaptured while someone holds them. Gradients go out as fresh ``detach()`` aliases, so
-that AccumulateGrad steals them into ``param.grad`` instead of cloning; once a stolen gradient is
-kept (``no_sync()`` micro-steps), it hands out the static tensors, which AccumulateGrad copies.
-Parameters, buffers and the group's other outputs are read in place (a moved one runs uncaptured,
-then re-records), other inputs copied into static buffers. A new signature runs once uncaptured,
-on the capture stream, from a warm-up pool dropped after a backward's warm-up and before any
-capture: what the warm-up frees goes back to the device instead of staying cached where an
-optimizer's first step would pin it, and each recording's pool starts empty. It records on its second call, at most
-``MAX_RECORDS`` times.
-
-NOTE [a forward and its backward share a pool]: graphs captured into one pool may place their
-outputs in memory another graph of the pool uses as scratch, which is safe only for graphs that
-replay in one fixed order with nothing of one alive while the other writes. So every recording
-has a pool of its own but one pair: a backward recorded while its forward's saved activations
-are the very tensors that forward's capture allocated joins that forward's pool, and the forward
-lets go of them for the capture, so that the backward frees each activation as it reads it and
-reuses the memory for its scratch and gradients, as eager autograd does, instead of a step
-holding every activation and every gradient at once. Before every replay (a failed check runs
-that call uncaptured) the forward checks that the gradients its backward handed out are no longer
-held (they may sit where it writes), the backward that nobody but autograd holds the activations
-it frees (``retain_graph=True``). A pool is shared once: a backward recorded later gets its own,
-since the allocator no longer knows which of the forward's memory is in use.
+NOTE [a forward and its backward share a pool]: a graph may put its outputs where another graph
+of its pool keeps scratch, safe only for graphs replaying in a fixed order with nothing of one
+alive while the other writes. So each recording has a pool of its own but one pair: a backward
+recorded while its forward's saved activations are the tensors that forward's capture allocated
+joins the forward's pool, and the forward lets go of them for the capture, so that the backward
+frees each activation as it reads it and reuses the memory for scratch and gradients, as eager
+autograd does, instead of a step holding every activation and gradient at once. Before a replay
+(else that call runs uncaptured) the forward checks that its backward's gradients are no longer
+held (they may sit where it writes), the backward that only autograd holds the activations it
+frees (``retain_graph=True``). A pool is shared once: a backward recorded later gets its own, the
+allocator no longer knowing which of the forward's memory is in use.
 """
 
 from __future__ import annotations
@@ -66,11 +57,8 @@ _FORWARD_UNCAPTURED = (
 _GRADIENTS_HELD = "gradients of its backward's previous replay still in use (the two share a memory pool)"
 _RETAINED = "saved activations held beyond the backward (retain_graph=True?): they must not be overwritten"
 
-_RELEASE_WAIT_S = 5.0
-"""How long a release waits for in-flight replays to finish (NOTE [cuda graphs at teardown])."""
-
-_MOVED_BEFORE_RERECORD = 2
-"""Consecutive calls with a moved static input before the runner records again."""
+_RELEASE_WAIT_S = 5.0  # for replays in flight at a release (NOTE [cuda graphs at teardown])
+_MOVED_BEFORE_RERECORD = 2  # consecutive calls with a moved static input before recording again
 
 
 class CudaGraphGroup:
@@ -79,28 +67,22 @@ class CudaGraphGroup:
     def __init__(self, on_stats: Callable[[CudaGraphStats], None], graphs: CudaGraphs | None = None) -> None:
         self.graphs = graphs if graphs is not None else CudaGraphs()
         self.on_stats = on_stats
-        # data_ptr of every tensor at a fixed address a runner may use in place: static inputs
-        # of forwards (parameters, buffers) and the static outputs of every recording.
+        # Addresses a runner may read in place: parameters, buffers, every recording's outputs.
         self.stable_ptrs: set[int] = set()
-        # Forward recordings whose pool a backward may still join, by the address of each of
-        # their saved activations (NOTE [a forward and its backward share a pool]).
+        # Forwards a backward may still join, by each saved activation's address (NOTE [a forward...]).
         self.open_forwards: "weakref.WeakValueDictionary[int, Recording]" = weakref.WeakValueDictionary()
-        self._warm_pool: Any = None
-        """Where warm-ups allocate until the next capture (NOTE [cudagraph replay safety])."""
-        # Held weakly: a runner lives as long as the compiled graph that calls it (Dynamo's
-        # cache), so torch._dynamo.reset() still frees its recordings.
+        self._warm_pool: Any = None  # warm-ups allocate here until the next capture
+        # Weakly: Dynamo's cache owns the runners, so torch._dynamo.reset() frees their recordings.
         self._runners: "weakref.WeakSet[CudaGraphRunner]" = weakref.WeakSet()
         teardown.on_teardown(self.release)
 
     def release(self, reason: str) -> None:
-        """Destroy every recording now (NOTE [cuda graphs at teardown]); the runners run their
-        compiled graphs uncaptured from then on."""
+        """Destroy every recording now, the runners uncaptured from then on (NOTE [cuda graphs at teardown])."""
         live = [r for r in self._runners if r.records]
         if not live:
             return
         if not self.graphs.wait_idle(_RELEASE_WAIT_S):
-            # An interrupted step: a replayed collective still waits for another rank. Leave the
-            # recordings to the process's end (NCCL aborts instead of waiting for them then).
+            # A replayed collective waits for a rank that is gone: leave the recordings to NCCL's abort at exit.
             log.warning(
                 "bucketwise: GPU work still running after %.0f s at %s (a collective waiting for a rank "
                 "that stopped?); %d CUDA graph recording(s) left in place",
@@ -121,9 +103,7 @@ class CudaGraphGroup:
         return self._warm_pool
 
     def drop_warm_pool(self) -> None:
-        """After a backward's warm-up and before a capture: the warm-up pool goes, and its free
-        memory with it (what is still held goes back once freed, at the next capture), so that
-        the optimizer's first step and the recordings do not add to it."""
+        """The warm-up pool goes, its memory back to the device (NOTE [cudagraph replay safety])."""
         if self._warm_pool is not None:
             self._warm_pool = None
             self.graphs.release_cached()
@@ -141,10 +121,8 @@ class CudaGraphGroup:
 
 class CudaGraphRunner:
     """One compiled graph replayed from CUDA graphs (boxed calling convention, like Inductor's).
-
-    ``returned_outputs``: how many leading outputs go back to autograd/the user and are cloned
-    after each replay (``None``: all of them, an inference graph; ``0``: a backward).
-    """
+    ``returned_outputs``: the leading outputs for autograd/the user, cloned after each replay
+    (``None``: all, an inference graph; ``0``: a backward)."""
 
     def __init__(
         self,
@@ -157,8 +135,7 @@ class CudaGraphRunner:
         returned_outputs: int | None,
         blocked: bool,
     ) -> None:
-        # An instance attribute: torch wraps the backward in torch._dynamo.disable, whose
-        # functools.wraps copies the instance __dict__ (a class attribute would be lost).
+        # An instance attribute: torch wraps a backward in torch._dynamo.disable, which copies __dict__.
         self._boxed_call = True
         self.compiled = compiled
         self.group = group
@@ -170,8 +147,7 @@ class CudaGraphRunner:
         self.records: dict[tuple, Recording] = {}
         self.warmed: set[tuple] = set()
         self._moved_calls = 0
-        self.lend = returned_outputs == 0
-        """A backward: hand out its gradients as aliases (see NOTE [cudagraph replay safety])."""
+        self.lend = returned_outputs == 0  # a backward lends its gradients (NOTE [cudagraph replay safety])
 
     def __call__(self, args: list[Any]) -> Any:
         if self.disabled:
@@ -190,7 +166,7 @@ class CudaGraphRunner:
                     del self.records[key]
                     return self._record(key, args)
             elif why == _HELD and self.lend:
-                # Someone keeps a lent output across calls (accumulated gradients): stop lending.
+                # A lent output is kept across calls (accumulated gradients): stop lending.
                 self._stop_lending()
             elif why == _GRADIENTS_HELD and rec.backward is not None:
                 rec.backward[0]._stop_lending()
@@ -218,15 +194,12 @@ class CudaGraphRunner:
                 self.stats.name,
             )
 
-    # -- replay ------------------------------------------------------------------------------
-
     def _why_not_replay(self, rec: Recording, args: list[Any]) -> str | None:
         for i, ptr in zip(rec.stable_idxs, rec.stable_ptrs):
             now = args[i].data_ptr()
             if now != ptr:
-                # A parameter moved, or the forward was recorded again (its outputs moved to
-                # another recording's): record again. Saved activations at a plain address come
-                # from a forward that ran uncaptured this once: run uncaptured too.
+                # A parameter moved or the forward re-recorded: record again. Activations at a
+                # plain address: the forward ran uncaptured this once, so run uncaptured too.
                 if i in rec.param_idxs or now in self.group.stable_ptrs:
                     return _MOVED
                 return _FORWARD_UNCAPTURED
@@ -255,8 +228,6 @@ class CudaGraphRunner:
                 out[i] = out[i].detach()
         return out
 
-    # -- record ------------------------------------------------------------------------------
-
     def _record(self, key: tuple, args: list[Any]) -> list[Any]:
         if self.stats.records >= MAX_RECORDS:
             self._disable(
@@ -270,10 +241,9 @@ class CudaGraphRunner:
         self.group.drop_warm_pool()
         forward = self._forward_to_join(args)
         pool = forward.pool if forward is not None else self.group.graphs.new_pool()
-        # The forward's returned outputs are cloned after each replay, so their memory is free
-        # for the backward: its copy buffers (the loss's gradient has the logits' shape) and its
-        # scratch. The copy buffers come from the pool before the forward lets go of its
-        # activations, so that none of them sits where an activation lives.
+        # The forward's returned outputs are cloned after each replay: their memory is free for the
+        # backward's copy buffers (the loss's gradient has the logits' shape) and scratch. The buffers
+        # come before the forward lets go of its activations, so that none sits where one lives.
         returned = let_go(forward, forward.clone_idxs) if forward is not None else {}
         try:
             with self.group.graphs.allocating_in(pool):
@@ -296,8 +266,7 @@ class CudaGraphRunner:
         consumed = [
             (i, st.tensor_use_count(args[i]), st.storage_use_count(st.storage_cdata(args[i]))) for i in plan.consumed
         ]
-        # From here on ``plan.inputs`` is the only list holding the consumed inputs: the capture
-        # consumes it (the backward frees each activation once it has read it).
+        # Now only ``plan.inputs`` holds the consumed inputs: the capture frees each as it reads it.
         plan.hand_over()
         args.clear()
         before = self.group.graphs.reserved_bytes()
@@ -328,8 +297,7 @@ class CudaGraphRunner:
         self.stats.reason = reason
 
     def _forward_to_join(self, args: list[Any]) -> "Recording | None":
-        """A backward reading, in place, saved activations of a forward recording whose pool is
-        still open: that recording; else None."""
+        """A backward: the forward recording with a pool still open whose activations it reads."""
         if self.returned_outputs != 0:
             return None
         for a in args:
@@ -372,8 +340,7 @@ _LABEL: contextvars.ContextVar[str] = contextvars.ContextVar("bucketwise_cudagra
 
 @contextlib.contextmanager
 def runner_label(label: str) -> Iterator[None]:
-    """Within the block, the runners of what is compiled are named after ``label``
-    (``graph 3 segment 0``, then `` forward``/`` backward``/`` inference``)."""
+    """Names the runners compiled within the block (``graph 3 segment 0 forward``, ``... backward``)."""
     token = _LABEL.set(label)
     try:
         yield
@@ -382,9 +349,8 @@ def runner_label(label: str) -> Iterator[None]:
 
 
 def inner_compile_factory(group: CudaGraphGroup, *, auto: bool) -> Callable[[], Callable[..., Any]]:
-    """``make_inner`` for :func:`dc.compile_with_inner`: each graph handed to the
-    backend gets an inner compile that compiles with Inductor and wraps the result in a runner
-    named after the :func:`runner_label` in force when the backend is called."""
+    """``make_inner`` for :func:`dc.compile_with_inner`: an inner compile that compiles with Inductor
+    and wraps the result in a runner named after the :func:`runner_label` in force."""
     from .policy import capture_blockers, mutated_placeholders
 
     def make_inner() -> Callable[..., Any]:
