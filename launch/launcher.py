@@ -209,9 +209,7 @@ def summarize(stats_dir: str, *, table: bool = True, out: TextIO | None = None) 
         print("\n".join([stats.totals_line(merged), *stats.plan_check_lines(merged)]), file=out)
     for line in job_stats.job_lines(job):
         print(line, file=out)
-    others = sorted(
-        d for d in os.listdir(stats_dir) if d.startswith("obj") and os.path.isdir(os.path.join(stats_dir, d))
-    )
+    others = stats.other_objects(stats_dir)
     if others:
         hint = ", ".join(f"bucketwise stats {os.path.join(stats_dir, d)}" for d in others)
         print(f"bucketwise: {len(others)} more compiled object(s) reported per rank: {hint}", file=out)

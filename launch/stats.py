@@ -1,12 +1,8 @@
 """Reading and merging the per-rank report files of one run (``rank<R>.json``, ``Report.to_dict()``).
 
-:func:`merge` makes the dict ``bucketwise stats --json`` prints: ``schema``, ``ranks``,
-``world_size``, ``missing_ranks``, ``target``, ``strategy``, ``backend``, ``segments`` (compile
-seconds min/median/max over ranks, backends, fallbacks), ``plan_differences``, ``compile_times``
-(per graph: each phase's slowest rank, cache lookups summed over ranks), ``totals`` and
-``alignment`` per rank, ``graph_notes``, ``notes``, ``eager_calls``, ``fused_buckets``. Sizes
-and fused buckets are the reference rank's (the lowest present); ranks whose bucket plan differs
-from it are in ``plan_differences``.
+:func:`merge` makes the dict ``bucketwise stats --json`` prints. Sizes and fused buckets are the
+reference rank's (the lowest present); ranks whose bucket plan differs from it are in
+``plan_differences``; ``compile_times`` has each phase's slowest rank, cache lookups summed over ranks.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ from ..stats.compile_times import BREAKDOWN_FOOTER, BREAKDOWN_HEADER, breakdown_
 from ..stats.job_stats import rank_ranges
 from ..stats.report_data import GraphData, ReportData, SegmentData
 from ..stats.report_format import bucket_table, compile_seconds
+from ..stats.runtime_view import GPU_BOUND_PREFIX, HOST_BOUND_PREFIX, RuntimeView, merged_table
 from ..stats.table import align
 
 MERGED_SCHEMA = 1
@@ -70,10 +67,8 @@ def load_reports(path: str | Sequence[str], warn: Callable[[str], None]) -> list
             warn(f"skipping {f}: {e}")
     by_rank: dict[int, ReportData] = {}
     for r in reports:
-        if r.rank in by_rank:
+        if by_rank.setdefault(r.rank, r) is not r:
             warn(f"two files for rank {r.rank}; keeping the first")
-            continue
-        by_rank[r.rank] = r
     return [by_rank[k] for k in sorted(by_rank)]
 
 
@@ -95,8 +90,6 @@ def plan_of(report: ReportData) -> dict[tuple[int, str, int], tuple[str, ...]]:
 def plan_differences(reports: list[ReportData]) -> list[dict[str, Any]]:
     """Where each rank's plan differs from the reference (first) rank's, segment by segment and
     bucket by bucket (``part``)."""
-    if not reports:
-        return []
     ref = reports[0]
     ref_plan = plan_of(ref)
     diffs = []
@@ -118,21 +111,14 @@ def plan_differences(reports: list[ReportData]) -> list[dict[str, Any]]:
 
 
 def _describe_param_diff(a: tuple[str, ...], b: tuple[str, ...], ref_rank: int, rank: int) -> str:
-    only_ref = [p for p in a if p not in b]
-    only_other = [p for p in b if p not in a]
-    if not only_ref and not only_other:
-        return "same parameters in a different order"
-    parts = []
-    if only_ref:
-        parts.append(f"only on rank {ref_rank}: {_names(only_ref)}")
-    if only_other:
-        parts.append(f"only on rank {rank}: {_names(only_other)}")
-    return "; ".join(parts)
+    only = ((ref_rank, [p for p in a if p not in b]), (rank, [p for p in b if p not in a]))
+    return (
+        "; ".join(f"only on rank {r}: {_names(ps)}" for r, ps in only if ps) or "same parameters in a different order"
+    )
 
 
 def _names(names: list[str], limit: int = 4) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+    return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
 
 
 def _segment_rows(reports: list[ReportData]) -> list[dict[str, Any]]:
@@ -206,7 +192,6 @@ def merge(reports: list[ReportData]) -> dict[str, Any]:
     ranks = [r.rank for r in reports]
     world = max(r.world_size for r in reports)
     graph_notes: list[str] = []
-    notes: list[str] = []
     for rep in reports:
         for g in rep.graphs:
             lines = [f"{g.strategy} ({g.strategy_reason})"] if g.strategy_reason else []
@@ -215,7 +200,6 @@ def merge(reports: list[ReportData]) -> dict[str, Any]:
                 entry = f"graph {g.graph_id}: {line}"
                 if entry not in graph_notes:
                     graph_notes.append(entry)
-        notes += [n for n in rep.notes if n not in notes]
     return {
         "schema": MERGED_SCHEMA,
         "ranks": ranks,
@@ -230,15 +214,14 @@ def merge(reports: list[ReportData]) -> dict[str, Any]:
         "totals": {str(r.rank): r.totals for r in reports},
         "alignment": {str(r.rank): r.totals.get("alignment") for r in reports},
         "graph_notes": graph_notes,
-        "notes": notes,
+        "notes": list(dict.fromkeys(n for r in reports for n in r.notes)),
         "eager_calls": {str(r.rank): r.eager_calls for r in reports},
         "fused_buckets": fused_buckets(ref),
     }
 
 
 def fused_buckets(report: ReportData) -> list[dict[str, Any]]:
-    """The reference rank's fused buckets per graph: every rank runs the same collectives (the fused
-    layout check), so one rank's view is the run's."""
+    """The reference rank's fused buckets per graph (the fused layout check: every rank runs the same)."""
     return [
         {"graph_id": g.graph_id, "comm_hook": g.comm_hook, "buckets": g.fused_buckets}
         for g in report.graphs
@@ -251,8 +234,7 @@ def fused_buckets(report: ReportData) -> list[dict[str, Any]]:
 
 def format_merged(merged: dict[str, Any]) -> str:
     """The per-bucket table across ranks, a totals line and the plan check."""
-    header = ("graph", "seg", "params", "MiB", "ops", "fwd compile s min", "median", "max", "backend", "fallbacks")
-    rows = [header]
+    rows = [("graph", "seg", "params", "MiB", "ops", "fwd compile s min", "median", "max", "backend", "fallbacks")]
     n_ranks = len(merged["ranks"])
     for s in merged["segments"]:
         counts = [str(s[k]) for k in ("graph_id", "index", "params")]
@@ -271,9 +253,8 @@ def format_merged(merged: dict[str, Any]) -> str:
     lines.extend(plan_check_lines(merged))
     times = [breakdown_row(str(t["graph_id"]), t["slowest"]) for t in merged.get("compile_times", [])]
     if times:
-        lines.append("")
-        lines.append(align([BREAKDOWN_HEADER, *times], right=range(1, 8)))
-        lines.append(BREAKDOWN_FOOTER + "; seconds: the slowest rank's, cache lookups: all ranks'")
+        footer = BREAKDOWN_FOOTER + "; seconds: the slowest rank's, cache lookups: all ranks'"
+        lines += ["", align([BREAKDOWN_HEADER, *times], right=range(1, 8)), footer]
     return "\n".join(lines)
 
 
@@ -292,17 +273,17 @@ def eager_lines(merged: dict[str, Any]) -> list[str]:
 
 def eager_summary(stats_dir: str) -> list[str]:
     """:func:`eager_lines` of every compiled object of a run folder (``rank<R>.json``, ``obj<k>/``)."""
-    folders = [stats_dir] + sorted(
-        os.path.join(stats_dir, d)
-        for d in (os.listdir(stats_dir) if os.path.isdir(stats_dir) else [])
-        if d.startswith("obj") and os.path.isdir(os.path.join(stats_dir, d))
-    )
-    lines = []
-    for folder in folders:
-        reports = load_reports(folder, lambda msg: None) if rank_files(folder) else []
-        if reports:
-            lines += eager_lines(merge(reports))
-    return lines
+    folders = [stats_dir, *(os.path.join(stats_dir, d) for d in other_objects(stats_dir))]
+    return [
+        line for f in folders if (reports := load_reports(f, lambda msg: None)) for line in eager_lines(merge(reports))
+    ]
+
+
+def other_objects(stats_dir: str) -> list[str]:
+    """The ``obj<k>`` folders of a run folder: compiled objects after the first of a process."""
+    if not os.path.isdir(stats_dir):
+        return []
+    return sorted(d for d in os.listdir(stats_dir) if d.startswith("obj") and os.path.isdir(os.path.join(stats_dir, d)))
 
 
 def _fallback_cell(segment: dict[str, Any], n_ranks: int) -> str:
@@ -348,10 +329,8 @@ def _span(values: Iterable[int]) -> str:
 # -- runtime views (bucketwise launch --profile-steps) ----------------------------------------
 
 
-def runtime_views(path: str, warn: Callable[[str], None]) -> list[Any]:
+def runtime_views(path: str, warn: Callable[[str], None]) -> list[RuntimeView]:
     """The ``runtime-rank<R>.json`` views of a run folder, by rank; ``warn`` names those skipped."""
-    from ..stats.runtime_view import RuntimeView
-
     if not os.path.isdir(path):
         return []
     views = []
@@ -367,18 +346,13 @@ def runtime_views(path: str, warn: Callable[[str], None]) -> list[Any]:
 def host_bound_lines(path: str, steps: int) -> list[str]:
     """``bucketwise doctor``'s verdict on the host from a run folder's runtime views (``steps``
     asked for): the host-bound ranks' notes, else one line and the GPU-bound ranks' advice."""
-    from ..stats.runtime_view import GPU_BOUND_PREFIX, HOST_BOUND_PREFIX
-
     views = runtime_views(path, lambda msg: None)
     if not views:
         return [
             f"bucketwise doctor: no step was profiled: the job ended within its warm-up, before {steps} profiled "
             "step(s) (--profile-warmup W sets the warm-up): nothing to say about host-bound steps"
         ]
-    lines = [
-        f"bucketwise doctor: rank {v.rank}: {n}" for v in views for n in v.notes if n.startswith(HOST_BOUND_PREFIX)
-    ]
-    if lines:
+    if lines := _rank_notes(views, HOST_BOUND_PREFIX):
         return lines
     measured = [v for v in views if v.gpu_busy_ms is not None]
     if not measured:
@@ -386,14 +360,16 @@ def host_bound_lines(path: str, steps: int) -> list[str]:
     return [
         f"bucketwise doctor: the GPU was busy {min(v.gpu_busy_ms / v.step_ms for v in measured):.0%} or more of "
         "every profiled step: not bound by the host",
-        *(f"bucketwise doctor: rank {v.rank}: {n}" for v in views for n in v.notes if n.startswith(GPU_BOUND_PREFIX)),
+        *_rank_notes(views, GPU_BOUND_PREFIX),
     ]
+
+
+def _rank_notes(views: list[RuntimeView], prefix: str) -> list[str]:
+    return [f"bucketwise doctor: rank {v.rank}: {n}" for v in views for n in v.notes if n.startswith(prefix)]
 
 
 def runtime_lines(path: str, warn: Callable[[str], None]) -> list[str]:
     """The per-bucket runtime table of every rank's view in a run folder; none without views."""
-    from ..stats.runtime_view import merged_table
-
     views = runtime_views(path, warn)
     return ["", merged_table(views)] if views else []
 
