@@ -1,10 +1,5 @@
-"""What each gradient bucket costs at run time: communication time, the part of it overlapped
-with compute, the exposed rest, and the bytes on the wire, read from a profiler trace.
-
-:func:`analyze` turns a trace of some training steps and a report into a :class:`RuntimeView`;
-``bucketwise.profile`` and ``bucketwise launch --profile-steps`` (``stats/profiling.py``) make
-the trace. The matching of collectives to buckets is NOTE [collectives to buckets] in
-``trace_analysis.py``.
+"""What each gradient bucket costs at run time, from a profiler trace (``profiling.py`` takes it):
+communication time, the part overlapped with compute, the exposed rest, and the bytes on the wire.
 """
 
 from __future__ import annotations
@@ -20,8 +15,7 @@ STEP_MARK = "bucketwise.step"
 """A ``record_function`` range opened and closed at the start of every profiled step."""
 
 HOST_BOUND_BUSY = 0.8
-"""A step whose GPU is busy less than this fraction of it is bound by the host
-(NOTE [saying when the host is the step])."""
+"""A step whose GPU is busy less than this fraction of it is host-bound (NOTE [saying when the host is the step])."""
 
 _SOURCES = {
     "cuda": "NCCL kernels against the other kernels on the GPU",
@@ -41,10 +35,8 @@ class BucketTime:
     collective: str
     params: int | None
     grad_bytes: int | None
-    """Gradient bytes of the bucket (what DDP's reducer would all-reduce)."""
     wire_bytes: int | None
-    """What the report plans each rank to send (after compression; rows and ids of a gathered
-    embedding table)."""
+    """What the report plans each rank to send (after compression; a gathered table's rows and ids)."""
     measured_bytes: int | None
     """What the trace shows this rank sending per step, where it says."""
     calls: float
@@ -56,6 +48,13 @@ class BucketTime:
     @property
     def label(self) -> str:
         return "other" if self.graph_id is None else f"g{self.graph_id}b{self.index}"
+
+    def cells(self) -> tuple[str, ...]:
+        """Graph, bucket, collective, grad MiB and wire MiB (measured where the trace says)."""
+        wire = self.measured_bytes if self.measured_bytes is not None else self.wire_bytes
+        graph = "other" if self.graph_id is None else str(self.graph_id)
+        index = "" if self.index is None else str(self.index)
+        return (graph, index, self.collective, _mib(self.grad_bytes), _mib(wire))
 
 
 @dataclasses.dataclass
@@ -87,8 +86,7 @@ class RuntimeView:
     cpu_ms: float | None = None
     """Per step, the process's CPU time, every thread (NOTE [a step's CPU time]), profiler included."""
     peak_allocated_mib: float | None = None
-    """The most CUDA memory tensors held at once in this process so far (the caching allocator's
-    peak: not reset by the profile, so compiling and earlier steps count)."""
+    """The caching allocator's peak so far: not reset by the profile, so compiling and earlier steps count."""
     reserved_mib: float | None = None
     """CUDA memory the caching allocator held when the profile ended (what the device lends it)."""
 
@@ -109,37 +107,13 @@ class RuntimeView:
 
     def table(self) -> str:
         """Aligned text: one row per bucket, then the step's totals and where the figures come from."""
-        rows = [
-            (
-                "graph",
-                "bucket",
-                "collective",
-                "params",
-                "grad MiB",
-                "wire MiB",
-                "calls/step",
-                "comm ms",
-                "overlapped",
-                "exposed",
-            )
-        ]
+        rows = [(*_HEAD[:3], "params", *_HEAD[3:], "calls/step", "comm ms", "overlapped", "exposed")]
         for b in [*self.buckets, *([self.other] if self.other else [])]:
-            wire = b.measured_bytes if b.measured_bytes is not None else b.wire_bytes
-            rows.append(
-                (
-                    "other" if b.graph_id is None else str(b.graph_id),
-                    "" if b.index is None else str(b.index),
-                    b.collective,
-                    _cell(b.params),
-                    _mib(b.grad_bytes),
-                    _mib(wire),
-                    f"{b.calls:g}",
-                    f"{b.comm_ms:.3f}",
-                    f"{b.overlapped_ms:.3f}",
-                    f"{b.exposed_ms:.3f}",
-                )
-            )
-        lines = [_align(rows, left=(2,))] if len(rows) > 1 else []
+            graph, index, collective, grad, wire = b.cells()
+            params = "-" if b.params is None else str(b.params)
+            times = (f"{getattr(b, f):.3f}" for f in _TIMES)
+            rows.append((graph, index, collective, params, grad, wire, f"{b.calls:g}", *times))
+        lines = [_align(rows)] if len(rows) > 1 else []
         lines.append(totals_line(self))
         lines.append(f"source: {_SOURCES.get(self.source, self.source)}")
         lines.extend(f"note: {n}" for n in self.notes)
@@ -162,35 +136,26 @@ def totals_line(view: RuntimeView) -> str:
     )
 
 
-# NOTE [saying when the host is the step]: on a virtual machine a kernel launch costs tens of
-# microseconds of host time, so a step of small kernels is often issued slower than the GPU runs
-# it; then bucket sizes and overlap change nothing and CUDA graphs are the remedy (one launch per
-# graph). The trace shows it without a guess: the union of the GPU's kernels against the step's
-# wall time. A GPU busy less than HOST_BOUND_BUSY of the step is called host-bound, and the note
-# says what to try; where the compiled object already replays CUDA graphs, the host time left is
-# outside its graphs (the optimizer step, data loading, Python). Where it calls shared blocks
-# without CUDA graphs (``share_blocks=True``), the note names them: each call costs the host its
-# own launches, allocations and checks, which CUDA graphs remove and ``share_blocks=False`` avoids.
+# NOTE [saying when the host is the step]: the host can issue a step of small kernels slower than
+# the GPU runs them (a launch costs tens of microseconds on a virtual machine); then bucket sizes
+# and overlap change nothing. The trace shows it without a guess: the union of the GPU's kernels
+# against the step's wall time. The note says what to try: CUDA graphs (one launch per graph), or,
+# where they already replay, that the host time is outside them; shared blocks called without CUDA
+# graphs are named, as each call costs its own launches and checks (share_blocks=False avoids them).
 
 
 HOST_BOUND_PREFIX = "host-bound: "
 
 
-# NOTE [saying when sharing blocks is free]: without CUDA graphs ``share_blocks="auto"`` compiles
-# a model's repeated blocks with the whole graph where each call of a shared block would cost the
-# step host time: on the CPU, and on a GPU where the block's call, estimated from its graphs, does
-# not hide behind its kernels (NOTE [sharing by cost]). A step bound by its GPU does not pay that
-# time (the host issues ahead of the GPU, and the shared blocks' kernels are the same), and its
-# first step compiles one block instead of all. The compile-time estimate sees one block's call,
-# not the whole step (the optimizer, the loss, data loading, the host's noise), so where the
-# profiled steps kept the GPU busy at least GPU_BOUND_BUSY of the time and the report lists blocks
-# left unshared for host time only, the view says so and what to try: advice, not a change, as
-# the user compares the two steps. The profiler slows the host, so a profiled step looks less
-# GPU-bound than it is: GPU_BOUND_BUSY lies between what GPU-bound and host-bound steps show.
+# NOTE [saying when sharing blocks is free]: without CUDA graphs share_blocks="auto" compiles
+# repeated blocks with the whole graph where a shared block's call would cost host time its
+# kernels do not hide (NOTE [sharing by cost]), estimated from one block's graphs, not the whole
+# step. A step bound by its GPU does not pay that time, and sharing compiles one block, not all:
+# there the view advises share_blocks=True for the user to compare, not a change. The profiler
+# slows the host, so GPU_BOUND_BUSY lies between what GPU-bound and host-bound steps show.
 
 GPU_BOUND_BUSY = 0.9
-"""A step whose GPU is busy at least this fraction of it has host time to spare (NOTE [saying
-when sharing blocks is free])."""
+"""A step whose GPU is busy at least this fraction of it has host time to spare."""
 
 GPU_BOUND_PREFIX = "GPU-bound: "
 
@@ -244,16 +209,16 @@ def host_bound_note(view: RuntimeView, report: dict[str, Any]) -> str | None:
     )
 
 
-def _cell(v: Any) -> str:
-    return "-" if v is None else str(v)
+_HEAD = ("graph", "bucket", "collective", "grad MiB", "wire MiB")
+_TIMES = ("comm_ms", "overlapped_ms", "exposed_ms")
 
 
 def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
 
-def _align(rows: list[tuple[str, ...]], left: Sequence[int] = ()) -> str:
-    return align(rows, right=lambda i: i not in left)
+def _align(rows: list[tuple[str, ...]]) -> str:
+    return align(rows, right=lambda i: i != 2)  # all but the collective's name
 
 
 # -- analysis -------------------------------------------------------------------------------
@@ -269,9 +234,8 @@ def analyze(
     cpu_ms: float | None = None,
     memory_mib: tuple[float, float] | None = None,
 ) -> RuntimeView:
-    """The :class:`RuntimeView` of a trace of ``steps`` training steps of the compiled object
-    whose report dict (``Report.to_dict()``) is ``report``; ``cpu_ms``: the process's CPU time per
-    step; ``memory_mib``: CUDA memory (peak allocated so far, reserved)."""
+    """The :class:`RuntimeView` of a trace of ``steps`` training steps of the object whose
+    ``Report.to_dict()`` is ``report``; ``memory_mib``: CUDA memory (peak allocated so far, reserved)."""
     if steps < 1:
         raise ValueError(f"steps: expected at least 1 profiled step, got {steps}")
     comm, compute, source = ta.collectives(events)
@@ -370,35 +334,18 @@ def merged_table(views: Sequence[RuntimeView]) -> str:
     for v in views:
         for b in [*v.buckets, *([v.other] if v.other else [])]:
             by_key.setdefault((b.graph_id, b.index), []).append((v.rank, b))
-    rows = [
-        ("graph", "bucket", "collective", "grad MiB", "wire MiB", "comm ms", "overlapped", "exposed", "exposed max")
-    ]
-    keys = sorted(by_key, key=lambda k: (k[0] is None, k[0] or 0, k[1] or 0))
-    for key in keys:
+    rows = [(*_HEAD, "comm ms", "overlapped", "exposed", "exposed max")]
+    for key in sorted(by_key, key=lambda k: (k[0] is None, k[0] or 0, k[1] or 0)):
         seen = by_key[key]
-        first = seen[0][1]
         worst_rank, worst = max(seen, key=lambda rb: rb[1].exposed_ms)
-        wire = first.measured_bytes if first.measured_bytes is not None else first.wire_bytes
-        rows.append(
-            (
-                "other" if key[0] is None else str(key[0]),
-                "" if key[1] is None else str(key[1]),
-                first.collective,
-                _mib(first.grad_bytes),
-                _mib(wire),
-                *(
-                    f"{statistics.median(getattr(b, f) for _, b in seen):.3f}"
-                    for f in ("comm_ms", "overlapped_ms", "exposed_ms")
-                ),
-                f"{worst.exposed_ms:.3f} (rank {worst_rank})",
-            )
-        )
+        medians = [f"{statistics.median(getattr(b, f) for _, b in seen):.3f}" for f in _TIMES]
+        rows.append((*seen[0][1].cells(), *medians, f"{worst.exposed_ms:.3f} (rank {worst_rank})"))
     ranks = sorted(views, key=lambda v: v.rank)
     head = (
         f"bucketwise: runtime per bucket, ms per step, median over {len(ranks)} rank(s); "
         f"source: {_SOURCES.get(ranks[0].source, ranks[0].source)}"
     )
-    lines = [head, _align(rows, left=(2,))]
+    lines = [head, _align(rows)]
     lines += [totals_line(v) for v in ranks]
     for v in ranks:
         files = ", ".join(p for p in (v.trace_path, v.plot_path) if p)
