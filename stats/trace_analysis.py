@@ -1,31 +1,22 @@
-"""Communication and compute read from a ``torch.profiler`` Chrome trace, per gradient bucket.
+"""Communication and compute read from a ``torch.profiler`` Chrome trace (the exported JSON, stable
+across torch versions; times in microseconds), per gradient bucket.
 
-Trace parsing works on the exported Chrome-trace JSON (stable across torch versions); times in
-it are microseconds.
+- CUDA: NCCL kernels (``nccl`` in the name) are the collectives, with their size in ``args``;
+  every other kernel is compute. A kernel's ``args.correlation`` is its CPU launch call's, which
+  places it in the CPU-side range that launched it.
+- CPU (gloo): each collective is a ``gloo:<op>`` range on a gloo thread, sized where the profiler
+  records shapes. Compute is what the training threads do outside c10d's ops and waits, so
+  "overlapped" means the host kept working while gloo sent, "exposed" that it waited.
 
-- CUDA: kernel events have ``"cat": "kernel"``, ``ts``/``dur`` and ``args.correlation``; the CPU
-  launch call (``cuda_runtime``/``cuda_driver``) carries the same correlation id, which places a
-  kernel in the CPU-side range that launched it. NCCL kernels (``nccl`` in the name) are the
-  collectives, and carry their size in ``args`` ("Collective name", "In msg nelems", "dtype");
-  every other kernel is compute.
-- CPU (gloo): gloo runs each collective on a worker thread of its own, as a ``gloo:<op>`` range
-  whose ``args`` hold the input's shape and dtype when the profiler records shapes. There are no
-  device kernels: compute is what the training threads do outside communication (their events,
-  less c10d's ops and waits), so "overlapped" means the host kept working while gloo sent, and
-  "exposed" that it waited, idled or was inside a collective call.
-
-NOTE [collectives to buckets]: a trace does not say which bucket a collective reduces. The
-report does say what each planned bucket puts on the wire (``wire_bytes`` under ``fused``: after
-compression, and for an embedding table gathered as rows the rows and ids this rank sends; the
-gradient bytes under ``split``, where DDP's reducer sends its buckets unchanged). So each
-collective is matched by its kind (all-reduce or all-gather) and bytes (elements x dtype size)
-to the buckets with that signature; buckets sharing one (equal-sized buckets) take the
-collectives in turn, in the order they are issued in a backward (later graphs first, then
-bucket index), which is exact while every step runs each of them once. A table looked up several
-times is gathered once per lookup (its wire bytes are their sum): all-gathers of no bucket's size
-go to the one gathered table that matched nothing else, if there is one. A collective matching no
-bucket (the fused runtime's eager reductions, a user's own all_reduce of the loss, a ``split``
-bucket under a compressing comm hook) is counted as "other".
+NOTE [collectives to buckets]: a trace does not say which bucket a collective reduces, but the
+report says what each planned bucket puts on the wire (``wire_bytes`` under ``fused``: after
+compression, a gathered embedding table's rows and ids; the gradient bytes under ``split``). So a
+collective is matched by kind and bytes to the buckets with that signature; equal ones take the
+collectives in turn, in a backward's issue order (later graphs first, then bucket index): exact
+while every step runs each once. A table looked up several times is gathered once per lookup:
+all-gathers of no bucket's size go to the one gathered table that matched nothing else. What
+matches no bucket (the fused runtime's eager reductions, a user's all_reduce of the loss, a
+``split`` bucket under a compressing comm hook) is "other".
 """
 
 from __future__ import annotations
@@ -40,27 +31,14 @@ Interval = tuple[float, float]
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 _DTYPE_BYTES = {
-    "float": 4,
-    "float32": 4,
-    "double": 8,
-    "float64": 8,
-    "bfloat16": 2,
-    "half": 2,
-    "float16": 2,
-    "int": 4,
-    "int32": 4,
-    "long": 8,
-    "longint": 8,
-    "int64": 8,
-    "short": 2,
-    "int16": 2,
-    "char": 1,
-    "int8": 1,
-    "signedchar": 1,
-    "byte": 1,
-    "uint8": 1,
-    "unsignedchar": 1,
-    "bool": 1,
+    name: size
+    for size, names in (
+        (1, "char int8 signedchar byte uint8 unsignedchar bool"),
+        (2, "bfloat16 half float16 short int16"),
+        (4, "float float32 int int32"),
+        (8, "double float64 long longint int64"),
+    )
+    for name in names.split()
 }
 
 
@@ -184,9 +162,8 @@ def overlap_from_events(events: Sequence[dict[str, Any]], steps: int) -> dict[st
 
 
 def backward_timeline(events: Sequence[dict[str, Any]], range_name: str) -> dict[str, Any]:
-    """The kernels of the last profiled backward pass (kernels launched inside the last
-    ``range_name`` CPU range), as merged compute intervals and one interval per NCCL kernel,
-    in ms from the first of them. Falls back to all kernels if the ranges cannot be matched."""
+    """The kernels launched inside the last ``range_name`` CPU range (all kernels where none is
+    found), as :func:`timeline` draws them."""
     ks = kernels(events)
     window = "backward of the last profiled step"
     found = ranges(events, range_name)
@@ -196,8 +173,7 @@ def backward_timeline(events: Sequence[dict[str, Any]], range_name: str) -> dict
         lo, hi = found[-1]
         picked = [k for k in ks if lo <= launched_at(k, launch) <= hi]
     if picked:
-        # Kernels whose launch call is not in the trace (e.g. an API category kineto did not
-        # record) but which ran on the GPU within the window of the picked ones.
+        # And those whose launch the trace lacks (a category kineto did not record), run among them.
         start = min(float(k["ts"]) for k in picked)
         end = max(float(k["ts"]) + float(k["dur"]) for k in picked)
         picked += [k for k in ks if math.isnan(launched_at(k, launch)) and start <= float(k["ts"]) <= end]
@@ -241,15 +217,8 @@ class Collective:
 
 def kind_of(name: str) -> str:
     flat = re.sub(r"[^a-z]", "", name.lower())
-    for key, kind in (
-        ("allreduce", "all_reduce"),
-        ("allgather", "all_gather"),
-        ("reducescatter", "reduce_scatter"),
-        ("broadcast", "broadcast"),
-    ):
-        if key in flat:
-            return kind
-    return name
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+    return next((kind for kind in kinds if kind.replace("_", "") in flat), name)
 
 
 def dtype_bytes(dtype: Any) -> int | None:
