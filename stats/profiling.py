@@ -129,9 +129,8 @@ class Profile:
         return end
 
     def _per_step_ms(self, end: tuple[float, float], last_step_open: bool) -> tuple[float, float]:
-        """Wall time and the process's CPU time per step: from the first step's start to ``end``;
-        when the last step's end is not known (a profile closed at exit), between the first and
-        the last step's start."""
+        """Wall and CPU time per step from the first step's start to ``end``; to the last step's
+        start where its end is not known (a profile closed at exit)."""
         if not self._marks:
             start, stop, n = self._t0, end, 1
         else:
@@ -188,13 +187,11 @@ class Profile:
         return view
 
 
-# NOTE [a step's CPU time]: on a GPU, autograd runs a backward's host work (the compiled
-# backward's kernel launches, its collectives) on its own thread for the device, not on the
-# thread that called ``backward()``, which waits meanwhile; that thread's CPU time
-# (``time.thread_time``) counts only a step's forward and optimizer. So a step's CPU time is the
-# process's (``time.process_time``): every thread of it, so also NCCL's watchdog (asleep between
-# its checks) and, on a CPU device, intra-op and gloo's threads. Near the step's wall time it says
-# the host is working, not waiting; under the profiler it includes the profiler's own work.
+# NOTE [a step's CPU time]: on a GPU, autograd runs a backward's host work (kernel launches,
+# collectives) on a thread of its own, while the thread that called ``backward()`` waits; that
+# thread's CPU time would count only the forward and optimizer. So a step's CPU time is the
+# process's, every thread (NCCL's mostly asleep watchdog, gloo's and intra-op threads, the
+# profiler's own work too): near the step's wall time it says the host is working, not waiting.
 
 
 def _clocks() -> tuple[float, float]:
@@ -203,9 +200,8 @@ def _clocks() -> tuple[float, float]:
 
 
 def _cuda_memory_mib() -> tuple[float, float] | None:
-    """CUDA memory of the current device: the caching allocator's peak allocated so far and what
-    it reserves now, MiB; ``None`` where CUDA is not in use. The peak is not reset: the user's own
-    reading of it stays as it was."""
+    """The caching allocator's peak allocated so far and reserved now, MiB (``None`` without CUDA);
+    the peak is not reset, so the user's own reading of it stays as it was."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None
     return torch.cuda.max_memory_allocated() / 2**20, torch.cuda.memory_reserved() / 2**20
@@ -242,15 +238,13 @@ _KINETO_MARKER = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
 
 @contextlib.contextmanager
 def _without_kineto_markers() -> Any:
-    """Within: what the process writes to its stderr (file descriptor 2) is held back, and
-    written out on leaving but for the profiler library's own start and stop markers.
+    """Within: the process's stderr (file descriptor 2) is held back, and written out on leaving but
+    for the profiler library's own start and stop markers.
 
-    NOTE [kineto's markers]: torch 2.13's profiler library (kineto) prints ``USDT:<time> <pid>:<tid>
-    SyncActivityProfilerHandler.cpp:52] profiler_start`` (and ``profiler_stop``) to stderr at every
-    start and stop, at a log level above its errors (so ``KINETO_LOG_LEVEL`` would silence its
-    errors with them), and under ``bucketwise launch`` every rank would print them. Only the start
-    and stop calls are wrapped; anything else written meanwhile (another thread's output) still
-    comes out, a moment later."""
+    NOTE [kineto's markers]: kineto prints a ``USDT:... profiler_start`` (and ``profiler_stop``) line
+    at every start and stop, at a log level above its errors (``KINETO_LOG_LEVEL`` would silence
+    those too), and under ``bucketwise launch`` every rank would print them. Only the start and stop
+    calls are wrapped; other output written meanwhile still comes out, a moment later."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)
