@@ -21,8 +21,7 @@ import torch
 
 from .._compat import ddp as ddpc
 from .._compat.capabilities import SHAREABLE
-from ..distributed.fused.apply import HOOK_PROGRAMS, comm_spec
-from ..distributed.fused.comm_hooks import comm_hook_kind
+from ..distributed.fused.hook_kinds import REDUCER, HookKind, hook_kind
 from ..distributed.fused.policy import hooked_gradients, why_not_fused
 from ..distributed.fused.sync import CommSpec
 from ..distributed.plan import BucketCaps
@@ -86,9 +85,8 @@ class Decision:
     strategy: Strategy
     reason: str | None = None
     """Why it is not the requested one (``None`` where it is, or nothing was requested)."""
-    comm_hook: str = "reducer"
-    """``comm_hooks.comm_hook_kind``: ``reducer``, ``allreduce``, ``bf16``, ``fp16``, ``powersgd``,
-    ``traceable`` or ``unsupported``."""
+    comm_hook: HookKind = REDUCER
+    """What the DDP module's comm hook becomes under ``fused`` (``hook_kinds.hook_kind``)."""
     hooked: tuple[str, ...] = ()
     """Parameters with gradient hooks (NOTE [gradient hooks before the reduction])."""
     caps: BucketCaps | None = None
@@ -108,9 +106,8 @@ class Decision:
     @property
     def plain_buckets(self) -> bool:
         """``fused`` buckets each reduced by one traced all-reduce (``BucketSync``: DDP's reducer,
-        torch's allreduce/fp16/bf16 hooks), not by a hook program (``HOOK_PROGRAMS``: PowerSGD, a
-        traceable hook of the user's)."""
-        return self.fused and self.spec is not None and self.comm_hook not in HOOK_PROGRAMS
+        torch's allreduce/fp16/bf16 hooks), not by a hook program (``hook_kinds``)."""
+        return self.fused and self.spec is not None and self.comm_hook.plain
 
     def same_graphs(self, other: Decision | None) -> bool:
         """Graphs compiled under ``other`` are what this decision would compile (a comm hook
@@ -162,12 +159,12 @@ def decide_strategy(
         return Decision(
             strategy=Strategy.NONE, reason="DDP's python reducer (compiled autograd) does its own bucketing", **common
         )
-    kind, why = comm_hook_kind(ddp)
+    kind = hook_kind(ddp)
     hooked = tuple(hooked_gradients(ddp, own=own_hooks))
     common.update(comm_hook=kind, hooked=hooked)
     if requested is Strategy.SPLIT:
         return Decision(strategy=Strategy.SPLIT, **common)
-    blocker = why_not_fused(ddp, requested.value, comm_hook=(kind, why), hooked=hooked)
+    blocker = why_not_fused(ddp, requested.value, comm_hook=kind, hooked=hooked)
     if blocker is not None:
         return Decision(strategy=Strategy.SPLIT, reason=blocker, **common)
     if not runs_ddp_forward:
@@ -176,7 +173,7 @@ def decide_strategy(
             reason="fused needs bucketwise to run the DDP forward: compile the DDP module itself",
             **common,
         )
-    decision = Decision(strategy=Strategy.FUSED, spec=comm_spec(ddp, kind), **common)
+    decision = Decision(strategy=Strategy.FUSED, spec=kind.spec(ddpc.process_group(ddp)), **common)
     if decision.plain_buckets and config.bucket_cap_mb is None and config.first_bucket_cap_mb is None:
         if ddpc.default_bucket_caps(ddp):  # NOTE [fused bucket sizes]
             decision = dataclasses.replace(decision, caps=dataclasses.replace(caps, for_overlap=True))

@@ -15,9 +15,6 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-import torch
-import torch.distributed as dist
-
 from ..._compat import collectives as cc
 from ..._compat import ddp as ddpc
 from ..._compat import dynamo as dc
@@ -29,11 +26,11 @@ from ..rank_check import check_same_on_all_ranks, gather_on_all_ranks
 from ..result import CompileOutcome, GraphJob, PieceCompiler, StrategyResult, bucket_stats, op_count
 from . import block_wire
 from .cache_keys import comm_pass_key, traced_call_targets
-from .comm_hooks import HookedGraph, HookProgram, TracedHookProgram
+from .comm_hooks import HookedGraph, HookProgram
 from .embedding_rows import RowsSync, insert_embedding_rows, plan_embedding_rows, renormed_tables
-from .powersgd_run import PowerSGDRun
+from .hook_kinds import HookKind
 from .runtime import FusedRuntime
-from .sync import REDUCED_PARAMS_META, CommSpec, backward_positions, insert_bucket_syncs, reducer_spec
+from .sync import REDUCED_PARAMS_META, CommSpec, backward_positions, insert_bucket_syncs
 from .variants import VariantCompiler
 
 log = logging.getLogger(__name__)
@@ -92,7 +89,7 @@ def apply_fused(
     *,
     caps: BucketCaps,
     spec: CommSpec,
-    comm_hook: str,
+    comm_hook: HookKind,
     gather_rows: bool,
     rows_off: str | None = None,
     state: FusedState,
@@ -202,39 +199,15 @@ class FusedRan:
 # -- comm hooks in the graph (comm_hooks.py) -----------------------------------------------
 
 
-HOOK_PROGRAMS = ("powersgd", "traceable")
-"""Comm hook kinds (``comm_hooks.comm_hook_kind``) whose buckets a hook program reduces, not a
-plain ``BucketSync`` (a ``CommSpec``)."""
-
-
-def _hook_program(ddp: Any, spec: CommSpec, runtime: FusedRuntime, kind: str) -> HookProgram | None:
-    """The program of the DDP module's comm hook (of ``kind``, ``comm_hooks.comm_hook_kind``),
-    shared by its graphs; ``None`` for torch's allreduce/fp16/bf16 hooks and no hook (plain
-    ``BucketSync``)."""
-    if kind not in HOOK_PROGRAMS:
+def _hook_program(ddp: Any, spec: CommSpec, runtime: FusedRuntime, kind: HookKind) -> HookProgram | None:
+    """The program of the DDP module's comm hook, shared by its graphs; ``None`` where each
+    bucket is one all-reduce (``BucketSync``)."""
+    if kind.program is None:
         return None
     if runtime.hook is None:
         hook, hook_state = ddpc.comm_hook(ddp)
-        if kind == "powersgd":
-            runtime.hook = PowerSGDRun(hook_state, group_spec(hook_state.process_group), dc.mark_static_address)
-        else:
-            runtime.hook = TracedHookProgram(hook, hook_state, spec)
+        runtime.hook = kind.program(hook, hook_state, spec)
     return runtime.hook
-
-
-def comm_spec(ddp: Any, kind: str) -> CommSpec:
-    """How the buckets are reduced: DDP's reducer, or torch's allreduce/fp16/bf16 hook (``kind``,
-    ``comm_hooks.comm_hook_kind``)."""
-    if kind == "reducer":
-        return reducer_spec(ddpc.process_group(ddp))
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(kind)
-    return dataclasses.replace(group_spec(ddpc.process_group(ddp)), comm_dtype=dtype)
-
-
-def group_spec(pg: Any) -> CommSpec:
-    """torch's ``allreduce_hook`` on ``pg`` (the default group when ``None``): divide, then sum."""
-    pg = pg if pg is not None else dist.group.WORLD
-    return CommSpec(group=cc.group_name(pg), world_size=cc.world_size(pg), divide_first=True)
 
 
 # -- the plan all ranks agree on ------------------------------------------------------------

@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..._compat import collectives as cc
-from ..._compat import ddp as ddpc
 from ...partitioners.param_usage import GraphParam
 from .sync import CommSpec, filled_grads, insert_bucket_syncs, split_like
 
@@ -306,44 +305,3 @@ class TracedHookProgram(HookProgram):
 
     def describe(self) -> str:
         return f"traceable comm hook {self.name}"
-
-
-def comm_hook_kind(ddp: Any) -> tuple[str, str | None]:
-    """What DDP would do per bucket: ``("reducer", None)`` without a hook; ``("allreduce"|"bf16"|
-    "fp16", None)`` for torch's default hooks; ``("powersgd", None)`` for ``powerSGD_hook``;
-    ``("traceable", name)`` for a ``bucketwise.traceable_comm_hook``; else
-    ``("unsupported", why)``, ``why`` naming the hook."""
-    registered = ddpc.comm_hook(ddp)
-    if registered is None:
-        builtin = ddpc.builtin_hook_name(ddp)
-        if builtin is not None:
-            return "unsupported", f"DDP's built-in comm hook {builtin} runs in its C++ reducer and cannot be traced"
-        return "reducer", None
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-
-    hook, _state = registered
-    known = {
-        dh.allreduce_hook: "allreduce",
-        dh.bf16_compress_hook: "bf16",
-        dh.fp16_compress_hook: "fp16",
-        ps.powerSGD_hook: "powersgd",
-    }
-    kind = known.get(hook)
-    if kind is not None:
-        return kind, None
-    if isinstance(hook, TraceableCommHook):
-        return "traceable", hook.__qualname__
-    if hook is ps.batched_powerSGD_hook:
-        why = (
-            "batched_powerSGD_hook is not reproduced in the graph"
-            if ddpc.batched_powersgd_works()
-            else f"torch {torch.__version__}'s batched_powerSGD_hook fails at its first compressed step (its "
-            "_orthogonalize takes only 3-D batches, the hook passes a 2-D matrix)"
-        )
-        return "unsupported", why
-    name = getattr(hook, "__qualname__", repr(hook))
-    return "unsupported", (
-        f"comm hook {name} cannot be traced into the graph (wrap a hook written with functional "
-        "collectives in bucketwise.traceable_comm_hook)"
-    )

@@ -6,21 +6,19 @@ from typing import Any, Collection
 
 from ..._compat import ddp as ddpc
 from ..._compat import hooks as hc
+from .hook_kinds import HookKind
 
 
-def why_not_fused(
-    ddp: Any, requested: str, *, comm_hook: tuple[str, str | None], hooked: Collection[str]
-) -> str | None:
+def why_not_fused(ddp: Any, requested: str, *, comm_hook: HookKind, hooked: Collection[str]) -> str | None:
     """Why ``requested`` (``"fused"`` or ``"auto"``) cannot run the fused strategy on this DDP
     module, so DDP's reducer keeps reducing (``split``); ``None`` where it can.
 
-    ``comm_hook``: ``comm_hooks.comm_hook_kind(ddp)``; ``hooked``: :func:`hooked_gradients`.
+    ``comm_hook``: ``hook_kinds.hook_kind(ddp)``; ``hooked``: :func:`hooked_gradients`.
     Read at the first forward, once comm hooks are registered (they come after construction),
     and again whenever they or the gradient hooks change.
     """
-    kind, why = comm_hook
-    if kind == "unsupported":
-        return f"{why}; DDP's reducer runs it, overlapping each bucket's hook with the backward"
+    if comm_hook.unsupported is not None:
+        return f"{comm_hook.unsupported}; DDP's reducer runs it, overlapping each bucket's hook with the backward"
     if hooked:
         shown = ", ".join(list(hooked)[:3]) + (f" and {len(hooked) - 3} more" if len(hooked) > 3 else "")
         return (

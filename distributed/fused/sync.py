@@ -124,6 +124,12 @@ def reducer_spec(pg: Any) -> CommSpec:
     )
 
 
+def group_spec(pg: Any) -> CommSpec:
+    """torch's ``allreduce_hook`` on ``pg`` (the default group when ``None``): divide, then sum."""
+    pg = pg if pg is not None else dist.group.WORLD
+    return CommSpec(group=cc.group_name(pg), world_size=cc.world_size(pg), divide_first=True)
+
+
 class BucketSync(torch.autograd.Function):
     """Identity in the forward; all-reduces the bucket's gradients in the backward."""
 

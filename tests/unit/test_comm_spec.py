@@ -8,7 +8,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bucketwise.distributed.fused.apply import comm_spec
+from bucketwise._compat import ddp as ddpc
+from bucketwise.distributed.fused.hook_kinds import hook_kind
 from bucketwise.distributed.fused.sync import CommSpec, bucket_sync, reducer_spec
 
 
@@ -98,16 +99,25 @@ def test_gloo_keeps_the_scale_in_the_graph(single_rank_group):
     assert not spec.average_in_collective and spec.reduce_op(torch.float32) == "sum"
 
 
-def test_hooks_divide_and_never_average_in_the_collective(single_rank_group):
+def test_hooks_divide_and_never_average_in_the_collective(single_rank_group, monkeypatch):
     """torch's comm hooks divide (``x / world``), which an average by ``float(1/world)`` would not
     match bit for bit: their specs keep the division in the graph."""
-    for kind, dtype in (("allreduce", None), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
 
-        class _Ddp:
-            process_group = single_rank_group
-
-        spec = comm_spec(_Ddp(), kind)
-        assert (spec.divide_first, spec.comm_dtype, spec.average_in_collective) == (True, dtype, False), kind
+    for hook, dtype in (
+        (dh.allreduce_hook, None),
+        (dh.bf16_compress_hook, torch.bfloat16),
+        (dh.fp16_compress_hook, torch.float16),
+    ):
+        # The hook as DDP keeps it (registering bf16's needs CUDA).
+        monkeypatch.setattr(ddpc, "comm_hook", lambda ddp, hook=hook: (hook, None))
+        kind = hook_kind(object())
+        spec = kind.spec(single_rank_group)
+        assert kind.plain and (spec.divide_first, spec.comm_dtype, spec.average_in_collective) == (
+            True,
+            dtype,
+            False,
+        ), kind
 
 
 @pytest.mark.parametrize("fields", [{"divide_first": True}, {"comm_dtype": torch.bfloat16}])
