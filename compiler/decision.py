@@ -173,11 +173,9 @@ def decide_strategy(
             reason="fused needs bucketwise to run the DDP forward: compile the DDP module itself",
             **common,
         )
-    decision = Decision(strategy=Strategy.FUSED, spec=kind.spec(ddpc.process_group(ddp)), **common)
-    if decision.plain_buckets and config.bucket_cap_mb is None and config.first_bucket_cap_mb is None:
-        if ddpc.default_bucket_caps(ddp):  # NOTE [fused bucket sizes]
-            decision = dataclasses.replace(decision, caps=dataclasses.replace(caps, for_overlap=True))
-    return decision
+    overridden = config.bucket_cap_mb is not None or config.first_bucket_cap_mb is not None
+    common["caps"] = caps.for_fused(ddp, overridden=overridden, plain=kind.plain)
+    return Decision(strategy=Strategy.FUSED, spec=kind.spec(ddpc.process_group(ddp)), **common)
 
 
 # NOTE [explicit strategies]: ``strategy="auto"`` picks ``fused`` where it applies and falls back

@@ -69,6 +69,14 @@ class BucketCaps:
             first = min(ddp_first, cap) if ddp_first < ddp_cap else cap
         return cls(first_bytes=first, bytes=cap)
 
+    def for_fused(self, ddp: "DistributedDataParallel", *, overridden: bool, plain: bool) -> "BucketCaps":
+        """The caps ``fused`` uses: sized for the overlap where the DDP module's caps are DDP's
+        defaults, the user overrode none and each bucket is one all-reduce (``plain``: a hook
+        program sees DDP's buckets); else these (NOTE [fused bucket sizes])."""
+        if plain and not overridden and ddpc.default_bucket_caps(ddp):
+            return dataclasses.replace(self, for_overlap=True)
+        return self
+
     def matches_ddp(self, ddp: "DistributedDataParallel") -> bool:
         first, cap, per_bucket = ddpc.bucket_caps(ddp)
         return not self.for_overlap and self.limits() == (per_bucket or [first, cap])
