@@ -1,5 +1,5 @@
 """AOTAutograd and Inductor entry points for compiling one block of a graph on its own
-(``compiler/blocks.py``).
+(``compiler/blocks/``).
 
 Checked on torch 2.11.0 (device machines), 2.13.0 and 2.15.0 (CPU).
 """

@@ -35,10 +35,12 @@ from ..distributed.whole import apply_whole
 from ..partitioners.param_usage import GraphParam, ParamInput, higher_order_ops, match_params, params_in_graph
 from ..stats.compile_times import CompileTimes, backend_call_times
 from ..stats.report import GraphStats, Report, SegmentStats, eager_regions
-from . import block_cost, doctor
-from .block_calls import BlockCallRefused, BlockCalls, find_block_calls, is_block_call, repeated_blocks
+from . import doctor
 from .blocks import SHARED_BLOCK_BACKWARD, BlockBuckets, Sharing, share_blocks
 from .blocks import cache_targets as blocks_cache_targets
+from .blocks.calls import BlockCallRefused, BlockCalls, find_block_calls, is_block_call, repeated_blocks
+from .blocks.find import CostRule, device_cost
+from .blocks.graphs import grouping_pass
 from .config import CompileConfig
 from .decision import BlockSharing, Decision, Strategy, Variant, decide, decide_sharing, refusal
 from .progress import Progress
@@ -329,7 +331,7 @@ class GraphBackend:
             unshared = f"{unshared} (Dynamo traced every block: {calls.off})"
         return sharing, unshared
 
-    def _cost_rule(self, example_inputs: Sequence[Any]) -> tuple[block_cost.CostRule | None, str | None]:
+    def _cost_rule(self, example_inputs: Sequence[Any]) -> tuple[CostRule | None, str | None]:
         """How ``share_blocks="auto"`` decides for this graph without CUDA graphs (NOTE [sharing by
         cost]), or why its blocks stay whole: the estimate is of Inductor's blocks on one GPU."""
         devices = {a.device for a in example_inputs if isinstance(a, torch.Tensor)}
@@ -342,10 +344,10 @@ class GraphBackend:
                 + ". Pass share_blocks=True for a shorter first step all the same"
             )
             return None, why
-        device, note = block_cost.device_cost(next(iter(devices)))
+        device, note = device_cost(next(iter(devices)))
         if note is not None:
             self.report.note(f"share_blocks='auto': {note}")
-        return block_cost.CostRule(device=device, report=self.report), None
+        return CostRule(device=device, report=self.report), None
 
     def fused_backend(self) -> Callable[..., Any]:
         """The backend, with Inductor's comm/compute reordering on (scoped to its compiles)."""
@@ -354,8 +356,8 @@ class GraphBackend:
             if cfg.capabilities.inductor:
                 caps = self.decision.caps if self.decision is not None else None
                 group = caps is not None and cfg.capabilities.groups_block_reductions
-                blocks = (SHARED_BLOCK_BACKWARD.name(), caps.bytes) if group else None
-                self._fused_backend = self._make_backend(fused_backend_options(cfg.options, blocks=blocks))
+                grouped = grouping_pass(SHARED_BLOCK_BACKWARD.name(), caps.bytes) if group else None
+                self._fused_backend = self._make_backend(fused_backend_options(cfg.options, post_grad_pass=grouped))
                 if ci.bucket_safe_patches() and torch.cuda.is_available():  # a Triton-only reduction
                     self.report.note(ci.bucket_safe_note())
                 if not cfg.capabilities.groups_block_reductions and self.sharing.enabled:

@@ -19,7 +19,7 @@ from ..distributed import gloo_exit, teardown
 from ..distributed.rank_check import prepare_rank_checks
 from ..stats.report import Report
 from .artifacts import artifacts_for
-from .block_calls import BlockCalls
+from .blocks.calls import BlockCalls
 from .config import CompileConfig
 from .ddp_forward import DDPForward
 from .decision import Variant

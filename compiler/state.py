@@ -24,7 +24,7 @@ from ..stats import profiling
 from ..stats.first_step import FirstStep
 from ..stats.report import Report
 from .artifacts import Artifacts
-from .block_calls import BlockCalls
+from .blocks.calls import BlockCalls
 from .config import CompileConfig
 from .decision import Variant
 from .graph_backend import GraphBackend

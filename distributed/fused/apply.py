@@ -24,7 +24,6 @@ from ...partitioners.split import Segment
 from ..plan import BucketCaps, plan_buckets
 from ..rank_check import check_same_on_all_ranks, gather_on_all_ranks
 from ..result import CompileOutcome, GraphJob, PieceCompiler, StrategyResult, bucket_stats, op_count
-from . import block_wire
 from .cache_keys import comm_pass_key, traced_call_targets
 from .comm_hooks import HookedGraph, HookProgram
 from .embedding_rows import RowsSync, insert_embedding_rows, plan_embedding_rows, renormed_tables
@@ -70,16 +69,16 @@ class FusedPlan:
     block]): no ``BucketSync`` for those."""
 
 
-def fused_backend_options(user_options: dict[str, Any] | None, *, blocks: tuple[str, int] | None) -> dict[str, Any]:
+def fused_backend_options(user_options: dict[str, Any] | None, *, post_grad_pass: Any = None) -> dict[str, Any]:
     """Inductor options of fused compiles, scoped to them: comm/compute reordering with the
-    late-waits pass (NOTE [late waits]), the shared blocks' all-reduces grouped (``blocks``: the
-    blocks' backward operator and the bucket cap in bytes, NOTE [block reductions grouped]) and
+    late-waits pass (NOTE [late waits]), the shared blocks' all-reduces grouped (``post_grad_pass``,
+    NOTE [block reductions grouped]) and
     the cache keys of what the passes insert (NOTE [compile cache keys]), and no reduction that
     loses its results computed into a bucket (NOTE [reductions into bucket views]); the user's own
     options win (the config refuses the one that would turn that reduction back on)."""
     ours = {**cc.comm_overlap_options(comm_pass_key()), **ci.bucket_safe_patches()}
-    if blocks is not None:
-        ours["post_grad_custom_post_pass"] = block_wire.grouping_pass(*blocks)
+    if post_grad_pass is not None:
+        ours["post_grad_custom_post_pass"] = post_grad_pass
     return dc.cacheable_calls_options(traced_call_targets(), {**ours, **(user_options or {})})
 
 

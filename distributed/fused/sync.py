@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 BUCKET_META_KEY = "bucketwise.bucket"
 REDUCED_PARAMS_META = "bucketwise.reduced_params"
 """``node.meta`` key of a call that reduces a bucket itself (a shared block, NOTE [a bucket per
-block] in ``compiler/blocks.py``): the placeholders of the bucket's parameters."""
+block] in ``compiler/blocks/__init__.py``): the placeholders of the bucket's parameters."""
 
 
 # NOTE [the average in the collective]: DDP's reducer scales each gradient by ``1/world`` on its

@@ -20,7 +20,7 @@ from support.dist import run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketwise._compat.capabilities import capabilities
-from bucketwise.partitioners.blocks import find_block_run, piece_of
+from bucketwise.compiler.blocks.find import find_block_run, piece_of
 
 STEPS = 4
 

@@ -88,7 +88,7 @@ def _run(tmp_path, size: str) -> dict:
 
 
 def test_blocks_whose_calls_hide_behind_their_kernels_share_one_compile_by_default(tmp_path):
-    from bucketwise.compiler.block_cost import HOST_SHARE_LIMIT
+    from bucketwise.compiler.blocks.find import HOST_SHARE_LIMIT
 
     out = _run(tmp_path, "large")
     shared = out["shared_blocks"]

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from bucketwise.compiler import block_calls
+from bucketwise.compiler.blocks import calls
 
 
 class Inner(nn.Module):
@@ -43,7 +43,7 @@ def test_the_block_forward_runs_the_block_on_its_own_tensors():
     torch.manual_seed(0)
     block = Block()
     block.inner["a"].drop.eval()  # a submodule in another mode than its block: no dropout there
-    entry = block_calls._entry(block)
+    entry = calls._entry(block)
     x, pair = torch.randn(3, 6), (torch.randn(3, 6), torch.randn(3, 6))
     want = block(x, pair=pair, gain=2.0)
     got = entry.forward(x, pair=pair, gain=2.0)
@@ -72,7 +72,7 @@ def test_the_block_forward_records_every_module_s_training_flag_on_fake_tensors(
     with FakeTensorMode():
         block = Block()
         block.inner["a"].drop.eval()
-        entry = block_calls._entry(block)
+        entry = calls._entry(block)
         x, pair = torch.randn(3, 6), (torch.randn(3, 6), torch.randn(3, 6))
         out = entry.forward(x, pair=pair, gain=2.0)
     assert out.shape == (3, 6)
@@ -93,11 +93,11 @@ def test_a_block_called_with_an_object_runs_its_own_forward():
     torch.manual_seed(0)
     with FakeTensorMode():
         block = Block()
-        entry = block_calls._entry(block)
+        entry = calls._entry(block)
         x, pair = torch.randn(3, 6), (torch.randn(3, 6), torch.randn(3, 6))
         assert entry.forward(x, pair=pair, gain=Gain()).shape == (3, 6)
     assert entry.fingerprint is None  # block_call never ran: no computation recorded
     block = Block().eval()  # no dropout: the two runs compare
-    entry = block_calls._entry(block)
+    entry = calls._entry(block)
     x, pair = torch.randn(3, 6), (torch.randn(3, 6), torch.randn(3, 6))
     torch.testing.assert_close(entry.forward(x, pair=pair, gain=Gain()), block(x, pair=pair, gain=2.0))

@@ -1,4 +1,4 @@
-"""NOTE [block reductions grouped] (distributed/fused/block_wire.py): the shared blocks'
+"""NOTE [block reductions grouped] (compiler/blocks/graphs.py): the shared blocks'
 all-reduces, grouped by the fused rule's sizes in the order the backward issues them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from bucketwise.compiler import blocks
-from bucketwise.distributed.fused.block_wire import group_block_reductions
+from bucketwise.compiler.blocks.graphs import group_block_reductions
 
 MIB = 2**20
 AR = torch.ops._c10d_functional.all_reduce.default

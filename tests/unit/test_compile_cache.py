@@ -60,13 +60,12 @@ def test_cacheable_calls_options_keep_the_users_options():
 def test_a_shared_block_graph_is_keyed_by_the_blocks_code():
     """A graph calling ``bucketwise::shared_block`` compiles under options keyed by the source of
     the modules that decide what the cached backward is handed: the op's autograd formula
-    (``compiler/blocks.py``), the layout of what the forward saves (``partitioners/block_graphs.py``)
-    and the bucket a block reduces (``distributed/fused/block_wire.py``)."""
+    (``compiler/blocks/__init__.py``), the layout of what the forward saves and the bucket a block
+    reduces (``compiler/blocks/graphs.py``)."""
     from bucketwise.compiler import blocks
-    from bucketwise.distributed.fused import block_wire
+    from bucketwise.compiler.blocks import graphs
     from bucketwise.distributed.fused.cache_keys import source_key
-    from bucketwise.partitioners import block_graphs
 
     key = blocks.cache_targets()["bucketwise.compiler.blocks.shared_block"]
-    assert key == source_key(blocks, block_graphs, block_wire)
-    assert key not in (source_key(blocks), source_key(blocks, block_graphs), source_key(blocks, block_wire))
+    assert key == source_key(blocks, graphs)
+    assert key not in (source_key(blocks), source_key(graphs))

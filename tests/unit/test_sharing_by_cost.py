@@ -11,9 +11,7 @@ import pytest
 import torch
 
 from bucketwise._compat import aot
-from bucketwise.compiler import block_cost
-from bucketwise.partitioners import block_graphs as bg
-from bucketwise.partitioners.blocks import find_block_run
+from bucketwise.compiler.blocks import find
 
 
 def _llama_block_graphs(batch: int) -> tuple:
@@ -33,11 +31,11 @@ def _llama_block_graphs(batch: int) -> tuple:
     graphs = []
 
     def capture(gm, example_inputs):
-        run, why = find_block_run(gm)
+        run, why = find.find_block_run(gm)
         assert run is not None, why
         fake_mode = aot.fake_mode_of(example_inputs)
-        values = bg.fake_values(gm, example_inputs, fake_mode)
-        sub, inputs, _ = aot.block_graph(gm, bg.block_parts(gm, run)[1], "block")
+        values = find.fake_values(gm, example_inputs, fake_mode)
+        sub, inputs, _ = aot.block_graph(gm, find.block_parts(gm, run)[1], "block")
         graphs.append(aot.partition(sub, [values[n] for n in inputs], fake_mode, decompose=True))
         return gm.forward
 
@@ -49,19 +47,19 @@ def _llama_block_graphs(batch: int) -> tuple:
 
 
 def test_the_measured_llama_blocks_decide_as_measured_and_alike_every_time():
-    small = block_cost.estimate(*_llama_block_graphs(4), block_cost.H200)
-    large = block_cost.estimate(*_llama_block_graphs(12), block_cost.H200)
-    why = block_cost.refusal(small, block_cost.H200)
+    small = find.estimate(*_llama_block_graphs(4), find.H200)
+    large = find.estimate(*_llama_block_graphs(12), find.H200)
+    why = find.refusal(small, find.H200)
     assert why is not None and "ms to issue its" in why and "share_blocks=True" in why, (small, why)
-    assert block_cost.refusal(large, block_cost.H200) is None, large
+    assert find.refusal(large, find.H200) is None, large
     assert small.ops == large.ops and large.flops == pytest.approx(3 * small.flops, rel=0.01), (small, large)
     # A pure function of the graphs: traced again, the same figures.
-    assert block_cost.estimate(*_llama_block_graphs(4), block_cost.H200) == small
+    assert find.estimate(*_llama_block_graphs(4), find.H200) == small
 
 
 def test_a_gpu_without_constants_of_its_own_uses_the_h200s_and_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    device, note = block_cost.device_cost(torch.device("cuda", 0))
-    assert device is block_cost.H200 and "NVIDIA A100-SXM4-80GB" in note, note
+    device, note = find.device_cost(torch.device("cuda", 0))
+    assert device is find.H200 and "NVIDIA A100-SXM4-80GB" in note, note
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    assert block_cost.device_cost(torch.device("cuda", 0)) == (block_cost.H200, None)
+    assert find.device_cost(torch.device("cuda", 0)) == (find.H200, None)

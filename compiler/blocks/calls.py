@@ -29,8 +29,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .._compat import aot
-from .._compat import hooks as hc
+from ..._compat import aot
+from ..._compat import hooks as hc
+from .find import tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -41,38 +42,33 @@ _PLAIN = (torch.Tensor, bool, int, float, str, type(None))
 
 @dataclasses.dataclass(eq=False)
 class BlockEntry:
-    """One block called as one op."""
+    """One block called as one op: its parameters' and buffers' names in the order :func:`block_call`
+    takes them, and each as (submodule path, ``_parameters`` or ``_buffers``, name); ``fingerprint``:
+    its computation, recorded when Dynamo last ran it on fake tensors."""
 
     key: int
     module: weakref.ReferenceType[nn.Module]
     names: tuple[str, ...]
-    """Its parameters' and buffers' names, in the order :func:`block_call` takes them."""
     paths: tuple[tuple[tuple[str, ...], str, str], ...]
-    """Each of them as (submodule path, ``_parameters`` or ``_buffers``, name)."""
     modules: tuple[nn.Module, ...] = dataclasses.field(repr=False, default=())
     forward: Callable[..., Any] | None = dataclasses.field(repr=False, default=None)
     fingerprint: tuple | None = None
-    """The block's computation, recorded when Dynamo last ran it on fake tensors."""
 
 
 @dataclasses.dataclass(eq=False)
 class BlockCalls:
-    """The blocks of a compiled module that Dynamo meets as one call each."""
+    """The blocks of a compiled module (``container``: ``model.layers``) that Dynamo meets as one
+    call each; ``off``: why Dynamo inlines them after all (a block refused, or an attribute changed).
+    ``attributes``: every plain attribute of every module of the blocks, as (its module's path, that
+    module's ``__dict__``, its name); ``values``: what they held at the first compiled call."""
 
     container: str
-    """The module list (``model.layers``)."""
     entries: list[BlockEntry]
     off: str | None = None
-    """Why Dynamo inlines the blocks after all (a block refused to run as one call, or one of its
-    attributes changed), else ``None``."""
     attributes: list[tuple[str, dict[str, Any], str]] = dataclasses.field(default_factory=list, repr=False)
-    """Every plain attribute of every module of the blocks: (its module's path, that module's
-    ``__dict__``, its name)."""
     values: list[Any] | None = dataclasses.field(default=None, repr=False)
-    """What ``attributes`` held at the first compiled call."""
-    _dicts: list[dict[str, Any]] = dataclasses.field(init=False, repr=False)
+    _dicts: list[dict[str, Any]] = dataclasses.field(init=False, repr=False)  # for changed()'s one pass in C
     _names: list[str] = dataclasses.field(init=False, repr=False)
-    """``attributes``' dicts and names apart, for :meth:`changed`'s one pass in C."""
 
     def __post_init__(self) -> None:
         self._dicts = [d for _, d, _ in self.attributes]
@@ -101,8 +97,7 @@ class BlockCalls:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             if self.off is None and (why := self.changed()) is not None:
-                self.off = why
-                log.warning("bucketwise: share_blocks: Dynamo traces every block of %s: %s", self.container, why)
+                self._inline(why)
             if self.off is not None:
                 return compiled(*args, **kwargs)
             try:
@@ -112,11 +107,14 @@ class BlockCalls:
                 refused = _refusal(exc)
                 if refused is None:
                     raise
-                self.off = str(refused)
-                log.warning("bucketwise: share_blocks: Dynamo traces every block of %s: %s", self.container, self.off)
+                self._inline(str(refused))
             return compiled(*args, **kwargs)
 
         return call
+
+    def _inline(self, why: str) -> None:
+        self.off = why
+        log.warning("bucketwise: share_blocks: Dynamo traces every block of %s: %s", self.container, why)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -298,7 +296,7 @@ def block_call(key: int, tensors: tuple, training: tuple, args: tuple, names: tu
             if own is not None:
                 module.__dict__["forward"] = own
 
-    flat = [t for t in (*tensors, *_tensors(args), *_tensors(values))]
+    flat = [*tensors, *tensors_in(args), *tensors_in(values)]
     if not aot.all_fake(flat):
         return run()
     if any(aot.symbolic(t) for t in flat):
@@ -325,14 +323,6 @@ def block_call(key: int, tensors: tuple, training: tuple, args: tuple, names: tu
             "which Dynamo replays on every call"
         )
     return out
-
-
-def _tensors(values: Any) -> list[torch.Tensor]:
-    if isinstance(values, torch.Tensor):
-        return [values]
-    if isinstance(values, (tuple, list)):
-        return [t for v in values for t in _tensors(v)]
-    return []
 
 
 def _constants(values: Any) -> Any:

@@ -1,0 +1,426 @@
+"""Compile once per block: identical blocks of a whole graph share one compiled forward and backward.
+
+A block is not shared, and compiles with the whole graph, when its graph differs from the others
+(shapes, dtypes, constants, hooks), when shapes are dynamic, in a graph without gradients, when it
+draws random numbers, writes into an input, or sits in an autocast or grad-mode region that starts
+outside it, and with a backend other than Inductor or ``aot_eager``: the report says why.
+
+NOTE [one compile per block]: N identical blocks appear N times in the graph Dynamo gives, and
+AOTAutograd and Inductor trace, partition and compile each: the first step grows with depth.
+torch's regional compilation leaves the embeddings, head and loss uncompiled and DDP's reducer
+around them, and ``nested_compile_region`` gives wrong gradients for repeated transformer blocks
+under Inductor (torch 2.13 and 2.15, CPU). So the graph stays whole and each block becomes one
+opaque operation in it, ``bucketwise::shared_block(key, inputs)``: the first block's nodes are
+cut out, split into a forward and a backward and compiled once, and every identical block calls
+them with its own parameters and activations. What the backward reads is returned once per
+distinct tensor; a view of it is rebuilt at the start of the shared backward, where it is free.
+
+NOTE [a bucket per block]: under ``fused`` the graph around the blocks would carry, for every
+parameter of every block, its ``BucketSync`` view, the flatten and scale onto the wire and the
+views of the reduced gradient: most of what AOTAutograd and Inductor would trace per block.
+Instead each shared block reduces its own parameters (read inside it only) as one bucket: its
+compiled backward returns their gradients last as one flat buffer on the wire (``CommSpec.to_wire``,
+compiled once with the block), which the operation's autograd formula all-reduces when the
+block's backward is done (its wait late, NOTE [late waits]) and hands back as views. The report
+lists one bucket per block. Every parameter keeps its ``BucketSync`` under a comm hook reduced by
+a hook program, when a block's parameters differ in dtype without a compress hook, or when the
+same block takes parameters at other inputs elsewhere in the graph.
+
+NOTE [computed once before the blocks]: what a block computes from values every block reads the
+same (HF Llama's attention mask made an additive bias) the whole graph computes once (CSE), but a
+shared block would compute it and keep it for its backward at every call. So the part of the
+shared forward that reads only such inputs (the same node at that input of every block, no
+gradient) and constants moves before the first block, and what it computes becomes the last
+inputs of every call. Only ops autocast leaves alone move, since the graph around the blocks is
+traced again under the step's autocast mode; views stay in the block, where they are free. The
+report lists what moved (``computed_before_blocks``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+import time
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..._compat import aot, ops
+from ..._compat import dynamo as dc
+from ..._compat.capabilities import Capabilities
+from ...distributed.fused.cache_keys import source_key
+from ...distributed.fused.sync import REDUCED_PARAMS_META, CommSpec
+from ...distributed.result import CompileOutcome
+from . import calls, find, graphs
+from .find import BlockCost, CostRule, KeptWhole
+from .graphs import BlockLayout, BlockWire, MovedOut, NotShareable
+
+_RANDOM = ("rand", "dropout", "bernoulli", "philox", "seed", "normal_", "uniform_", "exponential_", "multinomial")
+
+# NOTE [an int key, not the block]: the operation takes an int that names its block here, not
+# the block itself. torch's opaque reference types (``torch._library.opaque_object``, private)
+# would let it take the SharedBlock, but the FX-graph and AOTAutograd caches pickle the object
+# into their keys (a block holding compiled callables makes both bypass) unless it pickles as its
+# layout alone; Dynamo guards the object by type only, so blocks of two layouts would share a
+# graph without a guard_fn; AOTAutograd's fake exposes only registered members; and the API
+# differs between torch 2.11 and 2.13. The weak dictionary drops a block with the graph backend
+# that keeps it (``Sharing.kept``); keys are never reused within a process.
+_BLOCKS: weakref.WeakValueDictionary[int, SharedBlock] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+@dataclasses.dataclass
+class FirstCall:
+    """What a shared block's first call finds, looked at once and then reused (host time per call):
+    the outputs copied at every call (``copied``, and any found sharing memory with an input or an
+    earlier output), the backward's inputs whose strides are looked at every call (the gradients,
+    and any saved tensor laid out otherwise); ``None`` before it."""
+
+    aliased: frozenset[int] | None = None
+    restride: tuple[int, ...] | None = None
+
+
+# NOTE [a shared block in stages]: what is known of a shared block grows in stages, each a record
+# made once by the step that finds it (``graphs.py``): what moved out of the forward
+# (``MovedOut``), the inputs it still reads (``reads``), what the forward hands the backward
+# (``BlockLayout``) and under ``fused`` the bucket it reduces (``BlockWire``); ``_compile``
+# assembles the ``SharedBlock``. Only what the first call finds (``FirstCall``) changes after.
+@dataclasses.dataclass(frozen=True, eq=False)
+class SharedBlock:
+    """One block's compiled forward and backward, called by every block identical to it. Boxed:
+    ``forward([inputs])`` returns the outputs, then the bases the backward reads; ``backward([saved...,
+    grads of the outputs])`` what ``layout.grads`` says. ``reads``: the positions of the call's inputs
+    the forward takes (``None``: all); ``cost``: the estimate ``share_blocks="auto"`` decided by."""
+
+    key: int
+    layout: BlockLayout
+    forward: Callable[[list[Any]], Any]
+    backward: Callable[[list[Any]], Any]
+    wire: BlockWire | None = None
+    moved: MovedOut | None = None
+    reads: tuple[int, ...] | None = None
+    cost: BlockCost | None = None
+    first_call: FirstCall = dataclasses.field(default_factory=FirstCall)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockBuckets:
+    """``fused``: how gradients are reduced, and the placeholders of the dense DDP parameters that
+    need a gradient, each its tensor's only one: those a shared block may reduce itself."""
+
+    spec: CommSpec
+    params: frozenset[fx.Node]
+
+
+def _empty(meta: graphs.TensorMeta) -> torch.Tensor:
+    shape, stride, dtype, device = meta
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
+def _shared_block(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    block = _BLOCKS[key]
+    seen = block.first_call
+    if seen.aliased is None:
+        # Inductor's own per-call checks are off for shared blocks: the first call checks layouts.
+        for i, (t, (shape, stride)) in enumerate(zip(inputs, block.layout.forward_layouts)):
+            if tuple(t.shape) != shape or any(n > 1 and a != b for n, a, b in zip(shape, t.stride(), stride)):
+                raise AssertionError(
+                    f"bucketwise::shared_block: expected input {i} of shape {shape} and strides {stride}, "
+                    f"got {tuple(t.shape)} and {tuple(t.stride())}"
+                )
+    out = list(block.forward(list(inputs)))
+    if seen.aliased is None:
+        # Which outputs share memory is the compiled graph's structure: found once (a view op torch
+        # does not mark as one could still alias), then copied at every call without looking.
+        ptrs = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
+        aliased = set(block.layout.copied)
+        for i, t in enumerate(out):
+            if t.numel():
+                ptr = t.untyped_storage().data_ptr()
+                if ptr in ptrs:
+                    aliased.add(i)
+                ptrs.add(ptr)
+        seen.aliased = frozenset(aliased)
+    for i in seen.aliased:
+        out[i] = out[i].clone()
+    return out
+
+
+def _shared_block_backward(key: int, saved_and_grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    block = _BLOCKS[key]
+    layout, seen = block.layout, block.first_call
+    # A tensor laid out otherwise than the backward was compiled for (a gradient autograd made as
+    # zeros with its output's strides) is copied into that layout. Saved tensors come from compiled
+    # graphs, the same at every call: looked at once, then only the gradients are.
+    strides = layout.input_strides
+    if seen.restride is None:
+        n_saved = len(saved_and_grads) - layout.n_tangents
+        seen.restride = tuple(
+            i for i, t in enumerate(saved_and_grads[: len(strides)]) if i >= n_saved or t.stride() != strides[i]
+        )
+    inputs = list(saved_and_grads)
+    for i in seen.restride:
+        if inputs[i].stride() != strides[i]:
+            t = inputs[i]
+            inputs[i] = torch.empty_strided(t.shape, strides[i], dtype=t.dtype, device=t.device).copy_(t)
+    grads = block.backward(inputs)
+    # Only the gradients there are: a placeholder for a missing one would be made on the host,
+    # which no CUDA graph of the compiled backward around this call can capture.
+    return [grads[i] for i in layout.present]
+
+
+class _SharedBlockFormula(torch.autograd.Function):
+    """The autograd formula of ``bucketwise::shared_block``, used while AOTAutograd traces the
+    joint graph: the shared backward on what the shared forward returned for it."""
+
+    @staticmethod
+    def forward(ctx: Any, key: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = SHARED_BLOCK(key, list(inputs))
+        ctx.key = key
+        pools = {"input": inputs, "output": out, "base": out[_BLOCKS[key].layout.n_user :]}
+        # Held by the context, not ``save_for_backward``: the formula runs only while AOTAutograd
+        # traces, where a saved tensor would be a ``detach`` in each graph per tensor the backward
+        # reads (28 nodes per block of HF Llama), traced and lowered once per block for nothing.
+        ctx.saved = [pools[kind][i] for kind, i in _BLOCKS[key].layout.roots]
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        block = _BLOCKS[ctx.key]
+        layout = block.layout
+        tangents = [
+            grads[j] if grads[j] is not None else _empty(layout.outputs[j]).zero_()
+            for j in range(layout.n_user)
+            if layout.outputs[j][2].is_floating_point
+        ]
+        present = iter(SHARED_BLOCK_BACKWARD(ctx.key, [*ctx.saved, *tangents]))
+        grads = [None if meta is None else next(present) for meta in layout.grads]
+        return (None, *(graphs.reduced_grads(block.wire, grads) if block.wire is not None else grads))
+
+
+# Registered with one Python call per call at run time (NOTE [one Python call per op]).
+SHARED_BLOCK = ops.define(
+    "bucketwise::shared_block",
+    "(int key, Tensor[] inputs) -> Tensor[]",
+    kernel=_shared_block,
+    fake=lambda key, inputs: [_empty(meta) for meta in _BLOCKS[key].layout.outputs],
+    formula=_SharedBlockFormula,
+    tags=(torch.Tag.needs_exact_strides,),
+)
+SHARED_BLOCK_BACKWARD = ops.define(
+    "bucketwise::shared_block_backward",
+    "(int key, Tensor[] saved_and_grads) -> Tensor[]",
+    kernel=_shared_block_backward,
+    fake=lambda key, saved_and_grads: [_empty(m) for m in _BLOCKS[key].layout.grads if m is not None],
+    tags=(torch.Tag.needs_exact_strides,),
+)
+
+
+def cache_targets() -> dict[str, str]:
+    """What a graph calling ``bucketwise::shared_block`` is cache-keyed by (NOTE [compile cache
+    keys]): its compiled backward calls ``shared_block_backward`` with what the autograd formula
+    hands it (laid out by ``graphs.py``), which AOTAutograd's and Inductor's caches do not see."""
+    return {f"{__name__}.shared_block": source_key(sys.modules[__name__], graphs)}
+
+
+@dataclasses.dataclass
+class Sharing:
+    """What :func:`share_blocks` did to one graph, for the report: the module list (``model.layers``),
+    the blocks that call a shared compile, the distinct blocks compiled (``kept``: alive as long as
+    the graph's backend); under ``fused``, ``True`` where each block reduces its own bucket, else why
+    not; ``True`` where Dynamo met each block as one call (NOTE [Dynamo calls a block]), else why not."""
+
+    blocks: str
+    block_class: str
+    count: int
+    compiles: int
+    outcomes: list[CompileOutcome]
+    kept: list[SharedBlock] = dataclasses.field(default_factory=list, repr=False)
+    bucket_per_block: bool | str | None = None
+    dynamo: bool | str | None = None
+    cpp_wrapper: bool = False
+
+    @property
+    def computed_before_blocks(self) -> list[str]:
+        """The ops moved out of the blocks (NOTE [computed once before the blocks])."""
+        moved = [b.moved.before.graph.nodes for b in self.kept if b.moved is not None]
+        return sorted({graphs.op_name(n) for nodes in moved for n in nodes if n.op == "call_function"})
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(o.seconds for o in self.outcomes)
+
+    def to_dict(self) -> dict[str, Any]:
+        per = self.compile_seconds / self.compiles if self.compiles else 0.0
+        return {
+            "blocks": self.blocks,
+            "class": self.block_class,
+            "count": self.count,
+            "compiles": self.compiles,
+            "compile_seconds": round(self.compile_seconds, 6),
+            "saved_seconds": round(per * (self.count - self.compiles), 6),
+            **({} if self.bucket_per_block is None else {"bucket_per_block": self.bucket_per_block}),
+            **({} if self.dynamo is None else {"dynamo_calls": self.dynamo}),
+            **({"computed_before_blocks": moved} if (moved := self.computed_before_blocks) else {}),
+            **({"cost": costs} if (costs := [b.cost.to_dict() for b in self.kept if b.cost]) else {}),
+            **({"cpp_wrapper": True} if self.cpp_wrapper else {}),
+        }
+
+
+def share_blocks(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    backend: Capabilities,
+    config_patches: dict,
+    buckets: BlockBuckets | None = None,
+    cost: CostRule | None = None,
+) -> tuple[Sharing | None, str | None]:
+    """Rewrite ``gm`` in place so that its identical blocks call one compiled block; returns what
+    was shared, or ``None`` and why nothing was (NOTE [one compile per block]). ``buckets``
+    (``fused``): the parameters a shared block may reduce itself (NOTE [a bucket per block]);
+    ``cost``: share only where the blocks' estimated cost says so (NOTE [sharing by cost])."""
+    if any(isinstance(a, torch.SymInt) or (isinstance(a, torch.Tensor) and aot.symbolic(a)) for a in example_inputs):
+        return None, "dynamic shapes"
+    if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs):
+        return None, "no gradients in this graph (evaluation, no_grad): blocks share a compile in training graphs"
+    run, why = find.find_block_run(gm)
+    if run is None:
+        return None, why
+    why = find.mode_switch_across(gm, run)
+    if why is not None:
+        return None, why
+    fake_mode = aot.fake_mode_of(example_inputs)
+    values = find.fake_values(gm, example_inputs, fake_mode)
+    parts = find.block_parts(gm, run)
+    # Every repeated block is compiled, or found the same as one compiled, before the graph
+    # changes: a block that cannot be shared leaves the graph as Dynamo gave it.
+    graphs_ = [aot.block_graph(gm, part, f"block_{k}") for k, part in enumerate(parts)]
+    inputs = [ins for _, ins, _ in graphs_]
+    signatures = [
+        find.piece_signature(sub, [values[n] for n in ins], opaque=_block_call_key) for sub, ins, _ in graphs_
+    ]
+    repeated = {sig for sig in signatures if signatures.count(sig) > 1}
+    if not repeated:
+        return None, f"no two blocks of {run.name} are the same computation (shapes, dtypes or constants differ)"
+    reduced, per_block = find.reduced_inputs(inputs, parts, signatures, repeated, values, buckets)
+    invariant = find.invariant_inputs(inputs, signatures, repeated, values)
+    blocks: dict[tuple, SharedBlock] = {}
+    outcomes: list[CompileOutcome] = []
+    for k, ((sub, ins, _), sig) in enumerate(zip(graphs_, signatures)):
+        if sig in repeated and sig not in blocks:
+            fakes = [values[n] for n in ins]
+            spec = buckets.spec if buckets is not None else None
+            try:
+                blocks[sig], outcome = _compile(
+                    sub, fakes, fake_mode, backend, config_patches, reduced.get(sig, ()), spec, invariant[sig], cost
+                )
+            except NotShareable as exc:
+                return None, f"{run.name}.{k}: {exc}"
+            except KeptWhole as exc:
+                cost.report.blocks_unshared(
+                    run.name, sum(s in repeated for s in signatures), reason=str(exc), host_time=True
+                )
+                return None, str(exc)
+            outcomes.append(outcome)
+    shared = [(part, blocks[sig]) for part, sig in zip(parts, signatures) if sig in blocks]
+    computed: dict[int, list[fx.Node]] = {}  # block key -> what ``block.moved.before`` computed
+    with aot.dynamo_sources_kept(gm):
+        for k, (part, block) in enumerate(shared):
+            _, call = aot.cut_out(gm, part, f"block_{k}")
+            args = list(call.args)
+            with gm.graph.inserting_before(call):
+                if block.moved is not None:
+                    if block.key not in computed:  # before the first block of its kind
+                        moved = block.moved
+                        computed[block.key] = graphs.insert_graph(
+                            gm.graph, moved.before, [args[i] for i in moved.invariant]
+                        )
+                    args += computed[block.key]
+                if block.reads is not None:
+                    args = [args[i] for i in block.reads]
+                op = gm.graph.call_function(SHARED_BLOCK, (block.key, args))
+            if block.wire is not None:
+                op.meta[REDUCED_PARAMS_META] = [args[i] for i in block.wire.reduced]
+            call.replace_all_uses_with(op)
+            gm.graph.erase_node(call)
+            gm.delete_submodule(str(call.target))
+        gm.graph.lint()
+        gm.recompile()
+    kept = list(blocks.values())
+    return Sharing(
+        run.name, run.block_class, len(shared), len(kept), outcomes, kept, per_block, cpp_wrapper=backend.cpp_wrapper
+    ), None
+
+
+def _block_call_key(node: fx.Node) -> tuple[Any, Any] | None:
+    """A block Dynamo called as one op (NOTE [Dynamo calls a block]) computes what its recorded
+    run did; its first argument (which block) takes no part."""
+    if not calls.is_block_call(node):
+        return None
+    computation = calls.fingerprint(node)
+    return (computation if computation is not None else ("unrecorded", node.args[0])), node.args[1:]
+
+
+def _compile(
+    sub: fx.GraphModule,
+    fakes: list[Any],
+    fake_mode: Any,
+    backend: Capabilities,
+    config_patches: dict,
+    reduced: tuple[int, ...],
+    spec: CommSpec | None,
+    invariant: tuple[int, ...],
+    cost: CostRule | None,
+) -> tuple[SharedBlock, CompileOutcome]:
+    phases0, counts0 = dc.compile_phase_seconds(), dc.compile_counters()
+    start = time.perf_counter()
+    try:
+        fw, bw = aot.partition(sub, fakes, fake_mode, decompose=backend.inductor)
+    except Exception as exc:  # noqa: BLE001 - any failure: the block compiles with the whole graph
+        raise NotShareable(
+            f"AOTAutograd could not split the block on its own: {type(exc).__name__}: {exc}"[:300]
+        ) from exc
+    calls_ = [n for n in fw.graph.nodes if n.op == "call_function"]
+    random = [str(n.target) for n in calls_ if any(r in str(n.target) for r in _RANDOM)]
+    if random:
+        raise NotShareable(f"the block draws random numbers ({random[0]})")
+    if any(dc.written_args(n) for n in calls_):
+        raise NotShareable("the block writes into one of its inputs")
+    estimated = cost.check(fw, bw) if cost is not None else None  # before anything is compiled
+    # The stages of NOTE [a shared block in stages], in order: each rewrites fw and bw in place.
+    moved = graphs.move_out(fw, bw, invariant, n_user=len(graphs.user_outputs(sub)))
+    reads = graphs.drop_unread(fw, bw)
+    layout = graphs.plan_layout(sub, fw, bw, fake_mode)
+    wire = None
+    if reduced:
+        if spec is None:
+            raise AssertionError(f"expected a comm spec for the reduced inputs {reduced}, got None")
+        # A reduced parameter has a gradient, so the forward still takes it: its position there.
+        at = tuple(i if reads is None else reads.index(i) for i in reduced)
+        params = [fakes[i] for i in reduced]
+        wire, grads = graphs.grads_onto_wire(bw, params, at, spec, fake_mode, decompose=backend.inductor)
+        layout = dataclasses.replace(layout, grads=grads)
+    if backend.inductor:
+        forward, backward = (
+            aot.inductor_compile(
+                g,
+                [n.meta["val"] for n in g.graph.find_nodes(op="placeholder")],
+                fake_mode,
+                backward=g is bw,
+                config_patches=config_patches,
+            )
+            for g in (fw, bw)
+        )
+    else:
+        forward, backward = aot.boxed(fw), aot.boxed(bw)
+    block = SharedBlock(next(_KEYS), layout, forward, backward, wire=wire, moved=moved, reads=reads, cost=estimated)
+    _BLOCKS[block.key] = block
+    outcome = CompileOutcome(backend=backend.name, seconds=time.perf_counter() - start)
+    phases = {k: v - phases0.get(k, 0.0) for k, v in dc.compile_phase_seconds().items()}
+    outcome.phases = {k: round(v, 6) for k, v in phases.items() if v > 0}
+    outcome.counts = {k: v - counts0[k] for k, v in dc.compile_counters().items() if v > counts0[k]}
+    return block, outcome

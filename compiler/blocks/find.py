@@ -1,0 +1,384 @@
+"""Repeated blocks in a Dynamo graph: where each starts and ends, which are the same computation,
+and whether sharing them pays (NOTE [sharing by cost]).
+
+Dynamo records on every node the modules whose forward produced it (``meta["nn_module_stack"]``,
+outermost first), so the nodes of ``layers.3`` are those whose outermost numbered entry is
+``...layers.3``. :func:`find_block_run` finds the longest run of such blocks in graph order;
+:func:`piece_signature` says when two pieces are the same computation on other tensors, so that
+one compile serves both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..._compat import aot
+from ...partitioners.regions import outside_regions, transform_regions
+
+_NUMBERED = re.compile(r"^(?P<parent>.+?)(?:\.(?P<dot>\d+)|\[(?P<bracket>\d+)\])$")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRun:
+    """Blocks of one module list, in graph order."""
+
+    container: str
+    """The list as Dynamo names it (``L['self'].model.layers``)."""
+    block_class: str
+    starts: tuple[int, ...]
+    """Graph position of each block's first node."""
+    end: int
+    """Graph position of the last block's last node."""
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def name(self) -> str:
+        """The list without Dynamo's frame prefix (``model.layers``)."""
+        return re.sub(r"^[A-Z]\['[^']*'\]\.?", "", self.container) or self.container
+
+
+def _outermost_numbered(node: fx.Node) -> tuple[str, int, str] | None:
+    """``(list, index, block class)`` of the outermost numbered module a node belongs to."""
+    for qualified, cls in (node.meta.get("nn_module_stack") or {}).values():
+        m = _NUMBERED.match(str(qualified))
+        if m:
+            index = int(m.group("dot") if m.group("dot") is not None else m.group("bracket"))
+            return m.group("parent"), index, getattr(cls, "__qualname__", str(cls))
+    return None
+
+
+def find_block_run(gm: fx.GraphModule, *, min_blocks: int = 2) -> tuple[BlockRun | None, str]:
+    """The run of repeated blocks to share compiles over, or ``None`` and why there is none."""
+    seen: dict[str, dict[int, list[int]]] = {}
+    classes: dict[str, set[str]] = {}
+    for pos, node in enumerate(gm.graph.nodes):
+        found = _outermost_numbered(node) if node.op.startswith("call_") else None
+        if found is not None:
+            parent, index, cls = found
+            seen.setdefault(parent, {}).setdefault(index, []).append(pos)
+            classes.setdefault(parent, set()).add(cls)
+    if not seen:
+        return None, "no numbered submodules (an nn.ModuleList of blocks) in the graph"
+    parent = max(seen, key=lambda p: len(seen[p]))
+    blocks = seen[parent]
+    if len(blocks) < min_blocks:
+        return None, f"{parent} has {len(blocks)} block(s) in this graph"
+    if len(classes[parent]) != 1:
+        return None, f"{parent} holds blocks of {len(classes[parent])} classes"
+    indices = sorted(blocks)
+    if indices != list(range(indices[0], indices[0] + len(indices))):
+        return None, f"{parent}: blocks {indices} are not consecutive in this graph"
+    spans = [(min(blocks[i]), max(blocks[i])) for i in indices]
+    if any(start <= end for (_, end), (start, _) in zip(spans, spans[1:])):
+        return None, f"{parent}: the blocks' nodes interleave in the graph"
+    regions = transform_regions(gm)
+    starts = tuple(outside_regions(s, regions) for s, _ in spans)
+    if list(starts) != [s for s, _ in spans]:
+        return None, f"{parent}: a torch.func transform spans a block boundary"
+    return BlockRun(parent, next(iter(classes[parent])), starts, spans[-1][1]), ""
+
+
+def piece_of(run: BlockRun, position: int) -> int:
+    """The piece a node at ``position`` goes to: 0 before the first block, ``k + 1`` for block
+    ``k`` (with whatever follows it up to the next block), ``len(run) + 1`` after the last."""
+    if position < run.starts[0]:
+        return 0
+    if position > run.end:
+        return len(run) + 1
+    return sum(1 for s in run.starts if s <= position)
+
+
+def block_parts(gm: fx.GraphModule, run: BlockRun) -> list[list[fx.Node]]:
+    """Each block's nodes, in graph order. An attribute read (a checkpointed body: Dynamo puts
+    its ``get_attr`` before the block that calls it) goes with the block that reads it."""
+    nodes = list(gm.graph.nodes)
+    piece = {node: piece_of(run, pos) for pos, node in enumerate(nodes)}
+    for node in nodes:
+        if node.op == "get_attr" and len(readers := {piece[u] for u in node.users}) == 1:
+            piece[node] = readers.pop()
+    parts: list[list[fx.Node]] = [[] for _ in range(len(run))]
+    for node in nodes:
+        if 1 <= piece[node] <= len(run) and node.op not in ("placeholder", "output"):
+            parts[piece[node] - 1].append(node)
+    return parts
+
+
+def mode_switch_across(gm: fx.GraphModule, run: BlockRun) -> str | None:
+    """Why an autocast or grad-mode switch makes the blocks unshareable: one that is open at a
+    block's start (it would not be in the block's own graph), or one left open inside a block."""
+    depth = 0
+    starts = set(run.starts)
+    for pos, node in enumerate(gm.graph.nodes):
+        if pos in starts and depth:
+            return "an autocast or grad-mode region spans the blocks (entered before a block starts)"
+        name = str(getattr(node.target, "__name__", node.target)) if node.op == "call_function" else ""
+        depth += {"_enter_autocast": 1, "_exit_autocast": -1}.get(name, 0)
+        if name == "_set_grad_enabled" and run.starts[0] <= pos <= run.end:
+            return "the blocks switch grad mode"
+    return None
+
+
+def fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode: Any) -> dict[fx.Node, Any]:
+    """A fake value of every node: Dynamo's own (``example_value``), placeholders from the
+    example inputs (parameters made fake)."""
+    out: dict[fx.Node, Any] = {}
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        if isinstance(value, torch.Tensor) and not aot.is_fake(value):
+            value = fake_mode.from_tensor(value, static_shapes=True)
+        out[node] = value
+    for node in gm.graph.nodes:
+        if node not in out:
+            out[node] = node.meta.get("example_value", node.meta.get("val"))
+    return out
+
+
+def invariant_inputs(
+    inputs: list[tuple[fx.Node, ...]], signatures: list[tuple], repeated: set[tuple], values: dict[fx.Node, Any]
+) -> dict[tuple, tuple[int, ...]]:
+    """Per repeated signature, the inputs every block of it reads the same: one node at that input
+    of each, a tensor without a gradient (NOTE [computed once before the blocks])."""
+    out = {}
+    for signature in repeated:
+        calls = [ins for ins, sig in zip(inputs, signatures) if sig == signature]
+        out[signature] = tuple(
+            i
+            for i, node in enumerate(calls[0])
+            if all(ins[i] is node for ins in calls)
+            and isinstance(values[node], torch.Tensor)
+            and not values[node].requires_grad
+        )
+    return out
+
+
+def reduced_inputs(
+    inputs: list[tuple[fx.Node, ...]],
+    parts: list[list[fx.Node]],
+    signatures: list[tuple],
+    repeated: set[tuple],
+    values: dict[fx.Node, Any],
+    buckets: Any,
+) -> tuple[dict[tuple, tuple[int, ...]], bool | str | None]:
+    """Per repeated signature, the inputs whose gradients its compiled block reduces (NOTE [a
+    bucket per block]): the ``buckets.params`` read only inside the block; and ``True``, or why no
+    block does (``None`` without ``buckets``)."""
+    if buckets is None:
+        return {}, None
+    reduced: dict[tuple, tuple[int, ...]] = {}
+    for ins, part, signature in zip(inputs, parts, signatures):
+        if signature in repeated:
+            inside = set(part)
+            positions = tuple(
+                i for i, node in enumerate(ins) if node in buckets.params and all(u in inside for u in node.users)
+            )
+            if reduced.setdefault(signature, positions) != positions:
+                return {}, "the same block reads DDP parameters at other inputs in another place of the graph"
+    dtypes = {values[ins[i]].dtype for ins, signature in zip(inputs, signatures) for i in reduced.get(signature, ())}
+    if len(dtypes) > 1 and buckets.spec.comm_dtype is None:
+        return {}, f"the blocks' parameters have several dtypes ({sorted(map(str, dtypes))})"
+    if not any(reduced.values()):
+        return {}, "no DDP parameter is read only inside one block"
+    return reduced, True
+
+
+Opaque = Callable[[fx.Node], "tuple[Any, Any] | None"]
+"""For a call whose target's computation is not in the graph: ``(what it computes, its args
+that take part)``, else ``None`` (keyed as any other node)."""
+
+
+def piece_signature(gm: fx.GraphModule, inputs: Sequence[Any], *, opaque: Opaque | None = None) -> tuple:
+    """What a compiled piece depends on: its nodes (ops, constants, wiring, by position, not by
+    name) and the layout of its inputs. Equal signatures compute the same function of their
+    inputs. ``opaque``: what a call computes where its target alone does not say."""
+    return tuple(_value_key(v) for v in inputs), _graph_key(gm, opaque)
+
+
+def _graph_key(gm: fx.GraphModule, opaque: Opaque | None) -> tuple:
+    index = {node: i for i, node in enumerate(gm.graph.nodes)}
+    rows = []
+    for node in gm.graph.nodes:
+        called = opaque(node) if opaque is not None and node.op == "call_function" else None
+        if node.op == "get_attr":
+            target = getattr(gm, str(node.target))
+            sub = _graph_key(target, opaque) if isinstance(target, fx.GraphModule) else ("object", id(target))
+            rows.append(("get_attr", sub))
+        elif called is not None:
+            rows.append(("opaque", called[0], _arg_key(called[1], index)))
+        else:
+            if node.op == "call_module":
+                target = _graph_key(getattr(gm, str(node.target)), opaque)
+            elif node.op == "call_function":
+                fn = node.target
+                target = (str(getattr(fn, "__module__", "")), str(getattr(fn, "__qualname__", "")), repr(fn))
+            else:
+                target = str(node.target) if node.op == "call_method" else None
+            rows.append((node.op, target, _arg_key(node.args, index), _arg_key(node.kwargs, index)))
+    return tuple(rows)
+
+
+def _arg_key(arg: Any, index: dict[fx.Node, int]) -> Any:
+    if isinstance(arg, fx.Node):
+        return ("node", index[arg])
+    if isinstance(arg, (tuple, list)):
+        return (type(arg).__name__, tuple(_arg_key(a, index) for a in arg))
+    if isinstance(arg, dict):
+        return ("dict", tuple((k, _arg_key(v, index)) for k, v in arg.items()))
+    if isinstance(arg, slice):
+        return ("slice", _arg_key((arg.start, arg.stop, arg.step), index))
+    if isinstance(arg, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return str(arg)
+    if isinstance(arg, (int, float, bool, str, type(None))):
+        return (type(arg).__name__, repr(arg))
+    return ("object", type(arg).__qualname__, repr(arg))
+
+
+def _value_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (
+            "tensor",
+            tuple(value.shape),
+            tuple(value.stride()),
+            str(value.dtype),
+            str(value.device),
+            value.requires_grad,
+        )
+    if isinstance(value, torch.SymInt):
+        return ("symint", str(value))
+    return ("value", type(value).__name__, repr(value))
+
+
+# NOTE [sharing by cost]: a shared block's call costs the host more than the same block inside the
+# whole graph (its own launches, allocations and checks, every call) and the GPU nothing. Where the
+# GPU's time for the block covers that cost, the step keeps its time; where not, the step waits on
+# the host for every block. So ``share_blocks="auto"`` without CUDA graphs, on a GPU, shares where
+# the host's time per call is at most ``HOST_SHARE_LIMIT`` of the GPU's, both estimated from the
+# block's forward and backward graphs: the GPU's from their FLOPs at the device's matmul rate for
+# their dtype plus the bytes they take and return at its bandwidth, the host's from their op count.
+# The rates are per-device constants (docs/performance.md names the runs they come from), so the
+# same model on the same kind of GPU gets the same plan on every rank and every restart.
+
+HOST_SHARE_LIMIT = 0.6
+"""At most this fraction of the GPU's time: a margin for the host's other work and its noise."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceCost:
+    """What one kind of GPU does per second (``matmul_flops``: of a block's matmuls and attention,
+    per dtype), and what its host spends per op of a shared block's call (launches and checks)."""
+
+    name: str
+    matmul_flops: Mapping[torch.dtype, float]
+    bytes_per_s: float
+    host_s_per_op: float
+
+
+H200 = DeviceCost(
+    name="NVIDIA H200",
+    matmul_flops={torch.bfloat16: 5.0e14, torch.float16: 5.0e14, torch.float32: 5.0e13},
+    bytes_per_s=3.5e12,
+    host_s_per_op=8.3e-6,
+)
+KNOWN = {H200.name: H200}
+
+
+def device_cost(device: torch.device) -> tuple[DeviceCost, str | None]:
+    """The constants of ``device``'s kind, and a note where none were measured for it: then the
+    H200's, whose faster matmuls underestimate another GPU's time, so that fewer blocks share."""
+    name = torch.cuda.get_device_name(device)
+    if name in KNOWN:
+        return KNOWN[name], None
+    return H200, f"no sharing constants were measured on {name}: the {H200.name}'s are used"
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCost:
+    """One block's call (forward and backward), estimated from its graphs."""
+
+    flops: float
+    bytes: float
+    ops: int
+    gpu_ms: float
+    host_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.host_ms / self.gpu_ms if self.gpu_ms > 0 else math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gflop": round(self.flops / 1e9, 3),
+            "mib": round(self.bytes / 2**20, 3),
+            "ops": self.ops,
+            "gpu_ms": round(self.gpu_ms, 4),
+            "host_ms": round(self.host_ms, 4),
+        }
+
+
+def estimate(forward: fx.GraphModule, backward: fx.GraphModule, device: DeviceCost) -> BlockCost:
+    """The cost of one call of a block compiled as AOTAutograd's ``forward`` and ``backward``."""
+    flops = gpu_s = nbytes = 0.0
+    ops = 0
+    for gm in (forward, backward):
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                given = node.meta.get("val") if node.op == "placeholder" else node.args[0]
+                values = fx.node.map_arg(given, lambda n: n.meta.get("val"))
+                nbytes += sum(t.numel() * t.element_size() for t in tensors_in(values))
+            elif node.op == "call_function" and not aot.aliases_an_input(node) and node.target is not operator.getitem:
+                ops += 1
+                count, dtype = aot.node_flops(node)
+                flops += count
+                gpu_s += count / device.matmul_flops.get(dtype, device.matmul_flops[torch.float32])
+    gpu_s += nbytes / device.bytes_per_s
+    return BlockCost(flops=flops, bytes=nbytes, ops=ops, gpu_ms=gpu_s * 1e3, host_ms=ops * device.host_s_per_op * 1e3)
+
+
+def tensors_in(values: Any) -> list[torch.Tensor]:
+    """The tensors in ``values``, and in the tuples and lists in it."""
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if isinstance(values, (tuple, list)):
+        return [t for v in values for t in tensors_in(v)]
+    return []
+
+
+class KeptWhole(Exception):
+    """A block whose shared call would cost the host more than the GPU hides: its message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CostRule:
+    """``share_blocks="auto"`` without CUDA graphs, on a GPU, for one graph (NOTE [sharing by
+    cost]); ``report``: the compiled object's, where a refusal is noted."""
+
+    device: DeviceCost
+    report: Any
+
+    def check(self, forward: fx.GraphModule, backward: fx.GraphModule) -> BlockCost:
+        """The block's estimated cost; raises :class:`KeptWhole` where it is not to be shared."""
+        cost = estimate(forward, backward, self.device)
+        why = refusal(cost, self.device)
+        if why is not None:
+            raise KeptWhole(why)
+        return cost
+
+
+def refusal(cost: BlockCost, device: DeviceCost) -> str | None:
+    """Why the blocks stay with the whole graph, or ``None``: share them."""
+    if cost.ratio <= HOST_SHARE_LIMIT:
+        return None
+    return (
+        f"share_blocks='auto' estimated a shared block's call on {device.name}: the host {cost.host_ms:.3f} ms to "
+        f"issue its {cost.ops} ops, the GPU {cost.gpu_ms:.3f} ms to run its {cost.flops / 1e9:.1f} GFLOP "
+        f"({cost.ratio:.2f}x, more than {HOST_SHARE_LIMIT}x), so the step would wait on the host for every block. "
+        "Pass share_blocks=True for a shorter first step all the same, or cudagraphs=True, whose replays share "
+        "the blocks at no host cost"
+    )

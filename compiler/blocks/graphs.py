@@ -1,0 +1,397 @@
+"""A shared block's forward and backward graphs, rewritten before they compile: pure FX (NOTE
+[a shared block in stages]). ``move_out`` takes out what every block computes the same,
+``drop_unread`` the inputs the forward reads no more, ``plan_layout`` lays out what the forward
+hands the backward; under ``fused``, ``grads_onto_wire`` makes the backward return the block's
+own parameters' gradients as one flat buffer, ``reduced_grads`` all-reduces it and
+``grouping_pass`` groups those all-reduces. ``NotShareable`` says why a block cannot be shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+import sys
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..._compat import aot
+from ..._compat import collectives as cc
+from ...distributed import plan
+from ...distributed.fused.cache_keys import source_key
+from ...distributed.fused.sync import CommSpec, unflatten
+
+TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+
+
+class NotShareable(Exception):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    """What the shared forward returns and the shared backward takes and returns (``plan_layout``)."""
+
+    n_user: int
+    copied: frozenset[int]
+    """Outputs returned as a copy: views of an input, or of the same tensor as an earlier
+    output (an operation's outputs may not alias its inputs or each other)."""
+    roots: tuple[tuple[str, int], ...]
+    """What the backward takes before the gradients: each distinct tensor it reads or views, as
+    (``input``, ``output`` or ``base``, which one); the backward graph applies the view ops."""
+    outputs: tuple[TensorMeta, ...]
+    grads: tuple[TensorMeta | None, ...]
+    """A gradient per input (``None`` for none), or with a ``BlockWire``, the others' and then
+    the flat buffer."""
+    n_tangents: int
+    """Gradients the backward takes: one per floating-point output, in order."""
+    input_strides: tuple[tuple[int, ...], ...]
+    """The strides the backward was compiled for, per input."""
+    forward_layouts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    """The shape and strides of each input the forward was compiled for."""
+
+    @functools.cached_property
+    def present(self) -> tuple[int, ...]:
+        """The positions in ``grads`` the backward returns a tensor at."""
+        return tuple(i for i, meta in enumerate(self.grads) if meta is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class MovedOut:
+    """What moved out of the forward (NOTE [computed once before the blocks]): ``before`` takes
+    the block's inputs at ``invariant`` and returns what every call then takes after its own."""
+
+    before: fx.GraphModule
+    invariant: tuple[int, ...]
+
+
+# Ops that autocast leaves alone (no precision rule): moved out of a block, they compute the same
+# when the graph around the blocks is traced again.
+_MOVABLE = frozenset(
+    [
+        *(
+            f"aten::{name}"
+            for name in (
+                "where", "scalar_tensor", "full", "full_like", "zeros", "zeros_like", "ones", "ones_like",
+                "arange", "masked_fill", "logical_not", "logical_and", "logical_or", "eq", "ne", "lt", "le",
+                "gt", "ge", "bitwise_not", "bitwise_and", "bitwise_or", "add", "sub", "mul", "neg", "clone",
+                "expand", "unsqueeze", "squeeze", "view", "reshape", "permute", "slice", "select", "alias",
+                "_to_copy",
+            )
+        ),
+        "prims::convert_element_type",
+    ]
+)  # fmt: skip
+
+
+def op_name(node: fx.Node) -> str:
+    """``aten::where`` for ``aten.where.self``: an operator's name without its overload."""
+    name = getattr(node.target, "name", None)
+    return name().split(".")[0] if callable(name) else str(node.target)
+
+
+def _output(gm: fx.GraphModule) -> fx.Node:
+    return next(iter(gm.graph.find_nodes(op="output")))
+
+
+def move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...], *, n_user: int) -> MovedOut | None:
+    """Move what ``fw`` computes from its inputs at ``invariant`` alone out of it: ``fw`` then takes
+    those values as its last inputs, ``bw`` gives them no gradient; ``None`` where nothing moves.
+    The block's own outputs (its first ``n_user``) stay: an output that is an input is copied."""
+    placeholders = list(fw.graph.find_nodes(op="placeholder"))
+    returned = set(_output(fw).args[0][:n_user])
+    given = {placeholders[i] for i in invariant}
+    movable: dict[fx.Node, bool] = {}  # -> reads one of ``given`` (not constants only)
+    for node in fw.graph.nodes:
+        if (
+            node.op == "call_function"
+            and op_name(node) in _MOVABLE
+            and all(a in given or a in movable for a in node.all_input_nodes)
+        ):
+            movable[node] = any(a in given or movable.get(a, False) for a in node.all_input_nodes)
+    # What the block goes on to read that costs a kernel (a view is free: it stays).
+    moved = [
+        n
+        for n, reads in movable.items()
+        if reads
+        and n not in returned
+        and not aot.aliases_an_input(n)
+        and any(u not in movable or aot.aliases_an_input(u) for u in n.users)
+    ]
+    if not moved:
+        return None
+    needed: set[fx.Node] = set()
+    stack = list(moved)
+    while stack:
+        node = stack.pop()
+        if node not in needed and node not in given:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i in invariant:
+        env[placeholders[i]] = graph.placeholder(placeholders[i].name)
+        env[placeholders[i]].meta = dict(placeholders[i].meta)
+    for node in fw.graph.nodes:
+        if node in needed:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(tuple(env[n] for n in moved))
+    anchor = placeholders[-1]
+    for j, node in enumerate(moved):
+        with fw.graph.inserting_after(anchor):
+            anchor = fw.graph.placeholder(f"before_blocks_{j}")
+        anchor.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(anchor)
+    fw.graph.eliminate_dead_code()
+    fw.graph.lint()
+    fw.recompile()
+    out = _output(bw)
+    out.args = (tuple(out.args[0]) + (None,) * len(moved),)
+    bw.recompile()
+    return MovedOut(fx.GraphModule(fw, graph), invariant)
+
+
+def drop_unread(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[int, ...] | None:
+    """Take out of ``fw`` the inputs it does not read and ``bw`` gives no gradient, and their
+    places in ``bw``'s outputs; the positions of the inputs kept, ``None`` where all are read.
+    A call then passes only those: Inductor copies a view given to an operator at every call."""
+    placeholders = list(fw.graph.find_nodes(op="placeholder"))
+    out = _output(bw)
+    grads = list(out.args[0])
+    if len(grads) != len(placeholders):
+        raise AssertionError(f"expected a gradient place per forward input ({len(placeholders)}), got {len(grads)}")
+    kept = tuple(i for i, p in enumerate(placeholders) if p.users or grads[i] is not None)
+    if len(kept) == len(placeholders):
+        return None
+    for i in set(range(len(placeholders))) - set(kept):
+        fw.graph.erase_node(placeholders[i])
+    fw.graph.lint()
+    fw.recompile()
+    out.args = (tuple(grads[i] for i in kept),)
+    bw.recompile()
+    return kept
+
+
+def insert_graph(graph: fx.Graph, before: fx.GraphModule, args: list[fx.Node]) -> list[fx.Node]:
+    """``before``'s nodes copied into ``graph`` at its insertion point, on ``args``; the nodes of
+    its outputs. Each keeps its fake value, also as Dynamo's (``example_value``)."""
+    val_map: dict[fx.Node, Any] = dict(zip(before.graph.find_nodes(op="placeholder"), args))
+    out = graph.graph_copy(before.graph, val_map)
+    for node in val_map.values():
+        if node not in args and "val" in node.meta:
+            node.meta.setdefault("example_value", node.meta["val"])
+    return list(out)
+
+
+def plan_layout(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fake_mode: Any) -> BlockLayout:
+    """How the shared forward hands the backward what it reads (NOTE [one compile per block]): it
+    returns the block's outputs and each other distinct non-view tensor the backward reads once;
+    the backward graph applies again the view ops from those to what it reads."""
+    n_user = len(user_outputs(sub))
+    out_node = _output(fw)
+    fw_out = list(out_node.args[0])
+    placeholders = {p: i for i, p in enumerate(fw.graph.find_nodes(op="placeholder"))}
+    user, bases, saved = fw_out[:n_user], [], []
+    owner: dict[fx.Node, int] = {}  # a root -> the output that hands it out
+    copied = set()
+    for j, node in enumerate(user):
+        root, _ = _view_chain(node)
+        if root in placeholders or root in owner:
+            copied.add(j)
+        else:
+            owner[root] = j
+    for node in fw_out[n_user:]:
+        root, views = _view_chain(node)
+        if root in placeholders:
+            saved.append(("input", placeholders[root], views))
+        elif root in owner:
+            j = owner[root]
+            if user[j] is not root:
+                v = root.meta["val"]
+                geometry = (list(v.shape), list(v.stride()), v.storage_offset())
+                views = [(torch.ops.aten.as_strided.default, (user[j], *geometry), {}, user[j]), *views]
+            saved.append(("output", j, views))
+        else:
+            if root not in bases:
+                bases.append(root)
+            saved.append(("base", bases.index(root), views))
+    out_node.args = (tuple(user + bases),)
+    fw.graph.eliminate_dead_code()
+    fw.recompile()
+    n_tangents = len(bw.graph.find_nodes(op="placeholder")) - len(saved)
+    if n_tangents != sum(1 for n in user if n.meta["val"].is_floating_point()):
+        raise NotShareable("the backward takes gradients of other outputs than the block's floating-point ones")
+    pools = {"input": list(placeholders), "output": user, "base": bases}
+    roots = sorted({(kind, i) for kind, i, _ in saved}, key=lambda r: (("input", "output", "base").index(r[0]), r[1]))
+    _views_into_backward(bw, saved, {r: pools[r[0]][r[1]].meta["val"] for r in roots}, fake_mode)
+    return BlockLayout(
+        n_user=n_user,
+        copied=frozenset(copied),
+        roots=tuple(roots),
+        outputs=tuple(tensor_meta(n) for n in user + bases),
+        grads=tuple(tensor_meta(n) if isinstance(n, fx.Node) else None for n in _output(bw).args[0]),
+        n_tangents=n_tangents,
+        input_strides=tuple(tuple(n.meta["val"].stride()) for n in bw.graph.find_nodes(op="placeholder")),
+        forward_layouts=tuple((tuple(p.meta["val"].shape), tuple(p.meta["val"].stride())) for p in placeholders),
+    )
+
+
+def _views_into_backward(
+    bw: fx.GraphModule, saved: list[tuple], roots: dict[tuple[str, int], Any], fake_mode: Any
+) -> None:
+    """Rewrite ``bw`` to take ``roots`` (a placeholder each, in order) instead of the ``saved``
+    tensors, made from them by their view ops at its start: free inside the compiled backward,
+    not nodes of the graph around every block."""
+    graph = bw.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    root_nodes = {}
+    with graph.inserting_before(placeholders[0]):
+        for kind, i in roots:
+            root_nodes[(kind, i)] = node = graph.placeholder(f"saved_{kind}_{i}")
+            node.meta["val"] = roots[(kind, i)]
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first_op), fake_mode:
+        for ph, (kind, i, views) in zip(placeholders, saved):
+            value = root_nodes[(kind, i)]
+            for target, args, kwargs, parent in views:
+                args = tuple(value if a is parent else a for a in args)
+                if any(isinstance(a, fx.Node) and a is not value for a in args):
+                    raise NotShareable(f"a tensor the backward reads is a view ({target}) taking a traced value")
+                node = graph.call_function(target, args, dict(kwargs))
+                node.meta["val"] = target(*[value.meta["val"] if a is value else a for a in args], **kwargs)
+                value = node
+            ph.replace_all_uses_with(value)
+            graph.erase_node(ph)
+    graph.lint()
+    bw.recompile()
+
+
+def _view_chain(node: Any) -> tuple[Any, list[tuple[Any, tuple, dict, Any]]]:
+    """The tensor ``node`` is a view of (through view ops), and those ops from it to ``node``."""
+    views = []
+    while isinstance(node, fx.Node) and aot.aliases_an_input(node):
+        views.append((node.target, node.args, node.kwargs, node.args[0]))
+        node = node.args[0]
+    return node, views[::-1]
+
+
+def tensor_meta(node: fx.Node) -> TensorMeta:
+    v = node.meta["val"]
+    return tuple(v.shape), tuple(v.stride()), v.dtype, v.device
+
+
+def user_outputs(sub: fx.GraphModule) -> list[Any]:
+    out = _output(sub).args[0]
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWire:
+    """``fused``: the inputs (DDP parameters) whose gradients the block reduces itself (NOTE [a
+    bucket per block]), and how (``spec``); ``grad_dtype``: theirs (a compress hook's wire differs)."""
+
+    reduced: tuple[int, ...]
+    spec: CommSpec
+    reduced_shapes: tuple[torch.Size, ...]
+    grad_dtype: torch.dtype
+
+
+def grads_onto_wire(
+    bw: fx.GraphModule,
+    params: list[torch.Tensor],
+    reduced: tuple[int, ...],
+    spec: CommSpec,
+    fake_mode: Any,
+    *,
+    decompose: bool,
+) -> tuple[BlockWire, tuple[TensorMeta | None, ...]]:
+    """Rewrite ``bw`` to return the gradients of the ``reduced`` inputs (fakes ``params``) last,
+    as one flat buffer as ``CommSpec.to_wire`` makes it, in input order, zeros for a parameter
+    without a gradient (as ``BucketSync``), decomposed as ``bw`` was; and what it returns now."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1 and spec.comm_dtype is None:
+        raise NotShareable(f"the block's parameters have several dtypes ({sorted(map(str, dtypes))})")
+    out_node = _output(bw)
+    outs = list(out_node.args[0])
+    grads = [outs[i] for i in reduced]
+
+    def pack(*given: torch.Tensor) -> torch.Tensor:
+        it = iter(given)
+        full = [next(it) if isinstance(g, fx.Node) else torch.zeros_like(p) for g, p in zip(grads, params)]
+        # Traced while the forward compiles, under the forward's autocast if any.
+        with torch.autocast(params[0].device.type, enabled=False):
+            return torch.cat([spec.to_wire(g.reshape(-1)) for g in full])
+
+    with bw.graph.inserting_before(out_node):
+        present = [g for g in grads if isinstance(g, fx.Node)]
+        buffer = aot.trace_into(bw.graph, pack, present, fake_mode, decompose=decompose)
+    new_outs = [o for i, o in enumerate(outs) if i not in reduced] + [buffer]
+    out_node.args = (tuple(new_outs),)
+    bw.graph.eliminate_dead_code()
+    bw.graph.lint()
+    bw.recompile()
+    wire = BlockWire(reduced, spec, tuple(torch.Size(p.shape) for p in params), params[0].dtype)
+    return wire, tuple(tensor_meta(n) if isinstance(n, fx.Node) else None for n in new_outs)
+
+
+def reduced_grads(wire: BlockWire, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The gradient of every input, those of ``wire.reduced`` all-reduced from the flat buffer
+    the shared backward returned last."""
+    *others, flat = grads
+    if flat is None:
+        raise AssertionError("expected the shared backward's flat gradient buffer last, got None")
+    reduced = wire.spec.all_reduce(flat)
+    if wire.spec.comm_dtype is not None:
+        reduced = reduced.to(wire.grad_dtype)
+    params, rest = iter(unflatten(reduced, wire.reduced_shapes)), iter(others)
+    return [next(params) if i in wire.reduced else next(rest) for i in range(len(others) + len(wire.reduced))]
+
+
+# NOTE [block reductions grouped]: a bucket per block (NOTE [a bucket per block]) is a collective
+# per block, and each costs the host time whatever its size (NOTE [fused bucket sizes]). So a
+# post-grad pass over the backward around the blocks groups their all-reduces in the order it
+# issues them, by the fused rule's sizes over the blocks' bytes (``plan.overlap_limits``), each
+# group one ``all_reduce_coalesced`` issued when its last block's backward is done (one NCCL
+# launch), scheduled as any collective (NOTE [late waits]). Gradients and the report's buckets
+# (one per block) are unchanged; blocks whose bytes reach the cap alone stay a collective each.
+# An Inductor ``post_grad_custom_post_pass`` of the user's own replaces this pass.
+
+
+def group_block_reductions(graph: fx.Graph, *, producer: str, floor_bytes: int) -> None:
+    """Group the all-reduces of the flat buffers that ``producer`` (the shared block's backward
+    operator, ``namespace::name``) returns (NOTE [block reductions grouped])."""
+    nodes = [
+        n
+        for n in graph.nodes
+        if cc.is_all_reduce(n)
+        and isinstance(flat := n.args[0], fx.Node)
+        and flat.target is operator.getitem
+        and cc.op_name(flat.args[0]) == producer
+    ]
+    if len(nodes) < 2:
+        return
+    values = [n.args[0].meta["val"] for n in nodes]
+    sizes = [v.numel() * v.element_size() for v in values]
+    limits = plan.overlap_limits(sum(sizes), floor_bytes)
+    groups: list[list[fx.Node]] = [[]]
+    used = 0
+    for i, (node, size) in enumerate(zip(nodes, sizes)):
+        if groups[-1] and values[i - 1].dtype != values[i].dtype:  # one dtype per coalesced call
+            groups.append([])
+            used = 0
+        groups[-1].append(node)
+        used += size
+        # As DDP's reducer closes a bucket: once its bytes reach the cap (the last one repeats).
+        if used >= limits[min(len(groups) - 1, len(limits) - 1)]:
+            groups.append([])
+            used = 0
+    cc.coalesce_all_reduces(graph, [g for g in groups if len(g) > 1])
+
+
+def grouping_pass(producer: str, floor_bytes: int) -> Any:
+    """:func:`group_block_reductions` as Inductor's post-grad pass, cache-keyed by this code
+    (NOTE [compile cache keys]), the operator and the cap."""
+    key = f"{source_key(plan, cc, sys.modules[__name__])}-{producer}-{floor_bytes}"
+    return cc.post_grad_pass(functools.partial(group_block_reductions, producer=producer, floor_bytes=floor_bytes), key)
