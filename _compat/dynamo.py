@@ -7,10 +7,9 @@ missing rather than failing a user's compile.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch._dynamo
@@ -245,183 +244,13 @@ def wall_us() -> int:
     return time.time_ns() // 1000
 
 
-@dataclasses.dataclass(frozen=True)
-class CompileRecord:
-    """What torch recorded about one frame compile (``forward``) or one lazily compiled backward."""
-
-    compile_id: str
-    forward: bool
-    start_us: int
-    end_us: int | None
-    frame_s: float | None
-    """Frame: the whole compile (Dynamo, backend call, guards)."""
-    backend_s: float | None
-    """Frame: the backend call."""
-    backward_s: float | None
-    """Lazy backward: the whole backward compile."""
-    inductor_s: float | None
-    """Inductor's compiles within it."""
-    fx_hit: int
-    fx_miss: int
-
-
-def compile_records() -> list[CompileRecord]:
-    """Torch's records of the latest compiles of this process, oldest first
-    (``torch._dynamo.utils.get_compilation_metrics()``: its 64 latest ``CompilationMetrics``,
-    one per frame compile, with ``is_forward=True``, and one per lazily compiled backward, with
-    ``is_forward=False``). Checked on torch 2.13; the fields are those of 2.11 too, and a record
-    missing one reads as ``None``/0."""
-    get = getattr(torch._dynamo.utils, "get_compilation_metrics", None)
-    out = []
-    for m in get() if get is not None else []:
-        cid, start = getattr(m, "compile_id", None), getattr(m, "start_time_us", None)
-        if cid is None or start is None:
-            continue
-        backward_us, inductor_us = (
-            getattr(m, "backward_cumulative_compile_time_us", None),
-            getattr(m, "inductor_cumulative_compile_time_us", None),
-        )
-        out.append(
-            CompileRecord(
-                compile_id=str(cid),
-                forward=getattr(m, "is_forward", None) is not False,
-                start_us=int(start),
-                end_us=getattr(m, "end_time_us", None),
-                frame_s=getattr(m, "entire_frame_compile_time_s", None),
-                backend_s=getattr(m, "backend_compile_time_s", None),
-                backward_s=None if backward_us is None else backward_us / 1e6,
-                inductor_s=None if inductor_us is None else inductor_us / 1e6,
-                fx_hit=sum(
-                    int(getattr(m, f"inductor_fx_{where}_cache_hit_count", 0) or 0) for where in ("local", "remote")
-                ),
-                fx_miss=sum(
-                    int(getattr(m, f"inductor_fx_{where}_cache_miss_count", 0) or 0) for where in ("local", "remote")
-                ),
-            )
-        )
-    return out
-
-
 # --- fake tensors and tracing context ---------------------------------------------------
-
-
-def detect_fake_mode(example_inputs: Any):
-    mode = torch._guards.detect_fake_mode(example_inputs)
-    if mode is None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        mode = FakeTensorMode()
-    return mode
 
 
 def is_fake(value: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(value, FakeTensor)
-
-
-def to_fake(value: Any, fake_mode) -> Any:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
-        return torch._dynamo.utils.to_fake_tensor(value, fake_mode)
-    return value
-
-
-@contextlib.contextmanager
-def allow_real_inputs(fake_mode) -> Iterator[None]:
-    """Run under ``fake_mode`` while parameters are still real tensors (scoped, restored)."""
-    old = fake_mode.allow_non_fake_inputs
-    fake_mode.allow_non_fake_inputs = True
-    try:
-        with fake_mode:
-            yield
-    finally:
-        fake_mode.allow_non_fake_inputs = old
-
-
-# --- a comm hook's graph variants (distributed/fused/variants.py) ---------------------------
-# Checked on torch 2.13.0 (CI); tests/gpu/test_gpu_powersgd.py runs them on 2.11.0.
-
-
-def graph_example_inputs(gm: Any, example_inputs: Any) -> list[Any]:
-    """Dynamo's own fake values of a graph's inputs (``example_value`` of each placeholder:
-    symbolic sizes where Dynamo made them dynamic), else the example input given. A copy of the
-    graph compiled later, outside Dynamo, gets these: real tensors would be fakified with every
-    size dynamic."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return [n.meta.get("example_value", given) for n, given in zip(placeholders, example_inputs)]
-
-
-@contextlib.contextmanager
-def fresh_tracing(fake_mode) -> Iterator[None]:
-    """A tracing context of its own for one more AOTAutograd compile of a Dynamo graph (a comm
-    hook's variant): it keeps that compile's forward metadata apart from Dynamo's."""
-    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-        yield
-
-
-def fake_empty(fake_mode, shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A fake tensor with static sizes in ``fake_mode``."""
-    with fake_mode:
-        return torch.empty(shape, dtype=dtype, device=device)
-
-
-def mark_static_address(t: torch.Tensor) -> None:
-    """Mark a tensor that keeps its address across calls (a comm hook's state), so CUDA-graph
-    runners read it in place (``has_static_address``)."""
-    torch._dynamo.mark_static_address(t, guard=False)
-
-
-def saved_tensor_hooks_disabled():
-    return torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing()
-
-
-class _SegmentMetadata:
-    """Duck-typed stand-in for ``torch._dynamo.backends.distributed.DDPOptimizerContext``.
-
-    NOTE [several AOT graphs per Dynamo graph]: when one Dynamo graph becomes N AOTAutograd
-    graphs, AOTAutograd's lazily compiled backward (dynamic shapes) looks up each graph's
-    forward metadata on ``TracingContext.ddp_optimizer_ctx`` (a list plus a cursor that the
-    backward walks in reverse). Without it, backward N-1 would be compiled against graph N's
-    metadata. We keep our own object with the same two attributes; torch reads only those.
-    """
-
-    def __init__(self) -> None:
-        self.curr_bucket: int = -1
-        self.metadata_per_bucket: list[Any] = []
-
-
-class SegmentTracing:
-    """The per-segment bookkeeping AOTAutograd/Inductor expect when a Dynamo graph is split."""
-
-    def __init__(self) -> None:
-        self.ctx = torch._guards.TracingContext.try_get()
-        if self.ctx is not None and hasattr(self.ctx, "ddp_optimizer_ctx"):
-            self.ctx.ddp_optimizer_ctx = _SegmentMetadata()
-
-    @contextlib.contextmanager
-    def compiling_segment(self) -> Iterator[None]:
-        """Ask AOTAutograd to return fake outputs with the backend's real strides on the
-        first call (``fakify_first_call``), so the next segment is compiled against the layout
-        this one really produces."""
-        if self.ctx is None or not hasattr(self.ctx, "fakify_first_call"):
-            yield
-            return
-        self.ctx.fakify_first_call = True
-        try:
-            yield
-        finally:
-            self.ctx.fakify_first_call = False
-
-    def record_segment_metadata(self) -> bool:
-        """After an AOTAutograd compile: stash its forward metadata for the lazy backward."""
-        seg_ctx = getattr(self.ctx, "ddp_optimizer_ctx", None) if self.ctx else None
-        if seg_ctx is None or getattr(self.ctx, "fw_metadata", None) is None:
-            return False
-        seg_ctx.curr_bucket += 1
-        seg_ctx.metadata_per_bucket.append(self.ctx.fw_metadata)
-        return True
 
 
 # --- torch's own DDPOptimizer -------------------------------------------------------------
@@ -538,39 +367,3 @@ def reset() -> None:
     process would start."""
     torch._dynamo.reset()
     _dynamo_counters.clear()
-
-
-def graph_counts() -> dict[str, int]:
-    """Graphs Dynamo compiled and graph breaks it made since the last :func:`reset`."""
-    return {
-        "unique_graphs": int(_dynamo_counters["stats"]["unique_graphs"]),
-        "graph_breaks": int(sum(_dynamo_counters["graph_break"].values())),
-    }
-
-
-# --- torch's python reducer and compiled autograd (the benchmarks' ``torch-ca``) ----------------
-# Checked on torch 2.13.0 (CI, run by tests/benchmarks/test_torch_ca.py) and against the source of
-# 2.11.0 (device machines): the same config names (``optimize_ddp``, ``_fuse_ddp_communication``,
-# ``_fuse_ddp_bucket_size``, ``recompile_limit``, ``accumulated_recompile_limit``), the same side
-# effects in DDP's constructor, ``compiled_autograd._enable`` (``enable`` in older torch) and its
-# ``captures`` counter.
-
-
-def ddp_inline_rule_added() -> bool:
-    """Whether Dynamo's ``LEGACY_MOD_INLINELIST`` holds ``torch.nn.parallel.distributed`` (what
-    DDP's constructor adds for its python reducer, :func:`build_for_python_reducer`)."""
-    from torch._dynamo import trace_rules
-
-    return "torch.nn.parallel.distributed" in trace_rules.LEGACY_MOD_INLINELIST
-
-
-def compiled_autograd_captures() -> int:
-    """Backward graphs compiled autograd captured since the last :func:`reset`."""
-    return int(_dynamo_counters["compiled_autograd"]["captures"])
-
-
-def compiled_autograd_enabled() -> bool:
-    """Whether compiled autograd captures the backward passes run now."""
-    from torch._dynamo import compiled_autograd
-
-    return bool(compiled_autograd.compiled_autograd_enabled)

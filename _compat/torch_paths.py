@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any, Callable, Iterator
 
 import torch.nn as nn
+from torch._dynamo.utils import counters as _dynamo_counters
 
 
 def optimize_ddp(flag: bool) -> contextlib.AbstractContextManager:
@@ -97,3 +98,35 @@ def replicate(model: nn.Module) -> nn.Module:
     for block in blocks:
         replicate_module(block)
     return replicate_module(model)
+
+
+# Probes of the anchors' state (tests/benchmarks/test_torch_ca.py): checked on torch 2.13.0 and
+# against the source of 2.11.0.
+
+
+def graph_counts() -> dict[str, int]:
+    """Graphs Dynamo compiled and graph breaks it made since the last ``torch._dynamo.reset()``."""
+    return {
+        "unique_graphs": int(_dynamo_counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(_dynamo_counters["graph_break"].values())),
+    }
+
+
+def ddp_inline_rule_added() -> bool:
+    """Whether Dynamo's ``LEGACY_MOD_INLINELIST`` holds ``torch.nn.parallel.distributed`` (what
+    DDP's constructor adds for its python reducer, :func:`build_for_python_reducer`)."""
+    from torch._dynamo import trace_rules
+
+    return "torch.nn.parallel.distributed" in trace_rules.LEGACY_MOD_INLINELIST
+
+
+def compiled_autograd_captures() -> int:
+    """Backward graphs compiled autograd captured since the last ``torch._dynamo.reset()``."""
+    return int(_dynamo_counters["compiled_autograd"]["captures"])
+
+
+def compiled_autograd_enabled() -> bool:
+    """Whether compiled autograd captures the backward passes run now."""
+    from torch._dynamo import compiled_autograd
+
+    return bool(compiled_autograd.compiled_autograd_enabled)

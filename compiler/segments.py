@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from .._compat import dynamo as dc
+from .._compat import pieces
 from ..distributed.result import CompileOutcome, falls_back
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ def compile_with_fallback(
     *,
     backend_name: str,
     fallback: str,
-    tracing: dc.SegmentTracing | None = None,
+    tracing: pieces.SegmentTracing | None = None,
 ) -> tuple[Callable[..., Any], CompileOutcome]:
     """Compile ``gm`` with ``backend_fn``; on failure run it eagerly (``fallback="eager"``,
     reason kept) or re-raise (``fallback="raise"``)."""

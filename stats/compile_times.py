@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
+from .._compat import compile_records as cr
 from .._compat import dynamo as dc
 
 POLLS_AFTER_COMPILE = 3
@@ -119,11 +120,11 @@ class CompileTimesTracker:
         """Read torch's records; whether any graph gained figures."""
         if not self._tracked:
             return False
-        records = dc.compile_records()
+        records = cr.compile_records()
         return any([self._claim(t, records) for t in self._tracked])
 
     @staticmethod
-    def _claim(t: _Tracked, records: list[dc.CompileRecord]) -> bool:
+    def _claim(t: _Tracked, records: list[cr.CompileRecord]) -> bool:
         """The frame record holds the backend call; backward records of the same compile id
         follow it, up to the next frame compiled under that id (ids restart after a reset)."""
         changed = False
@@ -151,7 +152,7 @@ class CompileTimesTracker:
         return changed
 
 
-def _add_backward(times: CompileTimes, r: dc.CompileRecord) -> None:
+def _add_backward(times: CompileTimes, r: cr.CompileRecord) -> None:
     total, inductor = r.backward_s or 0.0, r.inductor_s or 0.0
     times.backward_compiles += 1
     times.backend_s += inductor

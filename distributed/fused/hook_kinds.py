@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from ..._compat import ddp as ddpc
-from ..._compat import dynamo as dc
+from ..._compat import pieces
 from .comm_hooks import HookProgram, TraceableCommHook, TracedHookProgram
 from .powersgd_run import PowerSGDRun
 from .sync import CommSpec, group_spec, reducer_spec
@@ -55,7 +55,7 @@ REDUCER = HookKind("reducer", reducer=True)
 
 
 def _powersgd(hook: Any, state: Any, spec: CommSpec) -> HookProgram:
-    return PowerSGDRun(state, group_spec(state.process_group), dc.mark_static_address)
+    return PowerSGDRun(state, group_spec(state.process_group), pieces.mark_static_address)
 
 
 def hook_kind(ddp: Any) -> HookKind:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from ..._compat import dynamo as dc
+from ..._compat import pieces
 from ...partitioners.param_usage import GraphParam
 from ..result import CompileOutcome, GraphJob, PieceCompiler, VariantStats
 from .comm_hooks import HookProgram
@@ -26,20 +26,20 @@ class VariantCompiler:
         self, job: GraphJob, program: HookProgram, buckets: Sequence[Sequence[GraphParam]], compiler: PieceCompiler
     ) -> None:
         self.gm = job.gm  # kept as Dynamo gave it: each variant transforms a copy
-        self.inputs = dc.graph_example_inputs(job.gm, job.example_inputs)
-        self.fake_mode = dc.detect_fake_mode(self.inputs)
+        self.inputs = pieces.graph_example_inputs(job.gm, job.example_inputs)
+        self.fake_mode = pieces.detect_fake_mode(self.inputs)
         self.program, self.buckets = program, buckets
         self.compiler, self.label = compiler, job.label
         self.variants: list[VariantStats] = []
         self._first: CompileOutcome | None = None
 
     def __call__(self, variant: Any, input_specs: list[Any]) -> Any:
-        extra = [dc.fake_empty(self.fake_mode, *spec) for spec in input_specs]
+        extra = [pieces.fake_empty(self.fake_mode, *spec) for spec in input_specs]
         gm, buckets, nodes = fresh_copy(self.gm, self.buckets, extra, "comm_hook_input")
         self.program.insert(gm, buckets, variant, nodes)
         name = self.program.variant_name(variant)
         later = self._first is not None
-        with dc.fresh_tracing(self.fake_mode):
+        with pieces.fresh_tracing(self.fake_mode):
             compiled, outcome = self.compiler.variant(
                 gm, [*self.inputs, *extra], label=f"{self.label} ({name}) segment 0", later=later
             )

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from ..._compat import ddp as ddpc
 from ..._compat import dynamo as dc
+from ..._compat import pieces
 from ...partitioners.param_usage import GraphParam, ready_order
 from ...partitioners.split import Segment, bucket_boundaries, split_graph
 from ..plan import BucketCaps, buckets_from_reducer, plan_buckets
@@ -133,8 +134,8 @@ def compile_segments(split_gm: fx.GraphModule, job: GraphJob, compiler: PieceCom
     segment really produces (see NOTE [several AOT graphs per Dynamo graph] in
     ``_compat/dynamo.py``).
     """
-    fake_mode = dc.detect_fake_mode(job.example_inputs)
-    tracing = dc.SegmentTracing()
+    fake_mode = pieces.detect_fake_mode(job.example_inputs)
+    tracing = pieces.SegmentTracing()
     env: dict[fx.Node, Any] = {}
     placeholders = iter(job.example_inputs)
     outcomes: list[CompileOutcome] = []
@@ -143,15 +144,15 @@ def compile_segments(split_gm: fx.GraphModule, job: GraphJob, compiler: PieceCom
     def load(arg: Any) -> Any:
         return fx.node.map_arg(arg, lambda n: env[n])
 
-    with dc.saved_tensor_hooks_disabled():
+    with pieces.saved_tensor_hooks_disabled():
         for node in split_gm.graph.nodes:
             if node.op == "placeholder":
-                env[node] = dc.to_fake(next(placeholders), fake_mode)
+                env[node] = pieces.to_fake(next(placeholders), fake_mode)
             elif node.op == "call_module":
                 env[node] = _compile_segment(
                     split_gm,
                     node,
-                    tuple(dc.to_fake(a, fake_mode) for a in load(node.args)),
+                    tuple(pieces.to_fake(a, fake_mode) for a in load(node.args)),
                     compiler,
                     job.label,
                     tracing,
@@ -197,7 +198,7 @@ def _compile_segment(
     name = f"compiled_{node.target}"
     split_gm.add_submodule(name, wrapper)
     node.target = name
-    with dc.allow_real_inputs(fake_mode):
+    with pieces.allow_real_inputs(fake_mode):
         if not outcome.fell_back and dc.aot_autograd_count() != aot_before and tracing.record_segment_metadata():
             return wrapper(*args)
         out = submod(*args)

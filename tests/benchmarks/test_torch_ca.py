@@ -13,6 +13,7 @@ from support.dist import run_distributed
 
 from bucketwise._compat import ddp as ddpc
 from bucketwise._compat import dynamo as dc
+from bucketwise._compat import torch_paths as tp
 from bucketwise.benchmarks.core.configs import CONFIGS, Recipe
 from bucketwise.benchmarks.core.models import make_spec
 from bucketwise.benchmarks.core.step import make_step, training_step
@@ -39,8 +40,8 @@ def _train(rank: int, world_size: int, config: str) -> dict:
         "losses": losses,
         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
         "python_reducer": ddpc.uses_python_reducer(ddp),
-        "captures": dc.compiled_autograd_captures(),
-        "graphs": dc.graph_counts(),
+        "captures": tp.compiled_autograd_captures(),
+        "graphs": tp.graph_counts(),
     }
 
 
@@ -73,8 +74,8 @@ def _process_state() -> dict:
         "optimize_ddp": torch._dynamo.config.optimize_ddp,
         "fuse_ddp": torch._inductor.config._fuse_ddp_communication,
         "fuse_ddp_bucket": torch._inductor.config._fuse_ddp_bucket_size,
-        "ddp_inline_rule": dc.ddp_inline_rule_added(),
-        "compiled_autograd": dc.compiled_autograd_enabled(),
+        "ddp_inline_rule": tp.ddp_inline_rule_added(),
+        "compiled_autograd": tp.compiled_autograd_enabled(),
     }
 
 
@@ -98,7 +99,7 @@ def test_torch_ca_beside_other_configs_leaves_them_unchanged(single_rank_group):
     dc.reset()
     alone, step = built("torch")
     alone_losses = [step().item() for _ in range(3)]
-    alone_graphs = dc.graph_counts()
+    alone_graphs = tp.graph_counts()
     assert alone_graphs["unique_graphs"] >= 1, alone_graphs
     dc.reset()
 
@@ -114,19 +115,19 @@ def test_torch_ca_beside_other_configs_leaves_them_unchanged(single_rank_group):
     assert not ddpc.uses_python_reducer(others["bw-auto"]["prepared"].module)
     ca_losses, torch_graphs = [], dict.fromkeys(alone_graphs, 0)
     for i in range(3):
-        compiled = (dc.graph_counts(), dc.compiled_autograd_captures())
+        compiled = (tp.graph_counts(), tp.compiled_autograd_captures())
         ca_losses.append(ca_step().item())
         assert _process_state() == state, "a torch-ca step left its settings in force"
         if i:  # torch-ca runs what it compiled in its first step, not what torch compiled in the same frame
-            assert (dc.graph_counts(), dc.compiled_autograd_captures()) == compiled, i
+            assert (tp.graph_counts(), tp.compiled_autograd_captures()) == compiled, i
         for config, o in others.items():
-            before = dc.graph_counts()
+            before = tp.graph_counts()
             o["losses"].append(o["step"]().item())
             if config == "torch":  # what Dynamo did for torch's steps alone
-                torch_graphs = {k: n + dc.graph_counts()[k] - before[k] for k, n in torch_graphs.items()}
+                torch_graphs = {k: n + tp.graph_counts()[k] - before[k] for k, n in torch_graphs.items()}
     assert others["torch"]["losses"] == pytest.approx(alone_losses, rel=1e-6)
     assert torch_graphs == alone_graphs
-    assert dc.compiled_autograd_captures() >= 1
+    assert tp.compiled_autograd_captures() >= 1
     # One rank: every DDP config trains like the local floor.
     for config in ("torch", "bw-auto"):
         assert others[config]["losses"] == pytest.approx(others["local"]["losses"], rel=1e-5), config

@@ -473,11 +473,11 @@ def test_compile_times_skip_runtime_records():
     """torch 2.11 also files records of runtime work (Triton autotuning at the first forward
     and backward) under a frame's compile id, without compile seconds: they are neither a
     second frame nor a backward compile, and the lazy backward between them is still claimed."""
-    from bucketwise._compat import dynamo as dc
+    from bucketwise._compat import compile_records as cr
     from bucketwise.stats.compile_times import CompileTimes, CompileTimesTracker, _Tracked
 
     def rec(forward, start, frame_s=None, backward_s=None, inductor_s=None):
-        return dc.CompileRecord(
+        return cr.CompileRecord(
             compile_id="0/0",
             forward=forward,
             start_us=start,
