@@ -36,10 +36,10 @@ from ..partitioners.param_usage import GraphParam, ParamInput, higher_order_ops,
 from ..stats.compile_times import CompileTimes, backend_call_times
 from ..stats.report import GraphStats, Report, SegmentStats, eager_regions
 from . import doctor
-from .blocks import SHARED_BLOCK_BACKWARD, BlockBuckets, Sharing, share_blocks
+from .blocks import SHARED_BLOCK_BACKWARD, Sharing, share_blocks
 from .blocks import cache_targets as blocks_cache_targets
 from .blocks.calls import BlockCallRefused, BlockCalls, find_block_calls, is_block_call, repeated_blocks
-from .blocks.find import CostRule, device_cost
+from .blocks.find import BlockBuckets, CostRule, device_cost
 from .blocks.graphs import grouping_pass
 from .config import CompileConfig
 from .decision import BlockSharing, Decision, Strategy, Variant, decide, decide_sharing, refusal

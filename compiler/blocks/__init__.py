@@ -1,9 +1,8 @@
 """Compile once per block: identical blocks of a whole graph share one compiled forward and backward.
 
-A block is not shared, and compiles with the whole graph, when its graph differs from the others
-(shapes, dtypes, constants, hooks), when shapes are dynamic, in a graph without gradients, when it
-draws random numbers, writes into an input, or sits in an autocast or grad-mode region that starts
-outside it, and with a backend other than Inductor or ``aot_eager``: the report says why.
+A block that cannot be shared (another computation than the others, dynamic shapes, no gradients,
+random numbers, a write into an input, an autocast or grad-mode region from outside it, a backend
+other than Inductor or ``aot_eager``) compiles with the whole graph, and the report says why.
 
 NOTE [one compile per block]: N identical blocks appear N times in the graph Dynamo gives, and
 AOTAutograd and Inductor trace, partition and compile each: the first step grows with depth.
@@ -55,7 +54,7 @@ from ...distributed.fused.cache_keys import source_key
 from ...distributed.fused.sync import REDUCED_PARAMS_META, CommSpec
 from ...distributed.result import CompileOutcome
 from . import calls, find, graphs
-from .find import BlockCost, CostRule, KeptWhole
+from .find import BlockBuckets, BlockCost, CostRule, KeptWhole
 from .graphs import BlockLayout, BlockWire, MovedOut, NotShareable
 
 _RANDOM = ("rand", "dropout", "bernoulli", "philox", "seed", "normal_", "uniform_", "exponential_", "multinomial")
@@ -104,20 +103,6 @@ class SharedBlock:
     reads: tuple[int, ...] | None = None
     cost: BlockCost | None = None
     first_call: FirstCall = dataclasses.field(default_factory=FirstCall)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockBuckets:
-    """``fused``: how gradients are reduced, and the placeholders of the dense DDP parameters that
-    need a gradient, each its tensor's only one: those a shared block may reduce itself."""
-
-    spec: CommSpec
-    params: frozenset[fx.Node]
-
-
-def _empty(meta: graphs.TensorMeta) -> torch.Tensor:
-    shape, stride, dtype, device = meta
-    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
 def _shared_block(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -192,9 +177,9 @@ class _SharedBlockFormula(torch.autograd.Function):
         block = _BLOCKS[ctx.key]
         layout = block.layout
         tangents = [
-            grads[j] if grads[j] is not None else _empty(layout.outputs[j]).zero_()
-            for j in range(layout.n_user)
-            if layout.outputs[j][2].is_floating_point
+            grads[j] if grads[j] is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for j, (shape, _, dtype, device) in enumerate(layout.outputs[: layout.n_user])
+            if dtype.is_floating_point
         ]
         present = iter(SHARED_BLOCK_BACKWARD(ctx.key, [*ctx.saved, *tangents]))
         grads = [None if meta is None else next(present) for meta in layout.grads]
@@ -206,7 +191,9 @@ SHARED_BLOCK = ops.define(
     "bucketwise::shared_block",
     "(int key, Tensor[] inputs) -> Tensor[]",
     kernel=_shared_block,
-    fake=lambda key, inputs: [_empty(meta) for meta in _BLOCKS[key].layout.outputs],
+    fake=lambda key, inputs: [
+        torch.empty_strided(*m[:2], dtype=m[2], device=m[3]) for m in _BLOCKS[key].layout.outputs
+    ],
     formula=_SharedBlockFormula,
     tags=(torch.Tag.needs_exact_strides,),
 )
@@ -214,7 +201,9 @@ SHARED_BLOCK_BACKWARD = ops.define(
     "bucketwise::shared_block_backward",
     "(int key, Tensor[] saved_and_grads) -> Tensor[]",
     kernel=_shared_block_backward,
-    fake=lambda key, saved_and_grads: [_empty(m) for m in _BLOCKS[key].layout.grads if m is not None],
+    fake=lambda key, grads: [
+        torch.empty_strided(*m[:2], dtype=m[2], device=m[3]) for m in _BLOCKS[key].layout.grads if m
+    ],
     tags=(torch.Tag.needs_exact_strides,),
 )
 
@@ -301,7 +290,7 @@ def share_blocks(
     graphs_ = [aot.block_graph(gm, part, f"block_{k}") for k, part in enumerate(parts)]
     inputs = [ins for _, ins, _ in graphs_]
     signatures = [
-        find.piece_signature(sub, [values[n] for n in ins], opaque=_block_call_key) for sub, ins, _ in graphs_
+        find.piece_signature(sub, [values[n] for n in ins], opaque=calls.opaque_key) for sub, ins, _ in graphs_
     ]
     repeated = {sig for sig in signatures if signatures.count(sig) > 1}
     if not repeated:
@@ -356,15 +345,6 @@ def share_blocks(
     ), None
 
 
-def _block_call_key(node: fx.Node) -> tuple[Any, Any] | None:
-    """A block Dynamo called as one op (NOTE [Dynamo calls a block]) computes what its recorded
-    run did; its first argument (which block) takes no part."""
-    if not calls.is_block_call(node):
-        return None
-    computation = calls.fingerprint(node)
-    return (computation if computation is not None else ("unrecorded", node.args[0])), node.args[1:]
-
-
 def _compile(
     sub: fx.GraphModule,
     fakes: list[Any],
@@ -405,16 +385,10 @@ def _compile(
         wire, grads = graphs.grads_onto_wire(bw, params, at, spec, fake_mode, decompose=backend.inductor)
         layout = dataclasses.replace(layout, grads=grads)
     if backend.inductor:
-        forward, backward = (
-            aot.inductor_compile(
-                g,
-                [n.meta["val"] for n in g.graph.find_nodes(op="placeholder")],
-                fake_mode,
-                backward=g is bw,
-                config_patches=config_patches,
-            )
-            for g in (fw, bw)
-        )
+        fw_inputs = [n.meta["val"] for n in fw.graph.find_nodes(op="placeholder")]
+        bw_inputs = [n.meta["val"] for n in bw.graph.find_nodes(op="placeholder")]
+        forward = aot.inductor_compile(fw, fw_inputs, fake_mode, backward=False, config_patches=config_patches)
+        backward = aot.inductor_compile(bw, bw_inputs, fake_mode, backward=True, config_patches=config_patches)
     else:
         forward, backward = aot.boxed(fw), aot.boxed(bw)
     block = SharedBlock(next(_KEYS), layout, forward, backward, wire=wire, moved=moved, reads=reads, cost=estimated)

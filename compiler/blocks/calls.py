@@ -342,8 +342,12 @@ def is_block_call(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is block_call
 
 
-def fingerprint(node: fx.Node) -> tuple | None:
-    """The computation of the block a ``block_call`` node calls, as last recorded (``None``:
-    never run on fake tensors, or a block that changed module attributes: share nothing)."""
+def opaque_key(node: fx.Node) -> tuple[Any, Any] | None:
+    """``find.piece_signature``'s key of a ``block_call`` node: the computation its block last
+    recorded (else, never run on fake tensors or it changed module attributes, its key alone:
+    shared by nothing) and its arguments but the first (which block)."""
+    if not is_block_call(node):
+        return None
     entry = _CALLS.get(node.args[0])
-    return entry.fingerprint if entry is not None else None
+    computation = entry.fingerprint if entry is not None else None
+    return (computation if computation is not None else ("unrecorded", node.args[0])), node.args[1:]

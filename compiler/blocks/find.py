@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..._compat import aot
+from ...distributed.fused.sync import CommSpec
 from ...partitioners.regions import outside_regions, transform_regions
 
 _NUMBERED = re.compile(r"^(?P<parent>.+?)(?:\.(?P<dot>\d+)|\[(?P<bracket>\d+)\])$")
@@ -159,13 +160,22 @@ def invariant_inputs(
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockBuckets:
+    """``fused``: how gradients are reduced, and the placeholders of the dense DDP parameters that
+    need a gradient, each its tensor's only one: those a shared block may reduce itself."""
+
+    spec: CommSpec
+    params: frozenset[fx.Node]
+
+
 def reduced_inputs(
     inputs: list[tuple[fx.Node, ...]],
     parts: list[list[fx.Node]],
     signatures: list[tuple],
     repeated: set[tuple],
     values: dict[fx.Node, Any],
-    buckets: Any,
+    buckets: BlockBuckets | None,
 ) -> tuple[dict[tuple, tuple[int, ...]], bool | str | None]:
     """Per repeated signature, the inputs whose gradients its compiled block reduces (NOTE [a
     bucket per block]): the ``buckets.params`` read only inside the block; and ``True``, or why no
