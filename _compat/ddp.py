@@ -1,10 +1,7 @@
-"""Every private DistributedDataParallel attribute bucketwise touches.
-
-Checked on torch 2.11.0 (device machines) and 2.13.0 (CI). DDP's forward is
-``_pre_forward`` -> ``module(...)`` -> ``_post_forward``; bucketwise keeps DDP's own pre/post
-steps (reducer preparation, buffer broadcast, input moves, find_unused bookkeeping) and swaps
-only the middle call for a compiled one.
-"""
+"""Private DistributedDataParallel attributes: its forward, configuration, reducer and join()
+(comm hooks: ``ddp_hooks.py``; the released reducer: ``released_reducer.py``). Checked on torch
+2.11.0 (device machines) and 2.13.0 (CI). bucketwise keeps DDP's ``_pre_forward`` and
+``_post_forward`` and swaps only the ``module(...)`` call between them for a compiled one."""
 
 from __future__ import annotations
 
@@ -240,9 +237,7 @@ def reducer_buckets(ddp: DDP) -> tuple[list[list[int]] | None, str]:
 
 
 def will_rebuild(ddp: DDP) -> bool:
-    """The reducer rebuilds its buckets once, after the first iteration, unless
-    ``find_unused_parameters=True`` without ``static_graph`` (reducer.cpp
-    ``should_rebuild_buckets``)."""
+    """The reducer rebuilds its buckets after the first iteration (``should_rebuild_buckets``)."""
     return static_graph(ddp) or not find_unused_parameters(ddp)
 
 
@@ -352,142 +347,6 @@ def run_forward_with_idle_reducer(ddp: DDP, args: tuple, kwargs: dict, call: Any
         ddp.require_backward_grad_sync = user_sync
     ddp.require_forward_param_sync = bool(torch.is_grad_enabled() and user_sync)
     return out
-
-
-# --- DDP's bucket buffers (fused strategy) ------------------------------------------------
-# NOTE [released reducer]: DDP's reducer allocates its bucket buffers (one flat tensor per bucket,
-# together a copy of every gradient) when the DDP module is built, and holds them for the
-# module's life. Under ``fused`` the reducer is idle: the compiled backward reduces each bucket
-# into a buffer of its own, whose views become ``param.grad``, so the reducer's buffers are a
-# second copy of the gradients that nothing reads. Once ``fused`` is confirmed, bucketwise
-# destroys the reducer (and the logger that keeps it alive) and puts in their place a stand-in
-# that answers the one call DDP's idle forward makes (``_rebuild_buckets()``: nothing to
-# rebuild). Anything else (``join()`` once a rank has joined, a comm hook registered later, DDP's
-# logging data) first rebuilds the real reducer as DDP's ``__setstate__`` does, with the module's
-# comm hooks and static-graph setting. A fresh reducer is what the idle one was (never run,
-# buckets not yet rebuilt), so ranks that rebuild it at the same step agree.
-
-_RELEASED_KEY = "_bucketwise_released_reducer"
-
-
-class _ReleasedReducer:
-    """Stands in for ``ddp.reducer`` and ``ddp.logger`` while the fused graphs reduce (NOTE
-    [released reducer]): the idle forward's ``_rebuild_buckets()`` is answered here, every other
-    attribute rebuilds the real object first."""
-
-    def __init__(self, ddp: DDP, role: str) -> None:
-        self.__dict__["_ddp"] = weakref.ref(ddp)
-        self.__dict__["_role"] = role
-
-    def _rebuild_buckets(self) -> bool:
-        if self._role == "reducer":
-            return False
-        return self.__getattr__("_rebuild_buckets")()
-
-    def __getattr__(self, name: str) -> Any:
-        ddp = self._ddp()
-        if ddp is None:
-            raise AttributeError(f"{name}: the DDP module this reducer belonged to is gone")
-        rebuild_reducer(ddp, why=f"DDP's {self._role}.{name} was used")
-        return getattr(getattr(ddp, self._role), name)
-
-    def __repr__(self) -> str:
-        return f"<DDP {self._role} released by bucketwise (rebuilt on first use)>"
-
-
-def reducer_bytes(ddp: DDP) -> int:
-    """Bytes of the reducer's dense bucket buffers: one element per dense reducer parameter."""
-    flags = sparse_gradient_flags(ddp)
-    return sum(p.numel() * p.element_size() for (_, p), sparse in zip(reducer_parameters(ddp), flags) if not sparse)
-
-
-def reducer_released(ddp: DDP) -> bool:
-    return isinstance(getattr(ddp, "reducer", None), _ReleasedReducer)
-
-
-def release_reducer(ddp: DDP) -> int:
-    """Destroy DDP's reducer and logger, freeing the bucket buffers (NOTE [released reducer]);
-    returns their bytes, 0 where there was nothing to release (already released, or no C++
-    reducer: every parameter's allreduce delayed, the python reducer)."""
-    if not isinstance(getattr(ddp, "reducer", None), dist.Reducer) or uses_python_reducer(ddp):
-        return 0
-    freed = reducer_bytes(ddp)
-    ddp.__dict__[_RELEASED_KEY] = True
-    ddp.reducer = _ReleasedReducer(ddp, "reducer")
-    ddp.logger = _ReleasedReducer(ddp, "logger")
-    return freed
-
-
-def rebuild_reducer(ddp: DDP, *, why: str) -> None:
-    """Build DDP's reducer and logger again where they were released, as DDP's ``__setstate__``
-    does, then register the module's comm hooks and static-graph setting on them."""
-    if not reducer_released(ddp):
-        return
-    parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
-    names = ddp._build_debug_param_to_name_mapping(parameters)
-    ddp._ddp_init_helper(parameters, expect_sparse_gradient, names, ddp.static_graph)
-    for hook, state in getattr(ddp, "_comm_hooks", None) or []:
-        ddp.logger._set_comm_hook_name(hook.__qualname__)
-        dist._register_comm_hook(ddp.reducer, state, hook)
-    if ddp.static_graph:
-        ddp.reducer._set_static_graph()
-        ddp.logger._set_static_graph()
-    ddp._has_rebuilt_buckets = False
-    log.info("bucketwise: DDP's reducer rebuilt (%s); its bucket buffers are allocated again", why)
-
-
-def wants_released_reducer(ddp: DDP) -> bool:
-    """bucketwise released this module's reducer once (it is released again after a rebuild)."""
-    return bool(ddp.__dict__.get(_RELEASED_KEY))
-
-
-# --- comm hooks (distributed/fused/comm_hooks.py, powersgd.py) -----------------------------------
-# Checked on torch 2.13.0 (CI); tests/gpu/test_gpu_powersgd.py runs them on 2.11.0.
-
-
-def comm_hook(ddp: DDP) -> tuple[Any, Any] | None:
-    """The Python comm hook registered last and its state, ``(hook, state)``, or ``None``."""
-    hooks = getattr(ddp, "_comm_hooks", None) or []
-    return hooks[-1] if hooks else None
-
-
-def comm_hook_count(ddp: DDP) -> int:
-    """How many Python comm hooks ``register_comm_hook`` has registered on ``ddp`` (read per call:
-    a hook registered after the first forward changes what the graphs must do). A built-in hook
-    (``_register_builtin_comm_hook``) goes to the reducer, which a released reducer rebuilds
-    for it (NOTE [released reducer])."""
-    return len(getattr(ddp, "_comm_hooks", None) or ())
-
-
-def builtin_hook_name(ddp: DDP) -> str | None:
-    """A C++ comm hook registered with ``_register_builtin_comm_hook`` (not in ``_comm_hooks``):
-    only DDP's logging data names it. Not read from a released reducer's stand-in, which would
-    rebuild it: the reducer is released only after the hook check passed."""
-    if not isinstance(getattr(ddp, "logger", None), dist.Logger):
-        return None
-    return ddp._get_ddp_logging_data().get("comm_hook") or None
-
-
-def batched_powersgd_works() -> bool:
-    """Whether torch's ``batched_powerSGD_hook`` can run past ``start_powerSGD_iter``: it hands
-    ``_orthogonalize`` a 2-D matrix, which takes only 3-D batches since torch 1.12 (pytorch
-    pull request 75157; seen failing on 2.13.0)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-
-    try:
-        ps._orthogonalize(torch.ones(2, 1))
-    except Exception:  # noqa: BLE001 - any failure means the hook fails the same way
-        return False
-    return True
-
-
-def powersgd_gram_schmidt_(matrices: torch.Tensor, epsilon: float) -> None:
-    """torch's ``powerSGD_hook._orthogonalize_gram_schmidt``: Gram-Schmidt on the columns of each
-    matrix of a contiguous ``batch x rows x cols`` tensor, in place (plain in-place aten ops,
-    traceable)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-
-    ps._orthogonalize_gram_schmidt(matrices, epsilon=epsilon)
 
 
 # --- join() for uneven inputs --------------------------------------------------------------

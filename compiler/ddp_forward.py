@@ -16,9 +16,10 @@ from typing import Any, Callable
 
 import torch
 
-from .._compat import c10d
+from .._compat import c10d, ddp_hooks
 from .._compat import ddp as ddpc
 from .._compat import dynamo as dc
+from .._compat import released_reducer as rr
 from ..distributed.fused import FusedState
 from ..distributed.fused.runtime import FusedRuntime
 from ..distributed.rank_check import check_same_on_all_ranks, rank_checks_ready
@@ -90,9 +91,9 @@ class DDPForward:
         hooks = self.hooks.changed()
         if hooks is not None:
             self._decide(hooks, recompile=True)
-        elif ddpc.comm_hook_count(ddp) != self.comm_hooks:
+        elif ddp_hooks.comm_hook_count(ddp) != self.comm_hooks:
             self._decide("a comm hook was registered")
-        elif self.fused is not None and ddpc.wants_released_reducer(ddp) and not ddpc.reducer_released(ddp):
+        elif self.fused is not None and rr.wants_released_reducer(ddp) and not rr.reducer_released(ddp):
             if not ddpc.join_enabled(ddp):
                 self._decide("DDP's reducer was rebuilt (a built-in comm hook?)")
 
@@ -116,7 +117,7 @@ class DDPForward:
             self.refused = why or "the first call"
             raise ValueError(problem)
         self.refused = None
-        self.decision, self.comm_hooks = new, ddpc.comm_hook_count(self.ddp)
+        self.decision, self.comm_hooks = new, ddp_hooks.comm_hook_count(self.ddp)
         if old is None:
             self.hooks.start()
         elif recompile or not new.same_graphs(old):
@@ -170,7 +171,7 @@ class DDPForward:
         elif not new.fused and self.fused is not None:
             self.fused.runtime.remove_hooks()
             self.fused = None
-            ddpc.rebuild_reducer(ddp, why=f"strategy {new.strategy}: DDP's reducer reduces")
+            rr.rebuild_reducer(ddp, why=f"strategy {new.strategy}: DDP's reducer reduces")
         if new.fused and new.caps is not None and new.caps.for_overlap:
             report.note(
                 f"fused buckets {new.caps.describe()} (NOTE [fused bucket sizes]): fewer collectives than DDP's "
@@ -219,7 +220,7 @@ class DDPForward:
 
     def _fused(self, sync: bool, args: tuple, kwargs: dict, stance: Callable[[], Any]) -> Any:
         ddp, runtime = self.ddp, self.runtime
-        if not ddpc.reducer_released(ddp):
+        if not rr.reducer_released(ddp):
             self._release_reducer()
         runtime.before_forward(sync)
         variant = Variant.SYNC if sync else Variant.NO_SYNC
@@ -285,9 +286,9 @@ class DDPForward:
         they stay while the join context lasts: a rank with no inputs left never forwards, so it
         keeps whatever reducer it has, and every rank's must be in the same state."""
         ddp = self.ddp
-        if ddpc.wants_released_reducer(ddp) and ddpc.join_enabled(ddp):
+        if rr.wants_released_reducer(ddp) and ddpc.join_enabled(ddp):
             return
-        freed = ddpc.release_reducer(ddp)
+        freed = rr.release_reducer(ddp)
         if freed and "release" not in self.said:
             self.said.add("release")
             self.report.note(

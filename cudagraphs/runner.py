@@ -69,7 +69,8 @@ class CudaGraphGroup:
         self.on_stats = on_stats
         # Addresses a runner may read in place: parameters, buffers, every recording's outputs.
         self.stable_ptrs: set[int] = set()
-        # Forwards a backward may still join, by each saved activation's address (NOTE [a forward...]).
+        # Forwards a backward may still join, by each saved activation's address
+        # (NOTE [a forward and its backward share a pool]).
         self.open_forwards: "weakref.WeakValueDictionary[int, Recording]" = weakref.WeakValueDictionary()
         self._warm_pool: Any = None  # warm-ups allocate here until the next capture
         # Weakly: Dynamo's cache owns the runners, so torch._dynamo.reset() frees their recordings.

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from ..._compat import collectives as cc
 from ..._compat import ddp as ddpc
+from ..._compat import ddp_hooks
 from ..._compat import dynamo as dc
 from ..._compat import inductor as ci
 from ...partitioners.param_usage import GraphParam, ready_order
@@ -204,7 +205,7 @@ def _hook_program(ddp: Any, spec: CommSpec, runtime: FusedRuntime, kind: HookKin
     if kind.program is None:
         return None
     if runtime.hook is None:
-        hook, hook_state = ddpc.comm_hook(ddp)
+        hook, hook_state = ddp_hooks.comm_hook(ddp)
         runtime.hook = kind.program(hook, hook_state, spec)
     return runtime.hook
 

@@ -14,8 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..._compat import ddp as ddpc
-from ..._compat import pieces
+from ..._compat import ddp_hooks, pieces
 from .comm_hooks import HookProgram, TraceableCommHook, TracedHookProgram
 from .powersgd_run import PowerSGDRun
 from .sync import CommSpec, group_spec, reducer_spec
@@ -61,9 +60,9 @@ def _powersgd(hook: Any, state: Any, spec: CommSpec) -> HookProgram:
 def hook_kind(ddp: Any) -> HookKind:
     """The kind of the comm hook registered on ``ddp`` (read at the first forward: hooks are
     registered after construction)."""
-    registered = ddpc.comm_hook(ddp)
+    registered = ddp_hooks.comm_hook(ddp)
     if registered is None:
-        builtin = ddpc.builtin_hook_name(ddp)
+        builtin = ddp_hooks.builtin_hook_name(ddp)
         if builtin is not None:
             why = f"DDP's built-in comm hook {builtin} runs in its C++ reducer and cannot be traced"
             return HookKind("unsupported", unsupported=why)
@@ -85,7 +84,7 @@ def hook_kind(ddp: Any) -> HookKind:
     if hook is ps.batched_powerSGD_hook:
         why = (
             "batched_powerSGD_hook is not reproduced in the graph"
-            if ddpc.batched_powersgd_works()
+            if ddp_hooks.batched_powersgd_works()
             else f"torch {torch.__version__}'s batched_powerSGD_hook fails at its first compressed step (its "
             "_orthogonalize takes only 3-D batches, the hook passes a 2-D matrix)"
         )

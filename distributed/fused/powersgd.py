@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from ..._compat import collectives as cc
-from ..._compat import ddp as ddpc
+from ..._compat import ddp_hooks
 from .sync import filled_grads, split_like
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float) -> torch.Tensor:
     output takes QR's column-major strides), made contiguous again."""
     if matrices.shape[2] <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
         out = matrices.clone(memory_format=torch.contiguous_format)
-        ddpc.powersgd_gram_schmidt_(out, epsilon)
+        ddp_hooks.powersgd_gram_schmidt_(out, epsilon)
         return out
     return torch.linalg.qr(matrices).Q.contiguous()
 

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from support.dist import run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bucketwise._compat import released_reducer
+
 RTOL, ATOL = 1e-5, 1e-6
 CAP_MB = 0.01  # 10 KiB buckets: several per graph
 
@@ -71,7 +73,6 @@ def _new_compiled(module: nn.Module) -> Any:
 
 
 def _train(rank: int, world: int, scenario: str) -> dict[str, Any]:
-    from bucketwise._compat import ddp as ddpc
 
     torch.manual_seed(0)
     base = MLP()
@@ -94,13 +95,13 @@ def _train(rank: int, world: int, scenario: str) -> dict[str, Any]:
         if scenario == "logging_data" and step == 2:
             # Reading DDP's logging data rebuilds the released reducer; the next step releases it again.
             assert compiled._get_ddp_logging_data()["world_size"] == world
-            out["rebuilt_for_logging"] = not ddpc.reducer_released(compiled)
+            out["rebuilt_for_logging"] = not released_reducer.reducer_released(compiled)
         for k in range(micro):
             x = _batch(rank, step * micro + k)
             for model in (ref, compiled):
                 with model.no_sync() if k < micro - 1 else contextlib.nullcontext():
                     _loss(model, x).backward()
-        out["released"].append(ddpc.reducer_released(compiled))
+        out["released"].append(released_reducer.reducer_released(compiled))
         if scenario == "bucket_views":
             out["storages"].append([len(s) for s in _bucket_storages(compiled)])
         for (name, p), q in zip(ref.module.named_parameters(), cmp_module.parameters()):
@@ -145,7 +146,6 @@ def _join_with_hook(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     import bucketwise
-    from bucketwise._compat import ddp as ddpc
 
     torch.manual_seed(0)
     base = MLP()
@@ -164,7 +164,7 @@ def _join_with_hook(rank: int, world: int) -> dict[str, Any]:
                 records[name].append([p.grad.clone() for p in module.parameters()])
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                states.append(ddpc.reducer_released(ddp)) if name == "cmp" else None
+                states.append(released_reducer.reducer_released(ddp)) if name == "cmp" else None
         records[name].append([p.detach().clone() for p in module.parameters()])
     for step, (a, b) in enumerate(zip(records["ref"], records["cmp"])):
         for i, (x, y) in enumerate(zip(a, b)):
@@ -187,16 +187,14 @@ def test_join_rebuilds_released_reducer_with_its_comm_hook(tmp_path):
 def test_release_frees_the_bucket_buffers(single_rank_group):
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from bucketwise._compat import ddp as ddpc
-
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("build"):
             ddp = DDP(MLP(), bucket_cap_mb=CAP_MB)
         with record_function("release"):
-            freed = ddpc.release_reducer(ddp)
+            freed = released_reducer.release_reducer(ddp)
     expected = sum(p.numel() * p.element_size() for p in ddp.parameters())
     assert freed == expected
     released = [e.cpu_memory_usage for e in prof.events() if e.name == "release"]
     assert released == [-expected], released
-    assert ddpc.release_reducer(ddp) == 0  # nothing left to release
+    assert released_reducer.release_reducer(ddp) == 0  # nothing left to release
     assert dist.get_world_size() == 1

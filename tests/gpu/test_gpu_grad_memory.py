@@ -61,7 +61,7 @@ WORKER = textwrap.dedent(
                 with d.no_sync() if k < micro - 1 else contextlib.nullcontext():
                     model(x, y).backward()
         if step == 0:
-            assert ddpc.reducer_released(ddp), "reducer not released"
+            assert released_reducer.reducer_released(ddp), "reducer not released"
             named = dict(module.named_parameters())
             for g in bucketwise.report(compiled).to_dict()["graphs"][0]["buckets"]:
                 storages = {named[n].grad.untyped_storage().data_ptr() for n in g["params"]}

@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bucketwise._compat import ddp as ddpc
+from bucketwise._compat import ddp_hooks
 from bucketwise.distributed.fused.hook_kinds import hook_kind
 from bucketwise.distributed.fused.sync import CommSpec, bucket_sync, reducer_spec
 
@@ -110,7 +110,7 @@ def test_hooks_divide_and_never_average_in_the_collective(single_rank_group, mon
         (dh.fp16_compress_hook, torch.float16),
     ):
         # The hook as DDP keeps it (registering bf16's needs CUDA).
-        monkeypatch.setattr(ddpc, "comm_hook", lambda ddp, hook=hook: (hook, None))
+        monkeypatch.setattr(ddp_hooks, "comm_hook", lambda ddp, hook=hook: (hook, None))
         kind = hook_kind(object())
         spec = kind.spec(single_rank_group)
         assert kind.plain and (spec.divide_first, spec.comm_dtype, spec.average_in_collective) == (

@@ -1,0 +1,101 @@
+"""DDP's bucket buffers released under ``fused`` and rebuilt where needed (private DDP and
+reducer attributes: ``_build_params_for_reducer``, ``_ddp_init_helper``, ``_comm_hooks``,
+``_register_comm_hook``). Checked on torch 2.11.0 (device machines) and 2.13.0 (CI)."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .ddp import reducer_parameters, sparse_gradient_flags, uses_python_reducer
+
+log = logging.getLogger(__name__)
+
+# NOTE [released reducer]: DDP's reducer allocates its bucket buffers (one flat tensor per bucket,
+# together a copy of every gradient) when the DDP module is built, and holds them for the
+# module's life. Under ``fused`` the reducer is idle: the compiled backward reduces each bucket
+# into a buffer of its own, whose views become ``param.grad``, so the reducer's buffers are a
+# second copy of the gradients that nothing reads. Once ``fused`` is confirmed, bucketwise
+# destroys the reducer (and the logger that keeps it alive) and puts in their place a stand-in
+# that answers the one call DDP's idle forward makes (``_rebuild_buckets()``: nothing to
+# rebuild). Anything else (``join()`` once a rank has joined, a comm hook registered later, DDP's
+# logging data) first rebuilds the real reducer as DDP's ``__setstate__`` does, with the module's
+# comm hooks and static-graph setting. A fresh reducer is what the idle one was (never run,
+# buckets not yet rebuilt), so ranks that rebuild it at the same step agree.
+
+_RELEASED_KEY = "_bucketwise_released_reducer"
+
+
+class _ReleasedReducer:
+    """Stands in for ``ddp.reducer`` and ``ddp.logger`` while the fused graphs reduce (NOTE
+    [released reducer]): the idle forward's ``_rebuild_buckets()`` is answered here, every other
+    attribute rebuilds the real object first."""
+
+    def __init__(self, ddp: DDP, role: str) -> None:
+        self.__dict__["_ddp"] = weakref.ref(ddp)
+        self.__dict__["_role"] = role
+
+    def _rebuild_buckets(self) -> bool:
+        if self._role == "reducer":
+            return False
+        return self.__getattr__("_rebuild_buckets")()
+
+    def __getattr__(self, name: str) -> Any:
+        ddp = self._ddp()
+        if ddp is None:
+            raise AttributeError(f"{name}: the DDP module this reducer belonged to is gone")
+        rebuild_reducer(ddp, why=f"DDP's {self._role}.{name} was used")
+        return getattr(getattr(ddp, self._role), name)
+
+    def __repr__(self) -> str:
+        return f"<DDP {self._role} released by bucketwise (rebuilt on first use)>"
+
+
+def reducer_bytes(ddp: DDP) -> int:
+    """Bytes of the reducer's dense bucket buffers: one element per dense reducer parameter."""
+    flags = sparse_gradient_flags(ddp)
+    return sum(p.numel() * p.element_size() for (_, p), sparse in zip(reducer_parameters(ddp), flags) if not sparse)
+
+
+def reducer_released(ddp: DDP) -> bool:
+    return isinstance(getattr(ddp, "reducer", None), _ReleasedReducer)
+
+
+def release_reducer(ddp: DDP) -> int:
+    """Destroy DDP's reducer and logger, freeing the bucket buffers (NOTE [released reducer]);
+    returns their bytes, 0 where there was nothing to release (already released, or no C++
+    reducer: every parameter's allreduce delayed, the python reducer)."""
+    if not isinstance(getattr(ddp, "reducer", None), dist.Reducer) or uses_python_reducer(ddp):
+        return 0
+    freed = reducer_bytes(ddp)
+    ddp.__dict__[_RELEASED_KEY] = True
+    ddp.reducer = _ReleasedReducer(ddp, "reducer")
+    ddp.logger = _ReleasedReducer(ddp, "logger")
+    return freed
+
+
+def rebuild_reducer(ddp: DDP, *, why: str) -> None:
+    """Build DDP's reducer and logger again where they were released, as DDP's ``__setstate__``
+    does, then register the module's comm hooks and static-graph setting on them."""
+    if not reducer_released(ddp):
+        return
+    parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
+    names = ddp._build_debug_param_to_name_mapping(parameters)
+    ddp._ddp_init_helper(parameters, expect_sparse_gradient, names, ddp.static_graph)
+    for hook, state in getattr(ddp, "_comm_hooks", None) or []:
+        ddp.logger._set_comm_hook_name(hook.__qualname__)
+        dist._register_comm_hook(ddp.reducer, state, hook)
+    if ddp.static_graph:
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()
+    ddp._has_rebuilt_buckets = False
+    log.info("bucketwise: DDP's reducer rebuilt (%s); its bucket buffers are allocated again", why)
+
+
+def wants_released_reducer(ddp: DDP) -> bool:
+    """bucketwise released this module's reducer once (it is released again after a rebuild)."""
+    return bool(ddp.__dict__.get(_RELEASED_KEY))
