@@ -308,11 +308,8 @@ def block_call(key: int, tensors: tuple, training: tuple, args: tuple, names: tu
             run, flat, extra=(training, names, _constants(args), _constants(values))
         )
     except Exception as exc:  # noqa: BLE001 - whatever fails here, Dynamo inlining the block handles it as before
-        raise BlockCallRefused(
-            f"{type(module).__name__}.forward does not run on fake tensors on its own: {type(exc).__name__}: {exc}"[
-                :300
-            ]
-        ) from exc
+        why = f"{type(module).__name__}.forward does not run on fake tensors on its own: {type(exc).__name__}: {exc}"
+        raise BlockCallRefused(why[:300]) from exc
     changed = [k for m, was in zip(entry.modules, before) for k in _changed(m.__dict__, was)]
     if changed:
         for m, was in zip(entry.modules, before):

@@ -23,6 +23,8 @@ from ..._compat import aot
 from ...distributed.fused.sync import CommSpec
 from ...partitioners.regions import outside_regions, transform_regions
 
+Opaque = Callable[[fx.Node], "tuple[Any, Any] | None"]
+
 _NUMBERED = re.compile(r"^(?P<parent>.+?)(?:\.(?P<dot>\d+)|\[(?P<bracket>\d+)\])$")
 
 
@@ -57,7 +59,7 @@ def _outermost_numbered(node: fx.Node) -> tuple[str, int, str] | None:
     return None
 
 
-def find_block_run(gm: fx.GraphModule, *, min_blocks: int = 2) -> tuple[BlockRun | None, str]:
+def find_block_run(gm: fx.GraphModule) -> tuple[BlockRun | None, str]:
     """The run of repeated blocks to share compiles over, or ``None`` and why there is none."""
     seen: dict[str, dict[int, list[int]]] = {}
     classes: dict[str, set[str]] = {}
@@ -71,7 +73,7 @@ def find_block_run(gm: fx.GraphModule, *, min_blocks: int = 2) -> tuple[BlockRun
         return None, "no numbered submodules (an nn.ModuleList of blocks) in the graph"
     parent = max(seen, key=lambda p: len(seen[p]))
     blocks = seen[parent]
-    if len(blocks) < min_blocks:
+    if len(blocks) < 2:
         return None, f"{parent} has {len(blocks)} block(s) in this graph"
     if len(classes[parent]) != 1:
         return None, f"{parent} holds blocks of {len(classes[parent])} classes"
@@ -199,15 +201,11 @@ def reduced_inputs(
     return reduced, True
 
 
-Opaque = Callable[[fx.Node], "tuple[Any, Any] | None"]
-"""For a call whose target's computation is not in the graph: ``(what it computes, its args
-that take part)``, else ``None`` (keyed as any other node)."""
-
-
 def piece_signature(gm: fx.GraphModule, inputs: Sequence[Any], *, opaque: Opaque | None = None) -> tuple:
     """What a compiled piece depends on: its nodes (ops, constants, wiring, by position, not by
     name) and the layout of its inputs. Equal signatures compute the same function of their
-    inputs. ``opaque``: what a call computes where its target alone does not say."""
+    inputs. ``opaque``: for a call whose target alone does not say what it computes, ``(what it
+    computes, its args that take part)``, else ``None``."""
     return tuple(_value_key(v) for v in inputs), _graph_key(gm, opaque)
 
 

@@ -1,5 +1,5 @@
-"""A shared block's forward and backward graphs, rewritten before they compile: pure FX (NOTE
-[a shared block in stages]). ``move_out`` takes out what every block computes the same,
+"""A shared block's forward and backward graphs, rewritten before they compile, in pure FX
+(NOTE [a shared block in stages]): ``move_out`` takes out what every block computes the same,
 ``drop_unread`` the inputs the forward reads no more, ``plan_layout`` lays out what the forward
 hands the backward; under ``fused``, ``grads_onto_wire`` makes the backward return the block's
 own parameters' gradients as one flat buffer, ``reduced_grads`` all-reduces it and
