@@ -232,29 +232,24 @@ class Sharing:
     dynamo: bool | str | None = None
     cpp_wrapper: bool = False
 
-    @property
-    def computed_before_blocks(self) -> list[str]:
-        """The ops moved out of the blocks (NOTE [computed once before the blocks])."""
-        moved = [b.moved.before.graph.nodes for b in self.kept if b.moved is not None]
-        return sorted({graphs.op_name(n) for nodes in moved for n in nodes if n.op == "call_function"})
-
-    @property
-    def compile_seconds(self) -> float:
-        return sum(o.seconds for o in self.outcomes)
-
     def to_dict(self) -> dict[str, Any]:
-        per = self.compile_seconds / self.compiles if self.compiles else 0.0
+        seconds = sum(o.seconds for o in self.outcomes)
+        per = seconds / self.compiles if self.compiles else 0.0
+        # The ops moved out of the blocks (NOTE [computed once before the blocks]).
+        nodes = [n for b in self.kept if b.moved is not None for n in b.moved.before.graph.nodes]
+        moved = sorted({graphs.op_name(n) for n in nodes if n.op == "call_function"})
+        costs = [b.cost.to_dict() for b in self.kept if b.cost]
         return {
             "blocks": self.blocks,
             "class": self.block_class,
             "count": self.count,
             "compiles": self.compiles,
-            "compile_seconds": round(self.compile_seconds, 6),
+            "compile_seconds": round(seconds, 6),
             "saved_seconds": round(per * (self.count - self.compiles), 6),
             **({} if self.bucket_per_block is None else {"bucket_per_block": self.bucket_per_block}),
             **({} if self.dynamo is None else {"dynamo_calls": self.dynamo}),
-            **({"computed_before_blocks": moved} if (moved := self.computed_before_blocks) else {}),
-            **({"cost": costs} if (costs := [b.cost.to_dict() for b in self.kept if b.cost]) else {}),
+            **({"computed_before_blocks": moved} if moved else {}),
+            **({"cost": costs} if costs else {}),
             **({"cpp_wrapper": True} if self.cpp_wrapper else {}),
         }
 
