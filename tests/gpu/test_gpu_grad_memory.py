@@ -27,7 +27,7 @@ WORKER = textwrap.dedent(
     import torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     import bucketwise
-    from bucketwise._compat import ddp as ddpc
+    from bucketwise._compat import released_reducer
     from bucketwise.launch.models import GPT, GPTConfig, synthetic_tokens
 
     cudagraphs = sys.argv[1] == "cg"
