@@ -10,7 +10,6 @@ allreduce trigger, run counting).
 from __future__ import annotations
 
 import collections
-import contextlib
 import copy
 import logging
 import time
@@ -25,9 +24,9 @@ from .._compat import ddp as ddpc
 from .._compat import dynamo as dc
 from .._compat import inductor as ci
 from ..cudagraphs import policy as cudagraph_policy
-from ..cudagraphs.runner import CudaGraphGroup, inner_compile_factory, runner_label
+from ..cudagraphs.runner import CudaGraphGroup, inner_compile_factory
 from ..distributed.fused import FusedState, apply_fused, fused_backend_options
-from ..distributed.result import CompileOutcome, GraphJob, StrategyResult, op_count
+from ..distributed.result import GraphJob, StrategyResult, op_count
 from ..distributed.split import apply_split
 from ..distributed.split.alignment import measure_alignment
 from ..distributed.split.ready_order import FirstIterationOrder, ReadyLast
@@ -38,13 +37,13 @@ from ..stats.report import GraphStats, Report, SegmentStats, eager_regions
 from . import doctor
 from .blocks import SHARED_BLOCK_BACKWARD, Sharing, share_blocks
 from .blocks import cache_targets as blocks_cache_targets
-from .blocks.calls import BlockCallRefused, BlockCalls, find_block_calls, is_block_call, repeated_blocks
+from .blocks.calls import BlockCalls, find_block_calls, is_block_call, repeated_blocks
 from .blocks.find import BlockBuckets, CostRule, device_cost
 from .blocks.graphs import grouping_pass
 from .config import CompileConfig
 from .decision import BlockSharing, Decision, Strategy, Variant, decide, decide_sharing, refusal
 from .progress import Progress
-from .segments import compile_with_fallback
+from .segments import SegmentCompiler
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +209,7 @@ class GraphBackend:
         return self._wrap(result.fn, gm, example_inputs, ddp, params, choice.strategy)
 
     def _apply(self, decision: Decision, job: GraphJob) -> StrategyResult:
-        compiler = _Compiler(self, Progress(job.label))
+        compiler = SegmentCompiler(self, Progress(job.label))
         if decision.strategy is Strategy.SPLIT:
             frame = _frame_key(dc.current_compile_id(), job.graph_id)
             earlier = {n for key, names in self.param_segments.items() if key < frame for n in names}
@@ -424,74 +423,6 @@ class GraphBackend:
                 shared_blocks=shared,
             )
         )
-
-
-class _Compiler:
-    """What the strategies compile one graph's pieces with (``result.PieceCompiler``): the
-    backend, the fallback policy, a progress line per piece, the doctor on every segment of a
-    split graph, and the name each piece's CUDA-graph runners get."""
-
-    def __init__(self, backend: GraphBackend, progress: Progress) -> None:
-        self.backend, self.progress = backend, progress
-
-    def piece(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, label: str, what: str, tracing: Any = None
-    ) -> tuple[Callable[..., Any], CompileOutcome]:
-        with self.progress.step(what, self.backend.config.backend_name):
-            compiled, outcome = self._compile(gm, example_inputs, self.backend.segment_backend, label, tracing)
-        if tracing is not None and doctor.enabled():
-            compiled = doctor.Diagnosed(compiled, gm, label, self.backend.config.backend_name)
-        return compiled, outcome
-
-    def fused(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, label: str, what: str
-    ) -> tuple[Callable[..., Any], CompileOutcome]:
-        with self.progress.step(what, self.backend.config.backend_name):
-            return self._compile(gm, example_inputs, self.backend.fused_backend(), label)
-
-    def variant(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, label: str, later: bool
-    ) -> tuple[Callable[..., Any], CompileOutcome]:
-        out = self._compile(gm, example_inputs, self.backend.fused_backend(), label)
-        if later:
-            self.backend.report.write_rank_file()
-        return out
-
-    def step(self, what: str) -> contextlib.AbstractContextManager[None]:
-        return self.progress.step(what, self.backend.config.backend_name)
-
-    def _compile(
-        self,
-        gm: fx.GraphModule,
-        example_inputs: Sequence[Any],
-        backend_fn: Callable[..., Any],
-        label: str,
-        tracing=None,
-    ) -> tuple[Callable[..., Any], CompileOutcome]:
-        backend = self.backend
-        if backend.variant is not Variant.SYNC:
-            label = f"{label} ({backend.variant.value})"
-        # A graph that still calls blocks as one op each (NOTE [Dynamo calls a block]) and does not
-        # compile is never run eagerly: the frame is traced again with every block inlined, which
-        # compiles as it would without shared blocks (HF's reentrant activation checkpointing:
-        # AOTAutograd cannot trace its backward around a block call).
-        calls = any(is_block_call(node) for node in gm.graph.nodes)
-        with runner_label(label):
-            try:
-                return compile_with_fallback(
-                    gm,
-                    example_inputs,
-                    backend_fn,
-                    backend_name=backend.config.backend_name,
-                    fallback="raise" if calls else backend.config.fallback,
-                    tracing=tracing,
-                )
-            except Exception as exc:
-                if not calls:
-                    raise
-                raise BlockCallRefused(
-                    f"the graph calling each block as one op did not compile: {type(exc).__name__}: {exc}"[:300]
-                ) from exc
 
 
 class _Counted:
