@@ -9,7 +9,6 @@ allreduce trigger, run counting).
 
 from __future__ import annotations
 
-import collections
 import copy
 import logging
 import time
@@ -19,7 +18,6 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .._compat import aot
 from .._compat import ddp as ddpc
 from .._compat import dynamo as dc
 from .._compat import inductor as ci
@@ -35,13 +33,13 @@ from ..partitioners.param_usage import GraphParam, ParamInput, higher_order_ops,
 from ..stats.compile_times import CompileTimes, backend_call_times
 from ..stats.report import GraphStats, Report, SegmentStats, eager_regions
 from . import doctor
-from .blocks import SHARED_BLOCK_BACKWARD, Sharing, share_blocks
+from .blocks import SHARED_BLOCK_BACKWARD
 from .blocks import cache_targets as blocks_cache_targets
-from .blocks.calls import BlockCalls, find_block_calls, is_block_call, repeated_blocks
-from .blocks.find import BlockBuckets, CostRule, device_cost
+from .blocks.calls import BlockCalls, find_block_calls, repeated_blocks
 from .blocks.graphs import grouping_pass
 from .config import CompileConfig
 from .decision import BlockSharing, Decision, Strategy, Variant, decide, decide_sharing, refusal
+from .graph_sharing import share_in_graph
 from .progress import Progress
 from .segments import SegmentCompiler
 
@@ -187,7 +185,7 @@ class GraphBackend:
         # Which inputs are DDP parameters (once), the graph as the strategies see it (identical
         # blocks calling one compile), then where that graph uses each parameter.
         matched = self._param_inputs(gm, example_inputs, ddp)
-        sharing, unshared = self._share_blocks(gm, example_inputs, choice, matched)
+        sharing, unshared = share_in_graph(self, gm, example_inputs, choice, matched)
         params = params_in_graph(gm, matched)
         diagnosed_gm = copy.deepcopy(gm) if doctor.enabled() and choice.strategy is not Strategy.SPLIT else None
         job = GraphJob(gm=gm, example_inputs=example_inputs, params=params, graph_id=graph_id, ddp=ddp)
@@ -285,68 +283,6 @@ class GraphBackend:
             ddp = dc.active_ddp_module()
             self._ddp = weakref.ref(ddp)
         return ddp
-
-    def _share_blocks(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any], choice: Decision, matched: list[ParamInput]
-    ) -> tuple[Sharing | None, str | None]:
-        """Identical blocks of the graph share one compile (NOTE [one compile per block]); under
-        ``fused`` each reduces its own parameters' bucket (NOTE [a bucket per block])."""
-        cfg = self.config
-        if not self.sharing.enabled:
-            return None, None
-        chosen = choice.sharing
-        if not chosen.enabled:
-            return None, chosen.reason
-        patches = dc.inductor_config_patches(cfg.mode, cfg.options, cfg.dynamic) if cfg.capabilities.inductor else {}
-        buckets = None
-        if choice.plain_buckets:
-            tensors = collections.Counter(id(a) for a in example_inputs if isinstance(a, torch.Tensor))
-            own = frozenset(
-                p.node
-                for p in matched
-                if p.node.op == "placeholder" and p.tensor.requires_grad and tensors[id(p.tensor)] == 1
-            )
-            buckets = BlockBuckets(spec=choice.spec, params=own)
-        called = any(is_block_call(node) for node in gm.graph.nodes)
-        # The blocks run inside the graph's own CUDA graphs (Inductor's or bucketwise's), never in
-        # their own; their inputs' layouts are checked at each block's first call, not at every
-        # call (host time: a block's graph is called once per block).
-        patches = {**patches, "triton.cudagraphs": False, "size_asserts": False}
-        if buckets is not None:  # the blocks' backward gathers their gradients into a bucket
-            patches.update(ci.bucket_safe_patches())  # NOTE [reductions into bucket views]
-        aot.start_compile_workers(cfg.capabilities, example_inputs)  # NOTE [compile workers from the start]
-        cost = None
-        if chosen.by_cost:
-            cost, why = self._cost_rule(example_inputs)
-            if cost is None:
-                return None, why
-        sharing, unshared = share_blocks(
-            gm, example_inputs, backend=cfg.capabilities, config_patches=patches, buckets=buckets, cost=cost
-        )
-        calls = self.block_calls
-        if sharing is not None:
-            sharing.dynamo = True if called else _why_inlined(calls)
-        elif not called and calls is not None and calls.off is not None and unshared is not None:
-            unshared = f"{unshared} (Dynamo traced every block: {calls.off})"
-        return sharing, unshared
-
-    def _cost_rule(self, example_inputs: Sequence[Any]) -> tuple[CostRule | None, str | None]:
-        """How ``share_blocks="auto"`` decides for this graph without CUDA graphs (NOTE [sharing by
-        cost]), or why its blocks stay whole: the estimate is of Inductor's blocks on one GPU."""
-        devices = {a.device for a in example_inputs if isinstance(a, torch.Tensor)}
-        inductor = self.config.capabilities.inductor
-        if not inductor or len(devices) != 1 or next(iter(devices)).type != "cuda":
-            why = (
-                "share_blocks='auto' shares blocks without CUDA graphs where a block's call, estimated for "
-                "Inductor's kernels on one GPU, hides behind them; this graph "
-                + ("compiles with another backend" if not inductor else "does not run on one GPU")
-                + ". Pass share_blocks=True for a shorter first step all the same"
-            )
-            return None, why
-        device, note = device_cost(next(iter(devices)))
-        if note is not None:
-            self.report.note(f"share_blocks='auto': {note}")
-        return CostRule(device=device, report=self.report), None
 
     def fused_backend(self) -> Callable[..., Any]:
         """The backend, with Inductor's comm/compute reordering on (scoped to its compiles)."""
@@ -449,18 +385,3 @@ def _forward_positions(gm: fx.GraphModule, params: Sequence[GraphParam]) -> list
         (p for p in params if p.first_use >= 0 and p.node in index), key=lambda p: (p.first_use, p.arg_position)
     )
     return [index[p.node] for p in used]
-
-
-def _why_inlined(calls: BlockCalls | None) -> str:
-    """Why Dynamo traced every block of a graph whose blocks are shared (NOTE [Dynamo calls a block])."""
-    if calls is None:
-        return (
-            "blocks become one call each under bucketwise.compile with the backends inductor and aot_eager (not "
-            "torch.compile(..., backend='bucketwise'), not another backend)"
-        )
-    if calls.off is not None:
-        return calls.off
-    return (
-        "an argument of the blocks is not a tensor, a number, a string, None or a list or tuple of them (a cache "
-        "object: pass use_cache=False in training)"
-    )
