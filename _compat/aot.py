@@ -1,8 +1,5 @@
 """AOTAutograd and Inductor entry points for compiling one block of a graph on its own
-(``compiler/blocks/``).
-
-Checked on torch 2.11.0 (device machines), 2.13.0 and 2.15.0 (CPU).
-"""
+(``compiler/blocks/``). Checked on torch 2.11.0, 2.13.0 and 2.15.0."""
 
 from __future__ import annotations
 
@@ -57,18 +54,13 @@ def partition(
 def inductor_compile(
     gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode: Any, *, backward: bool, config_patches: dict
 ) -> Callable[[list[Any]], Any]:
-    """``gm`` (an AOTAutograd forward or backward graph) compiled by Inductor, boxed: call it
-    with a list of inputs, which it empties. Its outputs have the strides of ``gm``'s.
-
-    With ``cpp_wrapper`` in ``config_patches`` (``options={"cpp_wrapper": True}``) the graph gets
-    Inductor's C++ wrapper, as ``torch.compile`` gives the graphs around it: ``compile_fx_inner``
-    builds one only when its ``cpp_wrapper`` argument asks, and on torch 2.11 leaves the settings
-    the C++ wrapper needs (``get_cpp_wrapper_config``: kernel binaries kept) to ``compile_fx``,
-    which a shared block does not go through. Checked on torch 2.11.0 (an H200) and 2.13.0 (CPU)."""
+    """``gm`` (an AOTAutograd forward or backward graph) compiled by Inductor, boxed (the input
+    list is emptied); outputs keep ``gm``'s strides. With ``cpp_wrapper`` in ``config_patches``
+    the C++ wrapper's settings are applied here, since ``compile_fx`` (which would on torch 2.11)
+    is skipped. Checked on torch 2.11.0 and 2.13.0."""
     from torch._inductor.compile_fx import compile_fx_inner, get_cpp_wrapper_config
 
-    # Every output keeps the strides of the traced graph (as a user-visible output does): the
-    # graph that calls this one was traced against them.
+    # The calling graph was traced against these strides.
     out = next(iter(gm.graph.find_nodes(op="output")))
     out.meta["user_visible_output_idxs"] = [i for i, node in enumerate(out.args[0]) if isinstance(node, fx.Node)]
     cpp = bool(config_patches.get("cpp_wrapper"))
@@ -98,17 +90,13 @@ def inductor_compile_function(fn: Callable[..., Any], args: Sequence[torch.Tenso
 
 
 class _DirectAfterFirst:
-    """A compiled graph called through Inductor's ``CompiledFxGraph.__call__`` once, then
-    through its ``current_callable`` (the generated module's ``call``) directly.
+    """A compiled graph called through Inductor's wrapper once, then its generated ``call``.
 
-    NOTE [a compiled block called directly]: a shared block's graphs run once per block and step,
-    forward and backward, so whatever a call costs the host is paid many times a step. Inductor's
-    wrapper around each call checks for a graph-execution recorder, an active autotune-cache
-    bundle and the profiler, and finishes a runtime-metrics context: host work on top of the
-    generated ``call`` it wraps. The first call goes through the wrapper (autotune-cache writes
-    happen there); later calls skip it, unless the profiler is on, so traces keep the wrapper's
-    record of each call. ``CompiledFxGraph.current_callable`` (checked on torch 2.13.0) is read
-    with ``getattr``, so where it is missing every call goes through the wrapper.
+    NOTE [a compiled block called directly]: a shared block's graphs run many times a step, so
+    the host work of Inductor's per-call wrapper (recorder, autotune-cache and profiler checks,
+    a metrics context) adds up. The first call goes through the wrapper (autotune-cache writes
+    happen there), later ones skip it unless the profiler is on. ``current_callable`` (checked on
+    torch 2.13.0) is read with ``getattr``: where missing, every call uses the wrapper.
     """
 
     __slots__ = ("compiled", "_direct")
@@ -132,10 +120,9 @@ class _DirectAfterFirst:
 
 
 def start_compile_workers(backend: Capabilities, tensors: Iterable[Any]) -> bool:
-    """Start Inductor's pool of Triton compile workers now if ``backend`` is Inductor and one of
-    ``tensors`` is on a CUDA device; torch starts it only when its own ``inductor`` backend is
-    called (NOTE [compile workers from the start]). Returns whether it was asked to start.
-    ``async_compile.maybe_warm_pool``: checked on torch 2.11.0, 2.13.0 and 2.15.0."""
+    """Start Inductor's Triton compile workers now for an Inductor backend on CUDA tensors
+    (NOTE [compile workers from the start]); whether it was asked to start.
+    ``maybe_warm_pool``: checked on torch 2.11.0, 2.13.0 and 2.15.0."""
     if not backend.inductor or not any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
         return False
     _warm_pool()
@@ -280,11 +267,9 @@ def all_fake(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def op_trace_key(fn: Callable[[], Any], inputs: Sequence[torch.Tensor], *, extra: Any) -> tuple[Any, tuple]:
-    """``fn()``'s result, and a key of the computation it ran on ``inputs``: every ATen op it
-    dispatched, with its constants and which earlier tensor each argument was (by order of
-    appearance, ``inputs`` first, never by name or address), the layout of every tensor, and
-    the autograd graph from its outputs back to ``inputs``. Two runs with equal keys computed
-    the same function of their inputs (``extra``: what else the caller knows it depends on)."""
+    """``fn()``'s result, and a key of what it computed on ``inputs``: the ATen ops dispatched
+    (tensors numbered by first appearance, never by address), tensor layouts, and the autograd
+    graph back to ``inputs``. Equal keys: the same function of the inputs."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     numbers: dict[int, int] = {}
@@ -318,8 +303,7 @@ def op_trace_key(fn: Callable[[], Any], inputs: Sequence[torch.Tensor], *, extra
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            # A query of metadata (``prim.device``, sizes) returns no tensor; where it is asked
-            # differs between runs of the same computation (fake tensors cache what they know).
+            # Metadata queries are skipped: fake tensors cache them, so they vary between runs.
             if _has_tensor(out):
                 rows.append((str(func), key(args), key(kwargs), key(out)))
             return out

@@ -33,17 +33,13 @@ def pre_forward(ddp: DDP, args: tuple, kwargs: dict, buffers: BufferBroadcast) -
         return ddp._pre_forward(*args, **kwargs)
 
 
-# NOTE [buffer broadcast]: before every forward that syncs, DDP broadcasts rank 0's buffers, and to
-# find them it walks every module of the model again (``_assign_modules_buffers``, for buffers the
-# user reassigned): host time every step, which a step bound by its host pays in full. bucketwise
-# broadcasts the same buffers from the same rank at the same point, and walks the modules again
-# only when one pass over the dicts it found last time shows a submodule or buffer added, removed
-# or replaced (reassigned, or swapped by ``.to()``/``.half()``). Torch's global registration hooks
-# would tell that for less, but a model that builds a module in its forward (HF Llama's
-# ``self.layers[:n]``) runs them inside the compiled frame, and Dynamo guards on what they change:
-# a recompile every step. With one rank nothing is sent. Where DDP's broadcast is not the plain
-# one (a buffer comm hook, ``join()``, which first agrees on the rank to send from) DDP does it
-# itself.
+# NOTE [buffer broadcast]: to find the buffers it broadcasts before a syncing forward, DDP walks
+# every module again (``_assign_modules_buffers``): host time every step. bucketwise sends the same
+# buffers from the same rank at the same point, and walks again only when a pass over the dicts it
+# found shows a submodule or buffer added, removed or replaced (``.to()``/``.half()`` included).
+# Torch's global registration hooks would be cheaper, but a model that builds modules in its
+# forward runs them inside the compiled frame, and Dynamo guards on them: a recompile every step.
+# Where DDP's broadcast is not the plain one (a buffer comm hook, ``join()``) DDP does it itself.
 
 
 class BufferBroadcast:
@@ -102,12 +98,9 @@ def post_forward(ddp: DDP, output: Any) -> Any:
 
 
 def route_forward(ddp: DDP, compiled: Any) -> None:
-    """``ddp(...)`` runs ``compiled.forward`` from now on (NOTE [registered backend takes over
-    the DDP forward]): an instance attribute ``forward`` of this one module, which
-    ``nn.Module.__call__`` calls instead of ``DistributedDataParallel.forward``; hooks, state
-    and parameters stay the module's. Dynamo is kept out of the routed forward itself (DDP's
-    pre/post-forward run eagerly, as in DDP's own forward); ``compiled`` compiles its inner
-    module with a callback of its own."""
+    """``ddp(...)`` runs ``compiled.forward`` (NOTE [registered backend takes over the DDP
+    forward]) through an instance attribute, so hooks, state and parameters stay the module's.
+    Dynamo stays out of it: DDP's pre/post-forward run eagerly, as in DDP's own forward."""
     ddp.__dict__["forward"] = torch.compiler.disable(compiled.forward)
 
 
@@ -130,13 +123,9 @@ def uses_python_reducer(ddp: DDP) -> bool:
 
 
 def bucket_caps(ddp: DDP) -> tuple[int, int, list[int]]:
-    """``(first_bucket_bytes, bucket_bytes, per_bucket_bytes_list)`` as DDP's reducer uses them
-    when it rebuilds its buckets after the first iteration.
-
-    torch 2.13 keeps them in ``_bucket_config``; both 2.11 and 2.13 expose the backward-compatible
-    ``bucket_bytes_cap`` / ``bucket_bytes_cap_default`` used here (first bucket = 1 MiB only when
-    the user left ``bucket_cap_mb`` at its default).
-    """
+    """``(first_bucket_bytes, bucket_bytes, per_bucket_bytes_list)`` as the reducer's rebuild
+    uses them. Read from ``bucket_bytes_cap``/``bucket_bytes_cap_default``, which torch 2.11 and
+    2.13 both expose (2.13 keeps the real ones in ``_bucket_config``)."""
     cap = int(ddp.bucket_bytes_cap)
     default = bool(getattr(ddp, "bucket_bytes_cap_default", False))
     first = int(dist._DEFAULT_FIRST_BUCKET_BYTES) if default else cap
@@ -174,13 +163,8 @@ def world_size(ddp: DDP) -> int:
 
 
 def _reducer_entries(ddp: DDP) -> list[tuple[str, torch.nn.Parameter, torch.nn.Module]]:
-    """``(name, parameter, owning module)`` of every parameter DDP's reducer owns, in reducer
-    index order.
-
-    Same rule as ``DDP._build_params_for_reducer``: per module, ``named_parameters(recurse=False)``
-    that require grad and are not ignored, each tensor once (shared/tied ones keep their first
-    name).
-    """
+    """``(name, parameter, owning module)`` per reducer parameter, in reducer index order, by
+    ``DDP._build_params_for_reducer``'s rule (tied parameters keep their first name)."""
     ignore = ignored_names(ddp)
     seen: set[int] = set()
     out: list[tuple[str, torch.nn.Parameter, torch.nn.Module]] = []
@@ -219,14 +203,9 @@ def _parse_index_groups(text: str) -> list[list[int]]:
 
 
 def reducer_buckets(ddp: DDP) -> tuple[list[list[int]] | None, str]:
-    """The reducer's bucket membership as lists of reducer parameter indices, and its source.
-
-    Once DDP has rebuilt its buckets (after the first iteration, see ``will_rebuild``) the
-    reducer logs ``rebuilt_per_bucket_param_indices`` in its logging data, refreshed at the next
-    sampled forward: source ``"rebuilt"``. Before that: ``(None, "pending")``. When no rebuild
-    will happen, the construction-time assignment, recomputed with the C++ routine DDP calls:
-    source ``"initial"``.
-    """
+    """The reducer's buckets as lists of reducer parameter indices, and their source:
+    ``"rebuilt"`` (from the reducer's logging data), ``"pending"`` (a rebuild is still to come;
+    buckets None) or ``"initial"`` (no rebuild will happen: the construction-time assignment)."""
     data = ddp._get_ddp_logging_data()
     rebuilt = data.get("rebuilt_per_bucket_param_indices")
     if rebuilt:
@@ -282,11 +261,7 @@ def has_rebuilt_buckets(ddp: DDP) -> bool:
 
 
 def fixed_buckets(ddp: DDP) -> list[list[int]] | None:
-    """The reducer's buckets when they are already final, else None.
-
-    With ``find_unused_parameters=True`` (and no ``static_graph``) DDP never rebuilds: the
-    construction-time buckets stay. Otherwise they are final once rebuilt.
-    """
+    """The reducer's buckets when final (rebuilt, or never to be rebuilt), else None."""
     if not will_rebuild(ddp):
         return initial_buckets(ddp)
     if has_rebuilt_buckets(ddp):
@@ -296,12 +271,8 @@ def fixed_buckets(ddp: DDP) -> list[list[int]] | None:
 
 
 def delayed_allreduce_trigger(ddp: DDP) -> torch.nn.Parameter | None:
-    """The parameter whose gradient hook launches DDP's delayed allreduce
-    (``delay_all_reduce_named_params`` with ``param_to_hook_all_reduce``), or None.
-
-    DDP keeps no reference to it: it is the parameter carrying :func:`delayed_allreduce_hook`
-    among its tensor hooks.
-    """
+    """The parameter whose tensor hooks hold :func:`delayed_allreduce_hook`, or None (DDP keeps
+    no reference to it)."""
     hook = delayed_allreduce_hook(ddp)
     if hook is None:
         return None
@@ -327,15 +298,9 @@ def grad_sync_requested(ddp: DDP) -> bool:
 
 
 def run_forward_with_idle_reducer(ddp: DDP, args: tuple, kwargs: dict, call: Any, buffers: BufferBroadcast) -> Any:
-    """DDP's forward with the reducer kept out of the backward.
-
-    ``require_backward_grad_sync=False`` (what ``no_sync()`` sets) makes ``_pre_forward`` and
-    ``_post_forward`` skip ``prepare_for_forward``/``prepare_for_backward``, so the reducer's
-    autograd hooks do nothing. Everything else stays DDP's: buffer broadcast (restored from the
-    user's own sync flag, as ``_post_forward`` would set it), input moves, mixed-precision
-    casts. Static-graph DDP's first-iteration delayed allreduce is marked done: the reducer
-    must not reduce the gradients the compiled backward already reduced.
-    """
+    """DDP's forward with the reducer kept out of the backward: ``require_backward_grad_sync=False``
+    (as ``no_sync()``) makes its autograd hooks do nothing; the rest stays DDP's. Static-graph
+    DDP's delayed allreduce is marked done: the compiled backward already reduced."""
     user_sync = ddp.require_backward_grad_sync
     if static_graph(ddp):
         ddp._static_graph_delay_allreduce_enqueued = True
@@ -368,23 +333,18 @@ class JoinNotice:
     work: Any = None
 
     def hand_to_reducer(self) -> None:
-        """What ``_pre_forward`` does with the notification of a step DDP's reducer reduces: the
-        reducer divides by the ranks that have not joined when
-        ``divide_by_initial_world_size=False``. A fused step needs no reducer, so a released one
-        is rebuilt only here (NOTE [released reducer])."""
+        """What ``_pre_forward`` does with the notification when the reducer reduces the step
+        (it divides by the ranks not joined); a released reducer is rebuilt only here
+        (NOTE [released reducer])."""
         if self.work is not None:
             self.ddp.reducer._set_forward_pass_work_handle(self.work, self.ddp._divide_by_initial_world_size)
 
 
 @contextlib.contextmanager
 def join_notified(ddp: DDP) -> Iterator[JoinNotice]:
-    """Inside an enabled ``ddp.join()``: send this forward's notification to the join context
-    now (the allreduce DDP's ``_pre_forward`` would send first thing) and yield it; the
-    ``_pre_forward`` run inside the block does not send it again.
-
-    The collectives stay exactly DDP's, in DDP's order: the notification (and the
-    early-termination check) first, then ``_pre_forward``'s own.
-    """
+    """Inside an enabled ``ddp.join()``: send the join notification ``_pre_forward`` would send
+    first, and yield it; ``_pre_forward`` inside the block does not send it again, so the
+    collectives stay DDP's, in DDP's order."""
     from torch.distributed.algorithms.join import Join
 
     config = ddp._join_config

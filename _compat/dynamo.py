@@ -1,9 +1,7 @@
 """Every private torch.compile API bucketwise touches (Dynamo, AOTAutograd, Inductor).
 
-Checked on torch 2.11.0 (device machines) and 2.13.0 (CI). When torch is upgraded, this file
-is the one place to fix; each helper degrades to a documented default where an attribute is
-missing rather than failing a user's compile.
-"""
+Checked on torch 2.11.0 and 2.13.0. Each helper degrades to a documented default where an
+attribute is missing rather than failing a user's compile."""
 
 from __future__ import annotations
 
@@ -25,13 +23,9 @@ from .capabilities import capabilities
 def make_backend(
     backend: str | Callable[..., Any], mode: str | None, options: dict | None, dynamic: bool | None
 ) -> Callable[..., Any]:
-    """The callable torch.compile itself would build for ``backend``/``mode``/``options``.
-
-    torch.compile wraps "inductor" in ``torch._TorchCompileInductorWrapper`` (which applies the
-    mode's config patches inside each compile, never globally) and any other backend in
-    ``torch._TorchCompileWrapper``. We reuse both so a segment compiles exactly as a plain
-    ``torch.compile`` graph would.
-    """
+    """The callable torch.compile itself would build for ``backend``/``mode``/``options``, so a
+    segment compiles exactly as a plain ``torch.compile`` graph (mode patches applied per
+    compile, never globally)."""
     if capabilities(backend).inductor:
         return torch._TorchCompileInductorWrapper(mode, options, dynamic)
     return torch._TorchCompileWrapper(backend, mode, options, dynamic)
@@ -44,12 +38,9 @@ def inductor_config_patches(mode: str | None, options: dict | None, dynamic: boo
 
 
 def cacheable_calls_options(targets: dict[str, str], options: dict | None) -> dict[str, Any]:
-    """Inductor ``options`` that declare the ``module.function`` call targets in ``targets`` safe
-    for AOTAutograd's cache, each with a key that becomes part of the cache keys (Inductor's
-    ``unsafe_marked_cacheable_functions``: AOTAutograd bypasses its cache for a graph calling a
-    function it does not know, e.g. one that applies an ``autograd.Function``). Merged with
-    what ``options`` already declares; applied per compile, never globally. Checked on torch
-    2.13; older than 2.9, so present on 2.11 (where it is missing, nothing is declared)."""
+    """``options`` plus ``unsafe_marked_cacheable_functions`` declaring ``targets`` safe for
+    AOTAutograd's cache, which otherwise bypasses graphs calling unknown functions. Checked on
+    torch 2.13 (present since 2.9, so on 2.11 too); where missing, nothing is declared."""
     key = "unsafe_marked_cacheable_functions"
     if key not in torch._inductor.config.get_config_copy():
         return dict(options or {})
@@ -64,9 +55,8 @@ def inductor_option_names() -> list[str]:
 
 
 def requested_dynamic() -> bool | None:
-    """Inside a backend call: the ``dynamic=`` of the ``torch.compile`` that is compiling, read
-    from the Dynamo config it patches around its calls (``True``: nothing assumed static;
-    ``False``: no automatic dynamic shapes; ``None``: torch's default)."""
+    """Inside a backend call: the compiling ``torch.compile``'s ``dynamic=``, read from the Dynamo
+    config it patches (``None``: torch's default)."""
     config = torch._dynamo.config
     if not getattr(config, "assume_static_by_default", True):
         return True
@@ -198,11 +188,8 @@ def aot_autograd_count() -> int:
 
 
 def compile_phase_seconds() -> dict[str, float]:
-    """Cumulative seconds per compile phase that torch records (``compilation_time_metrics``).
-
-    Keys are torch's function names (``compile_fx_inner``, ``GraphLowering.run``, ...). Take
-    a difference of two snapshots to time one compile.
-    """
+    """Cumulative seconds per compile phase torch records (``compilation_time_metrics``), keyed
+    by torch's function names; diff two snapshots to time one compile."""
     metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
     return {k: float(sum(v)) for k, v in metrics.items()}
 
@@ -257,14 +244,9 @@ def is_fake(value: Any) -> bool:
 
 
 def torch_ddp_optimizer_disabled():
-    """Scoped ``optimize_ddp=False`` around a call into a bucketwise-compiled function.
-
-    Dynamo decides per frame, when the frame is converted, whether torch's DDPOptimizer wraps
-    the backend (``convert_frame`` reads ``optimize_ddp`` then, only if a DDP forward is
-    active). Patching the flag around ``torch.compile()`` has no effect; patching it around
-    each call does, and is restored on exit, so the user's own ``torch.compile`` calls keep
-    torch's default.
-    """
+    """Scoped ``optimize_ddp=False`` around a call into a bucketwise-compiled function: Dynamo
+    reads the flag when it converts a frame, so it must be patched around each call (not around
+    ``torch.compile()``); the user's own compiles keep torch's default."""
     return torch._dynamo.config.patch(optimize_ddp=False)
 
 
@@ -281,16 +263,10 @@ def active_ddp_module():
 def compile_with_inner(
     mode: str | None, options: dict | None, dynamic: bool | None, make_inner: Callable[[], Callable[..., Any]]
 ) -> Callable[..., Any]:
-    """An Inductor backend like ``make_backend("inductor", ...)`` whose every compiled graph
-    (forward, backward, inference) goes through ``inner_compile(gm, example_inputs, **kwargs)``,
-    ``inner_compile = make_inner()`` made once per graph handed to the backend (a lazily
-    compiled backward uses its forward's).
-
-    ``inner_compile`` gets the same arguments as ``torch._inductor.compile_fx.compile_fx_inner``
-    (``static_input_idxs``, ``is_backward``, ``is_inference``, ...) and must call
-    :func:`inductor_compile_inner` with them. The AOTAutograd cache is off during these compiles:
-    a cache hit would return the compiled graphs without calling ``inner_compile``.
-    """
+    """An Inductor backend like ``make_backend("inductor", ...)`` whose every compiled graph goes
+    through ``make_inner()`` (one per graph handed to the backend), which gets
+    ``compile_fx_inner``'s arguments and must call :func:`inductor_compile_inner`. The
+    AOTAutograd cache is off here: a hit would skip ``inner_compile``."""
     wrapper = torch._TorchCompileInductorWrapper(mode, options, dynamic)
 
     def backend(gm: Any, example_inputs: Any) -> Any:
@@ -363,7 +339,6 @@ def has_static_address(t: torch.Tensor) -> bool:
 
 
 def reset() -> None:
-    """Forget every compiled frame and Dynamo's counters (``torch._dynamo.reset()``), as a new
-    process would start."""
+    """Forget every compiled frame and Dynamo's counters, as in a new process."""
     torch._dynamo.reset()
     _dynamo_counters.clear()

@@ -1,18 +1,13 @@
 """Inductor defects and limits that change what bucketwise's graphs compute or can hold, each with
 the torch releases it was checked on.
 
-NOTE [reductions into bucket views]: ``fused`` gathers each bucket's gradients into one flat buffer
-with ``cat`` (NOTE [a bucket per block] does the same for a shared block's parameters), and
-Inductor computes each gradient straight into its slice of that buffer. Inductor's mix-order
-reduction (``triton.mix_order_reduction``, on by default since torch 2.10) fuses a norm layer's
-backward into one kernel and finishes the weight's and bias's gradients with a last ``sum`` on
-the host side of the generated code, which on torch 2.10 to 2.14 binds the gradient's name to a
-new tensor instead of writing into the bucket: the bucket's slice is never written, and the
-all-reduce sends whatever that memory held (pytorch/pytorch#193061, fixed in torch 2.15). Only
-norm layers wide enough for that path are hit, so a small model does not show it. Where torch
-has the defect, every compile that gathers gradients into a bucket runs with the mix-order
-reduction off (the norm layers' backward then takes two kernels), the report says so, and a
-``fused`` compile asked to turn it on is refused.
+NOTE [reductions into bucket views]: ``fused`` (and NOTE [a bucket per block]) has Inductor
+compute each gradient straight into its slice of a flat bucket built with ``cat``. Inductor's
+mix-order reduction (``triton.mix_order_reduction``, default on since torch 2.10) fuses a wide
+enough norm layer's backward and, on torch 2.10 to 2.14, finishes its weight and bias gradients
+by binding a new tensor instead of writing into the bucket, so the all-reduce sends stale memory
+(pytorch/pytorch#193061, fixed in torch 2.15). Where torch has the defect, compiles that gather
+gradients into a bucket turn it off, the report says so, and ``fused`` refuses a request for it.
 """
 
 from __future__ import annotations

@@ -2,18 +2,13 @@
 
 Checked on torch 2.11.0 (device machines), 2.13.0, 2.14.1 and 2.15.0 (CPU).
 
-NOTE [one Python call per op]: an operator made with ``torch.library.custom_op`` runs five Python
-functions per call under autograd's dispatch key, even where no gradient is wanted (its autograd
-kernel, a redispatch below autograd, the backend kernel with its aliasing checks, Dynamo's
-``disable`` wrapper). A compiled graph calls the shared block's operators twice per block and
-step, and a step without CUDA graphs is often bound by its host time. :func:`define` registers
-an operator with torch's lower-level ``torch.library.Library`` API instead: its autograd kernel
-runs the Python kernel directly when nothing traces the call (no Python dispatch key in the
-call's key set, and no gradient wanted), and otherwise goes the way ``custom_op`` goes (an
-``autograd.Function`` while AOTAutograd traces the joint graph, a redispatch below autograd under
-fake tensors and tracing modes), so tracing, fake tensors and the autograd formula work unchanged.
-That the Python key marks exactly those calls (a mode on, fake tensors, a ``__torch_dispatch__``
-subclass; not plain tensors or parameters) is checked on torch 2.13.0.
+NOTE [one Python call per op]: a ``torch.library.custom_op`` operator runs five Python functions
+per call under autograd, even where no gradient is wanted, and a shared block's operators are
+called twice per block and step. :func:`define` registers with ``torch.library.Library`` instead:
+its autograd kernel runs the Python kernel directly when nothing traces the call (no Python
+dispatch key, no gradient wanted), and otherwise goes ``custom_op``'s way, so tracing, fake tensors
+and the autograd formula work unchanged. That the Python key marks exactly those calls (a mode,
+fake tensors, a ``__torch_dispatch__`` subclass) is checked on torch 2.13.0.
 """
 
 from __future__ import annotations
