@@ -3,28 +3,21 @@ Inductor-compiled graph from a ``torch.cuda.CUDAGraph`` in one launch and a few 
 cudagraph trees); the runners of one compiled object share a :class:`CudaGraphGroup`.
 
 NOTE [cudagraph replay safety]: a replay rewrites the same output memory, so the runner never
-replays over memory someone still holds; a call it does not replay runs the compiled graph itself
-(numerics unchanged). Outputs for autograd or the user are cloned; saved activations and gradients
-go out without a copy, their use counts checked before the next replay. Gradients go out as fresh
-``detach()`` aliases so that AccumulateGrad steals them instead of cloning; once one is kept
-(``no_sync()``), the static tensors go out and AccumulateGrad copies them. Parameters, buffers and
-other recordings' outputs are read in place (a moved one: uncaptured, then re-recorded), other
-inputs copied into static buffers. A new signature runs once uncaptured, on the capture stream,
-from a warm-up pool dropped after a backward's warm-up and before any capture, so that what the
-warm-up frees goes back to the device (not pinned by the optimizer's first step) and each
-recording's pool starts empty. It records on its second call, at most ``MAX_RECORDS`` times.
+replays over memory someone still holds; a call it does not replay runs the compiled graph itself.
+Outputs for autograd or the user are cloned; saved activations and gradients go out uncopied, their
+use counts checked before the next replay. Gradients go out as fresh ``detach()`` aliases so that
+AccumulateGrad steals them (once one is kept, under ``no_sync()``, it copies the static tensors).
+Parameters, buffers and other recordings' outputs are read in place (a moved one: uncaptured, then
+re-recorded), other inputs copied into static buffers. A new signature runs once uncaptured from a
+warm-up pool, dropped before any capture so each recording's pool starts empty, and records on its
+second call, at most ``MAX_RECORDS`` times.
 
-NOTE [a forward and its backward share a pool]: a graph may put its outputs where another graph
-of its pool keeps scratch, safe only for graphs replaying in a fixed order with nothing of one
-alive while the other writes. So each recording has a pool of its own but one pair: a backward
-recorded while its forward's saved activations are the tensors that forward's capture allocated
-joins the forward's pool, and the forward lets go of them for the capture, so that the backward
-frees each activation as it reads it and reuses the memory for scratch and gradients, as eager
-autograd does, instead of a step holding every activation and gradient at once. Before a replay
-(else that call runs uncaptured) the forward checks that its backward's gradients are no longer
-held (they may sit where it writes), the backward that only autograd holds the activations it
-frees (``retain_graph=True``). A pool is shared once: a backward recorded later gets its own, the
-allocator no longer knowing which of the forward's memory is in use.
+NOTE [a forward and its backward share a pool]: one pool per recording, except a backward recorded
+while its forward's saved activations are that forward's capture outputs: it joins the forward's
+pool, so it can free each activation as it reads it and reuse the memory, as eager autograd does.
+That is safe only in a fixed replay order, so before a replay (else the call runs uncaptured) the
+forward checks that its backward's gradients are no longer held, and the backward that only
+autograd holds the activations it frees. A pool is shared once: a later backward gets its own.
 """
 
 from __future__ import annotations

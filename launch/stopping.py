@@ -1,17 +1,13 @@
 """Running torchrun so that Ctrl-C stops every rank of the job within seconds, with one line.
 
-NOTE [stopping a job]: torchrun's agent starts each rank in a session of its own, and on SIGINT
-(or SIGTERM) sends that signal to every rank's process group, then waits 30 s before SIGKILL. A
-rank does not always stop on SIGINT: Python swallows a ``KeyboardInterrupt`` raised inside a
-``__del__`` or a weakref callback (frequent while Dynamo compiles), and a rank blocked in a C++
-call (a store wait, a collective) sees it only when that call returns. So ``bucketwise launch``
-owns the signal: torchrun runs in a session of its own, so that a terminal's Ctrl-C reaches the
-launcher alone. On SIGINT, SIGTERM or SIGHUP the launcher prints one line, freezes the agent
-(SIGSTOP: it starts, restarts and prints nothing more) and sends the signal to every rank's
-process group (Inductor's compile workers included); a rank still there after
-:data:`INTERRUPT_GRACE_S` gets SIGTERM, after :data:`TERM_GRACE_S` more SIGKILL (a second Ctrl-C
-skips the wait). The launcher exits with 128 + the signal's number. The ranks are found as the
-agent's children through ``/proc`` (Linux); elsewhere the agent stops its ranks itself.
+NOTE [stopping a job]: torchrun's agent forwards SIGINT to the ranks and waits 30 s before SIGKILL,
+but a rank does not always stop on SIGINT (Python swallows a ``KeyboardInterrupt`` in ``__del__``
+or a weakref callback; a C++ call sees it only on return). So ``bucketwise launch`` runs torchrun
+in a session of its own and owns the signal: on SIGINT, SIGTERM or SIGHUP it prints one line,
+freezes the agent (SIGSTOP) and signals every rank's process group (compile workers included); a
+rank still there after :data:`INTERRUPT_GRACE_S` gets SIGTERM, after :data:`TERM_GRACE_S` more
+SIGKILL (a second Ctrl-C skips the wait). It exits with 128 + the signal's number. Ranks are found
+as the agent's children through ``/proc`` (Linux); elsewhere the agent stops them itself.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Whether this Python runs torch's compile stack from compiled bytecode or compiles its source
 again in every process.
 
-NOTE [compiled bytecode]: Python runs a module from the bytecode it cached in ``__pycache__`` (or
-under ``PYTHONPYCACHEPREFIX``) and, where there is none, compiles the source and caches the
-result, unless it may not: ``PYTHONDONTWRITEBYTECODE`` (set in many container images) or a
-read-only installation. Then every process compiles every module it imports again, which costs
-most where it hurts most: Dynamo, AOTAutograd and Inductor are large modules, mostly imported at
-the first compile, so each rank pays it in its start and its first step, at every restart. So
-:func:`torch_bytecode` looks at a few of the large modules a compile imports: whether each has
-up-to-date bytecode (the cached file's header names this Python and the source's modification
-time and size, as Python checks it) and, if not, whether Python will keep what it compiles.
-``bucketwise.compile`` warns where every process would compile them again (on local rank 0 only:
-it is a fact of the machine) and names the fix; the report says which of the three it is
-(``python_bytecode`` in its totals).
+NOTE [compiled bytecode]: where Python may not cache bytecode (``PYTHONDONTWRITEBYTECODE``, a
+read-only installation), every process recompiles every module it imports; Dynamo, AOTAutograd
+and Inductor are large and imported at the first compile, so each rank pays it at start, first
+step and every restart. :func:`torch_bytecode` checks a few of those modules: up-to-date bytecode
+(the cached header, as Python checks it) or, if not, whether Python will keep what it compiles.
+``bucketwise.compile`` warns (on local rank 0: a fact of the machine) and names the fix; the
+report's totals say which case it is (``python_bytecode``).
 """
 
 from __future__ import annotations

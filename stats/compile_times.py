@@ -1,18 +1,15 @@
 """Where each graph's compile seconds go: Dynamo, bucketwise's own work, AOTAutograd, the
 backend, and what the compile caches did.
 
-NOTE [compile-time breakdown]: one Dynamo graph is compiled in three places at three times.
-(1) Dynamo traces the frame, hands the graph to bucketwise's backend, then builds guards. (2) The
-backend plans buckets, checks the layout across ranks and rewrites the graph (``bucketwise_s``,
-of which ``rank_check_s`` is the rank check, waiting included), then AOTAutograd traces and
-partitions it and Inductor's ``compile_fx_inner`` compiles the forward. (3) AOTAutograd compiles
-the backward lazily, at the first backward. Step 2 is timed around the backend call: its wall
-time, the part torch's own timer gives ``compile_fx_inner`` (``backend_s``; the whole call for a
-backend that is not AOTAutograd-based), the rest AOTAutograd's (``aot_autograd_s``), and cache
-outcomes from torch's counters read before and after. Steps 1 and 3 happen outside that call, so
-torch's records of them (``CompilationMetrics``, only the latest 64 kept) are added to their graph
-when the report is read, when the next graph compiles and at the first calls after a compile. A
-backward's FX-graph-cache lookup that neither hit nor missed was bypassed (torch counts no bypass).
+NOTE [compile-time breakdown]: a Dynamo graph compiles in three steps: (1) Dynamo traces and
+builds guards; (2) the backend call: bucketwise's work (``bucketwise_s``, of which
+``rank_check_s``), AOTAutograd, and Inductor's ``compile_fx_inner`` on the forward; (3) the lazy
+backward compile. Step 2 is timed around the call: ``backend_s`` from torch's timer of
+``compile_fx_inner`` (the whole call for a non-AOTAutograd backend), the rest
+``aot_autograd_s``, cache outcomes from torch's counters. Steps 1 and 3 come from torch's
+``CompilationMetrics`` (only the latest 64 kept), added when the report is read, at the next
+compile and on the first calls after one. A backward cache lookup that neither hit nor missed
+was bypassed (torch counts no bypass).
 """
 
 from __future__ import annotations

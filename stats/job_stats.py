@@ -1,17 +1,13 @@
 """Every rank's rank files, gathered into rank 0's stats folder through the job's own store.
 
-NOTE [job-wide stats]: ``bucketwise launch`` runs once per node, and each node's ranks write
-``rank<R>.json`` into that node's ``--stats-dir``: no folder holds the whole job, and a shared one
-cannot be assumed. So every rank-file write is also published through the default process
-group's store (``bucketwise/stats/<restart>/rank<R>``: every file the rank has written), and at
-interpreter exit each rank publishes once more, marked final, through its own client of the
-store's TCP server, which outlives ``destroy_process_group()`` (torchrun's agents keep the server
-up until every node's workers exit). Rank 0, at its exit, waits for the other ranks' final entries
-(``$BUCKETWISE_STATS_GATHER_TIMEOUT``, 60 s by default; not when it ends with an unhandled
-exception, which the others are then likely blocked on), writes their files into its folder where
-no file of that name exists, and records in ``job.json`` who sent what; every other rank's
-``job.json`` names rank 0's host and folder. A node that dies loses nothing already published.
-Nothing is published without an initialised process group of more than one rank.
+NOTE [job-wide stats]: each node's ranks write into that node's ``--stats-dir``, and a shared
+folder cannot be assumed. So every rank-file write is also published through the default group's
+store (``bucketwise/stats/<restart>/rank<R>``), and at exit each rank publishes once more, marked
+final, through its own client of the store's TCP server, which outlives
+``destroy_process_group()``. Rank 0, at exit, waits for the final entries
+(``$BUCKETWISE_STATS_GATHER_TIMEOUT``, 60 s by default; not after an unhandled exception), writes
+files it lacks into its folder and records in ``job.json`` who sent what; other ranks' ``job.json``
+names rank 0's host and folder. Nothing is published without a process group of more than one rank.
 """
 
 from __future__ import annotations

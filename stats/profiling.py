@@ -1,23 +1,17 @@
 """Profiling a user's own training steps: ``bucketwise.profile`` and ``bucketwise launch
 --profile-steps``.
 
-Both run ``torch.profiler`` (CPU, and CUDA where available, recording shapes: gloo's ranges carry
-their sizes only then) over some training steps of one compiled object, write the Chrome trace,
-analyse it per bucket (``runtime_view.analyze``) and draw the last step's timeline. A training
-step is a call of the compiled object with gradients enabled that synchronises gradients (not
-under ``no_sync()``); each one opens and closes a ``bucketwise.step`` range in the trace.
+Both run ``torch.profiler`` (recording shapes: gloo's ranges carry sizes only then) over some
+training steps of one compiled object (calls with gradients enabled and synchronised, each a
+``bucketwise.step`` range), then analyse the trace per bucket and draw the last step's timeline.
 
 NOTE [profiling from the environment]: ``bucketwise launch --profile-steps N`` sets
 ``$BUCKETWISE_PROFILE_STEPS`` (and ``$BUCKETWISE_PROFILE_WARMUP``) for every rank. The first
-compiled object that takes a training step in a rank claims the profile: it starts at the start
-of a training step after the warm-up and stops at the start of the N-th step after that (or at
-interpreter exit, if fewer steps come), so the trace holds N whole steps (forward, backward,
-optimizer) and nothing of the compiles. The automatic warm-up (no ``--profile-warmup``) skips
-3 steps (DDP's reducer rebuilds its buckets after the first; CUDA graphs record in the first
-ones) and then every step that compiled a new graph, up to 20 steps: the profile starts at the
-first step after the 3rd whose previous step compiled nothing. The view goes to
-``runtime-rank<R>.json`` in the stats folder, with the trace and the PNG timeline, and through the
-job's store to rank 0 (NOTE [job-wide stats]), so the launcher prints it for every rank.
+compiled object to take a training step claims the profile, from the start of a step after the
+warm-up to the start of the N-th step after it (or interpreter exit): N whole steps, no compiles.
+The automatic warm-up skips 3 steps (bucket rebuild, CUDA graph recording), then every step that
+compiled a new graph, up to 20. The view goes to the stats folder and through the job's store to
+rank 0 (NOTE [job-wide stats]), so the launcher prints it for every rank.
 """
 
 from __future__ import annotations
@@ -129,8 +123,8 @@ class Profile:
         return end
 
     def _per_step_ms(self, end: tuple[float, float], last_step_open: bool) -> tuple[float, float]:
-        """Wall and CPU time per step from the first step's start to ``end``; to the last step's
-        start where its end is not known (a profile closed at exit)."""
+        """Wall and CPU time per step from the first step's start to ``end`` (to the last step's
+        start when a profile is closed at exit)."""
         if not self._marks:
             start, stop, n = self._t0, end, 1
         else:
@@ -187,11 +181,9 @@ class Profile:
         return view
 
 
-# NOTE [a step's CPU time]: on a GPU, autograd runs a backward's host work (kernel launches,
-# collectives) on a thread of its own, while the thread that called ``backward()`` waits; that
-# thread's CPU time would count only the forward and optimizer. So a step's CPU time is the
-# process's, every thread (NCCL's mostly asleep watchdog, gloo's and intra-op threads, the
-# profiler's own work too): near the step's wall time it says the host is working, not waiting.
+# NOTE [a step's CPU time]: on a GPU, autograd runs the backward's host work on a thread of its
+# own while the calling thread waits, so a step's CPU time is the whole process's (all threads,
+# the profiler's too): near the step's wall time, the host is working, not waiting.
 
 
 def _clocks() -> tuple[float, float]:
@@ -200,8 +192,8 @@ def _clocks() -> tuple[float, float]:
 
 
 def _cuda_memory_mib() -> tuple[float, float] | None:
-    """The caching allocator's peak allocated so far and reserved now, MiB (``None`` without CUDA);
-    the peak is not reset, so the user's own reading of it stays as it was."""
+    """The caching allocator's peak allocated and reserved now, MiB (``None`` without CUDA); the
+    peak is not reset, leaving the user's own reading intact."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None
     return torch.cuda.max_memory_allocated() / 2**20, torch.cuda.memory_reserved() / 2**20
@@ -238,13 +230,11 @@ _KINETO_MARKER = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
 
 @contextlib.contextmanager
 def _without_kineto_markers() -> Any:
-    """Within: the process's stderr (file descriptor 2) is held back, and written out on leaving but
-    for the profiler library's own start and stop markers.
+    """Hold back fd 2 within, writing it out on leaving minus kineto's start/stop markers.
 
-    NOTE [kineto's markers]: kineto prints a ``USDT:... profiler_start`` (and ``profiler_stop``) line
-    at every start and stop, at a log level above its errors (``KINETO_LOG_LEVEL`` would silence
-    those too), and under ``bucketwise launch`` every rank would print them. Only the start and stop
-    calls are wrapped; other output written meanwhile still comes out, a moment later."""
+    NOTE [kineto's markers]: kineto prints ``USDT:... profiler_start``/``profiler_stop`` lines at a
+    log level above its errors (so ``KINETO_LOG_LEVEL`` cannot drop them alone), once per rank under
+    ``bucketwise launch``. Only the start and stop calls are wrapped; other output still comes out."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)
@@ -377,8 +367,7 @@ def _env_int(name: str, text: str, *, minimum: int) -> int:
 
 
 def on_call(compiled: Any, rep: Report, *, training: bool) -> None:
-    """A compiled object is called: a training step when ``training`` (grad enabled, gradients
-    synchronised). Starts, marks and stops profiles."""
+    """Start, mark and stop profiles at a call of a compiled object (a step when ``training``)."""
     if not training:
         return
     auto = _auto_profile()

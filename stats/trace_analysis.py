@@ -1,22 +1,16 @@
-"""Communication and compute read from a ``torch.profiler`` Chrome trace (the exported JSON, stable
-across torch versions; times in microseconds), per gradient bucket.
+"""Communication and compute per gradient bucket, read from a ``torch.profiler`` Chrome trace (the
+exported JSON, stable across torch versions; times in microseconds).
 
-- CUDA: NCCL kernels (``nccl`` in the name) are the collectives, with their size in ``args``;
-  every other kernel is compute. A kernel's ``args.correlation`` is its CPU launch call's, which
-  places it in the CPU-side range that launched it.
-- CPU (gloo): each collective is a ``gloo:<op>`` range on a gloo thread, sized where the profiler
-  records shapes. Compute is what the training threads do outside c10d's ops and waits, so
-  "overlapped" means the host kept working while gloo sent, "exposed" that it waited.
+- CUDA: NCCL kernels are the collectives, sized in ``args``; other kernels are compute.
+  ``args.correlation`` ties a kernel to the CPU range that launched it.
+- CPU (gloo): each collective is a ``gloo:<op>`` range on a gloo thread. Compute is what the
+  training threads do outside c10d's ops and waits: "exposed" means the host waited on gloo.
 
-NOTE [collectives to buckets]: a trace does not say which bucket a collective reduces, but the
-report says what each planned bucket puts on the wire (``wire_bytes`` under ``fused``: after
-compression, a gathered embedding table's rows and ids; the gradient bytes under ``split``). So a
-collective is matched by kind and bytes to the buckets with that signature; equal ones take the
-collectives in turn, in a backward's issue order (later graphs first, then bucket index): exact
-while every step runs each once. A table looked up several times is gathered once per lookup:
-all-gathers of no bucket's size go to the one gathered table that matched nothing else. What
-matches no bucket (the fused runtime's eager reductions, a user's all_reduce of the loss, a
-``split`` bucket under a compressing comm hook) is "other".
+NOTE [collectives to buckets]: a trace does not say which bucket a collective reduces, so a
+collective is matched by kind and bytes to the buckets putting that on the wire (``wire_bytes``
+under ``fused``, gradient bytes under ``split``); equal ones take collectives in turn, in backward
+issue order (exact while every step runs each once). All-gathers of no bucket's size go to the one
+gathered table that matched nothing else. What matches no bucket is "other".
 """
 
 from __future__ import annotations
