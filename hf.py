@@ -6,23 +6,16 @@
 
 ``with_bucketwise(SomeTrainer)`` does the same for a Trainer subclass of your own or of another
 library (TRL's ``SFTTrainer``, ...). Needs ``transformers``; ``import bucketwise`` does not import
-this module.
+this module. Without a DDP module (one process) the model is compiled with
+``bucketwise.compile(model)`` (no buckets), and the log says so.
 
-Without a DDP module (one process) the model the Trainer trains is compiled with
-``bucketwise.compile(model)`` (no buckets: the inner backend alone), and the log says so.
-
-NOTE [HF Trainer on fused]: given ``model=torch.compile(model)``, the Trainer wraps the compiled
-model in DDP, so DDP's own forward and reducer stay in charge (``split``). ``fused`` needs
-bucketwise to run the DDP forward, and the Trainer builds its DDP module inside ``train()``
-(through accelerate's ``prepare``), where no public hook hands it out before it is called. The
-first place that sees it is ``Trainer.compute_loss``, the documented override, called with the
-DDP module at every training step: there, once per DDP module, :class:`BucketwiseTrainer` builds
-what ``bucketwise.compile(ddp)`` builds and routes that module's forward to it
-(``_compat/ddp.route_forward``), so the Trainer keeps the objects it built (``unwrap_model``,
-``no_sync()``, saving). The Trainer asks DDP for ``find_unused_parameters=True`` by default, not
-because a parameter is unused, and ``auto`` would then pick ``split``; so unless that or a
-``strategy`` was set, the strategy is ``"fused"`` (NOTE [explicit strategies]), and ranks whose
-graphs read different parameters raise ``RankMismatchError`` instead of training apart.
+NOTE [HF Trainer on fused]: ``fused`` needs bucketwise to run the DDP forward, but the Trainer
+builds its DDP module inside ``train()`` with no public hook before its first call. The first
+place that sees it is ``Trainer.compute_loss``: there, once per DDP module, what
+``bucketwise.compile(ddp)`` builds is made and the module's forward routed to it
+(``_compat/ddp.route_forward``), so the Trainer keeps its own objects. The Trainer asks DDP for
+``find_unused_parameters=True`` by default, for which ``auto`` would pick ``split``; so unless
+that or a ``strategy`` was set, the strategy is ``"fused"`` (NOTE [explicit strategies]).
 """
 
 from __future__ import annotations

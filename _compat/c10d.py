@@ -2,14 +2,12 @@
 ``destroy_process_group()`` shuts process groups down, whether a group is still registered,
 and the default group's store.
 
-Checked on torch 2.11.0 (device machines) and 2.13.0 (CI): ``destroy_process_group()`` (for the
-default group) calls ``shutdown()`` on every group of ``_world.pg_names``, sorted by group name,
-last name first; ``_get_default_store()`` returns the store ``init_process_group`` wrapped in
+Checked on torch 2.11.0 and 2.13.0: ``destroy_process_group()`` calls ``shutdown()`` on every
+group of ``_world.pg_names``, last name first; ``_get_default_store()`` returns the store wrapped in
 ``PrefixStore("default_pg", ...)``; ``new_group()`` gives a group the default group's
-``bound_device_id`` (set by ``init_process_group(device_id=...)``) and then asks the new group for
-that device's backend, which a Python ``ProcessGroup`` subclass does not have ("No backend type
-associated with device type cuda"). ``registered``: ``destroy_process_group()`` removes a group
-from ``_world.pg_names`` (checked on 2.13.0).
+``bound_device_id`` and asks it for that device's backend, which a Python ``ProcessGroup``
+subclass lacks. ``registered``: ``destroy_process_group()`` removes a group from
+``_world.pg_names`` (checked on 2.13.0).
 """
 
 from __future__ import annotations

@@ -83,18 +83,12 @@ def wait(t: Any) -> Any:
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
-# NOTE [late waits]: Inductor orders a graph's collectives with fake weak dependencies
-# (``WeakDep(is_fake=True)``, ``comms.decide_global_ordering_of_comms``): collective k+1 depends
-# on what collective k wrote, which its wait reads, so the built-in passes leave every wait right
-# before the next collective (``sink_waits_iterative``) or drag every later collective to the end
-# (``sink_waits``). One bucket is then in flight at a time, and any lag between ranks stalls the
-# backward. Waiting later is safe: the collectives keep their order (the same on every rank), NCCL
-# runs them one after another, and nothing reads a reduced bucket before its own wait. So this
-# pass keeps only the collectives' order, schedules what each needs as early as it can, and delays
-# every wait, and what reads its result (a comm hook's decompress), until nothing else is ready; a
-# compressed bucket then stays allocated to the end of the backward. It runs alone: Inductor's
-# raise pass (``reorder_communication_preserving_peak_memory``) would change nothing after it, at
-# a compile cost that grows with collectives times nodes.
+# NOTE [late waits]: Inductor's fake weak dependencies between collectives make its built-in
+# passes put each wait right before the next collective, so one bucket is in flight at a time and
+# any lag between ranks stalls the backward. Waiting later is safe: collectives keep their order
+# on every rank and nothing reads a bucket before its wait. So this pass keeps only the
+# collectives' order, schedules their inputs early and delays every wait (and its readers) until
+# nothing else is ready. It runs alone: Inductor's raise pass would change nothing after it.
 def sink_waits_to_consumers(snodes: list[Any]) -> list[Any]:
     """Scheduler pass: a topological order of ``snodes`` where what each collective needs comes
     first, collective by collective, then the rest in the original order, and waits and the

@@ -15,17 +15,12 @@ from .ddp import reducer_parameters, sparse_gradient_flags, uses_python_reducer
 
 log = logging.getLogger(__name__)
 
-# NOTE [released reducer]: DDP's reducer allocates its bucket buffers (one flat tensor per bucket,
-# together a copy of every gradient) when the DDP module is built, and holds them for the
-# module's life. Under ``fused`` the reducer is idle: the compiled backward reduces each bucket
-# into a buffer of its own, whose views become ``param.grad``, so the reducer's buffers are a
-# second copy of the gradients that nothing reads. Once ``fused`` is confirmed, bucketwise
-# destroys the reducer (and the logger that keeps it alive) and puts in their place a stand-in
-# that answers the one call DDP's idle forward makes (``_rebuild_buckets()``: nothing to
-# rebuild). Anything else (``join()`` once a rank has joined, a comm hook registered later, DDP's
-# logging data) first rebuilds the real reducer as DDP's ``__setstate__`` does, with the module's
-# comm hooks and static-graph setting. A fresh reducer is what the idle one was (never run,
-# buckets not yet rebuilt), so ranks that rebuild it at the same step agree.
+# NOTE [released reducer]: DDP's reducer holds bucket buffers, a copy of every gradient, for the
+# module's life; under ``fused`` it is idle and nothing reads them. Once ``fused`` is confirmed,
+# bucketwise destroys the reducer (and its logger) and puts in a stand-in answering the one call
+# DDP's idle forward makes (``_rebuild_buckets()``). Anything else (``join()`` after a rank joined,
+# a later comm hook, logging data) first rebuilds the real reducer as DDP's ``__setstate__`` does.
+# A fresh reducer equals the idle one, so ranks that rebuild it at the same step agree.
 
 _RELEASED_KEY = "_bucketwise_released_reducer"
 

@@ -1,13 +1,8 @@
 """torch's own ways of training a DDP model that the docs compare bucketwise with, where torch
-selects them only through its private API.
-
-``torch-nosplit`` (torch's DDPOptimizer off), ``torch-ca`` (DDP's Python reducer under compiled
-autograd) and ``replicate`` (FSDP2's ``replicate()``) are the alternatives README.md and
-docs/performance.md measure bucketwise against, and torch has no public switch for any of them:
-``optimize_ddp`` lives in ``torch._dynamo.config``, compiled autograd in
-``torch._dynamo.compiled_autograd`` and ``replicate()`` in ``torch.distributed._composable``. The
-library never uses this module; it lives here because private torch API lives in ``_compat/``
-only, and it is the one module of ``_compat`` the benchmarks import (tests/benchmarks/test_layout.py).
+selects them only through its private API: ``torch-nosplit`` (DDPOptimizer off), ``torch-ca``
+(DDP's Python reducer under compiled autograd) and ``replicate`` (FSDP2's ``replicate()``).
+The library never uses this module; it lives here because private torch API lives in
+``_compat/`` only (the benchmarks import it: tests/benchmarks/test_layout.py).
 Checked on torch 2.11.0 (device machines) and 2.13.0 (CI, which runs tests/benchmarks/test_torch_ca.py).
 """
 
@@ -45,17 +40,10 @@ class PythonReducerBuild:
 
 
 def build_for_python_reducer(build: Callable[[], Any]) -> PythonReducerBuild:
-    """``build()`` (which constructs ``DistributedDataParallel`` modules) under
-    ``optimize_ddp="python_reducer"``: DDP reads the mode in its constructor, keeps its C++
-    reducer out of the backward and registers a hook per parameter that all-reduces the
-    parameter's gradient with functional collectives, for compiled autograd to trace.
-
-    DDP's constructor also changes process-wide state for that mode: it sets Inductor's
-    ``_fuse_ddp_communication`` and ``_fuse_ddp_bucket_size`` and adds
-    ``torch.nn.parallel.distributed`` to Dynamo's ``LEGACY_MOD_INLINELIST`` (every later
-    ``torch.compile(DDP(model))`` would trace into the C++ reducer's calls). Both are put back on
-    return, so configs built beside it run as without it; the options DDP set come back with the
-    module, for ``torch.compile(..., options=)`` (what torch's own path compiles with)."""
+    """``build()`` (which constructs DDP modules) under ``optimize_ddp="python_reducer"``. The
+    process-wide state DDP's constructor changes for that mode (Inductor's DDP fusion options,
+    Dynamo's ``LEGACY_MOD_INLINELIST``) is put back on return; the Inductor options come back
+    with the module, for ``torch.compile(..., options=)``."""
     import torch._dynamo
     import torch._inductor.config
     from torch._dynamo import trace_rules

@@ -1,14 +1,7 @@
 """The ``bucketwise demo`` job: a small GPT trained with DDP, compiled by bucketwise, checked
-against an identical eager DDP copy.
-
-This module is what every rank runs (``bucketwise demo`` starts it through
-``python -m torch.distributed.run --standalone --nproc-per-node N -m bucketwise.launch.demo``).
-It can also be started by hand with ``torchrun``. Ranks use gloo on CPU, or NCCL with one GPU
-per rank when at least as many GPUs as local ranks are visible.
-
-Each step prints the loss of the compiled and of the eager model (rank 0's batch) and the time
-of the compiled step; the run fails (exit 1) if the losses drift apart. At the end rank 0 prints
-``bucketwise.report(compiled).table()`` and the bucket alignment.
+against an identical eager DDP copy. Every rank runs this module (also startable with
+``torchrun``): gloo on CPU, or NCCL with one GPU per rank when enough GPUs are visible. The run
+fails (exit 1) if the compiled and eager losses drift apart.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Where a compiled object's first step goes: compiling, Triton autotuning, other first-call work.
 
-NOTE [first step]: the compile-time breakdown (NOTE [compile-time breakdown]) covers what torch
-records as compiling, and a first step takes longer: at their first calls Inductor's Triton
-kernels autotune (each benchmarks its candidate configurations), kernels and CUDA libraries load
-(cuBLAS, cuDNN handles), NCCL sets its communicator up at the first collective, and the first
-backward runs eagerly-scheduled autograd around the compiled graphs. So the compiled object's
-first call and the backward it starts are timed (wall clock, no device synchronisation), and
-torch's own timer of Triton autotuning is read across them. ``first_step`` in the report's totals
-then says: the compiled calls' wall time, the compile seconds spent inside it, the autotuning
-seconds, and the rest (other first-call work). What the step spends outside the compiled calls
-(the loss, the optimizer, data) is the user's eager code. Nothing is timed after the first call.
+NOTE [first step]: a first step takes longer than what torch records as compiling (NOTE
+[compile-time breakdown]): Triton autotuning, kernel and CUDA library loading, NCCL setup, the
+first backward. So the compiled object's first call and its backward are timed (wall clock, no
+device sync) and torch's autotuning timer read across them; ``first_step`` in the report's totals
+splits the compiled calls' wall time into compile, autotuning and the rest. Nothing is timed
+after the first call.
 """
 
 from __future__ import annotations
