@@ -1,12 +1,6 @@
-"""The fused strategy applied to one Dynamo graph: plan, rank check, graph passes, compile.
-
-For each graph: the comm spec (DDP's reducer or its comm hook), the buckets and the embedding
-tables gathered as rows (agreed on by every rank, NOTE [fused layout check]), the graph passes
-(``embedding_rows``, ``sync``), the compile (through the compiler's callback) and the runtime's
-record of which parameters the graph reduces. A graph whose buckets a comm hook with per-step
-host decisions reduces (PowerSGD, a traceable user hook) is compiled per variant instead
-(``comm_hooks.HookedGraph``).
-"""
+"""The fused strategy for one Dynamo graph: plan buckets (NOTE [fused layout check]), insert
+the collectives, compile whole. A comm hook with per-step host decisions (PowerSGD) compiles
+per variant instead (``comm_hooks.HookedGraph``)."""
 
 from __future__ import annotations
 
@@ -47,9 +41,7 @@ class FusedState:
 
 @dataclasses.dataclass(frozen=True)
 class Reduction:
-    """One collective of a fused graph, for the report: the parameters it reduces, how, and the
-    bytes each rank sends into it per step (``None``: unknown; ``parts``: per collective where a
-    comm hook issues several)."""
+    """One collective of a fused graph, for the report (``wire_bytes`` per rank and step)."""
 
     params: Sequence[GraphParam]
     collective: str
@@ -71,12 +63,8 @@ class FusedPlan:
 
 
 def fused_backend_options(user_options: dict[str, Any] | None, *, post_grad_pass: Any = None) -> dict[str, Any]:
-    """Inductor options of fused compiles, scoped to them: comm/compute reordering with the
-    late-waits pass (NOTE [late waits]), the shared blocks' all-reduces grouped (``post_grad_pass``,
-    NOTE [block reductions grouped]) and
-    the cache keys of what the passes insert (NOTE [compile cache keys]), and no reduction that
-    loses its results computed into a bucket (NOTE [reductions into bucket views]); the user's own
-    options win (the config refuses the one that would turn that reduction back on)."""
+    """Inductor options of fused compiles: NOTE [late waits], NOTE [block reductions grouped],
+    NOTE [compile cache keys], NOTE [reductions into bucket views]. The user's options win."""
     ours = {**cc.comm_overlap_options(comm_pass_key()), **ci.bucket_safe_patches()}
     if post_grad_pass is not None:
         ours["post_grad_custom_post_pass"] = post_grad_pass
@@ -94,10 +82,8 @@ def apply_fused(
     rows_off: str | None = None,
     state: FusedState,
 ) -> StrategyResult:
-    """The graph with its buckets' collectives traced into its backward, compiled whole. ``caps``,
-    ``spec`` and ``comm_hook``: the buckets and how they are reduced (the compiled object's
-    decision, NOTE [one decision]). ``rows_off``: why no table's rows are gathered though the
-    config asks for it, a note of the graph's where it has a table that would be."""
+    """The graph with its buckets' collectives traced into its backward, compiled whole
+    (NOTE [one decision]). ``rows_off``: why rows are not gathered though the config asks."""
     program = _hook_program(job.ddp, spec, state.runtime, comm_hook)
     if program is not None:
         return _apply_hooked(job, compiler, caps=caps, state=state, program=program)
@@ -126,9 +112,8 @@ def apply_fused(
 def _apply_hooked(
     job: GraphJob, compiler: PieceCompiler, *, caps: BucketCaps, state: FusedState, program: HookProgram
 ) -> StrategyResult:
-    """A graph whose buckets a comm hook reduces: compiled per variant (HookedGraph), from
-    copies of the graph, which stays as Dynamo gave it. No embedding rows: the hook gets tables
-    like any gradient, as in eager DDP."""
+    """A graph whose buckets a comm hook reduces, compiled per variant. No embedding rows: the
+    hook gets tables like any gradient, as in eager DDP."""
     spec = program.plain_spec()
     plan = fused_plan(job, spec, caps, state, rows=False)
     synced = [[p for p in b if p.first_use >= 0] for b in plan.buckets]
@@ -237,16 +222,11 @@ def fused_plan(job: GraphJob, spec: CommSpec, caps: BucketCaps, state: FusedStat
     )
     if inside:
         dense, buckets = _in_ready_order(dense + inside), _in_ready_order(buckets + inside)
-    # NOTE [fused layout check]: a fused graph's collectives line up with the other ranks'
-    # only if they run graphs with the same bucket layout. A layout already checked across
-    # ranks is safe wherever it shows up again (the same frame recompiled for a new shape on
-    # one rank, the other side of a data-dependent branch compiled a few steps later), so it
-    # is not checked again. A new layout is checked with one collective on a gloo side group:
-    # ranks that compile it together compare it; a rank that compiles it alone (a recompile
-    # on one rank that changes which parameters the graph reads) times out and raises
-    # RankMismatchError naming the failed guard, instead of hanging in a mismatched allreduce.
-    # Ranks that compile together but look up different numbers of ids (uneven batches)
-    # all fall back to all-reducing the tables.
+    # NOTE [fused layout check]: a fused graph's collectives line up with other ranks' only if
+    # they run the same bucket layout. Each new layout is compared once, on a gloo side group; a
+    # rank compiling alone (a recompile on one rank) times out and raises RankMismatchError
+    # instead of hanging in a mismatched allreduce. Ranks looking up different numbers of ids
+    # fall back to all-reducing the tables.
     layout = tuple(_layout_signature(buckets, spec) + [t.signature(spec) for t in tables])
     if layout in state.checked_layouts:
         return FusedPlan(buckets, tables, in_blocks=in_blocks)
@@ -277,8 +257,7 @@ def fused_plan(job: GraphJob, spec: CommSpec, caps: BucketCaps, state: FusedStat
 
 
 def layout_fix(ddp: Any) -> str:
-    """What to do when the ranks' fused layouts differ; the common cause is ranks that read
-    different parameters, which eager DDP itself allows only with ``find_unused_parameters=True``."""
+    """The fix to suggest when ranks' fused layouts differ (usually: they read different params)."""
     if ddpc.find_unused_parameters(ddp):
         return (
             "strategy='fused' needs every rank's graph to read the same parameters; where ranks use different "
@@ -292,8 +271,7 @@ def layout_fix(ddp: Any) -> str:
 
 
 def block_buckets(gm: Any, params: Sequence[GraphParam]) -> list[list[GraphParam]]:
-    """The buckets the graph's shared blocks reduce themselves (NOTE [a bucket per block]), one
-    per block, in the block's input order."""
+    """The buckets shared blocks reduce themselves, one per block (NOTE [a bucket per block])."""
     by_node = {p.node: p for p in params}
     out = []
     for node in gm.graph.nodes:

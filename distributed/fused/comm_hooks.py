@@ -1,17 +1,11 @@
 """DDP comm hooks other than torch's allreduce/fp16/bf16 ones, under the fused strategy.
 
-NOTE [comm hooks in the graph]: a comm hook turns a bucket's gradients into its reduced
-gradients, and ``fused`` reduces inside the compiled backward, so it reproduces there, bucket by
-bucket, the hooks it can trace: ``allreduce_hook``, ``fp16_compress_hook`` and
-``bf16_compress_hook`` (``fused.BucketSync``), ``powerSGD_hook`` with its ``PowerSGDState``
-(NOTE [powersgd in the graph]) and a hook written with functional collectives and wrapped in
-``bucketwise.traceable_comm_hook`` (``HookSync``). Any other hook (Python around
-``dist.all_reduce`` futures, ``batched_powerSGD_hook``) cannot be traced: ``auto`` then compiles
-with ``split``, DDP's reducer running the hook between compiled segments, and the report says
-why. A hook with per-step host decisions or state is a :class:`HookProgram`, its graph a
-:class:`HookedGraph` compiled once per variant the program asks for (a plain all-reduce, the
-hook, the hook with accumulated gradients), with the extra inputs (state tensors, accumulated
-gradients) after Dynamo's.
+NOTE [comm hooks in the graph]: ``fused`` reduces inside the compiled backward, so it must
+reproduce the comm hook there: allreduce/fp16/bf16 hooks (``BucketSync``), ``powerSGD_hook``
+(NOTE [powersgd in the graph]) and hooks wrapped in ``traceable_comm_hook`` (``HookSync``).
+Other hooks cannot be traced; ``auto`` then picks ``split`` and the report says why. A hook with
+per-step host state is a :class:`HookProgram`; its graph a :class:`HookedGraph` compiled once
+per variant, extra inputs (state tensors, accumulated gradients) after Dynamo's.
 """
 
 from __future__ import annotations
@@ -44,9 +38,7 @@ class HookProgram:
         self._keys: dict[tuple[int, ...], int] = {}
 
     def key(self, bucket: Sequence[GraphParam]) -> int:
-        """The bucket's index as the hook sees it (``GradBucket.index()``): buckets are numbered
-        in the order graphs are compiled, each graph's in backward order; a recompiled graph
-        with the same buckets gets the same numbers."""
+        """``GradBucket.index()``: numbered in compile order, stable across recompiles."""
         return self._keys.setdefault(tuple(p.reducer_index for p in bucket), len(self._keys))
 
     def bucket_count(self) -> int:
@@ -71,16 +63,14 @@ class HookProgram:
     def insert(
         self, gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]], variant: Hashable, extra: Sequence[fx.Node]
     ) -> None:
-        """Graph pass: the variant's syncs (``extra``: the placeholders of its extra inputs, in
-        the order of ``input_specs``)."""
+        """Graph pass: the variant's syncs (``extra``: placeholders, as ``input_specs``)."""
         raise NotImplementedError
 
     def variant_name(self, variant: Hashable) -> str:
         raise NotImplementedError
 
     def wire(self, bucket: Sequence[GraphParam]) -> tuple[str, int | None, dict[str, int] | None]:
-        """For the report: the bucket's collective(s), the bytes each rank sends per step once the
-        hook runs (``None``: unknown), and those bytes per collective (``None``: one)."""
+        """For the report: collective name, bytes per rank and step, and per collective."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -91,8 +81,7 @@ class HookProgram:
 
 
 class HookedGraph:
-    """One Dynamo graph under a :class:`HookProgram`: compiled once per variant, the variant
-    picked at each call (see NOTE [powersgd in the graph] for why variants, not recompiles)."""
+    """One graph compiled once per variant, picked per call (NOTE [powersgd in the graph])."""
 
     def __init__(
         self,
@@ -124,9 +113,7 @@ def has_grads(buckets: Sequence[Sequence[GraphParam]]) -> bool:
 
 
 def take_grads(bucket: Sequence[GraphParam]) -> torch.Tensor:
-    """The bucket's gradients as one flat buffer, zeros where there is none; the parameters'
-    ``.grad`` are cleared: the backward adds them to the new gradients before the hook
-    (NOTE [powersgd in the graph], accumulated gradients)."""
+    """The bucket's gradients, flat, then cleared: the backward adds them before the hook."""
     parts = []
     for p in bucket:
         g = p.tensor.grad
@@ -144,8 +131,7 @@ def bucket_input_spec(bucket: Sequence[GraphParam], numel: int) -> InputSpec:
 
 
 class TraceableCommHook:
-    """A DDP comm hook the fused strategy traces into the compiled backward (see
-    :func:`traceable_comm_hook`). Registered with ``ddp.register_comm_hook(state, hook)``."""
+    """See :func:`traceable_comm_hook`."""
 
     def __init__(self, fn: Callable[[Any, Any], torch.Tensor]) -> None:
         if not callable(fn):
@@ -173,15 +159,11 @@ TraceableCommHook.__call__.__annotations__ = {"bucket": dist.GradBucket, "return
 def traceable_comm_hook(fn: Callable[[Any, Any], torch.Tensor]) -> TraceableCommHook:
     """Mark a comm hook as traceable into the compiled backward of ``strategy="fused"``.
 
-    ``fn(state, bucket)`` returns the reduced bucket as one flat tensor (as many elements and
-    the dtype of ``bucket.buffer()``), computed with functional collectives
-    (``torch.distributed._functional_collectives``: ``all_reduce``, ``all_gather_tensor``,
-    ``reduce_scatter_tensor``, ...), not with ``dist.all_reduce`` and futures. Register the
-    result like any hook: ``ddp.register_comm_hook(state, traceable_comm_hook(fn))``. Eager DDP
-    and ``split`` call ``fn`` on DDP's ``GradBucket``; ``fused`` traces it once per bucket and
-    graph variant with a bucket offering ``buffer()``, ``gradients()``, ``index()`` and
-    ``is_last()`` (last bucket of its graph), so host-side effects in ``fn`` (counters, logging,
-    reading tensors with ``.item()``) happen when it is traced, not at every step."""
+    ``fn(state, bucket)`` returns the reduced bucket as one flat tensor like
+    ``bucket.buffer()``, computed with functional collectives (not ``dist.all_reduce``
+    futures). Register it like any hook. ``fused`` traces it once per bucket and variant with a
+    bucket offering ``buffer()``, ``gradients()``, ``index()`` and ``is_last()``, so host-side
+    effects in ``fn`` happen at trace time, not every step."""
     return TraceableCommHook(fn)
 
 
@@ -215,8 +197,7 @@ class GraphBucket:
 
 
 class HookCall:
-    """The graph's call target for a traceable hook: the hook and its state, which FX keeps as
-    a global of the generated code (they cannot be written as arguments)."""
+    """The graph's call target: holds hook and state, which FX cannot write as arguments."""
 
     def __init__(self, hook: TraceableCommHook, state: Any) -> None:
         self.hook, self.state = hook, state
@@ -291,8 +272,7 @@ class TracedHookProgram(HookProgram):
         return self.name + (" (accumulated gradients)" if variant[1] else "")
 
     def wire(self, bucket):
-        """The bytes the hook hands to functional collectives, from one run of it on fake tensors
-        (a host-side effect of the hook happens once more here)."""
+        """Bytes measured by one run of the hook on fake tensors (its side effects run again)."""
         numel = sum(p.tensor.numel() for p in bucket)
         first = bucket[0].tensor
 

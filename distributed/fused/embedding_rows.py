@@ -1,17 +1,12 @@
 """Embedding gradients reduced as the rows each rank looked up (fused strategy).
 
-NOTE [embedding rows]: an embedding table's gradient is zero outside the rows of the ids the rank
-looked up, and complete only at the very end of the backward (a token embedding is the first op
-of the forward), so its all-reduce overlaps nothing. The gradient is linear in what reaches the
-lookup, so with ``E(g, ids) = embedding_dense_backward(g, ids)`` the average of the ranks'
-``E(g_r, ids_r)`` is ``E(cat_r(g_r / world), cat_r(ids_r))``: ``fused`` all-gathers the rows that
-reach the lookup with their ids (``world x ids x dim`` elements instead of about
-``2 x rows x dim``) where ``world x ids <= rows`` on more than one rank, and every rank builds the
-averaged gradient. Each rank must compute the same bits, or the replicas drift: Inductor's atomic
-scatter-add sums in a varying order, so ``bucketwise::embedding_rows_grad``, opaque to Inductor,
-runs ATen's deterministic kernel (on CUDA without a device-to-host sync). Only a table whose every
-use is a plain ``F.embedding`` with a static id count qualifies (a tied LM head keeps the
-all-reduce), and all ranks must look up as many ids (the fused layout check compares the counts).
+NOTE [embedding rows]: a table's gradient is complete only at the end of the backward, so its
+all-reduce overlaps nothing, and it is zero outside the looked-up rows. Being linear,
+avg_r E(g_r, ids_r) == E(cat_r(g_r / world), cat_r(ids_r)), so ``fused`` all-gathers rows and ids
+where ``world x ids <= rows`` and every rank builds the average. Ranks must get the same bits, so
+``bucketwise::embedding_rows_grad`` (opaque to Inductor) runs ATen's deterministic kernel, not an
+atomic scatter-add. Only tables used solely by plain ``F.embedding`` with static id counts qualify,
+and all ranks must look up as many ids (NOTE [fused layout check]).
 """
 
 from __future__ import annotations
@@ -41,8 +36,7 @@ _EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
 
 @torch.library.custom_op("bucketwise::embedding_rows_grad", mutates_args=())
 def embedding_rows_grad(rows: torch.Tensor, ids: torch.Tensor, num_weights: int, padding_idx: int) -> torch.Tensor:
-    """The table gradient of gathered lookups, by ATen's deterministic kernel (an extern call
-    for Inductor, never its atomic scatter-add): see NOTE [embedding rows]."""
+    """See NOTE [embedding rows]."""
     return torch.ops.aten.embedding_dense_backward(rows, ids, num_weights, padding_idx, False)
 
 
@@ -79,8 +73,7 @@ class RowsSync:
         return int(rows), int(dim)
 
     def wire_bytes(self, comm_dtype: torch.dtype | None) -> int:
-        """Bytes this rank contributes: its gradient rows and its ids as base-256 digits, in the
-        wire dtype (NOTE [ids in the rows])."""
+        """Bytes this rank sends: rows plus ids as digits (NOTE [ids in the rows])."""
         rows, dim = self.shape
         return self.ids * (dim + _digit_count(rows)) * (comm_dtype or self.param.dtype).itemsize
 
@@ -166,10 +159,9 @@ class EmbeddingRows(torch.autograd.Function):
         dim = g.shape[-1]
         # Gathered, not reduced: each rank's rows scaled here, whatever the all-reduces do.
         wire = spec.scaled(g)
-        # NOTE [ids in the rows]: one collective carries rows and ids, so it depends on the
-        # gradient and stays in the backward. A separate ids gather depends on forward values
-        # only, so AOTAutograd's partitioner would move it into the forward graph, where a
-        # captured CUDA graph holding an NCCL kernel keeps ncclCommDestroy from returning.
+        # NOTE [ids in the rows]: one collective carries rows and ids so it depends on the
+        # gradient and stays in the backward; an ids-only gather would be moved to the forward,
+        # where a captured NCCL kernel keeps ncclCommDestroy from returning.
         digits = _ids_to_digits(ids.reshape(-1), ctx.rows, wire.dtype)
         # Autocast (the forward's, traced into the backward) rejects cat of fp16 under bf16 on CPU.
         with torch.autocast(g.device.type, enabled=False):
@@ -214,9 +206,8 @@ def embedding_rows(
 
 
 def renormed_tables(gm: fx.GraphModule, params: Sequence[GraphParam]) -> list[GraphParam]:
-    """Tables a lookup renormalises in place (``max_norm``): a bucket's view of them cannot be
-    modified in place, so their gradients are reduced after the backward (the runtime's
-    parameters no graph syncs, NOTE [fused strategy runtime])."""
+    """Tables ``max_norm`` renormalises in place; reduced after the backward instead (NOTE
+    [fused strategy runtime])."""
 
     def renormed(user: fx.Node, weight: fx.Node) -> bool:
         a = _embedding_args(user)
@@ -226,9 +217,7 @@ def renormed_tables(gm: fx.GraphModule, params: Sequence[GraphParam]) -> list[Gr
 
 
 def insert_embedding_rows(gm: fx.GraphModule, syncs: Sequence[RowsSync], spec: Any) -> fx.GraphModule:
-    """Graph pass: each lookup of a table in ``syncs`` becomes an :class:`EmbeddingRows` call.
-
-    Returns ``gm`` rewritten in place."""
+    """Graph pass, in place: each lookup of a table in ``syncs`` becomes an ``EmbeddingRows``."""
     if not syncs:
         return gm
     log.debug("graph before embedding rows:\n%s", LazyGraph(gm))

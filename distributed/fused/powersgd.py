@@ -1,17 +1,13 @@
 """torch's PowerSGD comm hook (``powerSGD_hook``) traced into the fused backward, bucket by bucket.
 
-NOTE [powersgd in the graph]: ``powerSGD_hook(state, bucket)`` mixes host decisions with tensor
-work; bucketwise splits them where they fall, so that the graphs compute what the hook computes,
-the same ops in the same order, with Q's draws seeded as torch seeds them. The host plans each
-bucket once per compiled graph (``plan_bucket``: which tensors compress, batching, P and Q
-offsets) and, per step (``powersgd_run.PowerSGDRun``), picks the variant (a plain all-reduce
-before ``start_powerSGD_iter``), advances ``iter`` and writes Q's fresh draws before the
-forward, where the partitioner may have put Q's orthogonalisation. The tensor work
-(``PowerSGDSync``) is traced into the bucket's backward with functional collectives, so it
-overlaps like any bucket. The state stays in torch's ``PowerSGDState`` dicts, updated in place
-(``copy_``) as graph inputs: fixed addresses for CUDA graphs, torch's values after every step.
-Compression is not linear, so accumulated gradients join the new ones before the hook, as in
-DDP's bucket. Each variant is a graph compiled when first needed, not a Dynamo recompile.
+NOTE [powersgd in the graph]: ``powerSGD_hook`` mixes host decisions with tensor work; we split
+them so the graphs run the hook's ops in its order, with Q seeded as torch seeds it. The host
+plans each bucket per graph (``plan_bucket``) and, per step (``powersgd_run.PowerSGDRun``),
+picks the variant (plain all-reduce before ``start_powerSGD_iter``), advances ``iter`` and
+writes Q's draws before the forward. The tensor work (``PowerSGDSync``) is traced into the
+backward. State stays in torch's ``PowerSGDState`` dicts, updated in place (fixed addresses for
+CUDA graphs). Accumulated gradients join the new ones before the hook (compression is not
+linear). Each variant is a graph compiled on first need, not a Dynamo recompile.
 """
 
 from __future__ import annotations
@@ -156,14 +152,8 @@ def plan_bucket(
 
 
 def orthogonalize(matrices: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """torch's ``_orthogonalize`` of a ``batch x rows x cols`` tensor, out of place: Gram-Schmidt
-    for at most 2 columns or half precision, else QR.
-
-    Gram-Schmidt is torch's own function, run on a contiguous copy: it works in place, and its
-    reductions over one column of the batch (strided) sum in another order than over the same
-    column copied out, so only the same ops on the same layout give the same bits. QR is the
-    functional op (torch writes it with ``out=``, which traced code cannot keep: the traced
-    output takes QR's column-major strides), made contiguous again."""
+    """torch's ``_orthogonalize``, out of place. Gram-Schmidt runs on a contiguous copy (the same
+    layout gives the same bits); QR's column-major output is made contiguous as torch's is."""
     if matrices.shape[2] <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
         out = matrices.clone(memory_format=torch.contiguous_format)
         ddp_hooks.powersgd_gram_schmidt_(out, epsilon)
@@ -187,10 +177,8 @@ def powersgd_reduce(
     p_mem: torch.Tensor,
     q_mem: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """torch's ``powerSGD_hook`` on one bucket buffer once compression is on, out of place.
-
-    Returns the reduced buffer, the new error (``None`` without error feedback), and the new
-    contents of the P and Q memories."""
+    """torch's ``powerSGD_hook`` on one bucket once compression is on, out of place: returns
+    the reduced buffer, the new error (or ``None``), and the new P and Q memories."""
     if cfg.use_error_feedback:
         flat = flat + error
     tensors = [seg.view(shape) for seg, shape in zip(_segments(flat, [math.prod(s) for s in plan.shapes]), plan.shapes)]
@@ -238,8 +226,7 @@ def state_layout(cfg: PowerSGDConfig, carry: bool) -> tuple[str, ...]:
 
 
 class PowerSGDSync(torch.autograd.Function):
-    """Identity in the forward; torch's ``powerSGD_hook`` on the bucket in the backward, with the
-    bucket's state tensors updated in place (NOTE [powersgd in the graph])."""
+    """Identity forward; ``powerSGD_hook`` in the backward (NOTE [powersgd in the graph])."""
 
     @staticmethod
     def forward(ctx: Any, cfg: PowerSGDConfig, carry: bool, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

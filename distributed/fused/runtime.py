@@ -1,17 +1,12 @@
 """Run-time side of the fused strategy: what the compiled graphs do not reduce themselves.
 
-NOTE [fused strategy runtime]: with the reducer idle (``run_forward_with_idle_reducer``), three
-kinds of gradient still need DDP's treatment, each reduced exactly once. (1) Gradients
-accumulated under ``no_sync()``: the graphs reduce only their step's gradient, so on the first
-synced step the accumulated part of every parameter a graph syncs is averaged before its
-backward (avg(acc) + avg(new) == avg(acc + new)); a comm hook that is not linear takes them into
-its graph instead (NOTE [powersgd in the graph]). (2) Parameters no compiled graph syncs (eager
-code between graph breaks, a ``torch.compiler.disable``d submodule): a post-accumulate-grad hook
-on those only (one on every gradient would cost launch-bound models more than the rest of the
-step's bookkeeping) collects them, and one callback at the end of the backward averages them.
-(3) Parameters a graph syncs that eager code also uses: a hook on the eager autograd node
-averages its contribution. A graph that did not run in a step (Dynamo ran its frame eagerly)
-reduces nothing, so its parameters are treated as in (2) for that step.
+NOTE [fused strategy runtime]: with the reducer idle, three kinds of gradient still need
+reducing, each exactly once. (1) Accumulated under ``no_sync()``: averaged after the first synced
+forward (avg(acc) + avg(new) == avg(acc + new)); a non-linear hook takes them into its graph
+(NOTE [powersgd in the graph]). (2) Parameters no graph that ran syncs (eager code, graph breaks,
+a graph Dynamo ran eagerly): post-accumulate-grad hooks on those only, averaged by one callback at
+the end of the backward. (3) Parameters a graph syncs that eager code also uses: a hook on the
+eager autograd node averages its contribution.
 """
 
 from __future__ import annotations
@@ -31,8 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def _average_(tensors: list[torch.Tensor], pg: Any, spec: Any) -> None:
-    """Average in place across ranks the way DDP would for this module (``spec``: the graphs'
-    ``sync.CommSpec``, ``CommSpec.to_wire``), dense gradients flattened per dtype and device."""
+    """Average in place across ranks as ``spec`` (a ``CommSpec``) says, flat per dtype/device."""
     if not tensors:
         return
     for t in tensors:
@@ -86,8 +80,7 @@ class FusedRuntime:
         return self._ddp()
 
     def graphs_compiled(self, param_ids: Iterable[int], spec: Any) -> int:
-        """A new graph syncs these parameters in its backward, as ``spec`` says; returns the key
-        it passes to :meth:`graph_ran` when it runs."""
+        """Record a new graph's parameters; returns its key for :meth:`graph_ran`."""
         ids = frozenset(param_ids)
         self.covered.update(ids)
         self.spec = spec
@@ -109,9 +102,7 @@ class FusedRuntime:
             self.accumulated = True
 
     def reducer_step(self) -> None:
-        """DDP's reducer reduces every gradient of this step (NOTE [fused under join] in
-        ``compiler/module.py``), what ``no_sync()`` steps accumulated included: nothing is left
-        for the runtime to do."""
+        """DDP's reducer reduces this step, accumulated gradients too (NOTE [fused under join])."""
         self._in_synced_backward = False
         self._ran = set()
         self.accumulated = False
@@ -122,9 +113,7 @@ class FusedRuntime:
         self._step_covered = self._covered_by_graphs_that_ran()
         self._hook_uncovered()
         if self.accumulated:
-            # (1) average what no_sync() steps accumulated, for the parameters graphs sync.
-            # After the forward: graphs compiled by this very forward count too, and the
-            # accumulated gradients are untouched until the backward starts.
+            # (1), after the forward so graphs compiled by this forward count too.
             grads = [p.grad for p in self.params if id(p) in self.covered and p.grad is not None]
             self._average(grads)
             self.accumulated = False
@@ -148,8 +137,7 @@ class FusedRuntime:
         return {handle.id for handle in self._hooks.values()}
 
     def forget_graphs(self) -> None:
-        """The compiled graphs are gone (their frames recompile): forget which parameters they
-        reduce; the graphs compiled next record theirs again."""
+        """The compiled graphs are gone (their frames recompile)."""
         self.covered = set()
         self._graph_params = []
         self._ran = set()
@@ -189,8 +177,7 @@ class FusedRuntime:
 
     def _flush_eager(self) -> None:
         params, self._eager_ready = self._eager_ready, []
-        # The same collectives in the same order on every rank, whatever order autograd made
-        # the gradients ready in.
+        # Same collective order on every rank.
         params.sort(key=lambda p: self._index[id(p)])
         self._in_synced_backward = False
         self._average([p.grad for p in params if p.grad is not None])
@@ -198,8 +185,7 @@ class FusedRuntime:
     # -- (3) parameters used both in a graph and eagerly ----------------------------------
 
     def _hook_eager_uses(self, output: Any) -> None:
-        """Find autograd nodes outside compiled graphs that feed a covered parameter's
-        accumulator, and average their contribution to it in the backward."""
+        """(3): hook eager autograd nodes that feed a covered parameter's accumulator."""
         roots = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
         seen: set[Any] = set()
         stack = list(roots)

@@ -1,15 +1,10 @@
 """The fused strategy: gradient allreduces traced into the compiled backward.
 
-NOTE [fused strategy]: the split strategy has to cut graphs where buckets end, so bucket size
-and graph breaks are coupled (smaller buckets: more overlap, more cuts, less fusion). Here every
-Dynamo graph stays whole. For each bucket the pass inserts one ``BucketSync`` call right before
-the bucket's earliest parameter use; its forward hands out views of the parameters, which replace
-every use of them in the graph. Autograd runs its backward once every gradient of the bucket is
-complete, i.e. right after the bucket's last gradient is computed; it flattens the gradients,
-reduces them with a functional all-reduce on the DDP module's process group and hands the
-averaged gradients back. AOTAutograd traces that backward into the compiled backward graph, so
-the collective is part of what Inductor compiles and schedules (its comm-reordering passes keep
-the collective early and its wait late, see ``comm_overlap_options``). DDP's reducer is kept idle
+NOTE [fused strategy]: split couples bucket size to graph breaks; here every Dynamo graph stays
+whole. Each bucket gets one ``BucketSync`` before its earliest parameter use; its forward hands
+out views of the parameters, and its backward (run once all the bucket's gradients exist)
+all-reduces them. AOTAutograd traces that backward into the compiled graph, so Inductor
+schedules the collective (``comm_overlap_options``). DDP's reducer is kept idle
 (``fused_runtime``): nothing is reduced twice.
 """
 
@@ -38,17 +33,11 @@ REDUCED_PARAMS_META = "bucketwise.reduced_params"
 block] in ``compiler/blocks/__init__.py``): the placeholders of the bucket's parameters."""
 
 
-# NOTE [the average in the collective]: DDP's reducer scales each gradient by ``1/world`` on its
-# way into the bucket (``grad * (1/world)``, reducer.cpp), then sums the bucket across ranks.
-# NCCL's ``ncclAvg`` of floating-point data is the same rule inside its reduction kernel (a sum
-# pre-multiplied by ``float(1/nRanks)``, NCCL's enqueue.cc), so the reduced bits are the
-# reducer's, and the graph saves the multiply kernel of each gradient Inductor cannot fuse it
-# into (LayerNorm's weight and bias: a reduction each). Only for the reducer's rule on an NCCL
-# group (gloo has no average; torch's comm hooks divide, ``x / world``), and only where the bits
-# agree: fp32 and fp64, and fp16 and bf16 where the world size is a power of 2 (an exact scale;
-# otherwise the reducer rounds once in fp32, NCCL scales by ``1/world`` rounded to 16 bits);
-# elsewhere the graph keeps the scale. On one rank nothing is scaled and the bucket is summed:
-# NCCL runs a one-rank sum in place as no kernel, where its average copies every bucket.
+# NOTE [the average in the collective]: the reducer computes ``sum(grad * (1/world))``; NCCL's
+# ``avg`` on floats is the same rule inside its kernel, so the bits match and the graph saves a
+# multiply kernel per gradient Inductor cannot fuse. Used only for the reducer's rule on NCCL and
+# where bits agree: fp32/fp64, or fp16/bf16 with a power-of-2 world size. On one rank nothing is
+# scaled and the bucket is summed (NCCL's one-rank sum is no kernel; its average copies).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,45 +68,37 @@ class CommSpec:
         return str(self.comm_dtype).removeprefix("torch.") if self.comm_dtype else "same as grads"
 
     def averages(self, dtype: torch.dtype) -> bool:
-        """Whether the all-reduce of a bucket of ``dtype`` averages (NOTE [the average in the
-        collective]): ``to_wire`` then leaves its gradients unscaled."""
+        """See NOTE [the average in the collective]."""
         if not self.average_in_collective or self.world_size == 1:
             return False
         return dtype in (torch.float32, torch.float64) or self.world_size & (self.world_size - 1) == 0
 
     def reduce_op(self, dtype: torch.dtype) -> str:
-        """The all-reduce's op for a bucket of ``dtype``: ``"avg"`` or ``"sum"``."""
         return "avg" if self.averages(dtype) else "sum"
 
     def scaled(self, grad: torch.Tensor) -> torch.Tensor:
-        """A gradient scaled as DDP scales it before the sum across ranks: the reducer's
-        ``grad * (1/world)``, or a compress hook's ``grad.to(dtype) / world``. Bit-for-bit
-        parity with eager DDP rests on this one rule (every reduction of the fused strategy and
-        its runtime applies it, here or inside the collective)."""
+        """A gradient scaled as DDP scales it before the sum: ``grad * (1/world)`` (reducer) or
+        ``grad.to(dtype) / world`` (compress hooks). Bit parity with eager DDP rests on this."""
         wire = grad.to(self.comm_dtype) if self.comm_dtype is not None else grad
         if self.world_size == 1:
             return wire  # the scale by 1 is the identity (NOTE [the average in the collective])
         return wire / self.world_size if self.divide_first else wire * (1.0 / self.world_size)
 
     def to_wire(self, grad: torch.Tensor) -> torch.Tensor:
-        """A gradient as it goes into ``all_reduce``: unscaled where the collective averages,
-        else ``scaled``."""
+        """A gradient as it goes into ``all_reduce``."""
         return grad if self.averages(grad.dtype) else self.scaled(grad)
 
     def all_reduce(self, wire: torch.Tensor) -> torch.Tensor:
-        """The functional all-reduce of a flat buffer made by ``to_wire``: the bucket, reduced."""
         return cc.all_reduce(wire, self.group, self.reduce_op(wire.dtype))
 
     def as_args(self) -> tuple[Any, ...]:
-        """The fields as graph arguments: FX writes a dataclass argument into generated code as
-        its repr, which an uncompiled fallback run cannot evaluate; strings, ints, bools and
-        dtypes it can. ``CommSpec(*spec.as_args()) == spec``."""
+        """The fields as graph arguments: FX writes a dataclass as its repr, which an uncompiled
+        fallback run cannot evaluate. ``CommSpec(*spec.as_args()) == spec``."""
         return (self.group, self.world_size, self.comm_dtype, self.divide_first, self.average_in_collective)
 
 
 def reducer_spec(pg: Any) -> CommSpec:
-    """DDP's reducer on ``pg`` (the default group when ``None``): ``grad * (1/world)``, then sum;
-    the multiply inside the collective on an NCCL group (NOTE [the average in the collective])."""
+    """DDP's reducer rule on ``pg`` (NOTE [the average in the collective])."""
     pg = pg if pg is not None else dist.group.WORLD
     return CommSpec(
         group=cc.group_name(pg), world_size=cc.world_size(pg), average_in_collective=cc.averages_natively(pg)
@@ -125,7 +106,7 @@ def reducer_spec(pg: Any) -> CommSpec:
 
 
 def group_spec(pg: Any) -> CommSpec:
-    """torch's ``allreduce_hook`` on ``pg`` (the default group when ``None``): divide, then sum."""
+    """torch's ``allreduce_hook`` on ``pg``: divide, then sum."""
     pg = pg if pg is not None else dist.group.WORLD
     return CommSpec(group=cc.group_name(pg), world_size=cc.world_size(pg), divide_first=True)
 
@@ -143,10 +124,7 @@ class BucketSync(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         spec: CommSpec = ctx.spec
         full = filled_grads(grads, ctx.shapes)
-        # Each gradient is cast and scaled on its way into the bucket (elementwise, so the same
-        # values as scaling the flat bucket): Inductor then writes the scaled gradients straight
-        # into the one flat buffer the all-reduce works on in place, instead of a flat copy and a
-        # scaled flat copy of it.
+        # Scale each gradient before the cat, so Inductor writes them straight into one flat buffer.
         # Autocast (the forward's, traced into the backward) rejects a cat of fp16 under bf16 on CPU.
         with torch.autocast(full[0].device.type, enabled=False):
             wire = torch.cat([spec.to_wire(g.reshape(-1)) for g in full])
@@ -157,8 +135,7 @@ class BucketSync(torch.autograd.Function):
 
 
 def filled_grads(grads: Sequence[torch.Tensor | None], shapes: Sequence[tuple[Any, Any, Any]]) -> list[torch.Tensor]:
-    """A bucket's gradients, zeros where autograd passed none (``shapes``: ``(shape, dtype,
-    device)`` of each parameter, as the forward saw them)."""
+    """A bucket's gradients, zeros where autograd passed none."""
     return [
         g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
         for g, (shape, dtype, device) in zip(grads, shapes)
@@ -166,18 +143,14 @@ def filled_grads(grads: Sequence[torch.Tensor | None], shapes: Sequence[tuple[An
 
 
 def split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of a flat bucket buffer shaped like each of ``like``, in order."""
     return unflatten(flat, [g.shape for g in like])
 
 
 def unflatten(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
-    """Views of a flat bucket buffer of each of ``shapes``, in order: one ``as_strided`` each
-    (a slice and a view would be two nodes per parameter in every graph that reduces a bucket,
-    traced, partitioned and lowered per parameter)."""
+    """Views of a flat buffer, one ``as_strided`` each (a slice plus a view is two graph nodes)."""
     total = sum(shape.numel() for shape in shapes)
     if flat.dim() != 1 or not flat.is_contiguous() or total > flat.numel():
-        # A slice would have failed here; ``as_strided`` reads past the buffer's end, or across
-        # its gaps, without a word.
+        # ``as_strided`` would silently read past the end or across gaps.
         raise AssertionError(
             f"expected a contiguous flat buffer of at least {total} elements, "
             f"got shape {tuple(flat.shape)} and strides {flat.stride()}"
@@ -206,9 +179,7 @@ def bucket_sync(
     average_in_collective: bool,
     *params: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
-    """The graph's call target, with the CommSpec's fields as arguments (see ``as_args``): FX
-    writes ``BucketSync.apply`` into generated code as ``torch.autograd.function.apply``, which
-    an uncompiled fallback run cannot call either."""
+    """The graph's call target (see ``as_args``): FX cannot write ``BucketSync.apply`` callably."""
     return BucketSync.apply(CommSpec(group, world_size, comm_dtype, divide_first, average_in_collective), *params)
 
 
@@ -220,12 +191,8 @@ def insert_bucket_syncs(
     target: Callable[..., Any] = bucket_sync,
     bucket_args: Callable[[int], tuple[Any, ...]] | None = None,
 ) -> fx.GraphModule:
-    """Graph pass: one ``BucketSync`` per bucket, placed before the bucket's earliest use.
-
-    ``target``/``bucket_args``: another sync (a comm hook's, ``fused/comm_hooks.py``)
-    called as ``target(*bucket_args(index), *params)`` instead of ``bucket_sync(*spec, *params)``.
-    Returns ``gm`` rewritten in place; every use of a bucket parameter reads the synced view.
-    """
+    """Graph pass, in place: one sync per bucket before its earliest use, called as
+    ``target(*bucket_args(index), *params)`` (default ``bucket_sync(*spec.as_args(), ...)``)."""
     log.debug("graph before bucket syncs:\n%s", LazyGraph(gm))
     nodes = list(gm.graph.nodes)
     regions = transform_regions(gm)
@@ -256,11 +223,8 @@ def insert_bucket_syncs(
 
 
 def backward_positions(gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]]) -> list[float]:
-    """Where each bucket's allreduce is issued, as a fraction of the backward (0 = start).
-
-    The backward visits forward nodes in reverse, so a bucket whose earliest use sits at
-    forward position ``f`` of ``n`` nodes is issued after ``(n - f) / n`` of the backward.
-    """
+    """Where each bucket's allreduce is issued, as a fraction of the backward: ``(n - f) / n``
+    for earliest forward use ``f`` of ``n`` nodes (the backward runs in reverse)."""
     n = max(1, sum(1 for node in gm.graph.nodes if node.op not in ("placeholder", "output")))
     offset = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
     out = []
@@ -274,10 +238,8 @@ def backward_positions(gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam
 def fresh_copy(
     gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]], inputs: Sequence[Any], name: str
 ) -> tuple[fx.GraphModule, list[list[GraphParam]], list[fx.Node]]:
-    """A copy of ``gm`` as a plain GraphModule (no Dynamo metadata: AOTAutograd then takes its
-    inputs as they come) with extra inputs after its own (``inputs``: their example values),
-    and ``buckets`` pointing at the copy's nodes and positions. Returns the copy, the buckets
-    and the extra placeholders."""
+    """A plain GraphModule copy of ``gm`` (no Dynamo metadata) with extra placeholders for
+    ``inputs``; returns it, ``buckets`` remapped to it, and the new placeholders."""
     graph = copy.deepcopy(gm.graph)
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     nodes = list(graph.nodes)
