@@ -1,11 +1,6 @@
-"""How a compiled DDP module runs DDP's forward around its compiled frame.
-
-DDP's own ``_pre_forward`` / ``_post_forward`` (reducer preparation, bucket rebuild, buffer
-broadcast, input moves) run eagerly around the compiled inner module, so DDP's reducer sees
-what it sees in eager mode. Under ``fused`` the reducer stays idle (the compiled backward
-reduces, ``FusedRuntime`` reduces what the graphs leave out) and its bucket buffers are released
-(NOTE [released reducer]); under ``split`` and ``none`` the reducer reduces.
-"""
+"""DDP's pre/post forward run eagerly around the compiled frame, so the reducer sees what it
+sees in eager mode. Under ``fused`` the reducer stays idle and its buffers are released (NOTE
+[released reducer]); under ``split`` and ``none`` it reduces."""
 
 from __future__ import annotations
 
@@ -32,8 +27,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(eq=False, kw_only=True)
 class DDPForward:
-    """The DDP side of one compiled DDP module (``state.CompiledState.ddp``), built before the
-    state that holds it from what the state is built from; a call passes the state's ``stance``."""
+    """The DDP side of one compiled DDP module (``state.CompiledState.ddp``)."""
 
     ddp: Any
     config: Any
@@ -72,14 +66,12 @@ class DDPForward:
         return self.fused.runtime if self.fused is not None else None
 
     def own_hook_ids(self) -> set[int]:
-        """Handle ids of the gradient hooks bucketwise itself put on parameters."""
         return self.fused.runtime.own_hook_ids() if self.fused is not None else set()
 
     # -- the decision ----------------------------------------------------------------------
 
     def check(self) -> None:
-        """Before every call: decide where no decision stands, or again where something it read
-        changed (NOTE [one decision], NOTE [hooks registered after compile])."""
+        """Before every call (NOTE [one decision], NOTE [hooks registered after compile])."""
         if self.decision is None:
             self._decide()
             return
@@ -98,8 +90,7 @@ class DDPForward:
                 self._decide("DDP's reducer was rebuilt (a built-in comm hook?)")
 
     def _decide(self, why: str | None = None, *, recompile: bool = False) -> None:
-        """Decide; after a change (``why``), compile the frames again where the hooks traced into
-        them changed (``recompile``) or the decision's graphs differ from those compiled."""
+        """Decide; recompile the frames if ``recompile`` or the new decision's graphs differ."""
         old = self.decision
         new = decide(
             self.config,
@@ -112,8 +103,7 @@ class DDPForward:
         self._check_across_ranks(new, why)
         problem = refusal(self.config, new, target=report.target)
         if problem is not None:
-            # Nothing of the decision is applied: the frames compiled before run no more, as the
-            # next call decides again (NOTE [explicit strategies]).
+            # Nothing is applied; the next call decides again (NOTE [explicit strategies]).
             self.refused = why or "the first call"
             raise ValueError(problem)
         self.refused = None
@@ -131,17 +121,11 @@ class DDPForward:
         self._apply(new)
 
     def _check_across_ranks(self, new: Decision, why: str | None) -> None:
-        """Every rank decided the same, or every rank raises naming what differs (NOTE [one
-        decision across ranks])."""
-        # NOTE [one decision across ranks]: what decides between ``fused`` and ``split`` (a comm
-        # hook, gradient hooks, DDP's flags) is each rank's own. A rank whose DDP module differs
-        # (a hook registered on rank 0 only) would run ``split`` beside ranks running ``fused``:
-        # their collectives never match, and the job hangs until NCCL's timeout. So every
-        # decision of ``auto``/``fused`` is compared across ranks (one gather on the gloo side
-        # group of the rank checks, at the first call and after a change), and every rank raises
-        # RankMismatchError naming the difference. A rank that decides again alone (a hook added
-        # on one rank after compile) waits for the others until the rank checks' timeout, and
-        # raises saying why it decided again.
+        # NOTE [one decision across ranks]: the inputs of the decision (hooks, DDP's flags) are
+        # per rank; a rank running ``split`` beside ``fused`` ones would hang in mismatched
+        # collectives. So each ``auto``/``fused`` decision is compared on the gloo side group and
+        # every rank raises RankMismatchError naming the difference; a rank deciding again alone
+        # times out and says why it decided again.
         pg = ddpc.process_group(self.ddp)
         if not rank_checks_ready(pg):
             return  # strategy 'split'/'none': no hook changes what they run
@@ -162,7 +146,6 @@ class DDPForward:
         )
 
     def _apply(self, new: Decision) -> None:
-        """Set the runtime, the reducer and the backend up for ``new``."""
         ddp, report, backend = self.ddp, self.report, self.backend
         if new.fused and self.fused is None:
             self.fused = FusedState(runtime=FusedRuntime(ddp))
@@ -205,8 +188,7 @@ class DDPForward:
     # -- the forward -----------------------------------------------------------------------
 
     def forward(self, args: tuple, kwargs: dict, *, stance: Callable[[], Any]) -> Any:
-        """One forward; ``stance()`` is the scope a call of a compiled frame runs in
-        (``CompiledState.stance``: a no-op unless frozen)."""
+        """One forward; ``stance()``: the scope compiled calls run in (``CompiledState.stance``)."""
         self.check()
         ddp = self.ddp
         if self.fused is None:
@@ -233,16 +215,10 @@ class DDPForward:
     def _in_join(self, args: tuple, kwargs: dict, stance: Callable[[], Any]) -> Any:
         """A synced step inside ``ddp.join()`` (uneven inputs).
 
-        NOTE [fused under join]: a rank that has run out of inputs loops in ``Join.__exit__``
-        and, for every step the others still take, runs DDP's join hook, which shadows the
-        *reducer's* bucket allreduces with zeros. The fused graphs' collectives follow
-        bucketwise's own buckets, so nothing on a joined rank would match them. Each step
-        therefore first sends the join notification (which counts the ranks that have not
-        joined): while every rank is still in, no rank runs the join hook and the fused graphs
-        run as usual; once a rank has joined, the step runs the compiled graphs without
-        collectives (the ``no_sync()`` variant: no new compile after warm-up) with DDP's
-        reducer in charge, exactly what the join hook on the joined ranks mirrors. Only the
-        last steps of an uneven epoch lose the in-graph overlap.
+        NOTE [fused under join]: a joined rank's join hook shadows the *reducer's* allreduces,
+        which the fused graphs' buckets would not match. So each step first sends the join
+        notification: while no rank has joined, the fused graphs run; after, the step runs the
+        ``no_sync()`` graphs with DDP's reducer reducing, which the join hook mirrors.
         """
         ddp = self.ddp
         world = ddpc.world_size(ddp)
@@ -265,7 +241,6 @@ class DDPForward:
     def _with_reducer(
         self, call: Callable[..., Any], variant: Variant, args: tuple, kwargs: dict, stance: Callable[[], Any]
     ) -> Any:
-        """DDP's own forward around a compiled call: the reducer reduces in the backward."""
         ddp = self.ddp
         args, kwargs = ddpc.pre_forward(ddp, args, kwargs, self.buffers)
         with self._stance(variant, stance):
@@ -282,9 +257,8 @@ class DDPForward:
         return stance()
 
     def _release_reducer(self) -> None:
-        """Free DDP's idle bucket buffers (NOTE [released reducer]). Once ``join()`` rebuilt them,
-        they stay while the join context lasts: a rank with no inputs left never forwards, so it
-        keeps whatever reducer it has, and every rank's must be in the same state."""
+        """Free DDP's idle bucket buffers (NOTE [released reducer]), except under ``join()``,
+        where a rank with no inputs keeps its reducer and every rank's must match."""
         ddp = self.ddp
         if rr.wants_released_reducer(ddp) and ddpc.join_enabled(ddp):
             return

@@ -1,14 +1,11 @@
 """How a compiled object's graphs reduce DDP's gradients: decided once, in one place.
 
-NOTE [one decision]: what a graph does with DDP's gradients depends on the DDP module (its comm
-hook, ``find_unused_parameters``, the parameters' gradient hooks, its process group and bucket
-caps) and on what was asked (``strategy=``). A compiled DDP module decides at its first call,
-when comm hooks and gradient hooks are registered (they come after construction), and hands
-the :class:`Decision` to its graph backend, which applies it to every graph it compiles. The
-decision is made again, and the compiled frames recompile if it changed, only when something it
-read changed: a comm hook registered, a gradient or module hook added or removed
-(``hook_watch.py``), DDP's reducer rebuilt. A compiled function finds its DDP module while
-compiling, and decides then (``split``: ``fused`` needs bucketwise to run the DDP forward).
+NOTE [one decision]: what graphs do with DDP's gradients depends on the DDP module (comm hook,
+``find_unused_parameters``, gradient hooks, process group, bucket caps) and on ``strategy=``. A
+compiled DDP module decides at its first call (hooks are registered after construction) and
+hands the :class:`Decision` to its graph backend for every graph. It is redone, recompiling if
+changed, only when an input changes (``hook_watch.py``, a rebuilt reducer). A compiled function
+decides when it finds its DDP module while compiling (``split``: ``fused`` needs our DDP forward).
 """
 
 from __future__ import annotations
@@ -50,16 +47,12 @@ class Variant(str, enum.Enum):
 
 
 # NOTE [sharing by default]: sharing one compile among identical blocks (NOTE [one compile per
-# block]) shortens the first step of every job and restart, but each shared block costs two more
-# calls, output allocations and a few kernels that no longer fuse across its edges: host time
-# every step, which a host-bound step pays in full and bucketwise's CUDA graphs replay as one
-# launch. So ``share_blocks="auto"`` (the default) shares where bucketwise's CUDA graphs are on;
-# without them, on a GPU, where the block's call, estimated from its graphs, hides behind its
-# kernels (NOTE [sharing by cost]); not on the CPU, whose host time is the step; and never under
-# ``strategy="split"``, where a shared block is never cut and the bucket segments inside it would
-# merge. ``True`` shares anyway, ``False`` never. It is decided once per compiled object, and once
-# more with the strategy chosen (an ``auto`` that falls back to ``split`` inlines the blocks), as
-# part of the ``Decision`` every graph reads; the report says why ``"auto"`` left blocks whole.
+# block]) shortens the first step, but each shared block costs host time every step (extra calls,
+# allocations, kernels that no longer fuse across its edges). So ``share_blocks="auto"`` shares
+# under bucketwise's CUDA graphs (one replay); without them on a GPU where the call hides behind
+# its kernels (NOTE [sharing by cost]); never on the CPU; never under ``split`` (a shared block is
+# never cut, so its bucket segments would merge). Decided again once the strategy is chosen; the
+# report says why ``"auto"`` left blocks whole.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,13 +98,11 @@ class Decision:
 
     @property
     def plain_buckets(self) -> bool:
-        """``fused`` buckets each reduced by one traced all-reduce (``BucketSync``: DDP's reducer,
-        torch's allreduce/fp16/bf16 hooks), not by a hook program (``hook_kinds``)."""
+        """``fused`` with one traced all-reduce per bucket (no hook program)."""
         return self.fused and self.spec is not None and self.comm_hook.plain
 
     def same_graphs(self, other: Decision | None) -> bool:
-        """Graphs compiled under ``other`` are what this decision would compile (a comm hook
-        changes the graphs only under ``fused``; the gradient hooks only through the strategy)."""
+        """Whether graphs compiled under ``other`` are what this decision would compile."""
         if other is None or (self.strategy, self.caps, self.ddp_id) != (other.strategy, other.caps, other.ddp_id):
             return False
         return not self.fused or (self.comm_hook, self.spec) == (other.comm_hook, other.spec)
@@ -126,10 +117,8 @@ def decide(
     variant: Variant = Variant.SYNC,
     own_hooks: Collection[int] = (),
 ) -> Decision:
-    """The decision for ``config.strategy`` on ``ddp`` (``None``: no DDP module).
-    ``runs_ddp_forward``: bucketwise runs the DDP forward itself (it compiled the DDP module),
-    which ``fused`` needs; ``cudagraphs``: bucketwise's CUDA graphs are on (block sharing
-    follows them); ``own_hooks``: handle ids of bucketwise's own gradient hooks."""
+    """``runs_ddp_forward``: bucketwise runs the DDP forward itself (``fused`` needs it);
+    ``own_hooks``: handle ids of bucketwise's own gradient hooks, ignored."""
     decision = decide_strategy(config, ddp, runs_ddp_forward=runs_ddp_forward, variant=variant, own_hooks=own_hooks)
     sharing = decide_sharing(config, cudagraphs=cudagraphs, strategy=decision.strategy)
     return dataclasses.replace(decision, sharing=sharing)
@@ -143,8 +132,7 @@ def decide_strategy(
     variant: Variant = Variant.SYNC,
     own_hooks: Collection[int] = (),
 ) -> Decision:
-    """``decide``'s strategy, its reason, and what it takes (caps, comm hook, spec), without block
-    sharing: what ``refusal`` reads."""
+    """``decide`` without block sharing (what ``refusal`` reads)."""
     requested = Strategy(config.strategy)
     if ddp is None:
         reason = "no DDP module: no gradient buckets" if requested in (Strategy.SPLIT, Strategy.FUSED) else None
@@ -178,22 +166,16 @@ def decide_strategy(
     return Decision(strategy=Strategy.FUSED, spec=kind.spec(ddpc.process_group(ddp)), **common)
 
 
-# NOTE [explicit strategies]: ``strategy="auto"`` picks ``fused`` where it applies and falls back
-# (to ``split``, or ``none`` without DDP's C++ reducer) where it does not, the reason in the report.
-# An explicit ``"fused"`` or ``"split"`` is what the user asked for: where it cannot apply (no DDP
-# module, a comm hook or gradient hooks fused cannot reproduce, a DDP module called from a compiled
-# function, DDP's python reducer) it raises, naming why and what to pass instead, before anything
-# is built for the graphs. What can be known when ``bucketwise.compile`` runs is checked there
-# (``api.check_strategy``); what DDP gets later (a comm hook, gradient hooks) at the call that
-# decides (``DDPForward``), and again at every call until it applies; a compiled function's DDP
-# module when its graph is compiled. ``find_unused_parameters=True`` does not stop an explicit
-# ``fused`` (NOTE [fused and unused parameters]).
+# NOTE [explicit strategies]: ``"auto"`` falls back where ``fused`` cannot apply, with the reason
+# in the report. An explicit ``"fused"``/``"split"`` that cannot apply raises instead, naming why
+# and what to pass, before anything is built: at ``compile`` what is known then
+# (``api.check_strategy``), later hooks at the deciding call (``DDPForward``), a compiled
+# function's DDP module when its graph compiles. ``find_unused_parameters=True`` does not stop an
+# explicit ``fused`` (NOTE [fused and unused parameters]).
 
 
 def refusal(config: CompileConfig, decision: Decision, *, target: str) -> str | None:
-    """Why an explicit ``strategy="fused"``/``"split"`` cannot run as ``decision`` decided
-    (NOTE [explicit strategies]), as an error message; ``None`` where it runs, or ``auto``/``none``
-    was asked for. ``target``: what was compiled, for the message."""
+    """The error message where an explicit strategy cannot run (NOTE [explicit strategies])."""
     requested = Strategy(config.strategy)
     if requested not in (Strategy.FUSED, Strategy.SPLIT) or decision.strategy is requested:
         return None
@@ -211,9 +193,8 @@ def refusal(config: CompileConfig, decision: Decision, *, target: str) -> str | 
 
 
 def decide_sharing(config: CompileConfig, *, cudagraphs: bool, strategy: Strategy | None = None) -> BlockSharing:
-    """``config.share_blocks`` resolved; ``cudagraphs``: bucketwise's CUDA graphs are on;
-    ``strategy``: the one chosen (NOTE [one decision]), or ``None`` before the choice, when the
-    one asked for stands in (``auto`` may still become ``split``: resolved again once chosen)."""
+    """``config.share_blocks`` resolved (NOTE [sharing by default]); ``strategy=None``: the
+    requested one stands in until chosen."""
     if config.share_blocks is False:
         return BlockSharing(enabled=False)
     if not config.capabilities.shares_blocks:

@@ -1,22 +1,15 @@
 """``torch.compile(..., backend="bucketwise")``: bucketwise as a registered torch.compile backend.
 
-The package registers :func:`bucketwise_backend` in the ``torch_dynamo_backends`` entry-point
-group (``pyproject.toml``), so frameworks that call ``torch.compile`` themselves (Lightning
-Fabric and Trainer, accelerate, HF Trainer through a compiled model) reach bucketwise by name,
-without importing it first.
+Registered as a ``torch_dynamo_backends`` entry point, so frameworks that call ``torch.compile``
+themselves reach bucketwise by name.
 
-NOTE [registered backend takes over the DDP forward]: a backend only ever sees graphs, and for a
-DDP module not even whole ones: with torch's default ``optimize_ddp=True`` Dynamo hands a graph
-captured inside DDP's forward to torch's DDPOptimizer, which cuts it at torch's buckets, and a
-named backend cannot scope ``optimize_ddp=False`` around its calls (``_TorchCompileWrapper``
-does not carry a ``backend_ctx_ctor`` through; torch 2.11, 2.13). It does see the DDP module whose
-forward runs (``_get_active_ddp_module()``). Where the compile wraps the DDP module
-(``torch.compile(DDP(m))``: accelerate, Lightning Fabric), the first call builds what
-``bucketwise.compile(ddp)`` builds and routes that one module's forward to it (an instance
-attribute, ``_compat/ddp.route_forward``), so later calls run DDP's pre/post-forward eagerly around
-bucketwise's frames, which DDPOptimizer never sees. Where DDP wraps the compiled module
-(``DDP(torch.compile(m))``: HF Trainer), :class:`InsideDDP` keeps DDP's forward and reducer
-(NOTE [compiled inside DDP]). Either way the first step is an eager DDP step (``_FirstCall``).
+NOTE [registered backend takes over the DDP forward]: with ``optimize_ddp=True`` Dynamo hands a
+graph inside DDP's forward to DDPOptimizer, which cuts it at torch's buckets, and a named backend
+cannot scope ``optimize_ddp=False`` (no ``backend_ctx_ctor``; torch 2.11, 2.13). It does see the
+active DDP module. For ``torch.compile(DDP(m))`` the first call builds ``bucketwise.compile(ddp)``
+and routes that module's forward to it (``_compat/ddp.route_forward``). For
+``DDP(torch.compile(m))``, :class:`InsideDDP` keeps DDP's forward and reducer (NOTE [compiled
+inside DDP]). Either way the first step runs eagerly (``_FirstCall``).
 """
 
 from __future__ import annotations
@@ -59,8 +52,7 @@ other key must be an Inductor option and goes to Inductor."""
 
 
 def config_from_options(mode: str | None, options: dict[str, Any] | None, dynamic: bool | None) -> CompileConfig:
-    """The :class:`CompileConfig` that ``torch.compile(backend="bucketwise", mode=, options=,
-    dynamic=)`` asks for; a bad key raises naming it and the accepted ones."""
+    """The config ``torch.compile(backend="bucketwise", ...)`` asks for; bad keys raise."""
     if options is not None and not isinstance(options, dict):
         raise TypeError(f"torch.compile(backend='bucketwise'): options must be a dict, got {type(options).__name__}")
     rest = dict(options or {})
@@ -89,8 +81,7 @@ def config_from_options(mode: str | None, options: dict[str, Any] | None, dynami
 def bucketwise_backend(
     gm: Any, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict[str, Any] | None = None
 ) -> Callable[..., Any]:
-    """The ``"bucketwise"`` torch.compile backend (NOTE [registered backend takes over the DDP
-    forward]). Outside any DDP forward the graph is compiled with the inner backend."""
+    """See NOTE [registered backend takes over the DDP forward]."""
     config = config_from_options(mode, options, dc.requested_dynamic())
     inside = _INSIDE.get()
     if inside is not None:
@@ -118,8 +109,7 @@ NO_DDP_WARNING = (
 
 
 def _without_ddp(config: CompileConfig, gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    """A graph with no DDP forward around it: compiled whole, with the inner backend; recorded in
-    the report of the module whose frame it is (:class:`WithoutDDP`), where there is one."""
+    """No DDP forward around the graph: compiled whole by the inner backend."""
     warnings.warn(NO_DDP_WARNING, stacklevel=3)
     module = _frame_module()
     if module is None:
@@ -132,13 +122,8 @@ def _without_ddp(config: CompileConfig, gm: Any, example_inputs: Sequence[Any]) 
 
 
 class WithoutDDP:
-    """``torch.compile(model, backend="bucketwise")`` where no DDP module runs the model: a
-    framework on one process (HF Trainer, accelerate, Lightning with one device) does not wrap
-    it. Each graph is compiled whole by the inner backend (strategy ``none``, as
-    ``bucketwise.compile(model)`` without DDP) and ``bucketwise.report`` finds what was compiled
-    through the framework's object, as it does on N processes. The report belongs to the module
-    whose frame Dynamo compiled (the model; a graph break resumed in a submodule's method is
-    recorded on that submodule)."""
+    """The registered backend where no DDP module runs the model (frameworks on one process):
+    graphs compiled whole (strategy ``none``), reported on the module whose frame was compiled."""
 
     def __init__(self, module: Any, config: CompileConfig) -> None:
         from .api import resolve_cudagraphs
@@ -163,10 +148,8 @@ class WithoutDDP:
 
 
 def _frame_module() -> Any | None:
-    """The module whose method Dynamo is compiling, or None: its first argument, the first of
-    its ``*args`` for a decorator's wrapper such as transformers' ``deprecate_kwarg``, or the
-    module that a wrapper's closure calls (torch 2.13's ``OptimizedModule`` compiles
-    ``inner(*args, **kwargs)`` around ``fn``, the module)."""
+    """The module whose method Dynamo is compiling: the first argument, the first ``*args``
+    (decorator wrappers), or a closure variable (torch 2.13's ``OptimizedModule`` wrapper)."""
     code, f_locals = dc.compiling_code(), dc.compiling_frame_locals()
     if code is None or f_locals is None:
         return None
@@ -191,15 +174,12 @@ def _varargs(code: Any, f_locals: dict[str, Any]) -> tuple:
 
 
 def _frame_of(ddp: Any) -> bool:
-    """Is Dynamo compiling a frame of the module DDP calls itself (its forward, or a resumption
-    of it), i.e. does the ``torch.compile`` wrap the DDP module? False for a module compiled
-    before DDP wrapped it (``DDP(torch.compile(m))``: DDP calls the ``OptimizedModule``, the
-    frame is ``m``'s) or deeper inside. True where torch does not say."""
+    """Whether the compiled frame is the DDP module's own forward (``torch.compile(DDP(m))``),
+    not a module compiled before DDP wrapped it or deeper inside. True where torch does not say."""
     code, f_locals = dc.compiling_code(), dc.compiling_frame_locals()
     if f_locals is None:
         return True
-    # A decorator around the module's forward (transformers 5.24 wraps LlamaForCausalLM.forward
-    # in deprecate_kwarg's ``wrapped_func(*args, **kwargs)``) holds the module in its *args.
+    # A decorator around forward (e.g. transformers' deprecate_kwarg) holds the module in *args.
     candidates = [*f_locals.values(), *(_varargs(code, f_locals) if code is not None else ())]
     return any(value is ddp.module for value in candidates)
 
@@ -225,8 +205,7 @@ def attach(ddp: Any, config: CompileConfig) -> Any:
         "call on (NOTE [registered backend takes over the DDP forward])"
     )
     ddpc.route_forward(ddp, compiled)
-    # report() accepts the module the user compiled (Fabric re-applies the compile over its DDP
-    # module, so the user's OptimizedModule wraps ddp.module) as well as the DDP module.
+    # report() also accepts the user's module (Fabric's OptimizedModule wraps ddp.module).
     ddpc.set_owner(ddp.module, state)
     log.info(
         "bucketwise: %s compiled by torch.compile(backend='bucketwise') (strategy %s, inner backend %s)",
@@ -261,24 +240,15 @@ _INSIDE: contextvars.ContextVar["InsideDDP | None"] = contextvars.ContextVar("bu
 
 
 class InsideDDP:
-    """bucketwise for modules compiled before DDP wrapped them (``DDP(torch.compile(m))``: HF
-    Trainer given a compiled model) or inside DDP's wrapped module (a LightningModule's network):
-    DDP's own forward and reducer stay in charge, strategy ``split`` (``fused`` needs bucketwise
-    to run the DDP forward: compile the DDP module).
+    """bucketwise for modules compiled inside DDP's wrapped module (``DDP(torch.compile(m))``):
+    DDP's forward (and any framework wrapper such as autocast) and reducer stay in charge,
+    strategy ``split``.
 
-    Running DDP's own forward keeps whatever a framework wrapped around the compiled module's
-    ``forward`` (accelerate's autocast for mixed precision): bucketwise's own frame around the DDP
-    module would trace past such a wrapper, which carries the ``_torchdynamo_inline`` attribute
-    of the function it wraps.
-
-    NOTE [compiled inside DDP]: such a graph reaches the backend with DDP's forward running, and
-    so, with torch's default ``optimize_ddp=True``, split by torch's DDPOptimizer. From its
-    second forward on, this DDP module's forward runs with ``optimize_ddp=False`` (a forward
-    pre-hook enters the scope, a forward hook that runs even on an exception leaves it; nothing
-    outside that forward sees the change) and every graph compiled in it goes, whole, to one
-    :class:`GraphBackend` that finds the DDP module as the active one, cuts the graph at that
-    module's buckets and leaves the reduction to its reducer. The first forward runs uncompiled,
-    and its cache entries are dropped once it returns (``_FirstCall``).
+    NOTE [compiled inside DDP]: such graphs would be split by DDPOptimizer. From the second
+    forward on, the DDP module's forward runs with ``optimize_ddp=False`` (scoped by a forward
+    pre-hook and an always-called forward hook), and its graphs go whole to one
+    :class:`GraphBackend`, which cuts them at the module's buckets for its reducer. The first
+    forward runs uncompiled; its cache entries are then dropped (``_FirstCall``).
     """
 
     def __init__(self, ddp: Any, config: CompileConfig) -> None:
@@ -310,8 +280,7 @@ class InsideDDP:
         return self._backend(gm, example_inputs)
 
     def __deepcopy__(self, memo: dict) -> "InsideDDP":
-        # Held by the compiled module (report() finds it there): a copy of that module (an EMA
-        # copy, an evaluation copy) shares it rather than copying hooks and compiled graphs.
+        # A copy of the compiled module (EMA, evaluation) shares it.
         return self
 
     def _enter(self, module: Any, args: Any) -> None:
@@ -329,13 +298,9 @@ class InsideDDP:
 
 
 class _FirstCall:
-    """The frames compiled in the call that attached bucketwise to a DDP module: their Dynamo
-    cache entries (torch's DDPOptimizer's pieces, run uncompiled) are dropped once that call has
-    returned (at its end, or at the start of the next forward when the module had no hooks when
-    the call began and so runs none at its end). Kept, they would run again: in the next
-    forward of a module compiled inside DDP, and for any other instance of the class compiled
-    with the same options (Dynamo shares a code object's entries among instances), whose DDP
-    forward would then never reach the backend."""
+    """The frames compiled in the attaching call (DDPOptimizer's pieces): their cache entries
+    are dropped once it returns, or they would run again, for this and other instances (Dynamo
+    shares entries per code object), and the backend would never see the DDP forward."""
 
     def __init__(self, ddp: Any) -> None:
         self.codes: list[Any] = []

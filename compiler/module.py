@@ -32,15 +32,11 @@ def _inner_forward(module: nn.Module) -> Callable[..., Any]:
     """The frame Dynamo compiles for a module, with a code object of its own.
 
     NOTE [compiling torch.nn containers]: Dynamo skips frames whose code lives in ``torch.nn``
-    (``nn.Sequential.forward``, ...), so ``torch.compile(DDP(nn.Sequential(...)))`` compiles
-    nothing. This closure is bucketwise code, so Dynamo converts it and inlines the module's
-    ``__call__``/``forward`` into one graph whatever class the module is.
+    (``nn.Sequential.forward``); this closure is our code, so Dynamo inlines any module into it.
 
-    NOTE [one cache per compiled object]: Dynamo keeps its compiled entries, and counts them
-    against ``recompile_limit`` (8), per code object. Every closure made here shares one code
-    object, so compiled objects would compete for those 8 entries, and the 9th model compiled in
-    a process (a sweep, a notebook, a test suite) would run eagerly. Each compiled object gets a
-    copy of the code object instead, and with it a cache of its own.
+    NOTE [one cache per compiled object]: Dynamo caches entries, up to ``recompile_limit``, per
+    code object; a shared closure code would make the 9th compiled model run eagerly. So each
+    compiled object gets its own copy of the code object.
     """
 
     def bucketwise_forward(*args: Any, **kwargs: Any) -> Any:
@@ -53,18 +49,12 @@ def _inner_forward(module: nn.Module) -> Callable[..., Any]:
 class CompiledModule(nn.Module):
     """What :func:`bucketwise.compile` returns for a module: that module, with a compiled forward.
 
-    NOTE [the compiled module is the module]: the compiled object shares the module's state, its
-    very ``__dict__`` (parameters, buffers, submodules, hooks, ``training``, attributes), so its
-    names, ``state_dict`` keys and submodules are the module's by construction, and everything
-    that walks a module's attributes (``torch.distributed.checkpoint``'s state-dict helpers,
-    ``torch.func.functional_call``, a framework's unwrapping) sees what it sees on the module.
-    Only calls differ: they run the compiled frame. bucketwise's own state lives in a slot
-    (``_bucketwise``), outside the shared ``__dict__``. For a DDP module the compiled object is a
-    :class:`CompiledDDP`, itself a ``DistributedDataParallel`` (``isinstance``, ``no_sync()``,
-    ``join()`` and DDP's attributes are the module's), with ``nn.Module``'s ``__call__``, so hooks
-    on the DDP module run around the compiled forward as around DDP's; a plain module's hooks run
-    inside the compiled frame, as under ``torch.compile``. Copying or pickling a compiled module
-    copies or pickles the module and compiles the copy with the same options.
+    NOTE [the compiled module is the module]: the compiled object shares the module's very
+    ``__dict__``, so names, ``state_dict`` keys and anything walking attributes (DCP, ``torch.func``,
+    framework unwrapping) see the module; only calls differ. Our state lives in the ``_bucketwise``
+    slot. For DDP it is a :class:`CompiledDDP`, itself a ``DistributedDataParallel`` with
+    ``nn.Module.__call__``, so DDP-module hooks run around the compiled forward. Copying or
+    pickling copies the module and compiles the copy with the same options.
     """
 
     __slots__ = ("_bucketwise",)
@@ -118,8 +108,7 @@ class CompiledModule(nn.Module):
 
 
 class CompiledDDP(CompiledModule, DistributedDataParallel):
-    """What :func:`bucketwise.compile` returns for a ``DistributedDataParallel`` module (NOTE [the
-    compiled module is the module])."""
+    """See NOTE [the compiled module is the module]."""
 
     __call__ = nn.Module.__call__
 
@@ -142,8 +131,7 @@ def _compiled(module: nn.Module, config: CompileConfig, cudagraphs: CudaGraphDec
 def compile_module(
     module: nn.Module, config: CompileConfig, *, cudagraphs: CudaGraphDecision, first_call: Any = None
 ) -> CompiledModule:
-    """``module`` compiled (a :class:`CompiledDDP` for a DDP module); ``first_call``: see
-    ``CompiledState.first_call``."""
+    """``first_call``: see ``CompiledState.first_call``."""
     if isinstance(module, CompiledModule):
         raise ValueError(
             "obj: this module is already compiled by bucketwise; compile the module itself once, or keep the "
@@ -202,11 +190,8 @@ def _ddp_forward(
     config: CompileConfig,
     cudagraphs: CudaGraphDecision,
 ) -> DDPForward:
-    """The DDP side of a compiled DDP module whose synced frame is ``call`` (compiled with
-    ``backend``)."""
     blocks = backend.block_calls
-    # no_sync() steps and evaluation run a second compiled variant without collectives; Dynamo
-    # keeps one cache entry per backend, so switching costs no recompile.
+    # no_sync() steps and evaluation use a second backend (its own cache entry): no recompile.
     nosync = new_backend(
         config, report, ddp, cudagraphs=cudagraphs, variant=Variant.NO_SYNC, alignment=False, block_calls=blocks
     )
@@ -223,8 +208,7 @@ def _ddp_forward(
         buffers=ddpc.BufferBroadcast(ddp),
     )
     if config.strategy in ("fused", "auto"):
-        # Collectives on every rank at compile time: the rank checks' side group, and the CUDA
-        # graphs' release group (NOTE [cuda graphs at teardown]).
+        # Groups created on every rank now (NOTE [cuda graphs at teardown]).
         prepare_rank_checks(ddpc.process_group(ddp))
         if backend.cudagraphs is not None:
             teardown.guard(ddpc.process_group(ddp))
@@ -245,8 +229,7 @@ def _forget(code: types.CodeType, backends: list[Any]) -> None:
 def compile_function(
     fn: Callable[..., Any], config: CompileConfig, *, cudagraphs: CudaGraphDecision
 ) -> Callable[..., Any]:
-    """A compiled function. DDP modules it calls get the split strategy (torch's own
-    DDPOptimizer is switched off around each call, see ``torch_ddp_optimizer_disabled``)."""
+    """A compiled function; DDP modules it calls get ``split`` (DDPOptimizer switched off)."""
     report = Report(
         target=getattr(fn, "__qualname__", type(fn).__name__), strategy=config.strategy, backend=config.backend_name
     )

@@ -1,11 +1,5 @@
-"""What one compiled object keeps between calls, and what every call of it does.
-
-A compiled module (``module.py``) and a compiled function hold one :class:`CompiledState` each:
-the config, the report, the graph backend and the ``torch.compile``'d frame, the phase, the
-freeze mode and, for a DDP module, how its forward runs (``ddp_forward.DDPForward``).
-:meth:`CompiledState.run` is the per-call protocol both share: profiling, the first step's
-timing, the never-silently-eager check, freezing after the warm-up, the report's refresh.
-"""
+"""The state a compiled object keeps between calls, and the per-call protocol
+(:meth:`CompiledState.run`) compiled modules and functions share."""
 
 from __future__ import annotations
 
@@ -69,7 +63,6 @@ class CompiledState:
     """Where this rank's compiled artifacts are kept (NOTE [compile artifacts]), else ``None``."""
 
     def run(self, owner: Any, call: Callable[[], Any], *, training: bool) -> Any:
-        """One call of the compiled object ``owner``: ``call()`` with the per-call protocol."""
         report = self.report
         if self.artifacts is not None and self.phase is Phase.WARM and not self.artifacts.decided:
             self._save_artifacts()
@@ -97,20 +90,19 @@ class CompiledState:
         return out
 
     def load_artifacts(self) -> None:
-        """Fill the local compile caches from this rank's artifacts, if any (NOTE [compile artifacts])."""
+        """See NOTE [compile artifacts]."""
         if self.artifacts is not None:
             self.report.note(self.artifacts.load())
 
     def _save_artifacts(self) -> None:
-        """After the first step: save this rank's artifacts where they are new (NOTE [compile artifacts])."""
+        """After the first step (NOTE [compile artifacts])."""
         self.artifacts.decided = True
         times = self.report.totals["compile_times"]
         misses = sum(times.get(cache, {}).get("miss", 0) for cache in ("fx_graph_cache", "aot_autograd_cache"))
         if self.artifacts.should_save(misses):
             self.report.note(self.artifacts.save())
 
-    # The module a compiled object shares its state with records the compile (``set_owner``): a
-    # copy or a pickle of that module does not carry it along (the copy is compiled anew).
+    # A copy or pickle of the module does not carry the compile along.
     def __deepcopy__(self, memo: dict) -> None:
         return None
 
@@ -155,11 +147,8 @@ def new_backend(
     blocks_of: torch.nn.Module | None = None,
     block_calls: BlockCalls | None = None,
 ) -> GraphBackend:
-    """A graph backend recording into ``report``; with ``alignment`` (the backend whose graphs
-    DDP's reducer reduces, when there is one) the report's alignment is read through it;
-    ``module``: a plain module compiled without DDP, whose parameters the report counts;
-    ``blocks_of``: the module whose blocks Dynamo meets as calls where blocks are shared, or
-    ``block_calls``: those another backend of the same compiled object found."""
+    """A graph backend recording into ``report`` (``alignment``: the report reads it from this
+    one); ``blocks_of`` or ``block_calls`` (shared with another backend): the shared blocks."""
     backend = GraphBackend(
         config,
         report,
@@ -183,15 +172,11 @@ def torch_compile(fn: Callable[..., Any], backend: GraphBackend, config: Compile
 class WeakBackend:
     """What ``torch.compile`` gets as the backend: a weak reference to a :class:`GraphBackend`.
 
-    NOTE [a compiled object lets go]: torch keeps every backend ``torch.compile`` was given in
-    a process-wide table until ``torch._dynamo.reset()``, and Dynamo installs each compiled
-    graph as a global of the compiled frame's module, removed when the frame's cache entries go.
-    A backend holding the report and the DDP module, or a graph holding bucketwise's runtime,
-    would then keep the model, its gradients and its compiled graphs alive after the user
-    dropped them. So the table holds this small object, the compiled object holds the backend,
-    and when the compiled object is collected every frame it compiled is forgotten
-    (``CompiledModule``'s finalizer, ``dc.forget_compiled``), which removes those globals:
-    dropping the compiled object and the model frees their memory at ``gc.collect()``.
+    NOTE [a compiled object lets go]: torch keeps every backend in a process-wide table until
+    ``torch._dynamo.reset()``, and compiled graphs live as module globals until their cache
+    entries go; either would keep the model alive. So the table holds this weak object, and when
+    the compiled object is collected its finalizer forgets every frame it compiled
+    (``dc.forget_compiled``), freeing the model at ``gc.collect()``.
     """
 
     def __init__(self, backend: GraphBackend) -> None:
@@ -206,13 +191,10 @@ class WeakBackend:
 
 
 def say_eager(report: Report, code: Any, frozen: str | None) -> None:
-    """A call of a compiled object ran none of its compiled graphs: count it in the report and,
-    the first time for a reason, log a warning (NOTE [never silently eager])."""
-    # NOTE [never silently eager]: Dynamo runs a frame eagerly, without a word past one log line
-    # of its own, when its recompile limit is hit, when a frame is skipped, when an error is
-    # suppressed. Every graph bucketwise hands back counts its runs (graph_backend._Counted), so a
-    # call that ran none is known here; the report's totals, table and note, the per-rank stats
-    # (and so `bucketwise launch`/`stats`/`doctor`) and a warning say it, with the likely reason.
+    """A call ran none of its compiled graphs: report it, and warn once per reason."""
+    # NOTE [never silently eager]: Dynamo runs frames eagerly almost silently (recompile limit,
+    # skipped frame, suppressed error). Every graph we hand back counts its runs
+    # (graph_backend._Counted), so such a call is seen here and the report and a warning say so.
     limit = dc.recompile_limit()
     if frozen == "eager":
         reason = "frozen with on_recompile='eager' and a guard failed (a new input shape?)"
