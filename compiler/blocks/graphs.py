@@ -1,10 +1,5 @@
-"""A shared block's forward and backward graphs, rewritten before they compile, in pure FX
-(NOTE [a shared block in stages]): ``move_out`` takes out what every block computes the same,
-``drop_unread`` the inputs the forward reads no more, ``plan_layout`` lays out what the forward
-hands the backward; under ``fused``, ``grads_onto_wire`` makes the backward return the block's
-own parameters' gradients as one flat buffer, ``reduced_grads`` all-reduces it and
-``grouping_pass`` groups those all-reduces. ``NotShareable`` says why a block cannot be shared.
-"""
+"""A shared block's forward and backward graphs, rewritten in pure FX before they compile
+(NOTE [a shared block in stages]); ``NotShareable`` says why a block cannot be shared."""
 
 from __future__ import annotations
 
@@ -32,29 +27,24 @@ class NotShareable(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class BlockLayout:
-    """What the shared forward returns and the shared backward takes and returns (``plan_layout``)."""
+    """What the shared forward returns and the shared backward takes and returns (``plan_layout``).
+    ``copied``: outputs returned as a copy (views of an input or of an earlier output: an op's
+    outputs may not alias); ``roots``: each distinct tensor the backward reads or views, as
+    (``input``, ``output`` or ``base``, which one); ``grads``: one per input (``None``: none), or
+    with a ``BlockWire`` the others' then the flat buffer; ``n_tangents``: one per floating-point
+    output; ``input_strides``/``forward_layouts``: what the backward/forward was compiled for."""
 
     n_user: int
     copied: frozenset[int]
-    """Outputs returned as a copy: views of an input, or of the same tensor as an earlier
-    output (an operation's outputs may not alias its inputs or each other)."""
     roots: tuple[tuple[str, int], ...]
-    """What the backward takes before the gradients: each distinct tensor it reads or views, as
-    (``input``, ``output`` or ``base``, which one); the backward graph applies the view ops."""
     outputs: tuple[TensorMeta, ...]
     grads: tuple[TensorMeta | None, ...]
-    """A gradient per input (``None`` for none), or with a ``BlockWire``, the others' and then
-    the flat buffer."""
     n_tangents: int
-    """Gradients the backward takes: one per floating-point output, in order."""
     input_strides: tuple[tuple[int, ...], ...]
-    """The strides the backward was compiled for, per input."""
     forward_layouts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
-    """The shape and strides of each input the forward was compiled for."""
 
     @functools.cached_property
-    def present(self) -> tuple[int, ...]:
-        """The positions in ``grads`` the backward returns a tensor at."""
+    def present(self) -> tuple[int, ...]:  # the positions in ``grads`` the backward returns
         return tuple(i for i, meta in enumerate(self.grads) if meta is not None)
 
 
@@ -70,20 +60,16 @@ class MovedOut:
 # Ops that autocast leaves alone (no precision rule): moved out of a block, they compute the same
 # when the graph around the blocks is traced again.
 _MOVABLE = frozenset(
-    [
-        *(
-            f"aten::{name}"
-            for name in (
-                "where", "scalar_tensor", "full", "full_like", "zeros", "zeros_like", "ones", "ones_like",
-                "arange", "masked_fill", "logical_not", "logical_and", "logical_or", "eq", "ne", "lt", "le",
-                "gt", "ge", "bitwise_not", "bitwise_and", "bitwise_or", "add", "sub", "mul", "neg", "clone",
-                "expand", "unsqueeze", "squeeze", "view", "reshape", "permute", "slice", "select", "alias",
-                "_to_copy",
-            )
-        ),
-        "prims::convert_element_type",
+    ["prims::convert_element_type"]
+    + [
+        f"aten::{name}"
+        for name in (
+            "where scalar_tensor full full_like zeros zeros_like ones ones_like arange masked_fill logical_not "
+            "logical_and logical_or eq ne lt le gt ge bitwise_not bitwise_and bitwise_or add sub mul neg clone "
+            "expand unsqueeze squeeze view reshape permute slice select alias _to_copy"
+        ).split()
     ]
-)  # fmt: skip
+)
 
 
 def op_name(node: fx.Node) -> str:
@@ -97,9 +83,9 @@ def _output(gm: fx.GraphModule) -> fx.Node:
 
 
 def move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...], *, n_user: int) -> MovedOut | None:
-    """Move what ``fw`` computes from its inputs at ``invariant`` alone out of it: ``fw`` then takes
-    those values as its last inputs, ``bw`` gives them no gradient; ``None`` where nothing moves.
-    The block's own outputs (its first ``n_user``) stay: an output that is an input is copied."""
+    """Move what ``fw`` computes from its inputs at ``invariant`` alone out of it: ``fw`` takes those
+    values as its last inputs, ``bw`` gives them no gradient; ``None`` where nothing moves. The
+    block's own outputs (its first ``n_user``) stay."""
     placeholders = list(fw.graph.find_nodes(op="placeholder"))
     returned = set(_output(fw).args[0][:n_user])
     given = {placeholders[i] for i in invariant}
@@ -154,9 +140,8 @@ def move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...],
 
 
 def drop_unread(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[int, ...] | None:
-    """Take out of ``fw`` the inputs it does not read and ``bw`` gives no gradient, and their
-    places in ``bw``'s outputs; the positions of the inputs kept, ``None`` where all are read.
-    A call then passes only those: Inductor copies a view given to an operator at every call."""
+    """Drop ``fw``'s inputs it does not read and ``bw`` gives no gradient; the positions kept, or
+    ``None`` where all are. A call passes only those: Inductor copies a view given to an op."""
     placeholders = list(fw.graph.find_nodes(op="placeholder"))
     out = _output(bw)
     grads = list(out.args[0])
@@ -175,8 +160,8 @@ def drop_unread(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[int, ...] | Non
 
 
 def insert_graph(graph: fx.Graph, before: fx.GraphModule, args: list[fx.Node]) -> list[fx.Node]:
-    """``before``'s nodes copied into ``graph`` at its insertion point, on ``args``; the nodes of
-    its outputs. Each keeps its fake value, also as Dynamo's (``example_value``)."""
+    """``before``'s nodes copied into ``graph`` on ``args``; its outputs' nodes, each with its fake
+    value also as Dynamo's (``example_value``)."""
     val_map: dict[fx.Node, Any] = dict(zip(before.graph.find_nodes(op="placeholder"), args))
     out = graph.graph_copy(before.graph, val_map)
     for node in val_map.values():
@@ -186,9 +171,8 @@ def insert_graph(graph: fx.Graph, before: fx.GraphModule, args: list[fx.Node]) -
 
 
 def plan_layout(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fake_mode: Any) -> BlockLayout:
-    """How the shared forward hands the backward what it reads (NOTE [one compile per block]): it
-    returns the block's outputs and each other distinct non-view tensor the backward reads once;
-    the backward graph applies again the view ops from those to what it reads."""
+    """The forward returns the block's outputs and each other distinct non-view tensor the backward
+    reads, once; the backward applies the view ops again (NOTE [one compile per block])."""
     n_user = len(user_outputs(sub))
     out_node = _output(fw)
     fw_out = list(out_node.args[0])
@@ -241,9 +225,7 @@ def plan_layout(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fak
 def _views_into_backward(
     bw: fx.GraphModule, saved: list[tuple], roots: dict[tuple[str, int], Any], fake_mode: Any
 ) -> None:
-    """Rewrite ``bw`` to take ``roots`` (a placeholder each, in order) instead of the ``saved``
-    tensors, made from them by their view ops at its start: free inside the compiled backward,
-    not nodes of the graph around every block."""
+    """``bw`` takes ``roots`` instead of the ``saved`` tensors, viewed from them at its start."""
     graph = bw.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
     root_nodes = {}
@@ -269,7 +251,7 @@ def _views_into_backward(
 
 
 def _view_chain(node: Any) -> tuple[Any, list[tuple[Any, tuple, dict, Any]]]:
-    """The tensor ``node`` is a view of (through view ops), and those ops from it to ``node``."""
+    """The tensor ``node`` views, and the view ops from it to ``node``."""
     views = []
     while isinstance(node, fx.Node) and aot.aliases_an_input(node):
         views.append((node.target, node.args, node.kwargs, node.args[0]))
@@ -289,8 +271,7 @@ def user_outputs(sub: fx.GraphModule) -> list[Any]:
 
 @dataclasses.dataclass(frozen=True)
 class BlockWire:
-    """``fused``: the inputs (DDP parameters) whose gradients the block reduces itself (NOTE [a
-    bucket per block]), and how (``spec``); ``grad_dtype``: theirs (a compress hook's wire differs)."""
+    """``fused``: the inputs whose gradients the block reduces itself (NOTE [a bucket per block])."""
 
     reduced: tuple[int, ...]
     spec: CommSpec
@@ -307,9 +288,8 @@ def grads_onto_wire(
     *,
     decompose: bool,
 ) -> tuple[BlockWire, tuple[TensorMeta | None, ...]]:
-    """Rewrite ``bw`` to return the gradients of the ``reduced`` inputs (fakes ``params``) last,
-    as one flat buffer as ``CommSpec.to_wire`` makes it, in input order, zeros for a parameter
-    without a gradient (as ``BucketSync``), decomposed as ``bw`` was; and what it returns now."""
+    """``bw`` returns the gradients of the ``reduced`` inputs (fakes ``params``) last, as one flat
+    ``CommSpec.to_wire`` buffer (zeros where none, as ``BucketSync``); and what it returns now."""
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1 and spec.comm_dtype is None:
         raise NotShareable(f"the block's parameters have several dtypes ({sorted(map(str, dtypes))})")
@@ -337,8 +317,7 @@ def grads_onto_wire(
 
 
 def reduced_grads(wire: BlockWire, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """The gradient of every input, those of ``wire.reduced`` all-reduced from the flat buffer
-    the shared backward returned last."""
+    """Every input's gradient, those of ``wire.reduced`` all-reduced from the flat buffer last."""
     *others, flat = grads
     if flat is None:
         raise AssertionError("expected the shared backward's flat gradient buffer last, got None")
@@ -360,8 +339,7 @@ def reduced_grads(wire: BlockWire, grads: list[torch.Tensor | None]) -> list[tor
 
 
 def group_block_reductions(graph: fx.Graph, *, producer: str, floor_bytes: int) -> None:
-    """Group the all-reduces of the flat buffers that ``producer`` (the shared block's backward
-    operator, ``namespace::name``) returns (NOTE [block reductions grouped])."""
+    """Group the all-reduces of the flat buffers ``producer`` (``namespace::name``) returns."""
     nodes = [
         n
         for n in graph.nodes
@@ -391,7 +369,6 @@ def group_block_reductions(graph: fx.Graph, *, producer: str, floor_bytes: int) 
 
 
 def grouping_pass(producer: str, floor_bytes: int) -> Any:
-    """:func:`group_block_reductions` as Inductor's post-grad pass, cache-keyed by this code
-    (NOTE [compile cache keys]), the operator and the cap."""
+    """:func:`group_block_reductions` as a post-grad pass, keyed (NOTE [compile cache keys])."""
     key = f"{source_key(plan, cc, sys.modules[__name__])}-{producer}-{floor_bytes}"
     return cc.post_grad_pass(functools.partial(group_block_reductions, producer=producer, floor_bytes=floor_bytes), key)
