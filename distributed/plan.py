@@ -37,8 +37,7 @@ class BucketCaps:
             raise AssertionError(f"expected either per-bucket caps or caps sized for the overlap, got {self}")
 
     def limits(self, total_bytes: int = 0) -> list[int]:
-        """The cap of each bucket in ready order, the last one for every later bucket
-        (``total_bytes``: the gradient bytes to bucket, for caps sized for the overlap)."""
+        """Caps in ready order; the last repeats (``total_bytes``: for ``for_overlap``)."""
         if self.per_bucket:
             return list(self.per_bucket)
         if self.for_overlap:
@@ -53,11 +52,7 @@ class BucketCaps:
         bucket_cap_mb: float | None = None,
         first_bucket_cap_mb: float | None = None,
     ) -> "BucketCaps":
-        """DDP's own caps, with the user's overrides (``bucket_cap_mb``, ``first_bucket_cap_mb``).
-
-        Without overrides these are exactly the limits DDP's reducer uses when it rebuilds its
-        buckets, so the plan can coincide with the reducer's real buckets.
-        """
+        """DDP's own caps (those its reducer rebuilds with), with the user's overrides."""
         ddp_first, ddp_cap, per_bucket = ddpc.bucket_caps(ddp)
         if bucket_cap_mb is None and first_bucket_cap_mb is None:
             return cls(first_bytes=ddp_first, bytes=ddp_cap, per_bucket=tuple(per_bucket))
@@ -70,9 +65,7 @@ class BucketCaps:
         return cls(first_bytes=first, bytes=cap)
 
     def for_fused(self, ddp: "DistributedDataParallel", *, overridden: bool, plain: bool) -> "BucketCaps":
-        """The caps ``fused`` uses: sized for the overlap where the DDP module's caps are DDP's
-        defaults, the user overrode none and each bucket is one all-reduce (``plain``: a hook
-        program sees DDP's buckets); else these (NOTE [fused bucket sizes])."""
+        """See NOTE [fused bucket sizes]."""
         if plain and not overridden and ddpc.default_bucket_caps(ddp):
             return dataclasses.replace(self, for_overlap=True)
         return self
@@ -87,23 +80,17 @@ class BucketCaps:
         return "caps " + ", ".join(f"{c / _MIB:g}" for c in self.limits()) + " MiB"
 
 
-# NOTE [fused bucket sizes]: DDP's reducer caps its buckets at 25 MiB (1 MiB for the first) so
-# that its eager all-reduces start early and overlap. Under ``fused`` every collective traced
-# into the backward costs the host about the same whatever its size (the collective, its event
-# record, stream wait and wait), which a host-bound step pays in full, and the overlap needs only
-# each bucket's all-reduce done before the backward ends, the last one's exposed. Buckets of a
-# quarter of the gradient bytes each, then halving (1/4, 1/4, 1/4, 1/8, ...) down to DDP's cap,
-# give that while all-reducing every gradient takes at most half the backward: each ends before
-# the next bucket is ready, and the exposed tail is one bucket of DDP's cap, in about
-# 3 + log2(bytes / 4 / cap) collectives. One rank keeps these sizes: a single bucket's buffer
-# would be allocated at the first gradient, under the activations, raising the peak. This is the
-# default where the DDP module's caps are DDP's and buckets are reduced elementwise; caps the user
-# set, and DDP's buckets for a hook that sees them (PowerSGD, a traceable user hook), are kept.
+# NOTE [fused bucket sizes]: under ``fused`` each traced collective costs the host about the same
+# whatever its size, and overlap only needs each all-reduce done before the backward ends. So
+# buckets are a quarter of the gradient bytes, then halving (1/4, 1/4, 1/4, 1/8, ...) down to
+# DDP's cap: few collectives, an exposed tail of one small bucket (while all-reducing takes at
+# most half the backward). Not one bucket even on one rank: its buffer would raise the peak.
+# Default only with DDP's default caps and plain buckets; user caps, and DDP's buckets for hooks
+# that see them (PowerSGD, traceable hooks), are kept.
 
 
 def overlap_limits(total_bytes: int, floor: int) -> list[int]:
-    """Bucket caps in ready order for ``total_bytes`` of gradients (NOTE [fused bucket sizes]):
-    a quarter each, then halving, none below ``floor``; the last cap repeats."""
+    """See NOTE [fused bucket sizes]; the last cap repeats."""
     out, remaining = [], total_bytes
     while remaining > floor:
         size = max(floor, min(total_bytes // 4, remaining // 2))
@@ -113,10 +100,7 @@ def overlap_limits(total_bytes: int, floor: int) -> list[int]:
 
 
 def plan_buckets(params_in_ready_order: Sequence["GraphParam"], caps: BucketCaps) -> list[list["GraphParam"]]:
-    """Group parameters (already in gradient-ready order) into buckets exactly as DDP's reducer
-    would for that order: DDP's own assignment routine, keyed by dtype/device, a bucket closes
-    once its bytes reach the current cap (``caps.limits``). Bucket 0 holds the first gradients of
-    the backward."""
+    """Buckets as DDP's reducer would make them for this ready order (its own routine)."""
     params = list(params_in_ready_order)
     if not params:
         return []
@@ -131,8 +115,7 @@ def plan_buckets(params_in_ready_order: Sequence["GraphParam"], caps: BucketCaps
 def buckets_from_reducer(
     params: Sequence["GraphParam"], reducer_buckets: Sequence[Sequence[int]]
 ) -> list[list["GraphParam"]]:
-    """The reducer's own (already fixed) buckets, restricted to the parameters of one graph,
-    each in predicted ready order; buckets with none of the graph's parameters are dropped."""
+    """The reducer's fixed buckets restricted to one graph's parameters (empty ones dropped)."""
     from ..partitioners.param_usage import ready_order
 
     by_index = {p.reducer_index: p for p in params}

@@ -26,15 +26,9 @@ def _timeout() -> datetime.timedelta:
 
 
 def prepare_rank_checks(pg: Any) -> None:
-    """Create the gloo side group used for checks (a collective over ``pg``: call on each of its
-    ranks).
-
-    ``use_local_synchronization``: only the ranks of ``pg`` take part, under a name derived from
-    them, so DDP over data-parallel subgroups ({0, 1} and {2, 3} of a 4-rank world, each calling
-    this with its own ranks) gets one side group per subgroup instead of two groups created
-    under the same name. A rank of ``pg`` that never joins (it compiled with another strategy)
-    makes the others raise :class:`RankMismatchError` after ``$BUCKETWISE_RANK_CHECK_TIMEOUT``
-    seconds instead of gloo's bare "Wait timeout"."""
+    """Create the gloo side group for checks (collective on ``pg``). Local synchronization gives
+    each data-parallel subgroup its own side group; a rank that never joins makes the others
+    raise :class:`RankMismatchError` after ``$BUCKETWISE_RANK_CHECK_TIMEOUT`` seconds."""
     if pg in _side_groups or dist.get_world_size(pg) == 1:
         return
     ranks = dist.get_process_group_ranks(pg)
@@ -56,9 +50,8 @@ def rank_checks_ready(pg: Any) -> bool:
 
 
 def gather_on_all_ranks(obj: Any, pg: Any, *, what: str, context: str = "") -> list[Any]:
-    """Every rank's ``obj`` (picklable), rank order, over a gloo side group with a timeout. A rank
-    that never joins (it compiled a graph the others did not) makes the waiting ranks raise
-    :class:`RankMismatchError` after ``$BUCKETWISE_RANK_CHECK_TIMEOUT`` seconds."""
+    """Every rank's ``obj``, over the side group; a rank that never joins makes the others raise
+    :class:`RankMismatchError` after the timeout."""
     if dist.get_world_size(pg) == 1:
         return [obj]
     side = _side_groups.get(pg)
@@ -86,9 +79,8 @@ def check_same_on_all_ranks(
     gathered: list[Any] | None = None,
     fix: str = "",
 ) -> None:
-    """Raise :class:`RankMismatchError` on every rank if any rank's ``signature`` (one line per
-    item) differs, naming the first differing item and ``fix``. The signatures are gathered with
-    :func:`gather_on_all_ranks` unless ``gathered`` already holds every rank's."""
+    """Raise :class:`RankMismatchError` on every rank, naming the first differing line and
+    ``fix``, if the ranks' ``signature`` differ (``gathered``: already gathered)."""
     if dist.get_world_size(pg) == 1:
         return
     if gathered is None:

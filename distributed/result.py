@@ -1,11 +1,5 @@
-"""What a strategy gets from the graph backend and hands back to it.
-
-``apply_split`` (``split/``), ``apply_fused`` (``fused/``) and ``apply_whole`` (``whole.py``) each
-take a :class:`GraphJob` and the compiler (:class:`PieceCompiler`, whose compiles hand back a
-:class:`CompileOutcome` each) and return a :class:`StrategyResult`. :class:`BucketStats` and
-:class:`VariantStats` are the report's records of buckets and of a comm hook's variants (their
-fields are the report's JSON schema).
-"""
+"""What a strategy (``apply_split``, ``apply_fused``, ``apply_whole``) takes and returns.
+:class:`BucketStats` and :class:`VariantStats` fields are the report's JSON schema."""
 
 from __future__ import annotations
 
@@ -119,8 +113,7 @@ class GraphJob:
 
 
 class PieceCompiler(Protocol):
-    """The compiler's way to compile what a strategy hands it (``compiler/graph_backend.py``):
-    the backend, the fallback policy, a progress line, the doctor, the CUDA-graph runners' names."""
+    """How a strategy compiles pieces (implemented in ``compiler/graph_backend.py``)."""
 
     def piece(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, label: str, what: str, tracing: Any = None
@@ -138,9 +131,7 @@ class PieceCompiler(Protocol):
     def variant(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, label: str, later: bool
     ) -> tuple[Callable[..., Any], CompileOutcome]:
-        """Compile one of a comm hook's variants of a fused graph (no progress line of its own);
-        ``later``: after the graph's first compile, at the call that needs it (the report is then
-        written again)."""
+        """Compile a comm hook's variant of a fused graph; ``later``: after the first compile."""
         ...
 
     def step(self, what: str) -> ContextManager[None]:
@@ -149,11 +140,9 @@ class PieceCompiler(Protocol):
 
 
 def falls_back(exc: BaseException, *, fallback: str, functorch_depth: int) -> bool:
-    """Whether a failed compile (or split) of a graph may go on another way (run eagerly, compile
-    whole) rather than re-raise: not with ``fallback="raise"``, not for Dynamo's own control flow
-    (``RestartAnalysis``, ``SkipFrame``), and not when the failure left a torch.func transform
-    level pushed (``functorch_depth``: the depth when the attempt began; going on would trip
-    Dynamo's guards; plain ``torch.compile`` re-raises there too)."""
+    """Whether a failed compile may fall back instead of re-raising: not under
+    ``fallback="raise"``, not for Dynamo's control flow, not when a torch.func level was left
+    pushed (``functorch_depth``: the depth at the start; Dynamo's guards would trip)."""
     if fallback == "raise" or dc.is_dynamo_control_flow(exc):
         return False
     return dc.functorch_depth() == functorch_depth
@@ -169,8 +158,7 @@ def bucket_stats(
     wire_bytes: int | None = None,
     wire_parts: dict[str, int] | None = None,
 ) -> BucketStats:
-    """The report's record of a planned bucket (``bucket``: its ``GraphParam``s; ``seg_of``:
-    parameter name -> segment index)."""
+    """The report's record of a bucket (``seg_of``: parameter name -> segment index)."""
     segs = sorted({seg_of[p.name] for p in bucket if p.name in seg_of})
     return BucketStats(
         index=index,

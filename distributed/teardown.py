@@ -1,17 +1,12 @@
 """Release what holds NCCL kernels before NCCL's communicators are torn down.
 
-NOTE [cuda graphs at teardown]: NCCL cannot destroy a communicator while a CUDA graph that
-captured its kernels is alive: ``dist.destroy_process_group()`` waits for those graphs and hangs
-(pytorch/pytorch#115388). ``fused`` with ``cudagraphs=True`` captures every bucket's all-reduce,
-and the recordings live as long as the compiled module, so a script that ends with
-``destroy_process_group()`` would never exit, and nobody should have to free them first. So every
-rank of the DDP group also joins a process group of bucketwise's own (a Python backend, no
-communication) whose ``shutdown()`` releases every live recording, created so that
-``destroy_process_group()``, which shuts groups down last name first, reaches it before the DDP
-group (``_compat/c10d.shuts_down_before``); and at interpreter exit the recordings are released
-before torch's own teardown (NOTE [at-exit order]). A released recording's runner runs uncaptured
-from then on. A release waits a few seconds at most for replays in flight (after Ctrl-C one may
-wait for a rank that has stopped), then leaves its recordings to NCCL's abort at process end.
+NOTE [cuda graphs at teardown]: ``destroy_process_group()`` hangs while a CUDA graph that captured
+NCCL kernels is alive (pytorch/pytorch#115388), and ``fused`` with ``cudagraphs=True`` captures
+every all-reduce. So each DDP group gets a companion group of ours (Python backend, no
+communication) whose ``shutdown()`` releases every recording, named so that
+``destroy_process_group()`` reaches it first (``_compat/c10d.shuts_down_before``); at
+interpreter exit they are released before torch's teardown (NOTE [at-exit order]). Released
+runners run uncaptured; a release waits a few seconds at most for replays in flight.
 """
 
 from __future__ import annotations
@@ -52,8 +47,7 @@ _keep: list[_Releaser] = []
 
 
 def on_teardown(release: Callable[[str], None]) -> None:
-    """Call ``release(reason)`` (a bound method, held weakly) before the process groups are
-    torn down or the interpreter exits."""
+    """Call ``release(reason)`` (held weakly) before group teardown or interpreter exit."""
     releaser = _Releaser(release)
     _keep[:] = [r for r in _keep if r.method() is not None] + [releaser]
     at_exit("cuda graphs", _release_at_exit)
@@ -84,8 +78,7 @@ class _ReleaseGroup(dist.ProcessGroup):
 
 
 def guard(pg: Any) -> None:
-    """Make ``destroy_process_group()`` release CUDA graphs before it tears ``pg`` down (a
-    collective over ``pg``'s ranks, once per group: call it on each of them)."""
+    """Make ``destroy_process_group()`` release CUDA graphs before ``pg`` (collective on ``pg``)."""
     if pg in _release_groups:
         return
     if not hasattr(dist.Backend, _BACKEND.upper()):

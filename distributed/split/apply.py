@@ -1,12 +1,10 @@
 """The split strategy: cut each Dynamo graph at gradient-bucket boundaries.
 
-NOTE [split strategy]: DDP's reducer launches a bucket's allreduce as soon as the last gradient
-of the bucket is accumulated. A compiled graph produces all of its gradients only when its whole
-backward has run, so a single compiled graph delays every allreduce to the end of the backward.
-Cutting the graph so that each bucket's parameters are first used in their own segment lets each
-segment's backward finish a bucket, and NCCL reduces it while earlier segments still compute.
-The plan uses the reducer's own assignment routine and caps, so once the reducer has rebuilt its
-buckets from the real gradient-ready order they coincide with the segments (``alignment``).
+NOTE [split strategy]: a single compiled graph produces all gradients at the end of its backward,
+delaying every allreduce of DDP's reducer. Cutting it so each bucket's parameters are first used
+in their own segment lets each segment's backward complete a bucket, reduced while earlier
+segments compute. The plan uses the reducer's own routine and caps, so its rebuilt buckets
+coincide with the segments (``alignment``).
 """
 
 from __future__ import annotations
@@ -34,11 +32,8 @@ log = logging.getLogger(__name__)
 def apply_split(
     job: GraphJob, compiler: PieceCompiler, *, earlier_names: set[str], caps: BucketCaps, fallback: str
 ) -> StrategyResult:
-    """Plan the graph's buckets, cut it at them and compile each segment. A parameter an earlier
-    graph also reads (``earlier_names``: used on both sides of a graph break) gets its gradient
-    completed by that earlier graph's backward: planned there only. Where the graph cannot be
-    cut, it is compiled whole and DDP's reducer reduces it after its backward (``fallback="raise"``
-    re-raises)."""
+    """Plan buckets, cut the graph at them, compile each segment; compiled whole where it cannot
+    be cut. ``earlier_names``: parameters an earlier graph also reads, planned there only."""
     ddp = job.ddp
     params = [p for p in job.params if p.name not in earlier_names]
     job = dataclasses.replace(job, params=params)
@@ -69,13 +64,8 @@ def apply_split(
 
 
 def plan_for_graph(ddp: Any, params: Sequence[GraphParam], caps: BucketCaps) -> tuple[list[list[GraphParam]], str]:
-    """Buckets for one graph and where they come from.
-
-    ``"reducer"``: DDP's buckets are already final (``find_unused_parameters=True`` never
-    rebuilds; or the reducer has rebuilt before this graph was compiled) and the caps are DDP's:
-    follow them. ``"predicted"``: DDP's assignment routine over the predicted ready order; the
-    reducer will rebuild to the same buckets (NOTE [first-iteration gradient order]).
-    """
+    """Buckets for one graph and their source: ``"reducer"`` (DDP's buckets are final) or
+    ``"predicted"`` (NOTE [first-iteration gradient order])."""
     if caps.matches_ddp(ddp):
         known = ddpc.fixed_buckets(ddp)
         if known is not None:
@@ -86,8 +76,7 @@ def plan_for_graph(ddp: Any, params: Sequence[GraphParam], caps: BucketCaps) -> 
 def split_and_compile(
     job: GraphJob, buckets: Sequence[Sequence[GraphParam]], compiler: PieceCompiler
 ) -> tuple[Callable[..., Any], list[Segment], list[CompileOutcome]]:
-    """Split the graph at ``buckets`` (gradient-ready order) and compile each segment; a graph
-    whose parameters fit in one bucket is compiled whole (one segment)."""
+    """Split the graph at ``buckets`` and compile each segment (one bucket: whole)."""
     log.debug("bucket plan: %s", [[p.name for p in b] for b in buckets])
     gm = job.gm
     used = [p for p in job.params if p.first_use >= 0]
@@ -128,12 +117,8 @@ def _force_tuple_output(gm: fx.GraphModule) -> bool:
 
 
 def compile_segments(split_gm: fx.GraphModule, job: GraphJob, compiler: PieceCompiler) -> list[CompileOutcome]:
-    """Compile every ``submod_*`` of ``split_gm`` in forward order, replacing it in place.
-
-    Each segment is compiled against fake inputs that carry the strides the previous compiled
-    segment really produces (see NOTE [several AOT graphs per Dynamo graph] in
-    ``_compat/dynamo.py``).
-    """
+    """Compile every ``submod_*`` in forward order, in place, each against the strides the
+    previous segment really produces (NOTE [several AOT graphs per Dynamo graph])."""
     fake_mode = pieces.detect_fake_mode(job.example_inputs)
     tracing = pieces.SegmentTracing()
     env: dict[fx.Node, Any] = {}
