@@ -1,12 +1,6 @@
-"""Repeated blocks in a Dynamo graph: where each starts and ends, which are the same computation,
-and whether sharing them pays (NOTE [sharing by cost]).
-
-Dynamo records on every node the modules whose forward produced it (``meta["nn_module_stack"]``,
-outermost first), so the nodes of ``layers.3`` are those whose outermost numbered entry is
-``...layers.3``. :func:`find_block_run` finds the longest run of such blocks in graph order;
-:func:`piece_signature` says when two pieces are the same computation on other tensors, so that
-one compile serves both.
-"""
+"""Repeated blocks in a Dynamo graph: where each starts and ends (a node's outermost numbered
+``nn_module_stack`` entry), which are the same computation, whether sharing pays (NOTE [sharing by
+cost])."""
 
 from __future__ import annotations
 
@@ -30,22 +24,19 @@ _NUMBERED = re.compile(r"^(?P<parent>.+?)(?:\.(?P<dot>\d+)|\[(?P<bracket>\d+)\])
 
 @dataclasses.dataclass(frozen=True)
 class BlockRun:
-    """Blocks of one module list, in graph order."""
+    """Blocks of one module list (``container``: ``L['self'].model.layers``), in graph order:
+    the graph positions of each block's first node and of the last block's last node."""
 
     container: str
-    """The list as Dynamo names it (``L['self'].model.layers``)."""
     block_class: str
     starts: tuple[int, ...]
-    """Graph position of each block's first node."""
     end: int
-    """Graph position of the last block's last node."""
 
     def __len__(self) -> int:
         return len(self.starts)
 
     @property
-    def name(self) -> str:
-        """The list without Dynamo's frame prefix (``model.layers``)."""
+    def name(self) -> str:  # without Dynamo's frame prefix: ``model.layers``
         return re.sub(r"^[A-Z]\['[^']*'\]\.?", "", self.container) or self.container
 
 
@@ -91,8 +82,7 @@ def find_block_run(gm: fx.GraphModule) -> tuple[BlockRun | None, str]:
 
 
 def piece_of(run: BlockRun, position: int) -> int:
-    """The piece a node at ``position`` goes to: 0 before the first block, ``k + 1`` for block
-    ``k`` (with whatever follows it up to the next block), ``len(run) + 1`` after the last."""
+    """0 before the first block, ``k + 1`` in block ``k`` (up to the next), ``len(run) + 1`` after."""
     if position < run.starts[0]:
         return 0
     if position > run.end:
@@ -101,8 +91,7 @@ def piece_of(run: BlockRun, position: int) -> int:
 
 
 def block_parts(gm: fx.GraphModule, run: BlockRun) -> list[list[fx.Node]]:
-    """Each block's nodes, in graph order. An attribute read (a checkpointed body: Dynamo puts
-    its ``get_attr`` before the block that calls it) goes with the block that reads it."""
+    """Each block's nodes, in graph order; a ``get_attr`` (a checkpointed body) goes with its reader."""
     nodes = list(gm.graph.nodes)
     piece = {node: piece_of(run, pos) for pos, node in enumerate(nodes)}
     for node in nodes:
@@ -116,8 +105,7 @@ def block_parts(gm: fx.GraphModule, run: BlockRun) -> list[list[fx.Node]]:
 
 
 def mode_switch_across(gm: fx.GraphModule, run: BlockRun) -> str | None:
-    """Why an autocast or grad-mode switch makes the blocks unshareable: one that is open at a
-    block's start (it would not be in the block's own graph), or one left open inside a block."""
+    """Why an autocast region open at a block's start, or a grad-mode switch, keeps them unshared."""
     depth = 0
     starts = set(run.starts)
     for pos, node in enumerate(gm.graph.nodes):
@@ -131,8 +119,7 @@ def mode_switch_across(gm: fx.GraphModule, run: BlockRun) -> str | None:
 
 
 def fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode: Any) -> dict[fx.Node, Any]:
-    """A fake value of every node: Dynamo's own (``example_value``), placeholders from the
-    example inputs (parameters made fake)."""
+    """A fake value of every node: Dynamo's own, placeholders' from the example inputs."""
     out: dict[fx.Node, Any] = {}
     for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
         if isinstance(value, torch.Tensor) and not aot.is_fake(value):
@@ -147,8 +134,8 @@ def fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode: An
 def invariant_inputs(
     inputs: list[tuple[fx.Node, ...]], signatures: list[tuple], repeated: set[tuple], values: dict[fx.Node, Any]
 ) -> dict[tuple, tuple[int, ...]]:
-    """Per repeated signature, the inputs every block of it reads the same: one node at that input
-    of each, a tensor without a gradient (NOTE [computed once before the blocks])."""
+    """Per repeated signature, the inputs without a gradient that every block of it reads the same
+    (NOTE [computed once before the blocks])."""
     out = {}
     for signature in repeated:
         calls = [ins for ins, sig in zip(inputs, signatures) if sig == signature]
@@ -164,8 +151,7 @@ def invariant_inputs(
 
 @dataclasses.dataclass(frozen=True)
 class BlockBuckets:
-    """``fused``: how gradients are reduced, and the placeholders of the dense DDP parameters that
-    need a gradient, each its tensor's only one: those a shared block may reduce itself."""
+    """``fused``: how gradients are reduced, and the DDP parameters a shared block may reduce."""
 
     spec: CommSpec
     params: frozenset[fx.Node]
@@ -179,9 +165,8 @@ def reduced_inputs(
     values: dict[fx.Node, Any],
     buckets: BlockBuckets | None,
 ) -> tuple[dict[tuple, tuple[int, ...]], bool | str | None]:
-    """Per repeated signature, the inputs whose gradients its compiled block reduces (NOTE [a
-    bucket per block]): the ``buckets.params`` read only inside the block; and ``True``, or why no
-    block does (``None`` without ``buckets``)."""
+    """Per repeated signature, the ``buckets.params`` read only inside the block (NOTE [a bucket
+    per block]); and ``True``, or why no block reduces its own (``None`` without ``buckets``)."""
     if buckets is None:
         return {}, None
     reduced: dict[tuple, tuple[int, ...]] = {}
@@ -202,10 +187,8 @@ def reduced_inputs(
 
 
 def piece_signature(gm: fx.GraphModule, inputs: Sequence[Any], *, opaque: Opaque | None = None) -> tuple:
-    """What a compiled piece depends on: its nodes (ops, constants, wiring, by position, not by
-    name) and the layout of its inputs. Equal signatures compute the same function of their
-    inputs. ``opaque``: for a call whose target alone does not say what it computes, ``(what it
-    computes, its args that take part)``, else ``None``."""
+    """Its nodes by position and its inputs' layout: equal signatures, the same function. ``opaque``:
+    ``(what it computes, its args)`` of a call its target does not say, else ``None``."""
     return tuple(_value_key(v) for v in inputs), _graph_key(gm, opaque)
 
 
@@ -250,14 +233,8 @@ def _arg_key(arg: Any, index: dict[fx.Node, int]) -> Any:
 
 def _value_key(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return (
-            "tensor",
-            tuple(value.shape),
-            tuple(value.stride()),
-            str(value.dtype),
-            str(value.device),
-            value.requires_grad,
-        )
+        v = value
+        return ("tensor", tuple(v.shape), tuple(v.stride()), str(v.dtype), str(v.device), v.requires_grad)
     if isinstance(value, torch.SymInt):
         return ("symint", str(value))
     return ("value", type(value).__name__, repr(value))
@@ -273,14 +250,12 @@ def _value_key(value: Any) -> Any:
 # The rates are per-device constants (docs/performance.md names the runs they come from), so the
 # same model on the same kind of GPU gets the same plan on every rank and every restart.
 
-HOST_SHARE_LIMIT = 0.6
-"""At most this fraction of the GPU's time: a margin for the host's other work and its noise."""
+HOST_SHARE_LIMIT = 0.6  # a margin for the host's other work and its noise
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeviceCost:
-    """What one kind of GPU does per second (``matmul_flops``: of a block's matmuls and attention,
-    per dtype), and what its host spends per op of a shared block's call (launches and checks)."""
+    """What one kind of GPU does per second (matmul FLOPs per dtype, bytes), its host per op."""
 
     name: str
     matmul_flops: Mapping[torch.dtype, float]
@@ -298,8 +273,7 @@ KNOWN = {H200.name: H200}
 
 
 def device_cost(device: torch.device) -> tuple[DeviceCost, str | None]:
-    """The constants of ``device``'s kind, and a note where none were measured for it: then the
-    H200's, whose faster matmuls underestimate another GPU's time, so that fewer blocks share."""
+    """``device``'s constants; else the H200's (fewer blocks share) and a note saying so."""
     name = torch.cuda.get_device_name(device)
     if name in KNOWN:
         return KNOWN[name], None
@@ -331,7 +305,7 @@ class BlockCost:
 
 
 def estimate(forward: fx.GraphModule, backward: fx.GraphModule, device: DeviceCost) -> BlockCost:
-    """The cost of one call of a block compiled as AOTAutograd's ``forward`` and ``backward``."""
+    """The cost of one call of a block compiled as ``forward`` and ``backward``."""
     flops = gpu_s = nbytes = 0.0
     ops = 0
     for gm in (forward, backward):
@@ -350,7 +324,7 @@ def estimate(forward: fx.GraphModule, backward: fx.GraphModule, device: DeviceCo
 
 
 def tensors_in(values: Any) -> list[torch.Tensor]:
-    """The tensors in ``values``, and in the tuples and lists in it."""
+    """The tensors in ``values`` and its tuples and lists."""
     if isinstance(values, torch.Tensor):
         return [values]
     if isinstance(values, (tuple, list)):
@@ -364,23 +338,19 @@ class KeptWhole(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class CostRule:
-    """``share_blocks="auto"`` without CUDA graphs, on a GPU, for one graph (NOTE [sharing by
-    cost]); ``report``: the compiled object's, where a refusal is noted."""
+    """``share_blocks="auto"`` for one graph (NOTE [sharing by cost]); ``report`` notes a refusal."""
 
     device: DeviceCost
     report: Any
 
     def check(self, forward: fx.GraphModule, backward: fx.GraphModule) -> BlockCost:
-        """The block's estimated cost; raises :class:`KeptWhole` where it is not to be shared."""
-        cost = estimate(forward, backward, self.device)
-        why = refusal(cost, self.device)
-        if why is not None:
+        cost = estimate(forward, backward, self.device)  # raises KeptWhole where not to share
+        if (why := refusal(cost, self.device)) is not None:
             raise KeptWhole(why)
         return cost
 
 
 def refusal(cost: BlockCost, device: DeviceCost) -> str | None:
-    """Why the blocks stay with the whole graph, or ``None``: share them."""
     if cost.ratio <= HOST_SHARE_LIMIT:
         return None
     return (
