@@ -108,9 +108,7 @@ def compile(
 
 
 def compile_with_config(obj: nn.Module | Callable[..., Any], config: CompileConfig, *, first_call: Any = None) -> Any:
-    """:func:`compile` with its arguments already checked (also what the ``"bucketwise"``
-    torch.compile backend builds for a DDP module, with the frames of the call that built it to
-    forget: ``first_call``, ``CompiledState.first_call``)."""
+    """:func:`compile` with a checked config (``first_call``: ``CompiledState.first_call``)."""
     if ddpc.is_ddp(obj):
         problem = ddpc.process_group_usable(obj)
         if problem is not None:
@@ -125,10 +123,7 @@ def compile_with_config(obj: nn.Module | Callable[..., Any], config: CompileConf
 
 
 def check_strategy(obj: Any, config: CompileConfig) -> None:
-    """Raise where an explicit ``strategy="fused"``/``"split"`` cannot apply to ``obj``, as far as
-    that is known now (NOTE [explicit strategies]): a module that is not a DDP module, or a DDP
-    module whose comm hook, gradient hooks or reducer rule it out already. A function is checked
-    when its graphs are compiled (the DDP module it calls is found then)."""
+    """Raise now where an explicit strategy cannot apply (NOTE [explicit strategies])."""
     if config.strategy not in ("fused", "split") or not isinstance(obj, nn.Module):
         return
     ddp = obj if ddpc.is_ddp(obj) else None
@@ -142,15 +137,11 @@ def target_name(module: nn.Module) -> str:
     return f"DDP({type(module.module).__name__})" if ddpc.is_ddp(module) else type(module).__name__
 
 
-# NOTE [compile workers from the start]: Inductor compiles Triton kernels in a pool of worker
-# processes once the pool is up, and until then in the calling process, one after the other.
-# torch starts the pool when its ``inductor`` backend is called, after Dynamo's trace, but
-# bucketwise's backend compiles the shared block (NOTE [one compile per block]) before it calls
-# Inductor's entry point, so the block's kernels would compile one by one. So the pool is started
-# when a module on the GPU is compiled for Inductor, its workers starting while the first call is
-# traced; and again (a no-op where it runs) before a graph on the GPU shares its blocks, for a
-# module moved to the GPU after ``compile``. ``TORCH_WARM_POOL=0`` and
-# ``TORCHINDUCTOR_COMPILE_THREADS=1`` still turn it off.
+# NOTE [compile workers from the start]: torch starts Inductor's compile-worker pool only when its
+# backend is called, but we compile shared blocks (NOTE [one compile per block]) before that, so
+# their kernels would compile serially. So the pool is started when a GPU module is compiled for
+# Inductor (and again, a no-op if running, before a GPU graph shares its blocks).
+# ``TORCH_WARM_POOL=0`` and ``TORCHINDUCTOR_COMPILE_THREADS=1`` still turn it off.
 
 
 def warn_uncached_bytecode() -> None:
@@ -162,8 +153,7 @@ def warn_uncached_bytecode() -> None:
 
 
 def resolve_cudagraphs(config: CompileConfig) -> cudagraph_policy.Decision:
-    """Whether this compiled object gets bucketwise's CUDA graphs, decided once and handed to
-    each of its graph backends; says so when a ``cudagraphs=True`` request is a no-op here."""
+    """Whether this compiled object gets our CUDA graphs; warns where ``True`` is a no-op."""
     decision = cudagraph_policy.resolve(
         config.cudagraphs,
         cuda=torch.cuda.is_available(),

@@ -1,17 +1,11 @@
 """Compiled artifacts carried with a job: a restart on a machine with an empty compile cache starts warm.
 
-NOTE [compile artifacts]: a restart (a failure, a preemption, a new node) recompiles from
-nothing where the local caches are empty, and every rank waits for its first step.
-``bucketwise.compile(..., artifacts=DIR)`` (or ``BUCKETWISE_COMPILE_ARTIFACTS=DIR``, which
-``bucketwise launch --compile-artifacts DIR`` sets for every rank) keeps each rank's compiled
-artifacts in ``DIR/rank{R}.bin``, in torch's own format (``torch.compiler.save_cache_artifacts``:
-Inductor's and AOTAutograd's compiled graphs, Triton's autotuning results). When the compiled
-object is made and the file exists, it is loaded into the local caches, so the graphs' compiles
-are cache hits. The file is written at the start of the second call, once the first step has
-compiled, where none was loaded or the first step still missed a cache (the model or the
-versions changed). Dynamo's trace is not an artifact: a restart traces the frames again (with
-``share_blocks``, one call per block, NOTE [Dynamo calls a block]). The report's notes say what
-was loaded and saved.
+NOTE [compile artifacts]: a restart on empty local caches recompiles everything. With
+``artifacts=DIR`` (or ``BUCKETWISE_COMPILE_ARTIFACTS``) each rank keeps
+``DIR/rank{R}.bin`` (``torch.compiler.save_cache_artifacts``), loaded into the local caches when
+the compiled object is made, and written at the second call where nothing was loaded or the
+first step still missed a cache. Dynamo's trace is not an artifact: a restart traces again
+(NOTE [Dynamo calls a block]). The report's notes say what was loaded and saved.
 """
 
 from __future__ import annotations

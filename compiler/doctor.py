@@ -1,11 +1,8 @@
 """The troubleshooting ladder ("Why is my code crashing?"), per graph segment.
 
-With ``BUCKETWISE_DOCTOR_DIR`` set (``bucketwise doctor`` sets it), the first real call of every
-compiled segment also recompiles a copy of the segment through ``eager`` -> ``aot_eager`` ->
-``inductor`` (up to the backend in use) with the real inputs of that call, runs each stage
-without autograd and compares its outputs with the uncompiled segment. The first stage that
-fails or diverges beyond tolerance is recorded with the exception, and the segment's graph is
-saved to a file. The training run itself goes on with the normally compiled segment.
+With ``BUCKETWISE_DOCTOR_DIR`` set, each segment's first real call also runs a copy through
+``eager`` -> ``aot_eager`` -> ``inductor`` (up to the backend in use), without autograd, and
+records the first stage that fails or diverges, with its graph. Training goes on normally.
 
 Limits: forward outputs only (not gradients); a stage is compiled for the shapes of that call.
 """

@@ -1,17 +1,12 @@
 """Noticing, at a glance per call, that hooks the compiled graphs depend on changed.
 
-NOTE [hooks registered after compile]: Dynamo traces a module's forward and backward hooks into
-the graph and, for speed, does not guard on them (``torch._dynamo.config.skip_nnmodule_hook_guards``,
-``True`` by default): a hook added or removed after a frame was compiled changes nothing until
-the frame happens to recompile, in plain ``torch.compile`` too. A parameter's gradient hooks
-decide the strategy (NOTE [gradient hooks before the reduction]). Eager DDP runs whatever hooks
-are registered at the time of the call, so bucketwise watches them: every hook registration in
-the process takes its id from one counter (``_compat/hooks.registrations()``), read once per
-call. When it moved, or a hook dict that held hooks at the last look holds another number of
-them now (a removal), the hooks are listed again; if the list differs from the one the graphs
-were compiled with, the compiled object decides again and recompiles the frames it compiled
-(NOTE [one decision]), and the report says why. Listing costs a walk over the modules and
-parameters, paid only when some hook somewhere was registered since the last call.
+NOTE [hooks registered after compile]: Dynamo traces module hooks into the graph without
+guarding on them (``skip_nnmodule_hook_guards``), and gradient hooks decide the strategy (NOTE
+[gradient hooks before the reduction]); eager DDP runs whatever is registered at call time. So
+we watch: one global registration counter (``_compat/hooks.registrations()``) read per call,
+plus the sizes of non-empty hook dicts (removals). When either moves, hooks are listed again;
+if they differ from those compiled with, the object decides again and recompiles (NOTE [one
+decision]), and the report says why.
 """
 
 from __future__ import annotations
@@ -36,9 +31,7 @@ _TENSOR_KINDS = {"_backward_hooks": "gradient hooks", "_post_accumulate_grad_hoo
 
 
 class HookWatch:
-    """The hooks of ``modules`` (forward, backward; the global module hooks too) and the gradient
-    hooks of ``params``, as the graphs were compiled with them (NOTE [hooks registered after
-    compile]). ``own()``: handle ids of bucketwise's own hooks, never a change."""
+    """See NOTE [hooks registered after compile]. ``own()``: our own hooks' ids, ignored."""
 
     def __init__(
         self,
