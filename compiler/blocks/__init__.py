@@ -1,8 +1,5 @@
-"""Compile once per block: identical blocks of a whole graph share one compiled forward and backward.
-
-A block that cannot be shared (another computation than the others, dynamic shapes, no gradients,
-random numbers, a write into an input, an autocast or grad-mode region from outside it, a backend
-other than Inductor or ``aot_eager``) compiles with the whole graph, and the report says why.
+"""Compile once per block: identical blocks of a whole graph share one compiled forward and backward;
+a block that cannot be shared compiles with the whole graph, and the report says why.
 
 NOTE [one compile per block]: N identical blocks appear N times in the graph Dynamo gives, and
 AOTAutograd and Inductor trace, partition and compile each: the first step grows with depth.
@@ -73,10 +70,8 @@ _KEYS = itertools.count()
 
 @dataclasses.dataclass
 class FirstCall:
-    """What a shared block's first call finds, looked at once and then reused (host time per call):
-    the outputs copied at every call (``copied``, and any found sharing memory with an input or an
-    earlier output), the backward's inputs whose strides are looked at every call (the gradients,
-    and any saved tensor laid out otherwise); ``None`` before it."""
+    """What a shared block's first call finds (``None`` before): the outputs copied at every call,
+    and the backward's inputs whose strides are looked at every call."""
 
     aliased: frozenset[int] | None = None
     restride: tuple[int, ...] | None = None
@@ -89,10 +84,8 @@ class FirstCall:
 # assembles the ``SharedBlock``. Only what the first call finds (``FirstCall``) changes after.
 @dataclasses.dataclass(frozen=True, eq=False)
 class SharedBlock:
-    """One block's compiled forward and backward, called by every block identical to it. Boxed:
-    ``forward([inputs])`` returns the outputs, then the bases the backward reads; ``backward([saved...,
-    grads of the outputs])`` what ``layout.grads`` says. ``reads``: the positions of the call's inputs
-    the forward takes (``None``: all); ``cost``: the estimate ``share_blocks="auto"`` decided by."""
+    """One block's compiled (boxed) forward and backward, called by every block identical to it.
+    ``reads``: the positions of the call's inputs the forward takes (``None``: all)."""
 
     key: int
     layout: BlockLayout
@@ -118,8 +111,7 @@ def _shared_block(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
                 )
     out = list(block.forward(list(inputs)))
     if seen.aliased is None:
-        # Which outputs share memory is the compiled graph's structure: found once (a view op torch
-        # does not mark as one could still alias), then copied at every call without looking.
+        # Which outputs share memory is the compiled graph's structure: found once, then copied.
         ptrs = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
         aliased = set(block.layout.copied)
         for i, t in enumerate(out):
@@ -137,9 +129,8 @@ def _shared_block(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 def _shared_block_backward(key: int, saved_and_grads: list[torch.Tensor]) -> list[torch.Tensor]:
     block = _BLOCKS[key]
     layout, seen = block.layout, block.first_call
-    # A tensor laid out otherwise than the backward was compiled for (a gradient autograd made as
-    # zeros with its output's strides) is copied into that layout. Saved tensors come from compiled
-    # graphs, the same at every call: looked at once, then only the gradients are.
+    # A tensor laid out otherwise than the backward was compiled for is copied into that layout;
+    # saved tensors are the same at every call: looked at once, then only the gradients are.
     strides = layout.input_strides
     if seen.restride is None:
         n_saved = len(saved_and_grads) - layout.n_tangents
@@ -152,23 +143,19 @@ def _shared_block_backward(key: int, saved_and_grads: list[torch.Tensor]) -> lis
             t = inputs[i]
             inputs[i] = torch.empty_strided(t.shape, strides[i], dtype=t.dtype, device=t.device).copy_(t)
     grads = block.backward(inputs)
-    # Only the gradients there are: a placeholder for a missing one would be made on the host,
-    # which no CUDA graph of the compiled backward around this call can capture.
+    # Only the gradients there are: a missing one's placeholder, made on the host, no CUDA graph captures.
     return [grads[i] for i in layout.present]
 
 
 class _SharedBlockFormula(torch.autograd.Function):
-    """The autograd formula of ``bucketwise::shared_block``, used while AOTAutograd traces the
-    joint graph: the shared backward on what the shared forward returned for it."""
+    """The autograd formula of ``bucketwise::shared_block``, used while AOTAutograd traces."""
 
     @staticmethod
     def forward(ctx: Any, key: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = SHARED_BLOCK(key, list(inputs))
         ctx.key = key
         pools = {"input": inputs, "output": out, "base": out[_BLOCKS[key].layout.n_user :]}
-        # Held by the context, not ``save_for_backward``: the formula runs only while AOTAutograd
-        # traces, where a saved tensor would be a ``detach`` in each graph per tensor the backward
-        # reads (28 nodes per block of HF Llama), traced and lowered once per block for nothing.
+        # Not ``save_for_backward``: each saved tensor would be a ``detach`` in each traced graph.
         ctx.saved = [pools[kind][i] for kind, i in _BLOCKS[key].layout.roots]
         return tuple(out)
 
@@ -186,41 +173,43 @@ class _SharedBlockFormula(torch.autograd.Function):
         return (None, *(graphs.reduced_grads(block.wire, grads) if block.wire is not None else grads))
 
 
+def _fake(field: str) -> Callable[[int, list[torch.Tensor]], list[torch.Tensor]]:
+    def fake(key: int, _: list[torch.Tensor]) -> list[torch.Tensor]:
+        metas = getattr(_BLOCKS[key].layout, field)
+        return [torch.empty_strided(*m[:2], dtype=m[2], device=m[3]) for m in metas if m]
+
+    return fake
+
+
 # Registered with one Python call per call at run time (NOTE [one Python call per op]).
+_EXACT = (torch.Tag.needs_exact_strides,)
 SHARED_BLOCK = ops.define(
     "bucketwise::shared_block",
     "(int key, Tensor[] inputs) -> Tensor[]",
     kernel=_shared_block,
-    fake=lambda key, inputs: [
-        torch.empty_strided(*m[:2], dtype=m[2], device=m[3]) for m in _BLOCKS[key].layout.outputs
-    ],
+    fake=_fake("outputs"),
     formula=_SharedBlockFormula,
-    tags=(torch.Tag.needs_exact_strides,),
+    tags=_EXACT,
 )
 SHARED_BLOCK_BACKWARD = ops.define(
     "bucketwise::shared_block_backward",
     "(int key, Tensor[] saved_and_grads) -> Tensor[]",
     kernel=_shared_block_backward,
-    fake=lambda key, grads: [
-        torch.empty_strided(*m[:2], dtype=m[2], device=m[3]) for m in _BLOCKS[key].layout.grads if m
-    ],
-    tags=(torch.Tag.needs_exact_strides,),
+    fake=_fake("grads"),
+    tags=_EXACT,
 )
 
 
 def cache_targets() -> dict[str, str]:
     """What a graph calling ``bucketwise::shared_block`` is cache-keyed by (NOTE [compile cache
-    keys]): its compiled backward calls ``shared_block_backward`` with what the autograd formula
-    hands it (laid out by ``graphs.py``), which AOTAutograd's and Inductor's caches do not see."""
+    keys]): the layout ``graphs.py`` makes, which AOTAutograd's and Inductor's caches do not see."""
     return {f"{__name__}.shared_block": source_key(sys.modules[__name__], graphs)}
 
 
 @dataclasses.dataclass
 class Sharing:
-    """What :func:`share_blocks` did to one graph, for the report: the module list (``model.layers``),
-    the blocks that call a shared compile, the distinct blocks compiled (``kept``: alive as long as
-    the graph's backend); under ``fused``, ``True`` where each block reduces its own bucket, else why
-    not; ``True`` where Dynamo met each block as one call (NOTE [Dynamo calls a block]), else why not."""
+    """What :func:`share_blocks` did to one graph, for the report; ``kept``: the distinct blocks
+    compiled, alive as long as the graph's backend; ``bucket_per_block``/``dynamo``: ``True`` or why not."""
 
     blocks: str
     block_class: str
@@ -263,10 +252,8 @@ def share_blocks(
     buckets: BlockBuckets | None = None,
     cost: CostRule | None = None,
 ) -> tuple[Sharing | None, str | None]:
-    """Rewrite ``gm`` in place so that its identical blocks call one compiled block; returns what
-    was shared, or ``None`` and why nothing was (NOTE [one compile per block]). ``buckets``
-    (``fused``): the parameters a shared block may reduce itself (NOTE [a bucket per block]);
-    ``cost``: share only where the blocks' estimated cost says so (NOTE [sharing by cost])."""
+    """Rewrite ``gm`` in place so that its identical blocks call one compiled block (NOTE [one
+    compile per block]); what was shared, or ``None`` and why nothing was."""
     if any(isinstance(a, torch.SymInt) or (isinstance(a, torch.Tensor) and aot.symbolic(a)) for a in example_inputs):
         return None, "dynamic shapes"
     if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs):
@@ -280,8 +267,7 @@ def share_blocks(
     fake_mode = aot.fake_mode_of(example_inputs)
     values = find.fake_values(gm, example_inputs, fake_mode)
     parts = find.block_parts(gm, run)
-    # Every repeated block is compiled, or found the same as one compiled, before the graph
-    # changes: a block that cannot be shared leaves the graph as Dynamo gave it.
+    # Every block is compiled before the graph changes: one that cannot be shared leaves it whole.
     graphs_ = [aot.block_graph(gm, part, f"block_{k}") for k, part in enumerate(parts)]
     inputs = [ins for _, ins, _ in graphs_]
     signatures = [
