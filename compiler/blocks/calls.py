@@ -1,17 +1,15 @@
 """Dynamo meets each repeated block as one call: ``bucketwise::block_call``.
 
-NOTE [Dynamo calls a block]: Dynamo's work is never cached across processes, and where Dynamo
-inlines every block of the model, that work grows with depth, in the first step and every restart.
-With ``share_blocks``, while a compiled call runs, each block of a repeated ``nn.ModuleList`` has a
-forward of bucketwise's (in the module's ``__dict__`` during the call only, so that outside it the
-model is untouched) that calls :func:`block_call`, which Dynamo puts into the graph as it is
-(``torch.compiler.allow_in_graph``): it runs the block once on fake tensors, recording its ATen
-ops, so the backend tells which blocks are the same computation without a trace of each. What
-Dynamo would guard and replay is lost, so a block is called this way only without hooks, with
-plain arguments and static shapes, and where the fake run changes no attribute; otherwise the
-call is made again with every block inlined from then on, and the report says why. Dynamo does
-not guard the attributes a block reads either, so each call compares the blocks' plain
-attributes with the first call's, and a change inlines the blocks and recompiles.
+NOTE [Dynamo calls a block]: Dynamo's work is never cached across processes, and inlining every
+block it grows with depth, in the first step and every restart. With ``share_blocks``, while a
+compiled call runs, each block of a repeated ``nn.ModuleList`` has a forward of bucketwise's (in its
+``__dict__`` during the call only) that calls :func:`block_call`, which Dynamo puts into the graph
+as it is (``allow_in_graph``): it runs the block once on fake tensors, recording its ATen ops, so
+the backend tells which blocks are the same without a trace of each. What Dynamo would guard and
+replay is lost, so this holds only without hooks, with plain arguments and static shapes, where
+the fake run changes no attribute, and while the blocks' plain attributes hold their first call's
+values; otherwise the call is made again with every block inlined from then on, and the report
+says why.
 """
 
 from __future__ import annotations
@@ -42,9 +40,8 @@ _PLAIN = (torch.Tensor, bool, int, float, str, type(None))
 
 @dataclasses.dataclass(eq=False)
 class BlockEntry:
-    """One block called as one op: its parameters' and buffers' names in the order :func:`block_call`
-    takes them, and each as (submodule path, ``_parameters`` or ``_buffers``, name); ``fingerprint``:
-    its computation, recorded when Dynamo last ran it on fake tensors."""
+    """One block called as one op: its parameters' and buffers' names and paths, in the order
+    :func:`block_call` takes them; ``fingerprint``: its computation, as last run on fake tensors."""
 
     key: int
     module: weakref.ReferenceType[nn.Module]
@@ -57,10 +54,8 @@ class BlockEntry:
 
 @dataclasses.dataclass(eq=False)
 class BlockCalls:
-    """The blocks of a compiled module (``container``: ``model.layers``) that Dynamo meets as one
-    call each; ``off``: why Dynamo inlines them after all (a block refused, or an attribute changed).
-    ``attributes``: every plain attribute of every module of the blocks, as (its module's path, that
-    module's ``__dict__``, its name); ``values``: what they held at the first compiled call."""
+    """The blocks of ``container`` Dynamo meets as one call each; ``off``: why it inlines them after
+    all. ``attributes``: (path, ``__dict__``, name) of their plain attributes, ``values``: at first."""
 
     container: str
     entries: list[BlockEntry]
@@ -75,9 +70,7 @@ class BlockCalls:
         self._names = [name for _, _, name in self.attributes]
 
     def changed(self) -> str | None:
-        """Which plain attribute of a block's module holds another value than at the first call
-        (NOTE [Dynamo calls a block]), else ``None``. One pass in C over the modules' ``__dict__``s
-        (host time: it runs before every compiled call)."""
+        """Which plain attribute holds another value than at the first call, else ``None``."""
         now = list(map(dict.get, self._dicts, self._names))
         if self.values is None:
             self.values = now
@@ -90,10 +83,7 @@ class BlockCalls:
         raise AssertionError(f"expected a changed attribute in {self.container}, got none")
 
     def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
-        """``compiled`` (a ``torch.compile``'d frame) called with the blocks' forwards installed;
-        where a block refuses (:class:`BlockCallRefused`, raised while Dynamo traces), the call
-        is made again with Dynamo inlining every block, and so are all later ones; so are they
-        once an attribute of a block changes (:meth:`changed`)."""
+        """``compiled`` called with the blocks' forwards installed, till a block refuses or changes."""
 
         def call(*args: Any, **kwargs: Any) -> Any:
             if self.off is None and (why := self.changed()) is not None:
@@ -104,10 +94,13 @@ class BlockCalls:
                 with self.installed():
                     return compiled(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - only a refusal is handled, the rest re-raised
-                refused = _refusal(exc)
-                if refused is None:
+                seen = set()
+                while exc is not None and id(exc) not in seen and not isinstance(exc, BlockCallRefused):
+                    seen.add(id(exc))
+                    exc = exc.__cause__ or exc.__context__
+                if not isinstance(exc, BlockCallRefused):
                     raise
-                self._inline(str(refused))
+                self._inline(str(exc))
             return compiled(*args, **kwargs)
 
         return call
@@ -118,7 +111,6 @@ class BlockCalls:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        """Each block's forward is bucketwise's for the duration of one compiled call."""
         placed = []
         try:
             for entry in self.entries:
@@ -136,19 +128,8 @@ class BlockCallRefused(Exception):
     """A block cannot run as one call (NOTE [Dynamo calls a block]); the message says why."""
 
 
-def _refusal(exc: BaseException) -> BlockCallRefused | None:
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, BlockCallRefused):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
 def find_block_calls(module: nn.Module) -> BlockCalls:
-    """The repeated blocks of ``module`` Dynamo may meet as one call each; ``off`` says why none
-    (NOTE [Dynamo calls a block])."""
+    """The repeated blocks of ``module`` Dynamo may meet as one call each; ``off`` says why none."""
     found = repeated_blocks(module)
     if found is None:
         return BlockCalls(container="", entries=[], off="no nn.ModuleList of two or more blocks of one class")
@@ -156,21 +137,25 @@ def find_block_calls(module: nn.Module) -> BlockCalls:
     if hc.global_module_hooks():
         return BlockCalls(container=name, entries=[], off="global module hooks are registered")
     for index, block in enumerate(blocks):
-        why = _why_not(block)
-        if why is not None:
+        if "forward" in block.__dict__:
+            why = "it has a forward attribute of its own (a framework's hook)"
             return BlockCalls(container=name, entries=[], off=f"{name}.{index}: {why}")
+        for path, sub in block.named_modules():
+            if hc.module_hooks(sub):
+                why = f"module {path or '(the block)'} has hooks ({', '.join(hc.module_hooks(sub))})"
+                return BlockCalls(container=name, entries=[], off=f"{name}.{index}: {why}")
     attributes = [
         (f"{name}.{index}" + (f".{path}" if path else ""), sub.__dict__, attribute)
         for index, block in enumerate(blocks)
         for path, sub in block.named_modules()
-        for attribute in _plain_attributes(sub)
+        for attribute, value in vars(sub).items()
+        if not attribute.startswith("_") and attribute != "training" and _plain_value(value)
     ]
     return BlockCalls(container=name, entries=[_entry(block) for block in blocks], attributes=attributes)
 
 
 def repeated_blocks(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The longest ``nn.ModuleList`` of two or more blocks of one class in ``module``, and its
-    name; ``None`` where there is none."""
+    """The longest ``nn.ModuleList`` of two or more blocks of one class in ``module``, and its name."""
     lists = [
         (name, child)
         for name, child in module.named_modules()
@@ -182,25 +167,11 @@ def repeated_blocks(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
     return name or type(module).__name__, blocks
 
 
-def _plain_attributes(module: nn.Module) -> tuple[str, ...]:
-    """The names of the attributes of ``module`` a forward may branch on that Dynamo would guard:
-    numbers, strings, flags, ``None`` and tuples of them (``training`` is guarded anyway)."""
-    return tuple(k for k, v in vars(module).items() if not k.startswith("_") and k != "training" and _plain_value(v))
-
-
 def _plain_value(value: Any) -> bool:
+    """What a forward may branch on that Dynamo would guard: numbers, strings, flags, tuples of them."""
     if isinstance(value, tuple):
         return all(map(_plain_value, value))
     return type(value) in (bool, int, float, str, type(None))
-
-
-def _why_not(block: nn.Module) -> str | None:
-    if "forward" in block.__dict__:
-        return "it has a forward attribute of its own (a framework's hook)"
-    for name, sub in block.named_modules():
-        if hc.module_hooks(sub):
-            return f"module {name or '(the block)'} has hooks ({', '.join(hc.module_hooks(sub))})"
-    return None
 
 
 def _entry(block: nn.Module) -> BlockEntry:
@@ -221,14 +192,11 @@ def _entry(block: nn.Module) -> BlockEntry:
 
 
 def _block_forward(entry: BlockEntry, block: nn.Module) -> Callable[..., Any]:
-    """A block's forward while a compiled call runs (NOTE [Dynamo calls a block]); Dynamo
-    traces this function, not the block's.
+    """A block's forward while a compiled call runs: Dynamo traces this function, not the block's.
 
     NOTE [a block call in straight lines]: Dynamo interprets every bytecode of this function, for
-    every block, in the first step and in every restart. A loop over the parameters' paths and a
-    generator over the modules' ``training`` flags would be most of Dynamo's work per block, so
-    the function is generated for the block: one line per submodule, parameter and flag, then the
-    check that the arguments are plain."""
+    every block, in every first step; loops over the parameters and ``training`` flags would be most
+    of its work per block, so the function is generated: one line per submodule, parameter, flag."""
     local: dict[tuple[str, ...], str] = {(): "self"}
     lines = [
         "def forward(self, *args, **kwargs):",
@@ -253,14 +221,13 @@ def _block_forward(entry: BlockEntry, block: nn.Module) -> Callable[..., Any]:
     source, filename = "\n".join(lines) + "\n", f"<bucketwise block forward {entry.key}>"
     scope = {"_plain": _plain, "block_call": block_call}
     exec(compile(source, filename, "exec"), scope)  # noqa: S102
-    # Its lines in tracebacks and in Dynamo's stack traces, for as long as the block lives.
+    # Its lines in tracebacks, for as long as the block lives.
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     weakref.finalize(block, linecache.cache.pop, filename, None)
     return scope["forward"]
 
 
 def _path(prefix: str) -> tuple[str, ...]:
-    """A submodule's path from its ``named_modules`` prefix (``()`` for the block itself)."""
     return tuple(prefix.split(".")) if prefix else ()
 
 
@@ -269,8 +236,7 @@ def _tuple(items: list[str]) -> str:
 
 
 def _plain(values: tuple | list) -> bool:
-    """Every value a tensor, number, string, ``None``, or a tuple or list of them (traced by
-    Dynamo for every block: one call, recursing only into sequences)."""
+    """Every value a tensor, number, string, ``None``, or a tuple or list of them (traced by Dynamo)."""
     for value in values:
         if not isinstance(value, _PLAIN) and not (isinstance(value, (tuple, list)) and _plain(value)):
             return False
@@ -279,9 +245,8 @@ def _plain(values: tuple | list) -> bool:
 
 @torch.compiler.allow_in_graph
 def block_call(key: int, tensors: tuple, training: tuple, args: tuple, names: tuple, values: tuple) -> Any:
-    """Run block ``key``'s forward on ``tensors`` (its parameters and buffers) and its arguments
-    (NOTE [Dynamo calls a block]); on fake tensors (Dynamo's run for the outputs), record its
-    computation in its entry."""
+    """Run block ``key``'s forward on ``tensors`` (its parameters and buffers) and its arguments;
+    on fake tensors, record its computation in its entry (NOTE [Dynamo calls a block])."""
     entry = _CALLS.get(key)
     module = entry.module() if entry is not None else None
     if module is None:
@@ -330,8 +295,7 @@ def _constants(values: Any) -> Any:
     return repr(values)
 
 
-def _changed(now: dict[str, Any], was: dict[str, Any]) -> list[str]:
-    """The attributes of a module that hold another object than before (or came or went)."""
+def _changed(now: dict[str, Any], was: dict[str, Any]) -> list[str]:  # another object, or came or went
     return [k for k in now.keys() | was.keys() if now.get(k, _changed) is not was.get(k, _changed)]
 
 
@@ -340,9 +304,8 @@ def is_block_call(node: fx.Node) -> bool:
 
 
 def opaque_key(node: fx.Node) -> tuple[Any, Any] | None:
-    """``find.piece_signature``'s key of a ``block_call`` node: the computation its block last
-    recorded (else, never run on fake tensors or it changed module attributes, its key alone:
-    shared by nothing) and its arguments but the first (which block)."""
+    """``find.piece_signature``'s key of a ``block_call`` node: its block's recorded computation
+    (else its key alone: shared by nothing) and its arguments but the first."""
     if not is_block_call(node):
         return None
     entry = _CALLS.get(node.args[0])
