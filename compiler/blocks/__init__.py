@@ -1,35 +1,28 @@
 """Compile once per block: identical blocks of a whole graph share one compiled forward and backward;
 a block that cannot be shared compiles with the whole graph, and the report says why.
 
-NOTE [one compile per block]: N identical blocks appear N times in the graph Dynamo gives, and
-AOTAutograd and Inductor trace, partition and compile each: the first step grows with depth.
-torch's regional compilation leaves the embeddings, head and loss uncompiled and DDP's reducer
-around them, and ``nested_compile_region`` gives wrong gradients for repeated transformer blocks
-under Inductor (torch 2.13 and 2.15, CPU). So the graph stays whole and each block becomes one
-opaque operation in it, ``bucketwise::shared_block(key, inputs)``: the first block's nodes are
-cut out, split into a forward and a backward and compiled once, and every identical block calls
-them with its own parameters and activations. What the backward reads is returned once per
-distinct tensor; a view of it is rebuilt at the start of the shared backward, where it is free.
+NOTE [one compile per block]: N identical blocks appear N times in Dynamo's graph and AOTAutograd
+and Inductor compile each: the first step grows with depth. Regional compilation leaves the
+embeddings, head, loss and DDP's reducer uncompiled, and ``nested_compile_region`` gives wrong
+gradients for repeated transformer blocks under Inductor (torch 2.13, 2.15, CPU). So the graph stays
+whole and each block becomes one opaque op, ``bucketwise::shared_block(key, inputs)``, calling the
+first block's forward and backward, compiled once. What the backward reads is returned once per
+distinct tensor; its views are rebuilt in the backward, where they are free.
 
-NOTE [a bucket per block]: under ``fused`` the graph around the blocks would carry, for every
-parameter of every block, its ``BucketSync`` view, the flatten and scale onto the wire and the
-views of the reduced gradient: most of what AOTAutograd and Inductor would trace per block.
-Instead each shared block reduces its own parameters (read inside it only) as one bucket: its
-compiled backward returns their gradients last as one flat buffer on the wire (``CommSpec.to_wire``,
-compiled once with the block), which the operation's autograd formula all-reduces when the
-block's backward is done (its wait late, NOTE [late waits]) and hands back as views. The report
-lists one bucket per block. Every parameter keeps its ``BucketSync`` under a comm hook reduced by
-a hook program, when a block's parameters differ in dtype without a compress hook, or when the
-same block takes parameters at other inputs elsewhere in the graph.
+NOTE [a bucket per block]: under ``fused`` the graph around the blocks would carry each parameter's
+``BucketSync`` view, flatten, scale and reduced-gradient views: most of what is traced per block.
+Instead each shared block reduces the parameters read only inside it as one bucket: its backward
+returns their gradients last as one flat ``CommSpec.to_wire`` buffer, which the op's autograd
+formula all-reduces (its wait late, NOTE [late waits]) and hands back as views. Not under a comm
+hook reduced by a hook program, with parameters of several dtypes and no compress hook, or where
+the same block takes parameters at other inputs elsewhere in the graph.
 
 NOTE [computed once before the blocks]: what a block computes from values every block reads the
-same (HF Llama's attention mask made an additive bias) the whole graph computes once (CSE), but a
-shared block would compute it and keep it for its backward at every call. So the part of the
-shared forward that reads only such inputs (the same node at that input of every block, no
-gradient) and constants moves before the first block, and what it computes becomes the last
-inputs of every call. Only ops autocast leaves alone move, since the graph around the blocks is
-traced again under the step's autocast mode; views stay in the block, where they are free. The
-report lists what moved (``computed_before_blocks``).
+same (HF Llama's attention mask made a bias) the whole graph computes once (CSE), but a shared
+block would at every call, and keep it for its backward. So that part of the shared forward (on
+the same node at that input of every block, without gradient, and constants) moves before the
+first block, its results the last inputs of every call. Only ops autocast leaves alone move (the
+graph around is traced again under the step's autocast); views stay, where they are free.
 """
 
 from __future__ import annotations
@@ -56,14 +49,12 @@ from .graphs import BlockLayout, BlockWire, MovedOut, NotShareable
 
 _RANDOM = ("rand", "dropout", "bernoulli", "philox", "seed", "normal_", "uniform_", "exponential_", "multinomial")
 
-# NOTE [an int key, not the block]: the operation takes an int that names its block here, not
-# the block itself. torch's opaque reference types (``torch._library.opaque_object``, private)
-# would let it take the SharedBlock, but the FX-graph and AOTAutograd caches pickle the object
-# into their keys (a block holding compiled callables makes both bypass) unless it pickles as its
-# layout alone; Dynamo guards the object by type only, so blocks of two layouts would share a
-# graph without a guard_fn; AOTAutograd's fake exposes only registered members; and the API
-# differs between torch 2.11 and 2.13. The weak dictionary drops a block with the graph backend
-# that keeps it (``Sharing.kept``); keys are never reused within a process.
+# NOTE [an int key, not the block]: the op takes an int naming its block, not the block: with
+# torch's private opaque reference types the FX-graph and AOTAutograd caches would pickle it into
+# their keys (compiled callables make both bypass), Dynamo would guard it by type only (two layouts
+# sharing a graph), AOTAutograd's fake exposes only registered members, and the API differs between
+# torch 2.11 and 2.13. The weak dictionary drops a block with the graph backend that keeps it
+# (``Sharing.kept``); keys are never reused within a process.
 _BLOCKS: weakref.WeakValueDictionary[int, SharedBlock] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 
@@ -77,11 +68,10 @@ class FirstCall:
     restride: tuple[int, ...] | None = None
 
 
-# NOTE [a shared block in stages]: what is known of a shared block grows in stages, each a record
-# made once by the step that finds it (``graphs.py``): what moved out of the forward
-# (``MovedOut``), the inputs it still reads (``reads``), what the forward hands the backward
-# (``BlockLayout``) and under ``fused`` the bucket it reduces (``BlockWire``); ``_compile``
-# assembles the ``SharedBlock``. Only what the first call finds (``FirstCall``) changes after.
+# NOTE [a shared block in stages]: a shared block is known in stages, each a record made once by
+# its step in ``graphs.py``: what moved out (``MovedOut``), the inputs still read (``reads``), what
+# the forward hands the backward (``BlockLayout``), under ``fused`` its bucket (``BlockWire``);
+# ``_compile`` assembles them. Only what the first call finds (``FirstCall``) changes after.
 @dataclasses.dataclass(frozen=True, eq=False)
 class SharedBlock:
     """One block's compiled (boxed) forward and backward, called by every block identical to it.
