@@ -57,8 +57,7 @@ class MovedOut:
     invariant: tuple[int, ...]
 
 
-# Ops that autocast leaves alone (no precision rule): moved out of a block, they compute the same
-# when the graph around the blocks is traced again.
+# Ops autocast leaves alone: moved out, they compute the same when the graph around is traced again.
 _MOVABLE = frozenset(
     ["prims::convert_element_type"]
     + [
@@ -90,22 +89,13 @@ def move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...],
     returned = set(_output(fw).args[0][:n_user])
     given = {placeholders[i] for i in invariant}
     movable: dict[fx.Node, bool] = {}  # -> reads one of ``given`` (not constants only)
-    for node in fw.graph.nodes:
-        if (
-            node.op == "call_function"
-            and op_name(node) in _MOVABLE
-            and all(a in given or a in movable for a in node.all_input_nodes)
-        ):
-            movable[node] = any(a in given or movable.get(a, False) for a in node.all_input_nodes)
+    for node in fw.graph.find_nodes(op="call_function"):
+        ins = node.all_input_nodes
+        if op_name(node) in _MOVABLE and all(a in given or a in movable for a in ins):
+            movable[node] = any(a in given or movable.get(a, False) for a in ins)
     # What the block goes on to read that costs a kernel (a view is free: it stays).
-    moved = [
-        n
-        for n, reads in movable.items()
-        if reads
-        and n not in returned
-        and not aot.aliases_an_input(n)
-        and any(u not in movable or aot.aliases_an_input(u) for u in n.users)
-    ]
+    moved = [n for n, reads in movable.items() if reads and n not in returned and not aot.aliases_an_input(n)]
+    moved = [n for n in moved if any(u not in movable or aot.aliases_an_input(u) for u in n.users)]
     if not moved:
         return None
     needed: set[fx.Node] = set()
