@@ -89,9 +89,9 @@ def move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...],
     returned = set(_output(fw).args[0][:n_user])
     given = {placeholders[i] for i in invariant}
     movable: dict[fx.Node, bool] = {}  # -> reads one of ``given`` (not constants only)
-    for node in fw.graph.find_nodes(op="call_function"):
+    for node in fw.graph.nodes:
         ins = node.all_input_nodes
-        if op_name(node) in _MOVABLE and all(a in given or a in movable for a in ins):
+        if node.op == "call_function" and op_name(node) in _MOVABLE and all(a in given or a in movable for a in ins):
             movable[node] = any(a in given or movable.get(a, False) for a in ins)
     # What the block goes on to read that costs a kernel (a view is free: it stays).
     moved = [n for n, reads in movable.items() if reads and n not in returned and not aot.aliases_an_input(n)]
