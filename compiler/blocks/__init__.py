@@ -251,8 +251,7 @@ def share_blocks(
     run, why = find.find_block_run(gm)
     if run is None:
         return None, why
-    why = find.mode_switch_across(gm, run)
-    if why is not None:
+    if (why := find.mode_switch_across(gm, run)) is not None:
         return None, why
     fake_mode = aot.fake_mode_of(example_inputs)
     values = find.fake_values(gm, example_inputs, fake_mode)
@@ -270,10 +269,10 @@ def share_blocks(
     invariant = find.invariant_inputs(inputs, signatures, repeated, values)
     blocks: dict[tuple, SharedBlock] = {}
     outcomes: list[CompileOutcome] = []
+    spec = buckets.spec if buckets is not None else None
     for k, ((sub, ins, _), sig) in enumerate(zip(graphs_, signatures)):
         if sig in repeated and sig not in blocks:
             fakes = [values[n] for n in ins]
-            spec = buckets.spec if buckets is not None else None
             try:
                 blocks[sig], outcome = _compile(
                     sub, fakes, fake_mode, backend, config_patches, reduced.get(sig, ()), spec, invariant[sig], cost
@@ -295,10 +294,8 @@ def share_blocks(
             with gm.graph.inserting_before(call):
                 if block.moved is not None:
                     if block.key not in computed:  # before the first block of its kind
-                        moved = block.moved
-                        computed[block.key] = graphs.insert_graph(
-                            gm.graph, moved.before, [args[i] for i in moved.invariant]
-                        )
+                        before, invariant_at = block.moved.before, block.moved.invariant
+                        computed[block.key] = graphs.insert_graph(gm.graph, before, [args[i] for i in invariant_at])
                     args += computed[block.key]
                 if block.reads is not None:
                     args = [args[i] for i in block.reads]
