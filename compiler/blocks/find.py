@@ -241,14 +241,12 @@ def _value_key(value: Any) -> Any:
 
 
 # NOTE [sharing by cost]: a shared block's call costs the host more than the same block inside the
-# whole graph (its own launches, allocations and checks, every call) and the GPU nothing. Where the
-# GPU's time for the block covers that cost, the step keeps its time; where not, the step waits on
-# the host for every block. So ``share_blocks="auto"`` without CUDA graphs, on a GPU, shares where
-# the host's time per call is at most ``HOST_SHARE_LIMIT`` of the GPU's, both estimated from the
-# block's forward and backward graphs: the GPU's from their FLOPs at the device's matmul rate for
-# their dtype plus the bytes they take and return at its bandwidth, the host's from their op count.
-# The rates are per-device constants (docs/performance.md names the runs they come from), so the
-# same model on the same kind of GPU gets the same plan on every rank and every restart.
+# whole graph (its own launches, allocations and checks) and the GPU nothing; where the GPU's time
+# does not cover that, the step waits on the host for every block. So ``share_blocks="auto"``
+# without CUDA graphs, on a GPU, shares where the host's time per call is at most ``HOST_SHARE_LIMIT``
+# of the GPU's, estimated from the block's graphs: FLOPs and bytes at the device's rates, op count.
+# The rates are per-device constants (docs/performance.md names their runs): the same plan on
+# every rank and every restart.
 
 HOST_SHARE_LIMIT = 0.6  # a margin for the host's other work and its noise
 

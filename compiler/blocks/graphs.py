@@ -319,13 +319,11 @@ def reduced_grads(wire: BlockWire, grads: list[torch.Tensor | None]) -> list[tor
 
 
 # NOTE [block reductions grouped]: a bucket per block (NOTE [a bucket per block]) is a collective
-# per block, and each costs the host time whatever its size (NOTE [fused bucket sizes]). So a
-# post-grad pass over the backward around the blocks groups their all-reduces in the order it
-# issues them, by the fused rule's sizes over the blocks' bytes (``plan.overlap_limits``), each
-# group one ``all_reduce_coalesced`` issued when its last block's backward is done (one NCCL
-# launch), scheduled as any collective (NOTE [late waits]). Gradients and the report's buckets
-# (one per block) are unchanged; blocks whose bytes reach the cap alone stay a collective each.
-# An Inductor ``post_grad_custom_post_pass`` of the user's own replaces this pass.
+# per block, each costing host time whatever its size (NOTE [fused bucket sizes]). So a post-grad
+# pass groups their all-reduces in issue order by the fused rule's sizes (``plan.overlap_limits``),
+# each group one ``all_reduce_coalesced`` issued when its last block's backward is done, scheduled
+# as any collective (NOTE [late waits]). Gradients and the report's buckets are unchanged. A user's
+# own Inductor ``post_grad_custom_post_pass`` replaces this pass.
 
 
 def group_block_reductions(graph: fx.Graph, *, producer: str, floor_bytes: int) -> None:
