@@ -1,16 +1,13 @@
 """bucketwise's one interpreter-exit handler: its parts run in a fixed order.
 
-NOTE [at-exit order]: five things of bucketwise's must happen when a job's interpreter exits, in
-this order: (1) ``profile``: a profile started from the environment that is still open stops and
-hands its view to the job's stats; (2) ``reports``: reports with counts not yet written write
-their rank files; (3) ``job stats``: each rank publishes its last entry and rank 0 gathers every
-rank's files (NOTE [job-wide stats]), so after 1 and 2; (4) ``cuda graphs``: CUDA graphs holding
-NCCL kernels are released (NOTE [cuda graphs at teardown]) before torch tears the communicators
-down; (5) ``gloo threads``: with a gloo group, a moment's wait, GIL released, for gloo's threads
-to free their last work (NOTE [gloo at exit]), right before finalization. Python runs ``atexit``
-handlers last registered first, and each part would register when first needed, which depends
-on the script, so only this module registers, once, and runs the parts in this order. A part
-that fails is logged and the next one still runs.
+NOTE [at-exit order]: at interpreter exit, in this order: (1) ``profile``: an open profile started
+from the environment stops and hands its view to the job's stats; (2) ``reports``: reports write
+their pending rank files; (3) ``job stats``: ranks publish their last entry and rank 0 gathers
+every rank's files (NOTE [job-wide stats]); (4) ``cuda graphs``: CUDA graphs holding NCCL kernels
+are released (NOTE [cuda graphs at teardown]) before torch tears the communicators down;
+(5) ``gloo threads``: a short wait, GIL released, for gloo's threads (NOTE [gloo at exit]).
+``atexit`` runs handlers last-registered first, and each part would register when the script
+first needs it, so only this module registers, once. A failing part is logged; the next still runs.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Give gloo's worker threads the GIL once more before the interpreter finalizes.
 
-NOTE [gloo at exit]: every gloo collective is run by one of the group's ``pt_gloo_runloop``
-threads, and the work object it frees afterwards holds a copy of the issuing thread's Python
-context (``at::ThreadLocalState`` keeps the ``contextvars.Context``), so freeing it takes the GIL.
-Once the interpreter is finalizing, a thread that asks for the GIL is made to exit, and that exit
-unwinds through a ``noexcept`` destructor: ``terminate called without an active exception``
-(torch 2.13.0, pytorch/pytorch#190489), and torchrun fails the job of a rank that trained
-correctly. So the last at-exit phase (NOTE [at-exit order]) sleeps ``SETTLE_S``, GIL released,
-when a job compiled a DDP model over a gloo group, so that the thread finishes before
-finalization starts. NCCL groups free their work without Python. A group ended with
-``destroy_process_group()`` right after its last collective is freed there and then, while a gloo
-thread may still need the GIL the main thread holds: that rank hangs, so ``end_process_group()``
-waits first.
+NOTE [gloo at exit]: a gloo collective runs on a ``pt_gloo_runloop`` thread, and freeing its work
+object takes the GIL (it holds the issuing thread's ``contextvars.Context``). A thread that asks
+for the GIL during finalization is made to exit through a ``noexcept`` destructor: ``terminate
+called without an active exception`` (torch 2.13.0, pytorch/pytorch#190489), failing a rank that
+trained correctly. So the last at-exit phase (NOTE [at-exit order]) sleeps ``SETTLE_S``, GIL
+released, when a DDP model was compiled over a gloo group; NCCL frees its work without Python.
+``destroy_process_group()`` right after a collective can hang the same way (the main thread holds
+the GIL), so ``end_process_group()`` waits first.
 """
 
 from __future__ import annotations

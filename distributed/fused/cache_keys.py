@@ -1,17 +1,14 @@
 """Stable compile-cache keys for what bucketwise puts into compiled graphs.
 
 NOTE [compile cache keys]: a restart over the same Inductor cache dir should load its compiled
-graphs, not compile them again. Inductor's FX graph cache and AOTAutograd's cache key a graph by
-its content, the config and the code behind what it calls, so what bucketwise adds must take
-part in that key, or the cache is bypassed or, worse, a stale entry loads after bucketwise's
-code changed. The calls of ``fused/sync.bucket_sync`` and ``fused/embedding_rows.embedding_rows``
-(autograd.Functions traced into the graphs) are declared safe through Inductor's
-``unsafe_marked_cacheable_functions``, scoped to bucketwise's compiles, with a key that changes
-with the code they trace (:func:`traced_call_targets`); the scheduler pass handed to Inductor
-pickles with the same kind of key: the hash of the source files whose code ends up in the graph.
-``split``'s segments (``fakify_first_call``, which AOTAutograd's cache refuses, as for torch's
-DDPOptimizer) and ``cudagraphs=True`` (a cache hit would skip the CUDA-graph wrapper) still pay
-AOTAutograd again on a restart; the FX graph cache still serves Inductor's part.
+graphs. Inductor's FX graph cache and AOTAutograd's cache key a graph by its content, the config
+and the code behind what it calls, so what bucketwise adds must take part in that key, or the
+cache is bypassed or, worse, a stale entry loads after bucketwise's code changed. The calls of
+``sync.bucket_sync`` and ``embedding_rows.embedding_rows`` are declared safe through Inductor's
+``unsafe_marked_cacheable_functions``, scoped to bucketwise's compiles, and the scheduler pass
+handed to Inductor pickles, both keyed by the hash of the source files whose code ends up in the
+graph. ``split``'s segments (``fakify_first_call``, which AOTAutograd's cache refuses) and
+``cudagraphs=True`` (a hit would skip the CUDA-graph wrapper) still pay AOTAutograd on a restart.
 """
 
 from __future__ import annotations

@@ -43,18 +43,14 @@ def hooked_gradients(ddp: Any, *, own: Collection[int] = ()) -> list[str]:
     ``Tensor.register_hook`` or ``register_post_accumulate_grad_hook`` (``own``: handle ids of
     bucketwise's own hooks, left out; DDP's delayed-allreduce hook is DDP's, left out too).
 
-    NOTE [gradient hooks before the reduction]: in eager DDP a parameter's gradient hooks run on
-    the rank's own gradient, before the reducer reduces it: a tensor hook before the gradient is
-    accumulated, a post-accumulate-grad hook right after, and only then the reducer's hook on the
-    accumulator marks the gradient ready. A hook that is not linear (clamping, masking pruned or
-    frozen rows, a per-rank scale) therefore gives a result that depends on that order. The fused
-    backward reduces inside the compiled graph, before autograd hands the gradient to those
-    hooks, so they would see the average. Such a module runs ``split`` under ``auto`` and
-    ``fused`` (the reducer reduces after the hooks, as in eager DDP), with the parameters named
-    in the report; the hooks are checked again when they change (``compiler/hook_watch.py``).
-    Module backward hooks (``register_full_backward_hook``, ``register_full_backward_pre_hook``)
-    act on gradients of activations, which the graph computes before any gradient it reduces:
-    they keep eager DDP's result under every strategy.
+    NOTE [gradient hooks before the reduction]: in eager DDP a parameter's gradient hooks (a tensor
+    hook before accumulation, a post-accumulate-grad hook right after) run on the rank's own
+    gradient before the reducer reduces it, so a hook that is not linear (clamping, masking rows,
+    a per-rank scale) depends on that order. The fused backward reduces inside the compiled graph,
+    before autograd hands the gradient to those hooks. Such a module runs ``split`` under ``auto``
+    and ``fused``, with the parameters named in the report; the hooks are checked again when they
+    change (``compiler/hook_watch.py``). Module backward hooks act on activations' gradients, which
+    the graph computes before any gradient it reduces: they keep eager DDP's result.
     """
     delayed = ddpc.delayed_allreduce_hook(ddp)
     own = set(own)

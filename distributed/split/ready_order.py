@@ -2,17 +2,14 @@
 coincide with the compiled segments.
 
 NOTE [first-iteration gradient order]: DDP's reducer rebuilds its buckets once, after the first
-iteration, from the order in which gradients became ready. A compiled segment's backward
-returns all of its parameter gradients at once, and the autograd engine then accumulates them
-in an order of its own (every AccumulateGrad node has the same priority), so the reducer would
-record an order that has nothing to do with the forward, and cut its buckets elsewhere than the
-segments. During that one iteration we hand each compiled graph a fresh no-op view of each
-parameter, created in forward first-use order. The engine runs ready nodes with the highest
-sequence number first, so the views' backward nodes (older than every segment of the graph)
-run once the graph's segments are done, youngest first: gradients become ready in exactly the
-reverse of first use, the order the plan assumes. In that first iteration the reducer holds a
-single bucket reduced at the end of the backward anyway, so nothing is lost by the delay.
-Afterwards the reducer's buckets are fixed and parameters are passed through untouched.
+iteration, from the order in which gradients became ready. A compiled segment's backward returns
+all its gradients at once and the engine accumulates them in an order of its own, so the reducer
+would cut its buckets elsewhere than the segments. During that one iteration each compiled graph
+gets a fresh no-op view of each parameter, made in forward first-use order. The engine runs the
+highest sequence number first, so the views' backward nodes run after the graph's segments,
+youngest first: gradients become ready in the reverse of first use, as the plan assumes. The
+reducer then holds one bucket reduced at the end of the backward anyway, so the delay costs
+nothing; afterwards parameters pass through untouched.
 """
 
 from __future__ import annotations
@@ -47,15 +44,12 @@ class FirstIterationOrder:
 
 class ReadyLast:
     """Wraps a compiled graph; routes the inputs at ``positions`` through no-op views on every
-    call with autograd on, so their gradients become ready after every other gradient of the
-    graph.
+    call with autograd on, so their gradients become ready after every other gradient of the graph.
 
-    DDP's ``delay_all_reduce_named_params`` launches one allreduce of the delayed parameters'
-    gradients from a hook on the gradient of ``param_to_hook_all_reduce``, counting on eager
-    autograd to produce that gradient after theirs. A compiled graph hands all its gradients to
-    autograd at once, and AccumulateGrad nodes run as soon as they are ready, in no set order
-    among themselves; a view's backward node runs after them (NOTE [first-iteration gradient
-    order]), and only then the trigger's AccumulateGrad and its hook.
+    DDP's ``delay_all_reduce_named_params`` allreduces the delayed parameters' gradients from a
+    hook on ``param_to_hook_all_reduce``'s gradient, counting on eager autograd to produce it after
+    theirs. A compiled graph hands autograd all its gradients at once, in no set order; a view's
+    backward node runs after them (NOTE [first-iteration gradient order]), then the trigger's hook.
     """
 
     def __init__(self, compiled: Callable[..., Any], positions: Sequence[int]) -> None:
