@@ -17,12 +17,7 @@ from torch.utils.hooks import RemovableHandle
 MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 """The hook dicts of an ``nn.Module`` that run around its forward and in its backward."""
 
-_GLOBAL_MODULE_HOOKS = (
-    "_global_forward_pre_hooks",
-    "_global_forward_hooks",
-    "_global_backward_pre_hooks",
-    "_global_backward_hooks",
-)
+_GLOBAL_MODULE_HOOKS = tuple("_global" + kind for kind in MODULE_HOOKS)
 
 
 def registrations() -> int:

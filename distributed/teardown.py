@@ -67,9 +67,6 @@ def release_all(reason: str) -> None:
 class _ReleaseGroup(dist.ProcessGroup):
     """No communication: ``destroy_process_group()`` calls its ``shutdown()``, which releases."""
 
-    def __init__(self, rank: int, size: int) -> None:
-        super().__init__(rank, size)
-
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return _BACKEND
 
