@@ -1,13 +1,8 @@
-"""Private torch.distributed (c10d) state bucketwise reads: the order in which
-``destroy_process_group()`` shuts process groups down, whether a group is still registered,
-and the default group's store.
-
-Checked on torch 2.11.0 and 2.13.0: ``destroy_process_group()`` calls ``shutdown()`` on every
-group of ``_world.pg_names``, last name first; ``_get_default_store()`` returns the store wrapped in
-``PrefixStore("default_pg", ...)``; ``new_group()`` gives a group the default group's
-``bound_device_id`` and asks it for that device's backend, which a Python ``ProcessGroup``
-subclass lacks. ``registered``: ``destroy_process_group()`` removes a group from
-``_world.pg_names`` (checked on 2.13.0).
+"""Private torch.distributed (c10d) state bucketwise reads. Checked on torch 2.11.0 and 2.13.0:
+``destroy_process_group()`` calls ``shutdown()`` on every group of ``_world.pg_names``, last name
+first, and removes it from there (2.13.0); ``_get_default_store()`` returns the store wrapped in
+``PrefixStore("default_pg", ...)``; ``new_group()`` asks a group for the backend of the default
+group's ``bound_device_id``, which a Python ``ProcessGroup`` subclass lacks.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Which compiled graphs bucketwise replays from CUDA graphs, and why not the others.
-
-Two levels:
-
-- per compile (:func:`resolve`): ``cudagraphs=True | False | "auto"`` against the machine and
-  the other options (no CUDA: off with a message; ``"auto"``: on for static shapes on CUDA);
-- per compiled graph (:func:`capture_blockers`): what in an Inductor-ready FX graph would make a
-  CUDA-graph replay wrong or impossible. A blocked graph runs uncaptured, with the reason in the
-  report; it never changes numerics.
+"""Which compiled graphs bucketwise replays from CUDA graphs, and why not the others: per compile
+(:func:`resolve`: ``cudagraphs=True | False | "auto"`` against the machine and the other options)
+and per compiled graph (:func:`capture_blockers`: what would make a replay wrong or impossible; a
+blocked graph runs uncaptured, with the reason in the report, its numerics unchanged).
 """
 
 from __future__ import annotations

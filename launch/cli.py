@@ -1,12 +1,5 @@
-"""The ``bucketwise`` command: ``launch``, ``doctor``, ``stats``, ``demo`` and ``--version``.
-
-``bucketwise launch [torchrun options] SCRIPT [ARGS...]`` runs a job through
-``torch.distributed.run`` with ``BUCKETWISE_STATS_DIR`` set, then prints the per-bucket compile
-table merged across ranks. ``bucketwise doctor`` does the same and checks every compiled segment
-through eager -> aot_eager -> inductor. ``bucketwise stats PATH`` prints that table for an earlier
-run. ``bucketwise demo`` trains a small GPT on 2 ranks, compiled by bucketwise, against eager DDP.
-``bucketwise --version`` prints ``bucketwise.__version__``.
-"""
+"""The ``bucketwise`` command: ``launch``, ``doctor``, ``stats``, ``demo`` and ``--version``
+(each subcommand's help and description below say what it does)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Running a job through ``torch.distributed.run`` (torchrun) and summarizing its rank files.
-
-bucketwise starts ``python -m torch.distributed.run`` with the user's torchrun arguments
-unchanged, with ``BUCKETWISE_STATS_DIR`` pointing at the run's stats folder, waits for it and then
-merges the ``rank<R>.json`` files the ranks wrote. It manages processes only on Ctrl-C, when it
-stops every rank itself (``stopping.py``, NOTE [stopping a job]).
+"""Running a job through ``torch.distributed.run`` (torchrun), with the user's torchrun arguments
+unchanged and ``BUCKETWISE_STATS_DIR`` set, and summarizing its rank files. It manages processes
+only on Ctrl-C, stopping every rank itself (NOTE [stopping a job]).
 """
 
 from __future__ import annotations
@@ -83,12 +80,9 @@ def launch_parser() -> argparse.ArgumentParser:
 
 
 def script_problem(args: argparse.Namespace) -> str | None:
-    """Why SCRIPT cannot start on any rank, as an error message, or ``None``. SCRIPT is read as
-    torchrun reads it: with ``-m``/``--module`` it names a module and with ``--no-python`` a
-    program (found on PATH), neither of them a file, so neither is checked; otherwise (``python
-    SCRIPT``, or ``--run-path``) it is a path, relative to the current folder, that must exist
-    or every rank of this node fails to open it. ``-`` (python reads the script from stdin) is
-    left to python."""
+    """Why SCRIPT cannot start on any rank, as an error message, or ``None``. As torchrun reads it,
+    SCRIPT is a file path (relative to the current folder) unless ``-m``/``--module`` (a module) or
+    ``--no-python`` (a program on PATH) is given; ``-`` (the script on stdin) is left to python."""
     script = args.training_script
     if script is None or args.module or args.no_python or (script == "-" and not args.run_path):
         return None

@@ -41,8 +41,7 @@ def bucket_boundaries(gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]
     Each bucket spans the range of its parameters' first uses; overlapping ranges are merged
     (buckets that are not contiguous in forward order, e.g. DDP's construction-time buckets,
     share a segment) and the graph is cut where each merged range begins. A bucket's gradients
-    are then complete when its segment's backward finishes. Segments are numbered in forward
-    order.
+    are then complete when its segment's backward finishes. Segments go in forward order.
     """
     ranges = sorted(
         (min(uses), max(uses)) for uses in ([p.first_use for p in b if p.first_use >= 0] for b in buckets) if uses

@@ -1,9 +1,6 @@
-"""Profiling a user's own training steps: ``bucketwise.profile`` and ``bucketwise launch
---profile-steps``.
-
-Both run ``torch.profiler`` (recording shapes: gloo's ranges carry sizes only then) over some
-training steps of one compiled object (calls with gradients enabled and synchronised, each a
-``bucketwise.step`` range), then analyse the trace per bucket and draw the last step's timeline.
+"""Profiling a user's own training steps (``bucketwise.profile``, ``bucketwise launch --profile-steps``):
+``torch.profiler`` (recording shapes: gloo's ranges carry sizes only then) over training steps of
+one compiled object (each a ``bucketwise.step`` range), the trace analysed per bucket.
 
 NOTE [profiling from the environment]: ``bucketwise launch --profile-steps N`` sets
 ``$BUCKETWISE_PROFILE_STEPS`` (and ``$BUCKETWISE_PROFILE_WARMUP``) for every rank. The first
