@@ -10,10 +10,8 @@ import torch
 
 
 def clear_cublas_workspaces() -> None:
-    """Let go of cuBLAS's per-stream workspaces. A workspace is allocated at a stream's first
-    matmul and kept for the process; one allocated during a capture lives in that graph's memory
-    pool, and the graph keeps using its address. Cleared before a capture, the capture allocates
-    a workspace of its own inside its pool; cleared after, the allocator no longer holds it (the
-    pool keeps the memory while the graph lives), so no later capture or eager matmul shares it
-    and nothing of the graph's pool stays allocated once the graph is gone."""
+    """Let go of cuBLAS's per-stream workspaces (allocated at a stream's first matmul, then kept).
+    Cleared before a capture, the capture allocates its own inside its pool; cleared after, the
+    allocator no longer holds it (the pool keeps it while the graph lives), so no later capture or
+    eager matmul shares it and nothing of the pool stays allocated once the graph is gone."""
     torch._C._cuda_clearCublasWorkspaces()

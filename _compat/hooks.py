@@ -1,9 +1,8 @@
 """Where torch keeps the hooks of tensors and modules (private registries).
 
-Checked on torch 2.11.0 (device machines), 2.13.0 and 2.15.0 (CI). Registering a hook anywhere
-(``Tensor.register_hook``, ``register_post_accumulate_grad_hook``, a module's forward or backward
-hooks, an autograd node's hooks) makes a ``torch.utils.hooks.RemovableHandle``, whose id comes
-from one process-wide counter, and stores the hook in a dict keyed by that id.
+Checked on torch 2.11.0 (device machines), 2.13.0 and 2.15.0 (CI). Registering any hook makes a
+``RemovableHandle``, whose id comes from one process-wide counter, and stores the hook in a dict
+keyed by that id.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Which rank broke a job, and why: read from the per-rank logs torchrun writes.
 
-``bucketwise launch`` asks torchrun to keep each rank's stdout/stderr (``--log-dir`` inside the
-stats folder, ``--tee 3`` so the console still shows everything) unless the user chose their
-own log options. When the job fails, the ranks whose stderr holds a Python traceback are the
-ones that raised (torchrun stops the others with SIGTERM, which leaves none).
+Unless the user chose log options, torchrun keeps each rank's output (``--log-dir`` in the stats
+folder, ``--tee 3``). The ranks whose stderr holds a traceback are the ones that raised (torchrun
+stops the others with SIGTERM, which leaves none).
 """
 
 from __future__ import annotations

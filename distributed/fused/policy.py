@@ -11,12 +11,8 @@ from .hook_kinds import HookKind
 
 def why_not_fused(ddp: Any, requested: str, *, comm_hook: HookKind, hooked: Collection[str]) -> str | None:
     """Why ``requested`` (``"fused"`` or ``"auto"``) cannot run the fused strategy on this DDP
-    module, so DDP's reducer keeps reducing (``split``); ``None`` where it can.
-
-    ``comm_hook``: ``hook_kinds.hook_kind(ddp)``; ``hooked``: :func:`hooked_gradients`.
-    Read at the first forward, once comm hooks are registered (they come after construction),
-    and again whenever they or the gradient hooks change.
-    """
+    module, so DDP's reducer keeps reducing (``split``); ``None`` where it can. Read at the first
+    forward (comm hooks are registered after construction) and whenever the hooks change."""
     if comm_hook.unsupported is not None:
         return f"{comm_hook.unsupported}; DDP's reducer runs it, overlapping each bucket's hook with the backward"
     if hooked:

@@ -15,15 +15,11 @@ def measure_alignment(
     frame (forward order) to its parameters' segments; a parameter several frames read belongs
     to the earliest, whose backward completes its gradient.
 
-    A parameter no compiled graph reads either gets its gradient from eager code between the
-    graphs, which a bucket then waits for, or gets none (a layer the forward does not use, under
-    ``find_unused_parameters=True``), which DDP's reducer marks ready after the forward.
-    ``eager_code``: the compiled object runs code outside its graphs (``torch.compiler.disable``d
-    code, skipped frames, calls that ran eagerly), so such a parameter counts as ``eager``; without
-    it the parameter is unused and leaves its bucket's place alone (named in the bucket's status).
-    Buckets holding only parameters that no compiled graph reads are left out of the fraction.
-    Returns ``{"alignment": None, "status": "pending ..."}`` until the reducer has rebuilt its
-    buckets from the first iteration's gradient-ready order.
+    A parameter no compiled graph reads counts as ``eager`` where ``eager_code`` (the compiled
+    object runs code outside its graphs, which a bucket then waits for), else as unused (DDP's
+    reducer marks it ready after the forward; it is named in its bucket's status). Buckets of such
+    parameters only are left out of the fraction. ``{"alignment": None, "status": "pending ..."}``
+    until the reducer has rebuilt its buckets from the first iteration's gradient-ready order.
     """
     buckets, source = ddpc.reducer_buckets(ddp)
     if buckets is None:
