@@ -1,9 +1,8 @@
-"""torch's own ways of training a DDP model that the docs compare bucketwise with, where torch
-selects them only through its private API: ``torch-nosplit`` (DDPOptimizer off), ``torch-ca``
-(DDP's Python reducer under compiled autograd) and ``replicate`` (FSDP2's ``replicate()``).
-The library never uses this module; it lives here because private torch API lives in
-``_compat/`` only (the benchmarks import it: tests/benchmarks/test_layout.py).
-Checked on torch 2.11.0 (device machines) and 2.13.0 (CI, which runs tests/benchmarks/test_torch_ca.py).
+"""torch's own ways of training a DDP model that the docs compare bucketwise with, selected only
+through torch's private API: ``torch-nosplit`` (DDPOptimizer off), ``torch-ca`` (DDP's Python
+reducer under compiled autograd) and ``replicate`` (FSDP2's ``replicate()``). Only the benchmarks
+use it (private torch API lives in ``_compat/`` only). Checked on torch 2.11.0 (device machines)
+and 2.13.0 (CI, which runs tests/benchmarks/test_torch_ca.py).
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ _PYTHON_REDUCER_INDUCTOR_OPTIONS = ("_fuse_ddp_communication", "_fuse_ddp_bucket
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PythonReducerBuild:
     """A module built by :func:`build_for_python_reducer` and the Inductor options DDP's
-    constructor set for it (its gradient all-reduces fused into buckets), for the
-    ``torch.compile`` calls that compile it."""
+    constructor set for it, for the ``torch.compile`` calls that compile it."""
 
     module: Any
     inductor_options: dict[str, Any]
