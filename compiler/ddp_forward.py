@@ -19,6 +19,7 @@ from ..distributed.fused import FusedState
 from ..distributed.fused.runtime import FusedRuntime
 from ..distributed.rank_check import check_same_on_all_ranks, rank_checks_ready
 from ..distributed.split.alignment import AlignmentPoll
+from .blocks.calls import BlockCalls
 from .decision import Decision, Variant, decide, refusal
 from .hook_watch import HookWatch
 
@@ -39,10 +40,13 @@ class DDPForward:
     code: Any
     """The compiled frame's code object (``CompiledState.code``)."""
     call: Callable[..., Any]
-    """The frame compiled for synced steps (``CompiledState.call``)."""
+    """The frame compiled for synced steps."""
     nosync_backend: Any
     call_nosync: Callable[..., Any]
     """The frame compiled for ``no_sync()`` steps: a second cache without collectives."""
+    blocks: BlockCalls | None
+    """The blocks Dynamo meets as one call each while the decision shares them (NOTE [Dynamo
+    calls a block]); else Dynamo traces every block."""
     hooks: HookWatch
     buffers: ddpc.BufferBroadcast
     """DDP's buffer broadcast before a synced forward (NOTE [buffer broadcast])."""
@@ -60,6 +64,20 @@ class DDPForward:
     refused: str | None = None
     """What changed when an explicit strategy was last refused (NOTE [explicit strategies]): the next
     call decides again, and compiles the frames again once it applies."""
+
+    def __post_init__(self) -> None:
+        wrap = self.blocks.wrap if self.blocks is not None else (lambda call: call)
+        self._calling_blocks = {Variant.SYNC: wrap(self.call), Variant.NO_SYNC: wrap(self.call_nosync)}
+
+    def current(self) -> tuple[Decision | None, FusedState | None]:
+        """The decision the synced frame's graphs compile under, and its fused runtime's state."""
+        return self.decision, self.fused
+
+    def _frame(self, variant: Variant) -> Callable[..., Any]:
+        """The compiled frame of ``variant``, calling its blocks as one op each where they are shared."""
+        if self.decision is not None and self.decision.sharing.enabled:
+            return self._calling_blocks[variant]
+        return self.call if variant is Variant.SYNC else self.call_nosync
 
     @property
     def runtime(self) -> FusedRuntime | None:
@@ -164,15 +182,6 @@ class DDPForward:
             report.set_alignment_source(backend.alignment)
             if self.alignment is None:
                 self.alignment = AlignmentPoll(report, ddp)
-        blocks = backend.block_calls
-        sharing = new.sharing
-        if blocks is not None and blocks.off is None and not sharing.enabled:
-            # Dynamo inlines the blocks from this call on (NOTE [sharing by default]).
-            blocks.off = sharing.reason
-            report.blocks_unshared(
-                blocks.container, len(blocks.entries), reason=str(sharing.reason), host_time=sharing.host_time
-            )
-        backend.use(new, self.fused)
 
     def _recompile(self) -> None:
         """Forget every frame this object compiled: the next call compiles them again."""
@@ -192,7 +201,7 @@ class DDPForward:
         self.check()
         ddp = self.ddp
         if self.fused is None:
-            return self._with_reducer(self.call, Variant.SYNC, args, kwargs, stance)
+            return self._with_reducer(Variant.SYNC, args, kwargs, stance)
         if not c10d.registered(ddpc.process_group(ddp)):
             raise RuntimeError(GROUP_DESTROYED)
         sync = ddpc.grad_sync_requested(ddp) and torch.is_grad_enabled()
@@ -206,7 +215,7 @@ class DDPForward:
             self._release_reducer()
         runtime.before_forward(sync)
         variant = Variant.SYNC if sync else Variant.NO_SYNC
-        call = self.call if sync else self.call_nosync
+        call = self._frame(variant)
         with self._stance(variant, stance):
             out = ddpc.run_forward_with_idle_reducer(ddp, args, kwargs, call, self.buffers)
         runtime.after_forward(out, sync)
@@ -236,15 +245,13 @@ class DDPForward:
                 )
             self.runtime.reducer_step()
             notice.hand_to_reducer()
-            return self._with_reducer(self.call_nosync, Variant.NO_SYNC, args, kwargs, stance)
+            return self._with_reducer(Variant.NO_SYNC, args, kwargs, stance)
 
-    def _with_reducer(
-        self, call: Callable[..., Any], variant: Variant, args: tuple, kwargs: dict, stance: Callable[[], Any]
-    ) -> Any:
+    def _with_reducer(self, variant: Variant, args: tuple, kwargs: dict, stance: Callable[[], Any]) -> Any:
         ddp = self.ddp
         args, kwargs = ddpc.pre_forward(ddp, args, kwargs, self.buffers)
         with self._stance(variant, stance):
-            out = call(*args, **kwargs)
+            out = self._frame(variant)(*args, **kwargs)
         out = ddpc.post_forward(ddp, out)
         if self.alignment is not None:
             self.alignment.after_forward()

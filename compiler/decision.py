@@ -2,10 +2,11 @@
 
 NOTE [one decision]: what graphs do with DDP's gradients depends on the DDP module (comm hook,
 ``find_unused_parameters``, gradient hooks, process group, bucket caps) and on ``strategy=``. A
-compiled DDP module decides at its first call (hooks are registered after construction) and
-hands the :class:`Decision` to its graph backend for every graph. It is redone, recompiling if
-changed, only when an input changes (``hook_watch.py``, a rebuilt reducer). A compiled function
-decides when it finds its DDP module while compiling (``split``: ``fused`` needs our DDP forward).
+compiled DDP module decides at its first call (hooks are registered after construction); its
+graph backend reads the :class:`Decision` for every graph's plan (NOTE [one plan per graph]). It
+is redone, recompiling if changed, only when an input changes (``hook_watch.py``, a rebuilt
+reducer). A compiled function decides when it finds its DDP module while compiling (``split``:
+``fused`` needs our DDP forward).
 """
 
 from __future__ import annotations

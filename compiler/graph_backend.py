@@ -1,10 +1,10 @@
 """The backend bucketwise hands to ``torch.compile``: one call per Dynamo graph.
 
-For each graph, in this order: find the DDP parameters it reads, take the compiled object's
-decision (``decision.Decision``, NOTE [one decision]), apply its strategy (``apply_split``,
-``apply_fused`` or ``apply_whole``, each handed this backend's way to compile a graph), record
-the stats, and wrap what Dynamo will call (gradient-ready order for the reducer, the delayed
-allreduce trigger, run counting).
+For each graph, in this order: find the DDP parameters it reads, build its plan from the DDP
+module's decision and the graph's facts (``plan.plan_graph``, NOTE [one plan per graph]), share
+its identical blocks where the plan says so, apply the plan's strategy (``APPLY``), record the
+stats and the plan's reasons, and wrap what Dynamo will call (gradient-ready order for the
+reducer, the delayed allreduce trigger, run counting).
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from .blocks import cache_targets as blocks_cache_targets
 from .blocks.calls import BlockCalls, find_block_calls, repeated_blocks
 from .blocks.graphs import grouping_pass
 from .config import CompileConfig
-from .decision import BlockSharing, Decision, Strategy, Variant, decide, decide_sharing, refusal
+from .decision import Decision, Strategy, Variant, decide, decide_sharing, refusal
 from .graph_sharing import share_in_graph
+from .plan import GraphFacts, GraphPlan, plan_graph
 from .progress import Progress
 from .segments import SegmentCompiler
 
@@ -53,8 +54,9 @@ class GraphBackend:
     functions; a function that calls a DDP module is detected at compile time).
     ``cudagraphs``: the compiled object's CUDA-graph decision (resolved once, ``api``).
     ``variant``: ``Variant.NO_SYNC`` for the second cache of a compiled DDP module (no
-    collectives). A compiled DDP module hands its decision over with :meth:`use`; elsewhere the
-    backend decides when it first meets a DDP module (NOTE [one decision]).
+    collectives). ``decisions``: where a compiled DDP module's decision and fused runtime are read
+    (``DDPForward.current``); without it the backend decides when it first meets a DDP module
+    (NOTE [one decision]).
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class GraphBackend:
         *,
         cudagraphs: cudagraph_policy.Decision,
         variant: Variant = Variant.SYNC,
+        decisions: Callable[[], tuple[Decision | None, FusedState | None]] | None = None,
         module: torch.nn.Module | None = None,
         blocks_of: torch.nn.Module | None = None,
         block_calls: BlockCalls | None = None,
@@ -72,15 +75,16 @@ class GraphBackend:
         self.config = config
         self.report = report
         self.variant = variant
-        self.decision: Decision | None = None
-        self._fused: FusedState | None = None
+        self._decisions = decisions
+        self._own: Decision | None = None
+        """The decision this backend made itself for the DDP module a compiled function calls."""
         self._ddp = weakref.ref(ddp) if ddp is not None else None
         self._sparse_noted: set[str] = set()
         self._codes: weakref.WeakSet[Any] = weakref.WeakSet()
         self.cudagraphs = self._cudagraph_group(cudagraphs)
-        self.sharing: BlockSharing = decide_sharing(config, cudagraphs=self.cudagraphs is not None)
-        """Whether identical blocks may share one compile, before the strategy is chosen (NOTE
-        [sharing by default]; ``Decision.sharing`` once it is)."""
+        # Whether any strategy may share blocks: Dynamo is to meet them as calls, and the
+        # compiled graphs may call them (each graph's plan says whether they do).
+        self._may_share = decide_sharing(config, cudagraphs=self.cudagraphs is not None).enabled
         self.segment_backend = self._make_backend(config.options)
         self._fused_backend: Callable[..., Any] | None = None
         # Frame -> param name -> segment index (latest compile of each frame): alignment.
@@ -90,26 +94,16 @@ class GraphBackend:
         """Blocks compiled for several calls of this backend's graphs (alive as long as it)."""
         if blocks_of is not None and block_calls is not None:
             raise AssertionError("expected the module whose blocks to find or the blocks found, got both")
-        self.block_calls = self._block_calls(blocks_of) if blocks_of is not None else block_calls
+        found = repeated_blocks(blocks_of) if blocks_of is not None else None
+        self.repeated = (found[0], len(found[1])) if found is not None else None
+        """The container of the module's repeated blocks and their count (what the report names)."""
+        if blocks_of is not None:
+            block_calls = find_block_calls(blocks_of) if self._may_share else None
+        self.block_calls = block_calls
         """``share_blocks``: the blocks Dynamo meets as one call each (NOTE [Dynamo calls a block]):
         found in ``blocks_of``, or another backend's of the same compiled object (``block_calls``)."""
         self.module = weakref.ref(module) if module is not None else None
         """A plain module compiled without DDP: the parameters its graphs read are counted."""
-
-    def use(self, decision: Decision, fused: FusedState | None) -> None:
-        """The compiled DDP module's decision, and under ``fused`` its runtime's state."""
-        self.decision, self._fused = decision, fused
-
-    def _block_calls(self, module: torch.nn.Module) -> BlockCalls | None:
-        """Where blocks are shared, the blocks of ``module`` Dynamo meets as one call each (NOTE
-        [Dynamo calls a block]); where ``share_blocks="auto"`` left its repeated blocks unshared,
-        the report says why (NOTE [sharing by default])."""
-        sharing = self.sharing
-        if not sharing.enabled:
-            if sharing.reason is not None and (found := repeated_blocks(module)) is not None:
-                self.report.blocks_unshared(found[0], len(found[1]), reason=sharing.reason, host_time=sharing.host_time)
-            return None
-        return find_block_calls(module)
 
     def compiled_codes(self) -> list[Any]:
         """The code objects of the frames this backend compiled graphs of."""
@@ -135,7 +129,7 @@ class GraphBackend:
         """The backend segments and graphs are compiled with: the user's, or Inductor with every
         compiled graph wrapped in a CUDA-graph runner (``cudagraphs``)."""
         cfg = self.config
-        if self.sharing.enabled and cfg.capabilities.inductor:
+        if self._may_share and cfg.capabilities.inductor:
             options = dc.cacheable_calls_options(blocks_cache_targets(), options)
         if self.cudagraphs is None:
             return dc.make_backend(cfg.backend, cfg.mode, options, cfg.dynamic)
@@ -146,10 +140,15 @@ class GraphBackend:
     def ddp(self) -> Any | None:
         return self._ddp() if self._ddp is not None else None
 
-    def _decision(self, ddp: Any | None) -> Decision:
-        """The decision this graph is compiled under: the one handed over, else one of the
-        backend's own for the DDP module it found (a compiled function's)."""
-        decision = self.decision
+    def _decision(self, ddp: Any | None) -> tuple[Decision, FusedState | None]:
+        """The decision this graph is compiled under, and under ``fused`` its runtime's state: the
+        compiled DDP module's, else one of the backend's own for the DDP module it found (a
+        compiled function's)."""
+        if self._decisions is not None:
+            decision, fused = self._decisions()
+            if decision is not None and (ddp is None or decision.ddp_id == id(ddp)):
+                return decision, fused
+        decision = self._own
         if decision is None or (ddp is not None and decision.ddp_id != id(ddp)):
             decision = decide(
                 self.config, ddp, runs_ddp_forward=False, cudagraphs=self.cudagraphs is not None, variant=self.variant
@@ -161,8 +160,8 @@ class GraphBackend:
                 if problem is not None:
                     raise ValueError(problem)
             if ddp is not None:
-                self.decision = decision
-        return decision
+                self._own = decision
+        return decision, None
 
     # torch.compile calls backend(gm, example_inputs)
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -175,7 +174,7 @@ class GraphBackend:
         if code is not None:
             self._codes.add(code)
         ddp = self._resolve_ddp()
-        choice = self._decision(ddp)
+        decision, fused = self._decision(ddp)
         seen = {
             "op_count": op_count(gm),
             "higher_order_ops": higher_order_ops(gm),
@@ -185,11 +184,20 @@ class GraphBackend:
         # Which inputs are DDP parameters (once), the graph as the strategies see it (identical
         # blocks calling one compile), then where that graph uses each parameter.
         matched = self._param_inputs(gm, example_inputs, ddp)
-        sharing, unshared = share_in_graph(self, gm, example_inputs, choice, matched)
+        frame = _frame_key(cid, graph_id)
+        earlier = frozenset(n for key, names in self.param_segments.items() if key < frame for n in names)
+        plan = plan_graph(
+            self.config, decision, GraphFacts.of(example_inputs, earlier_params=earlier), variant=self.variant
+        )
+        for text in plan.notes:
+            self.report.note(text)
+        sharing, unshared = share_in_graph(self, gm, example_inputs, plan, matched)
         params = params_in_graph(gm, matched)
-        diagnosed_gm = copy.deepcopy(gm) if doctor.enabled() and choice.strategy is not Strategy.SPLIT else None
+        diagnosed_gm = copy.deepcopy(gm) if doctor.enabled() and plan.strategy is not Strategy.SPLIT else None
         job = GraphJob(gm=gm, example_inputs=example_inputs, params=params, graph_id=graph_id, ddp=ddp)
-        result = self._apply(choice, job)
+        if plan.strategy is Strategy.FUSED and fused is None:
+            raise AssertionError(f"expected the fused runtime's state with a fused plan, got {plan}")
+        result = APPLY[plan.strategy](job, SegmentCompiler(self, Progress(job.label), plan), plan, fused)
         if diagnosed_gm is not None and len(result.segments) == 1:
             # split graphs are diagnosed per segment (the compiler's pieces)
             result.fn = doctor.Diagnosed(result.fn, diagnosed_gm, f"{job.label} segment 0", self.config.backend_name)
@@ -198,41 +206,17 @@ class GraphBackend:
         extra = sharing.outcomes if sharing is not None else []
         times = backend_call_times(time.perf_counter() - start, [*result.outcomes, *extra], result.rank_check_s)
         self.report.compile_times.track(times, dc.current_compile_id_text(), call_us)
-        shared = sharing.to_dict() if sharing is not None else ({"reason": unshared} if unshared else None)
+        shared = sharing.to_dict() if sharing is not None else None
+        if unshared is not None:
+            shared = {"reason": unshared.reason}
+            if unshared.blocks is not None:
+                self.report.blocks_unshared(*unshared.blocks, reason=unshared.reason, host_time=unshared.host_time)
         self._record(
-            graph_id=graph_id, cid=cid, choice=choice, params=params, result=result, times=times, shared=shared, **seen
+            graph_id=graph_id, cid=cid, plan=plan, params=params, result=result, times=times, shared=shared, **seen
         )
         if sharing is not None:
             self._shared.extend(sharing.kept)
-        return self._wrap(result.fn, gm, example_inputs, ddp, params, choice.strategy)
-
-    def _apply(self, decision: Decision, job: GraphJob) -> StrategyResult:
-        compiler = SegmentCompiler(self, Progress(job.label))
-        if decision.strategy is Strategy.SPLIT:
-            frame = _frame_key(dc.current_compile_id(), job.graph_id)
-            earlier = {n for key, names in self.param_segments.items() if key < frame for n in names}
-            return apply_split(job, compiler, earlier_names=earlier, caps=decision.caps, fallback=self.config.fallback)
-        if decision.strategy is Strategy.FUSED:
-            if self._fused is None:
-                raise AssertionError(f"expected the fused runtime's state with a fused decision, got {decision}")
-            # Rows asked for are not gathered under the C++ wrapper
-            # (NOTE [collectives the C++ wrapper cannot call]).
-            rows_off = (
-                ci.CPP_WRAPPER_NO_ROWS
-                if self.config.gather_embedding_rows and not self.config.capabilities.gathers_rows
-                else None
-            )
-            return apply_fused(
-                job,
-                compiler,
-                caps=decision.caps,
-                spec=decision.spec,
-                comm_hook=decision.comm_hook,
-                gather_rows=self.config.gather_embedding_rows and rows_off is None,
-                rows_off=rows_off,
-                state=self._fused,
-            )
-        return apply_whole(job, compiler)
+        return self._wrap(result.fn, gm, example_inputs, ddp, params, plan.strategy)
 
     def _wrap(
         self,
@@ -284,18 +268,18 @@ class GraphBackend:
             self._ddp = weakref.ref(ddp)
         return ddp
 
-    def fused_backend(self) -> Callable[..., Any]:
+    def fused_backend(self, plan: GraphPlan) -> Callable[..., Any]:
         """The backend, with Inductor's comm/compute reordering on (scoped to its compiles)."""
         if self._fused_backend is None:
             cfg = self.config
             if cfg.capabilities.inductor:
-                caps = self.decision.caps if self.decision is not None else None
+                caps = plan.decision.caps
                 group = caps is not None and cfg.capabilities.groups_block_reductions
                 grouped = grouping_pass(SHARED_BLOCK_BACKWARD.name(), caps.bytes) if group else None
                 self._fused_backend = self._make_backend(fused_backend_options(cfg.options, post_grad_pass=grouped))
                 if ci.bucket_safe_patches() and torch.cuda.is_available():  # a Triton-only reduction
                     self.report.note(ci.bucket_safe_note())
-                if not cfg.capabilities.groups_block_reductions and self.sharing.enabled:
+                if not cfg.capabilities.groups_block_reductions and plan.sharing.enabled:
                     self.report.note(ci.CPP_WRAPPER_UNGROUPED)
             else:
                 self._fused_backend = self.segment_backend
@@ -308,7 +292,7 @@ class GraphBackend:
         *,
         graph_id: int,
         cid: dc.CompileId,
-        choice: Decision,
+        plan: GraphPlan,
         params: list[GraphParam],
         result: StrategyResult,
         times: CompileTimes,
@@ -341,8 +325,8 @@ class GraphBackend:
             GraphStats(
                 graph_id=graph_id,
                 compile_id=str(cid),
-                strategy=choice.strategy.value,
-                strategy_reason=choice.reason,
+                strategy=plan.strategy.value,
+                strategy_reason=plan.reason,
                 graph_break_reasons=[break_reason] if break_reason else [],
                 recompile=recompile,
                 recompile_reason=recompile_reason if recompile else None,
@@ -371,6 +355,37 @@ class _Counted:
     def __call__(self, *args: Any) -> Any:
         self.report.graph_runs += 1
         return self.fn(*args)
+
+
+def _apply_split(job: GraphJob, compiler: SegmentCompiler, plan: GraphPlan, fused: FusedState | None) -> StrategyResult:
+    caps = plan.decision.caps
+    return apply_split(job, compiler, earlier_names=plan.earlier_params, caps=caps, fallback=plan.fallback)
+
+
+def _apply_fused(job: GraphJob, compiler: SegmentCompiler, plan: GraphPlan, fused: FusedState | None) -> StrategyResult:
+    decision = plan.decision
+    return apply_fused(
+        job,
+        compiler,
+        caps=decision.caps,
+        spec=decision.spec,
+        comm_hook=decision.comm_hook,
+        gather_rows=plan.gather_rows,
+        rows_off=plan.rows_off,
+        state=fused,
+    )
+
+
+def _apply_whole(job: GraphJob, compiler: SegmentCompiler, plan: GraphPlan, fused: FusedState | None) -> StrategyResult:
+    return apply_whole(job, compiler)
+
+
+APPLY: dict[Strategy, Callable[[GraphJob, SegmentCompiler, GraphPlan, FusedState | None], StrategyResult]] = {
+    Strategy.SPLIT: _apply_split,
+    Strategy.FUSED: _apply_fused,
+    Strategy.NONE: _apply_whole,
+}
+"""What each strategy does to a graph under its plan (NOTE [one plan per graph])."""
 
 
 def _frame_key(cid: dc.CompileId, graph_id: int) -> int:

@@ -1,10 +1,12 @@
-"""The shared-blocks step of one graph's compile (``GraphBackend.__call__``): whether and how its
-identical blocks share one compile, decided from the compiled object's ``Decision`` and, for
-``share_blocks="auto"`` without CUDA graphs, the blocks' estimated cost (NOTE [sharing by cost])."""
+"""The shared-blocks step of one graph's compile (``GraphBackend.__call__``): its identical
+blocks share one compile where its plan says so (NOTE [one plan per graph]), under
+``share_blocks="auto"`` without CUDA graphs only where a block's estimated call hides behind its
+kernels (NOTE [sharing by cost])."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, Sequence
 
 import torch
@@ -16,32 +18,42 @@ from .._compat import inductor as ci
 from ..partitioners.param_usage import ParamInput
 from .blocks import Sharing, share_blocks
 from .blocks.calls import BlockCalls, is_block_call
-from .blocks.find import BlockBuckets, CostRule, device_cost
-from .decision import Decision
+from .blocks.find import BlockBuckets, CostRule, KeptWhole
+from .plan import GraphPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class Unshared:
+    """Why a graph's blocks compile with it; ``blocks``: the container and count the report names
+    (``None``: nothing to name); ``host_time``: only for the host time a shared call costs."""
+
+    reason: str
+    blocks: tuple[str, int] | None = None
+    host_time: bool = False
 
 
 def share_in_graph(
-    backend: Any, gm: fx.GraphModule, example_inputs: Sequence[Any], choice: Decision, matched: list[ParamInput]
-) -> tuple[Sharing | None, str | None]:
+    backend: Any, gm: fx.GraphModule, example_inputs: Sequence[Any], plan: GraphPlan, matched: list[ParamInput]
+) -> tuple[Sharing | None, Unshared | None]:
     """Identical blocks of ``backend``'s graph share one compile (NOTE [one compile per block]);
     under ``fused`` each reduces its own parameters' bucket (NOTE [a bucket per block]). Returns
-    what was shared, or ``None`` and why not (``None``: sharing is off)."""
+    what was shared, or ``None`` and why not (``None``: not asked to share)."""
     cfg = backend.config
-    if not backend.sharing.enabled:
-        return None, None
-    chosen = choice.sharing
+    chosen = plan.sharing
     if not chosen.enabled:
-        return None, chosen.reason
+        reason = chosen.reason
+        return None, Unshared(reason, backend.repeated, chosen.host_time) if reason is not None else None
     patches = dc.inductor_config_patches(cfg.mode, cfg.options, cfg.dynamic) if cfg.capabilities.inductor else {}
     buckets = None
-    if choice.plain_buckets:
+    decision = plan.decision
+    if decision.plain_buckets:
         tensors = collections.Counter(id(a) for a in example_inputs if isinstance(a, torch.Tensor))
         own = frozenset(
             p.node
             for p in matched
             if p.node.op == "placeholder" and p.tensor.requires_grad and tensors[id(p.tensor)] == 1
         )
-        buckets = BlockBuckets(spec=choice.spec, params=own)
+        buckets = BlockBuckets(spec=decision.spec, params=own)
     called = any(is_block_call(node) for node in gm.graph.nodes)
     # The blocks run inside the graph's own CUDA graphs (Inductor's or bucketwise's), never in
     # their own; their inputs' layouts are checked at each block's first call, not at every
@@ -50,39 +62,19 @@ def share_in_graph(
     if buckets is not None:  # the blocks' backward gathers their gradients into a bucket
         patches.update(ci.bucket_safe_patches())  # NOTE [reductions into bucket views]
     aot.start_compile_workers(cfg.capabilities, example_inputs)  # NOTE [compile workers from the start]
-    cost = None
-    if chosen.by_cost:
-        cost, why = _cost_rule(backend, example_inputs)
-        if cost is None:
-            return None, why
-    sharing, unshared = share_blocks(
-        gm, example_inputs, backend=cfg.capabilities, config_patches=patches, buckets=buckets, cost=cost
-    )
+    cost = CostRule(device=plan.cost) if plan.cost is not None else None
+    try:
+        sharing, unshared = share_blocks(
+            gm, example_inputs, backend=cfg.capabilities, config_patches=patches, buckets=buckets, cost=cost
+        )
+    except KeptWhole as exc:
+        return None, Unshared(str(exc), (exc.container, exc.count), host_time=True)
     calls = backend.block_calls
     if sharing is not None:
         sharing.dynamo = True if called else _why_inlined(calls)
     elif not called and calls is not None and calls.off is not None and unshared is not None:
         unshared = f"{unshared} (Dynamo traced every block: {calls.off})"
-    return sharing, unshared
-
-
-def _cost_rule(backend: Any, example_inputs: Sequence[Any]) -> tuple[CostRule | None, str | None]:
-    """How ``share_blocks="auto"`` decides for this graph without CUDA graphs (NOTE [sharing by
-    cost]), or why its blocks stay whole: the estimate is of Inductor's blocks on one GPU."""
-    devices = {a.device for a in example_inputs if isinstance(a, torch.Tensor)}
-    inductor = backend.config.capabilities.inductor
-    if not inductor or len(devices) != 1 or next(iter(devices)).type != "cuda":
-        why = (
-            "share_blocks='auto' shares blocks without CUDA graphs where a block's call, estimated for "
-            "Inductor's kernels on one GPU, hides behind them; this graph "
-            + ("compiles with another backend" if not inductor else "does not run on one GPU")
-            + ". Pass share_blocks=True for a shorter first step all the same"
-        )
-        return None, why
-    device, note = device_cost(next(iter(devices)))
-    if note is not None:
-        backend.report.note(f"share_blocks='auto': {note}")
-    return CostRule(device=device, report=backend.report), None
+    return sharing, Unshared(unshared) if unshared is not None else None
 
 
 def _why_inlined(calls: BlockCalls | None) -> str:

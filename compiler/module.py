@@ -144,19 +144,22 @@ def compile_module(
         strategy=config.strategy,
         backend=config.backend_name,
     )
+    run: DDPForward | None = None
     backend = new_backend(
         config,
         report,
         ddp,
         cudagraphs=cudagraphs,
         alignment=ddp is not None,
+        # A compiled DDP module's graphs compile under its decision, made at its first call.
+        decisions=(lambda: run.current()) if ddp is not None else None,
         module=inner if ddp is None else None,
         blocks_of=inner,
     )
     forward = _inner_forward(inner)
-    blocks = backend.block_calls
-    call = _calling_blocks(blocks, torch_compile(forward, backend, config))
-    run = None if ddp is None else _ddp_forward(ddp, forward, call, backend, report, config, cudagraphs)
+    compiled_forward = torch_compile(forward, backend, config)
+    call = _calling_blocks(backend.block_calls, compiled_forward)
+    run = None if ddp is None else _ddp_forward(ddp, forward, compiled_forward, backend, report, config, cudagraphs)
     state = CompiledState(
         config=config,
         report=report,
@@ -203,7 +206,8 @@ def _ddp_forward(
         code=forward.__code__,
         call=call,
         nosync_backend=nosync,
-        call_nosync=_calling_blocks(blocks, torch_compile(forward, nosync, config)),
+        call_nosync=torch_compile(forward, nosync, config),
+        blocks=blocks,
         hooks=HookWatch(ddp.module.named_modules, lambda: ddpc.reducer_parameters(ddp), lambda: run.own_hook_ids()),
         buffers=ddpc.BufferBroadcast(ddp),
     )

@@ -62,8 +62,8 @@ class SegmentCompiler:
     ``GraphBackend``'s backends, the fallback policy, a progress line per piece, the doctor on every segment of a
     split graph, and the name each piece's CUDA-graph runners get."""
 
-    def __init__(self, backend: Any, progress: Progress) -> None:
-        self.backend, self.progress = backend, progress
+    def __init__(self, backend: Any, progress: Progress, plan: Any) -> None:
+        self.backend, self.progress, self.plan = backend, progress, plan
 
     def piece(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, label: str, what: str, tracing: Any = None
@@ -78,12 +78,12 @@ class SegmentCompiler:
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, label: str, what: str
     ) -> tuple[Callable[..., Any], CompileOutcome]:
         with self.progress.step(what, self.backend.config.backend_name):
-            return self._compile(gm, example_inputs, self.backend.fused_backend(), label)
+            return self._compile(gm, example_inputs, self.backend.fused_backend(self.plan), label)
 
     def variant(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, label: str, later: bool
     ) -> tuple[Callable[..., Any], CompileOutcome]:
-        out = self._compile(gm, example_inputs, self.backend.fused_backend(), label)
+        out = self._compile(gm, example_inputs, self.backend.fused_backend(self.plan), label)
         if later:
             self.backend.report.write_rank_file()
         return out

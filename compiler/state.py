@@ -143,18 +143,21 @@ def new_backend(
     cudagraphs: CudaGraphDecision,
     variant: Variant = Variant.SYNC,
     alignment: bool = True,
+    decisions: Any = None,
     module: torch.nn.Module | None = None,
     blocks_of: torch.nn.Module | None = None,
     block_calls: BlockCalls | None = None,
 ) -> GraphBackend:
     """A graph backend recording into ``report`` (``alignment``: the report reads it from this
-    one); ``blocks_of`` or ``block_calls`` (shared with another backend): the shared blocks."""
+    one); ``decisions``: see ``GraphBackend``; ``blocks_of`` or ``block_calls`` (shared with
+    another backend): the shared blocks."""
     backend = GraphBackend(
         config,
         report,
         ddp,
         cudagraphs=cudagraphs,
         variant=variant,
+        decisions=decisions,
         module=module,
         blocks_of=blocks_of,
         block_calls=block_calls,

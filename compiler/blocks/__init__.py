@@ -280,10 +280,7 @@ def share_blocks(
             except NotShareable as exc:
                 return None, f"{run.name}.{k}: {exc}"
             except KeptWhole as exc:
-                cost.report.blocks_unshared(
-                    run.name, sum(s in repeated for s in signatures), reason=str(exc), host_time=True
-                )
-                return None, str(exc)
+                raise KeptWhole(str(exc), container=run.name, count=sum(s in repeated for s in signatures)) from None
             outcomes.append(outcome)
     shared = [(part, blocks[sig]) for part, sig in zip(parts, signatures) if sig in blocks]
     computed: dict[int, list[fx.Node]] = {}  # block key -> what ``block.moved.before`` computed

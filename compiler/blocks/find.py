@@ -331,15 +331,19 @@ def tensors_in(values: Any) -> list[torch.Tensor]:
 
 
 class KeptWhole(Exception):
-    """A block whose shared call would cost the host more than the GPU hides: its message says why."""
+    """Blocks whose shared call would cost the host more than the GPU hides: the message says why;
+    ``container`` and ``count``: the blocks kept whole."""
+
+    def __init__(self, why: str, *, container: str = "", count: int = 0) -> None:
+        super().__init__(why)
+        self.container, self.count = container, count
 
 
 @dataclasses.dataclass(frozen=True)
 class CostRule:
-    """``share_blocks="auto"`` for one graph (NOTE [sharing by cost]); ``report`` notes a refusal."""
+    """``share_blocks="auto"`` for one graph on ``device`` (NOTE [sharing by cost])."""
 
     device: DeviceCost
-    report: Any
 
     def check(self, forward: fx.GraphModule, backward: fx.GraphModule) -> BlockCost:
         cost = estimate(forward, backward, self.device)  # raises KeptWhole where not to share

@@ -90,11 +90,12 @@ def test_blocks_the_default_leaves_unshared_are_named_in_the_report():
     report = bucketwise.report(compiled)
     (note,) = [n for n in report.notes if "compiled with the whole graph" in n]
     assert note.startswith("blocks: 3 blocks compiled with the whole graph: share_blocks='auto'"), note
-    assert [g["shared_blocks"] for g in report.to_dict()["graphs"]] == [None]
     # Left unshared for the host time a shared call costs: what a GPU-bound profile weighs
-    # (NOTE [saying when sharing blocks is free]); readers of the rank file see it too.
+    # (NOTE [saying when sharing blocks is free]); readers of the rank file see it too. The
+    # graph's record gives the same reason (its plan's, NOTE [one plan per graph]).
     (entry,) = report.to_dict()["unshared_blocks"]
     assert (entry["container"], entry["blocks"], entry["host_time"]) == ("blocks", 3, True), entry
+    assert [g["shared_blocks"] for g in report.to_dict()["graphs"]] == [{"reason": entry["reason"]}]
     assert report.data().unshared_blocks == (entry,)
 
     asked = bucketwise.compile(Net(), backend="aot_eager", share_blocks=False)
