@@ -23,12 +23,10 @@ from .._compat import dynamo as dc
 from .._compat import inductor as ci
 from ..cudagraphs import policy as cudagraph_policy
 from ..cudagraphs.runner import CudaGraphGroup, inner_compile_factory
-from ..distributed.fused import FusedState, apply_fused, fused_backend_options
+from ..distributed.fused import FusedState, fused_backend_options
 from ..distributed.result import GraphJob, StrategyResult, op_count
-from ..distributed.split import apply_split
 from ..distributed.split.alignment import measure_alignment
 from ..distributed.split.ready_order import FirstIterationOrder, ReadyLast
-from ..distributed.whole import apply_whole
 from ..partitioners.param_usage import GraphParam, ParamInput, higher_order_ops, match_params, params_in_graph
 from ..stats.compile_times import CompileTimes, backend_call_times
 from ..stats.report import GraphStats, Report, SegmentStats, eager_regions
@@ -40,7 +38,7 @@ from .blocks.graphs import grouping_pass
 from .config import CompileConfig
 from .decision import Decision, Strategy, Variant, decide, decide_sharing, refusal
 from .graph_sharing import share_in_graph
-from .plan import GraphFacts, GraphPlan, plan_graph
+from .plan import APPLY, GraphFacts, GraphPlan, plan_graph
 from .progress import Progress
 from .segments import SegmentCompiler
 
@@ -355,37 +353,6 @@ class _Counted:
     def __call__(self, *args: Any) -> Any:
         self.report.graph_runs += 1
         return self.fn(*args)
-
-
-def _apply_split(job: GraphJob, compiler: SegmentCompiler, plan: GraphPlan, fused: FusedState | None) -> StrategyResult:
-    caps = plan.decision.caps
-    return apply_split(job, compiler, earlier_names=plan.earlier_params, caps=caps, fallback=plan.fallback)
-
-
-def _apply_fused(job: GraphJob, compiler: SegmentCompiler, plan: GraphPlan, fused: FusedState | None) -> StrategyResult:
-    decision = plan.decision
-    return apply_fused(
-        job,
-        compiler,
-        caps=decision.caps,
-        spec=decision.spec,
-        comm_hook=decision.comm_hook,
-        gather_rows=plan.gather_rows,
-        rows_off=plan.rows_off,
-        state=fused,
-    )
-
-
-def _apply_whole(job: GraphJob, compiler: SegmentCompiler, plan: GraphPlan, fused: FusedState | None) -> StrategyResult:
-    return apply_whole(job, compiler)
-
-
-APPLY: dict[Strategy, Callable[[GraphJob, SegmentCompiler, GraphPlan, FusedState | None], StrategyResult]] = {
-    Strategy.SPLIT: _apply_split,
-    Strategy.FUSED: _apply_fused,
-    Strategy.NONE: _apply_whole,
-}
-"""What each strategy does to a graph under its plan (NOTE [one plan per graph])."""
 
 
 def _frame_key(cid: dc.CompileId, graph_id: int) -> int:

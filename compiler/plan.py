@@ -12,14 +12,19 @@ every restart: nothing in it is timed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .._compat import inductor as ci
+from ..distributed.fused import FusedState, apply_fused
+from ..distributed.result import GraphJob, StrategyResult
+from ..distributed.split import apply_split
+from ..distributed.whole import apply_whole
 from .blocks.find import DeviceCost, device_cost
 from .config import CompileConfig
 from .decision import BlockSharing, Decision, Strategy, Variant
+from .segments import SegmentCompiler
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,3 +103,34 @@ def plan_graph(config: CompileConfig, decision: Decision, facts: GraphFacts, *, 
         fallback=config.fallback,
         notes=tuple(notes),
     )
+
+
+# What each strategy does to a graph under its plan (NOTE [one plan per graph]).
+def _apply_split(job: GraphJob, compiler: SegmentCompiler, plan: GraphPlan, fused: FusedState | None) -> StrategyResult:
+    caps = plan.decision.caps
+    return apply_split(job, compiler, earlier_names=plan.earlier_params, caps=caps, fallback=plan.fallback)
+
+
+def _apply_fused(job: GraphJob, compiler: SegmentCompiler, plan: GraphPlan, fused: FusedState | None) -> StrategyResult:
+    decision = plan.decision
+    return apply_fused(
+        job,
+        compiler,
+        caps=decision.caps,
+        spec=decision.spec,
+        comm_hook=decision.comm_hook,
+        gather_rows=plan.gather_rows,
+        rows_off=plan.rows_off,
+        state=fused,
+    )
+
+
+def _apply_whole(job: GraphJob, compiler: SegmentCompiler, plan: GraphPlan, fused: FusedState | None) -> StrategyResult:
+    return apply_whole(job, compiler)
+
+
+APPLY: dict[Strategy, Callable[[GraphJob, SegmentCompiler, GraphPlan, FusedState | None], StrategyResult]] = {
+    Strategy.SPLIT: _apply_split,
+    Strategy.FUSED: _apply_fused,
+    Strategy.NONE: _apply_whole,
+}
