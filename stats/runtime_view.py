@@ -194,7 +194,8 @@ def host_bound_note(view: RuntimeView, report: dict[str, Any]) -> str | None:
             head + "; the compiled graphs already replay as CUDA graphs, so the host time is outside them "
             "(optimizer step, data loading, Python)"
         )
-    shared = [g["shared_blocks"] for g in report.get("graphs", []) if g.get("shared_blocks")]
+    # A graph's ``shared_blocks`` is what was shared, or only why nothing was (``reason``).
+    shared = [s for g in report.get("graphs", []) if "count" in (s := g.get("shared_blocks") or {})]
     blocks = " and ".join(f"the {s['count']} blocks of `{s['blocks']}`" for s in shared)
     return (
         head + "; bucketwise.compile(..., cudagraphs=True) replays each compiled graph with one launch "
