@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from ..._compat import aot, ops
+from ..._compat import collectives as cc
 from ..._compat import dynamo as dc
 from ..._compat.capabilities import Capabilities
 from ...distributed.fused.cache_keys import source_key
@@ -216,7 +217,7 @@ class Sharing:
         per = seconds / self.compiles if self.compiles else 0.0
         # The ops moved out of the blocks (NOTE [computed once before the blocks]).
         nodes = [n for b in self.kept if b.moved is not None for n in b.moved.before.graph.nodes]
-        moved = sorted({graphs.op_name(n) for n in nodes if n.op == "call_function"})
+        moved = sorted({cc.op_name(n) for n in nodes if n.op == "call_function"})
         costs = [b.cost.to_dict() for b in self.kept if b.cost]
         return {
             "blocks": self.blocks,
@@ -249,9 +250,7 @@ def share_blocks(
     if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs):
         return None, "no gradients in this graph (evaluation, no_grad): blocks share a compile in training graphs"
     run, why = find.find_block_run(gm)
-    if run is None:
-        return None, why
-    if (why := find.mode_switch_across(gm, run)) is not None:
+    if run is None or (why := find.mode_switch_across(gm, run)) is not None:
         return None, why
     fake_mode = aot.fake_mode_of(example_inputs)
     values = find.fake_values(gm, example_inputs, fake_mode)
@@ -330,8 +329,7 @@ def _compile(
             f"AOTAutograd could not split the block on its own: {type(exc).__name__}: {exc}"[:300]
         ) from exc
     calls_ = [n for n in fw.graph.nodes if n.op == "call_function"]
-    random = [str(n.target) for n in calls_ if any(r in str(n.target) for r in _RANDOM)]
-    if random:
+    if random := [str(n.target) for n in calls_ if any(r in str(n.target) for r in _RANDOM)]:
         raise NotShareable(f"the block draws random numbers ({random[0]})")
     if any(dc.written_args(n) for n in calls_):
         raise NotShareable("the block writes into one of its inputs")

@@ -126,8 +126,7 @@ def fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode: An
             value = fake_mode.from_tensor(value, static_shapes=True)
         out[node] = value
     for node in gm.graph.nodes:
-        if node not in out:
-            out[node] = node.meta.get("example_value", node.meta.get("val"))
+        out.setdefault(node, node.meta.get("example_value", node.meta.get("val")))
     return out
 
 
@@ -197,20 +196,18 @@ def _graph_key(gm: fx.GraphModule, opaque: Opaque | None) -> tuple:
     rows = []
     for node in gm.graph.nodes:
         called = opaque(node) if opaque is not None and node.op == "call_function" else None
+        fn = getattr(gm, str(node.target)) if node.op in ("get_attr", "call_module") else node.target
         if node.op == "get_attr":
-            target = getattr(gm, str(node.target))
-            sub = _graph_key(target, opaque) if isinstance(target, fx.GraphModule) else ("object", id(target))
-            rows.append(("get_attr", sub))
+            rows.append(("get_attr", _graph_key(fn, opaque) if isinstance(fn, fx.GraphModule) else ("object", id(fn))))
         elif called is not None:
             rows.append(("opaque", called[0], _arg_key(called[1], index)))
         else:
             if node.op == "call_module":
-                target = _graph_key(getattr(gm, str(node.target)), opaque)
+                target = _graph_key(fn, opaque)
             elif node.op == "call_function":
-                fn = node.target
                 target = (str(getattr(fn, "__module__", "")), str(getattr(fn, "__qualname__", "")), repr(fn))
             else:
-                target = str(node.target) if node.op == "call_method" else None
+                target = str(fn) if node.op == "call_method" else None
             rows.append((node.op, target, _arg_key(node.args, index), _arg_key(node.kwargs, index)))
     return tuple(rows)
 
@@ -231,13 +228,12 @@ def _arg_key(arg: Any, index: dict[fx.Node, int]) -> Any:
     return ("object", type(arg).__qualname__, repr(arg))
 
 
-def _value_key(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        v = value
+def _value_key(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
         return ("tensor", tuple(v.shape), tuple(v.stride()), str(v.dtype), str(v.device), v.requires_grad)
-    if isinstance(value, torch.SymInt):
-        return ("symint", str(value))
-    return ("value", type(value).__name__, repr(value))
+    if isinstance(v, torch.SymInt):
+        return ("symint", str(v))
+    return ("value", type(v).__name__, repr(v))
 
 
 # NOTE [sharing by cost]: a shared block's call costs the host more than the same block inside the
@@ -346,7 +342,7 @@ class CostRule:
     device: DeviceCost
 
     def check(self, forward: fx.GraphModule, backward: fx.GraphModule) -> BlockCost:
-        cost = estimate(forward, backward, self.device)  # raises KeptWhole where not to share
+        cost = estimate(forward, backward, self.device)
         if (why := refusal(cost, self.device)) is not None:
             raise KeptWhole(why)
         return cost

@@ -59,26 +59,26 @@ class MovedOut:
 
 # Ops autocast leaves alone: moved out, they compute the same when the graph around is traced again.
 _MOVABLE = frozenset(
-    ["prims::convert_element_type"]
-    + [
-        f"aten::{name}"
-        for name in (
-            "where scalar_tensor full full_like zeros zeros_like ones ones_like arange masked_fill logical_not "
-            "logical_and logical_or eq ne lt le gt ge bitwise_not bitwise_and bitwise_or add sub mul neg clone "
-            "expand unsqueeze squeeze view reshape permute slice select alias _to_copy"
-        ).split()
-    ]
+    name if "::" in name else f"aten::{name}"
+    for name in (
+        "prims::convert_element_type where scalar_tensor full full_like zeros zeros_like ones ones_like arange "
+        "masked_fill logical_not logical_and logical_or eq ne lt le gt ge bitwise_not bitwise_and bitwise_or add sub "
+        "mul neg clone expand unsqueeze squeeze view reshape permute slice select alias _to_copy"
+    ).split()
 )
-
-
-def op_name(node: fx.Node) -> str:
-    """``aten::where`` for ``aten.where.self``: an operator's name without its overload."""
-    name = getattr(node.target, "name", None)
-    return name().split(".")[0] if callable(name) else str(node.target)
 
 
 def _output(gm: fx.GraphModule) -> fx.Node:
     return next(iter(gm.graph.find_nodes(op="output")))
+
+
+def _recompile(gm: fx.GraphModule, outputs: list[Any] | None = None) -> None:
+    """``gm`` recompiled (returning ``outputs`` where given) without what nothing reads."""
+    if outputs is not None:
+        _output(gm).args = (tuple(outputs),)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
 
 
 def move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...], *, n_user: int) -> MovedOut | None:
@@ -91,7 +91,7 @@ def move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...],
     movable: dict[fx.Node, bool] = {}  # -> reads one of ``given`` (not constants only)
     for node in fw.graph.nodes:
         ins = node.all_input_nodes
-        if node.op == "call_function" and op_name(node) in _MOVABLE and all(a in given or a in movable for a in ins):
+        if node.op == "call_function" and cc.op_name(node) in _MOVABLE and all(a in given or a in movable for a in ins):
             movable[node] = any(a in given or movable.get(a, False) for a in ins)
     # What the block goes on to read that costs a kernel (a view is free: it stays).
     moved = [n for n, reads in movable.items() if reads and n not in returned and not aot.aliases_an_input(n)]
@@ -120,12 +120,8 @@ def move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...],
             anchor = fw.graph.placeholder(f"before_blocks_{j}")
         anchor.meta["val"] = node.meta["val"]
         node.replace_all_uses_with(anchor)
-    fw.graph.eliminate_dead_code()
-    fw.graph.lint()
-    fw.recompile()
-    out = _output(bw)
-    out.args = (tuple(out.args[0]) + (None,) * len(moved),)
-    bw.recompile()
+    _recompile(fw)
+    _recompile(bw, [*_output(bw).args[0], *[None] * len(moved)])
     return MovedOut(fx.GraphModule(fw, graph), invariant)
 
 
@@ -133,8 +129,7 @@ def drop_unread(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[int, ...] | Non
     """Drop ``fw``'s inputs it does not read and ``bw`` gives no gradient; the positions kept, or
     ``None`` where all are. A call passes only those: Inductor copies a view given to an op."""
     placeholders = list(fw.graph.find_nodes(op="placeholder"))
-    out = _output(bw)
-    grads = list(out.args[0])
+    grads = list(_output(bw).args[0])
     if len(grads) != len(placeholders):
         raise AssertionError(f"expected a gradient place per forward input ({len(placeholders)}), got {len(grads)}")
     kept = tuple(i for i, p in enumerate(placeholders) if p.users or grads[i] is not None)
@@ -142,10 +137,8 @@ def drop_unread(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[int, ...] | Non
         return None
     for i in set(range(len(placeholders))) - set(kept):
         fw.graph.erase_node(placeholders[i])
-    fw.graph.lint()
-    fw.recompile()
-    out.args = (tuple(grads[i] for i in kept),)
-    bw.recompile()
+    _recompile(fw)
+    _recompile(bw, [grads[i] for i in kept])
     return kept
 
 
@@ -164,8 +157,7 @@ def plan_layout(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fak
     """The forward returns the block's outputs and each other distinct non-view tensor the backward
     reads, once; the backward applies the view ops again (NOTE [one compile per block])."""
     n_user = len(user_outputs(sub))
-    out_node = _output(fw)
-    fw_out = list(out_node.args[0])
+    fw_out = list(_output(fw).args[0])
     placeholders = {p: i for i, p in enumerate(fw.graph.find_nodes(op="placeholder"))}
     user, bases, saved = fw_out[:n_user], [], []
     owner: dict[fx.Node, int] = {}  # a root -> the output that hands it out
@@ -191,9 +183,7 @@ def plan_layout(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fak
             if root not in bases:
                 bases.append(root)
             saved.append(("base", bases.index(root), views))
-    out_node.args = (tuple(user + bases),)
-    fw.graph.eliminate_dead_code()
-    fw.recompile()
+    _recompile(fw, user + bases)
     n_tangents = len(bw.graph.find_nodes(op="placeholder")) - len(saved)
     if n_tangents != sum(1 for n in user if n.meta["val"].is_floating_point()):
         raise NotShareable("the backward takes gradients of other outputs than the block's floating-point ones")
@@ -236,8 +226,7 @@ def _views_into_backward(
                 value = node
             ph.replace_all_uses_with(value)
             graph.erase_node(ph)
-    graph.lint()
-    bw.recompile()
+    _recompile(bw)
 
 
 def _view_chain(node: Any) -> tuple[Any, list[tuple[Any, tuple, dict, Any]]]:
@@ -298,10 +287,7 @@ def grads_onto_wire(
         present = [g for g in grads if isinstance(g, fx.Node)]
         buffer = aot.trace_into(bw.graph, pack, present, fake_mode, decompose=decompose)
     new_outs = [o for i, o in enumerate(outs) if i not in reduced] + [buffer]
-    out_node.args = (tuple(new_outs),)
-    bw.graph.eliminate_dead_code()
-    bw.graph.lint()
-    bw.recompile()
+    _recompile(bw, new_outs)
     wire = BlockWire(reduced, spec, tuple(torch.Size(p.shape) for p in params), params[0].dtype)
     return wire, tuple(tensor_meta(n) if isinstance(n, fx.Node) else None for n in new_outs)
 
@@ -341,19 +327,15 @@ def group_block_reductions(graph: fx.Graph, *, producer: str, floor_bytes: int) 
     values = [n.args[0].meta["val"] for n in nodes]
     sizes = [v.numel() * v.element_size() for v in values]
     limits = plan.overlap_limits(sum(sizes), floor_bytes)
-    groups: list[list[fx.Node]] = [[]]
-    used = 0
-    for i, (node, size) in enumerate(zip(nodes, sizes)):
+    groups: list[list[int]] = [[]]
+    for i in range(len(nodes)):
         if groups[-1] and values[i - 1].dtype != values[i].dtype:  # one dtype per coalesced call
             groups.append([])
-            used = 0
-        groups[-1].append(node)
-        used += size
+        groups[-1].append(i)
         # As DDP's reducer closes a bucket: once its bytes reach the cap (the last one repeats).
-        if used >= limits[min(len(groups) - 1, len(limits) - 1)]:
+        if sum(sizes[k] for k in groups[-1]) >= limits[min(len(groups) - 1, len(limits) - 1)]:
             groups.append([])
-            used = 0
-    cc.coalesce_all_reduces(graph, [g for g in groups if len(g) > 1])
+    cc.coalesce_all_reduces(graph, [[nodes[k] for k in g] for g in groups if len(g) > 1])
 
 
 def grouping_pass(producer: str, floor_bytes: int) -> Any:
