@@ -1,7 +1,7 @@
 """What the backend a compiled object's graphs compile with can do, resolved once from the
-config: the one place that compares backend names and Inductor's wrapper mode (everything else
-asks the record). Inductor's settings read here: ``torch._inductor.config.cpp_wrapper``, checked
-on torch 2.11.0, 2.13.0 and 2.15.0."""
+config, and what this torch's Inductor gets wrong: the one place that compares backend names,
+Inductor's wrapper mode and torch versions (everything else asks here). Inductor's settings read
+here: ``torch._inductor.config.cpp_wrapper``, checked on torch 2.11.0, 2.13.0 and 2.15.0."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
+from torch.torch_version import TorchVersion
+
+MIX_ORDER_REDUCTION = "triton.mix_order_reduction"
+FIXED_IN = "2.15"
 
 SHAREABLE = ("inductor", "aot_eager")
 """The backends a shared block compiles with (NOTE [one compile per block])."""
@@ -45,3 +49,13 @@ def capabilities(backend: str | Callable[..., Any], options: dict | None = None)
     inductor = backend == "inductor"
     cpp = inductor and bool((options or {}).get("cpp_wrapper", torch._inductor.config.cpp_wrapper))
     return Capabilities(name=name, inductor=inductor, shares_blocks=backend in SHAREABLE, cpp_wrapper=cpp)
+
+
+def reductions_into_views_lost() -> bool:
+    """Whether this torch's mix-order reduction loses its results computed into a view of another
+    buffer (NOTE [reductions into bucket views]). Checked on torch 2.11.0 (an H200: wrong
+    gradients), 2.13.0 and 2.14.1 (the generated code rebinds the name) and 2.15.0 (it writes
+    through the view). Releases without the option (before 2.10) have no such reduction."""
+    if MIX_ORDER_REDUCTION not in torch._inductor.config.get_config_copy():
+        return False
+    return TorchVersion(torch.__version__) < FIXED_IN

@@ -15,20 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.torch_version import TorchVersion
 
-MIX_ORDER_REDUCTION = "triton.mix_order_reduction"
-FIXED_IN = "2.15"
+from .capabilities import FIXED_IN, MIX_ORDER_REDUCTION, reductions_into_views_lost
 
-
-def reductions_into_views_lost() -> bool:
-    """Whether this torch's mix-order reduction loses its results computed into a view of another
-    buffer (NOTE [reductions into bucket views]). Checked on torch 2.11.0 (an H200: wrong
-    gradients), 2.13.0 and 2.14.1 (the generated code rebinds the name) and 2.15.0 (it writes
-    through the view). Releases without the option (before 2.10) have no such reduction."""
-    if MIX_ORDER_REDUCTION not in torch._inductor.config.get_config_copy():
-        return False
-    return TorchVersion(torch.__version__) < FIXED_IN
+__all__ = ["FIXED_IN", "MIX_ORDER_REDUCTION", "reductions_into_views_lost"]
 
 
 def bucket_safe_patches() -> dict[str, Any]:
