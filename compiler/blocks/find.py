@@ -1,6 +1,5 @@
 """Repeated blocks in a Dynamo graph: where each starts and ends (a node's outermost numbered
-``nn_module_stack`` entry), which are the same computation, whether sharing pays (NOTE [sharing by
-cost])."""
+``nn_module_stack`` entry), which are the same computation, whether sharing pays."""
 
 from __future__ import annotations
 
@@ -133,8 +132,7 @@ def fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode: An
 def invariant_inputs(
     inputs: list[tuple[fx.Node, ...]], signatures: list[tuple], repeated: set[tuple], values: dict[fx.Node, Any]
 ) -> dict[tuple, tuple[int, ...]]:
-    """Per repeated signature, the inputs without a gradient that every block of it reads the same
-    (NOTE [computed once before the blocks])."""
+    """Per signature, the gradient-free inputs all its blocks share (NOTE [computed once before the blocks])."""
     out = {}
     for signature in repeated:
         calls = [ins for ins, sig in zip(inputs, signatures) if sig == signature]
@@ -236,13 +234,11 @@ def _value_key(v: Any) -> Any:
     return ("value", type(v).__name__, repr(v))
 
 
-# NOTE [sharing by cost]: a shared block's call costs the host more than the same block inside the
-# whole graph (its own launches, allocations and checks) and the GPU nothing; where the GPU's time
-# does not cover that, the step waits on the host for every block. So ``share_blocks="auto"``
-# without CUDA graphs, on a GPU, shares where the host's time per call is at most ``HOST_SHARE_LIMIT``
-# of the GPU's, estimated from the block's graphs: FLOPs and bytes at the device's rates, op count.
-# The rates are per-device constants (docs/performance.md names their runs): the same plan on
-# every rank and every restart.
+# NOTE [sharing by cost]: a shared block's call costs the host more than the block inside the whole
+# graph (its own launches, allocations, checks); where the GPU's time does not cover that, the step
+# waits on the host. So ``share_blocks="auto"`` on a GPU without CUDA graphs shares where the host's
+# time per call is at most ``HOST_SHARE_LIMIT`` of the GPU's, estimated from the block's graphs (op
+# count; FLOPs and bytes at per-device rates, docs/performance.md): the same on every rank and restart.
 
 HOST_SHARE_LIMIT = 0.6  # a margin for the host's other work and its noise
 
@@ -327,8 +323,7 @@ def tensors_in(values: Any) -> list[torch.Tensor]:
 
 
 class KeptWhole(Exception):
-    """Blocks whose shared call would cost the host more than the GPU hides: the message says why;
-    ``container`` and ``count``: the blocks kept whole."""
+    """Blocks kept whole (``container``, ``count``): their shared call would cost the host too much."""
 
     def __init__(self, why: str, *, container: str = "", count: int = 0) -> None:
         super().__init__(why)
