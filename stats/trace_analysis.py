@@ -133,53 +133,6 @@ def launched_at(kernel: dict[str, Any], launch: dict[Any, float]) -> float:
     return launch.get(kernel.get("args", {}).get("correlation"), math.nan)
 
 
-def overlap_from_events(events: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
-    """NCCL kernel time, the part of it that overlapped non-NCCL kernels, and the exposed part
-    per step, over all kernels of a trace of ``steps`` training steps (times in ms)."""
-    nccl, compute = [], []
-    for k in kernels(events):
-        (nccl if is_nccl(k.get("name", "")) else compute).append(_span(k))
-    nccl_m, compute_m = merge(nccl), merge(compute)
-    total = length(nccl_m) / 1e3
-    overlapped = intersection_length(nccl_m, compute_m) / 1e3
-    return {
-        "profiled_steps": steps,
-        "nccl_kernels": len(nccl),
-        "compute_kernels": len(compute),
-        "nccl_ms": total,
-        "overlapped_ms": overlapped,
-        "compute_ms": length(compute_m) / 1e3,
-        "nccl_ms_per_step": total / steps,
-        "overlapped_ms_per_step": overlapped / steps,
-        "exposed_ms_per_step": (total - overlapped) / steps,
-    }
-
-
-def backward_timeline(events: Sequence[dict[str, Any]], range_name: str) -> dict[str, Any]:
-    """The kernels launched inside the last ``range_name`` CPU range (all kernels where none is
-    found), as :func:`timeline` draws them."""
-    ks = kernels(events)
-    window = "backward of the last profiled step"
-    found = ranges(events, range_name)
-    launch = launch_times(events)
-    picked = []
-    if found and launch:
-        lo, hi = found[-1]
-        picked = [k for k in ks if lo <= launched_at(k, launch) <= hi]
-    if picked:
-        # And those whose launch the trace lacks (a category kineto did not record), run among them.
-        start = min(float(k["ts"]) for k in picked)
-        end = max(float(k["ts"]) + float(k["dur"]) for k in picked)
-        picked += [k for k in ks if math.isnan(launched_at(k, launch)) and start <= float(k["ts"]) <= end]
-    else:
-        picked, window = ks, "all profiled kernels (backward range not found in the trace)"
-    if not picked:
-        return {"window": "no kernels in the trace", "compute": [], "nccl": []}
-    compute = [_span(k) for k in picked if not is_nccl(k["name"])]
-    comm = [(*_span(k), k["name"][:80]) for k in picked if is_nccl(k["name"])]
-    return {"window": window, "kernels": len(picked), **timeline(compute, comm)}
-
-
 def timeline(compute: Iterable[Interval], comm: Iterable[tuple[float, float, str]]) -> dict[str, Any]:
     """``{"compute": [[s, e]], "nccl": [[s, e, label]]}`` in ms from the first of them (what
     the timeline plot draws)."""

@@ -21,9 +21,14 @@ import torch.distributed as dist
 from bucketwise.stats import trace_analysis
 from bucketwise.stats.trace_analysis import (  # noqa: F401 - the harness's names for them
     intersection_length,
+    is_nccl,
+    kernels,
+    launch_times,
+    launched_at,
+    length,
     load_trace,
     merge,
-    overlap_from_events,
+    ranges,
 )
 
 STEP_RANGE = "bench_step"
@@ -181,7 +186,7 @@ def gpu_idle(kernels: Sequence[tuple[float, float, str]], *, top: int = 8) -> di
         if start > reach:
             before[name] = before.get(name, 0.0) + start - reach
         reach = max(reach, end)
-    busy = trace_analysis.length(merge((start, end) for start, end, _ in spans))
+    busy = length(merge((start, end) for start, end, _ in spans))
     span = reach - spans[0][0]
     ranked = sorted(before.items(), key=lambda kv: -kv[1])[:top]
     return {"span_us": span, "busy_us": busy, "idle_us": span - busy, "before": dict(ranked)}
@@ -190,10 +195,55 @@ def gpu_idle(kernels: Sequence[tuple[float, float, str]], *, top: int = 8) -> di
 # -- chrome trace -------------------------------------------------------------------------
 
 
+def _span(k: dict[str, Any]) -> tuple[float, float]:
+    return float(k["ts"]), float(k["ts"]) + float(k["dur"])
+
+
+def overlap_from_events(events: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """NCCL kernel time, the part of it that overlapped non-NCCL kernels, and the exposed part
+    per step, over all kernels of a trace of ``steps`` training steps (times in ms)."""
+    nccl, compute = [], []
+    for k in kernels(events):
+        (nccl if is_nccl(k.get("name", "")) else compute).append(_span(k))
+    nccl_m, compute_m = merge(nccl), merge(compute)
+    total = length(nccl_m) / 1e3
+    overlapped = intersection_length(nccl_m, compute_m) / 1e3
+    return {
+        "profiled_steps": steps,
+        "nccl_kernels": len(nccl),
+        "compute_kernels": len(compute),
+        "nccl_ms": total,
+        "overlapped_ms": overlapped,
+        "compute_ms": length(compute_m) / 1e3,
+        "nccl_ms_per_step": total / steps,
+        "overlapped_ms_per_step": overlapped / steps,
+        "exposed_ms_per_step": (total - overlapped) / steps,
+    }
+
+
 def backward_timeline(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The kernels of the last profiled backward pass (launched inside the last
-    ``bench_backward`` range), as the timeline plot draws them."""
-    return trace_analysis.backward_timeline(events, BACKWARD_RANGE)
+    """The kernels launched inside the last ``bench_backward`` range (all kernels where none is
+    found), as the timeline plot draws them."""
+    ks = kernels(events)
+    window = "backward of the last profiled step"
+    found = ranges(events, BACKWARD_RANGE)
+    launch = launch_times(events)
+    picked = []
+    if found and launch:
+        lo, hi = found[-1]
+        picked = [k for k in ks if lo <= launched_at(k, launch) <= hi]
+    if picked:
+        # And those whose launch the trace lacks (a category kineto did not record), run among them.
+        start = min(float(k["ts"]) for k in picked)
+        end = max(float(k["ts"]) + float(k["dur"]) for k in picked)
+        picked += [k for k in ks if math.isnan(launched_at(k, launch)) and start <= float(k["ts"]) <= end]
+    else:
+        picked, window = ks, "all profiled kernels (backward range not found in the trace)"
+    if not picked:
+        return {"window": "no kernels in the trace", "compute": [], "nccl": []}
+    compute = [_span(k) for k in picked if not is_nccl(k["name"])]
+    comm = [(*_span(k), k["name"][:80]) for k in picked if is_nccl(k["name"])]
+    return {"window": window, "kernels": len(picked), **trace_analysis.timeline(compute, comm)}
 
 
 def profile_trace(step: Callable[[], Any], n: int, device: torch.device, trace_path: str) -> list[dict[str, Any]]:
