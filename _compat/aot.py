@@ -73,22 +73,6 @@ def inductor_compile(
         return _DirectAfterFirst(compile_fx_inner(gm, list(example_inputs), is_backward=backward, **kwargs))
 
 
-def inductor_compile_function(fn: Callable[..., Any], args: Sequence[torch.Tensor]) -> Callable[[list[Any]], Any]:
-    """``fn`` traced to aten ops on ``args`` and compiled by Inductor as a shared block's graphs
-    are (:func:`inductor_compile`), through Inductor's FX-graph cache: a boxed callable (``probe
-    host_calls`` times its calls)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    gm = make_fx(fn)(*args)
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv())  # as Dynamo's: Inductor's FX-graph cache needs one
-    fakes = [fake_mode.from_tensor(a) for a in args]
-    for node, fake in zip(gm.graph.find_nodes(op="placeholder"), fakes):
-        node.meta["val"] = fake
-    return inductor_compile(gm, fakes, fake_mode, backward=False, config_patches={})
-
-
 class _DirectAfterFirst:
     """A compiled graph called through Inductor's wrapper once, then its generated ``call``.
 

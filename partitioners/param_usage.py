@@ -44,8 +44,7 @@ def _flat_args(node: fx.Node) -> list[Any]:
 
 @dataclasses.dataclass(frozen=True)
 class ParamInput:
-    """A node that brings a reducer parameter into a graph: who the parameter is, not where the
-    graph uses it (a rewrite of the graph's body leaves it true)."""
+    """Which reducer parameter a node brings in, not where it is used (true across rewrites)."""
 
     name: str
     reducer_index: int
@@ -58,13 +57,8 @@ def match_params(
     example_inputs: Sequence[Any],
     reducer_params: Iterable[tuple[str, torch.nn.Parameter]],
 ) -> list[ParamInput]:
-    """The graph's inputs that are reducer parameters, matched by tensor identity.
-
-    Dynamo lifts parameters to placeholders whose example input is the real ``nn.Parameter``;
-    with ``inline_inbuilt_nn_modules=False`` they can also be ``get_attr`` nodes. A parameter
-    passed as two inputs gives two entries. Buffers and frozen parameters are not reducer
-    parameters and never count.
-    """
+    """The graph's inputs that are reducer parameters, by identity: placeholders whose example
+    input is the ``nn.Parameter``, or ``get_attr`` nodes (``inline_inbuilt_nn_modules=False``)."""
     by_id = {id(p): (i, name, p) for i, (name, p) in enumerate(reducer_params)}
     found: list[ParamInput] = []
     for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
@@ -80,8 +74,7 @@ def match_params(
 
 
 def params_in_graph(gm: fx.GraphModule, inputs: Iterable[ParamInput]) -> list[GraphParam]:
-    """Where the graph, as it is now, uses each matched parameter (``match_params``). A parameter
-    that appears twice (the same tensor passed as two inputs) is counted once, at its earliest use."""
+    """Where the graph now uses each matched parameter; one passed twice counts at its earliest use."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     best: dict[int, GraphParam] = {}
     for inp in inputs:
@@ -105,22 +98,9 @@ def params_in_graph(gm: fx.GraphModule, inputs: Iterable[ParamInput]) -> list[Gr
     return list(best.values())
 
 
-def find_graph_params(
-    gm: fx.GraphModule,
-    example_inputs: Sequence[Any],
-    reducer_params: Iterable[tuple[str, torch.nn.Parameter]],
-) -> list[GraphParam]:
-    """The reducer parameters this graph reads and where (``match_params``, then ``params_in_graph``)."""
-    return params_in_graph(gm, match_params(gm, example_inputs, reducer_params))
-
-
 def ready_order(params: Iterable[GraphParam]) -> list[GraphParam]:
-    """Predicted gradient-ready order: reverse of first use in the forward graph.
-
-    Ties (one node reading several parameters, e.g. ``linear(x, w, b)``) go by argument
-    position, last argument first: eager autograd makes a linear layer's bias ready before
-    its weight. Unused parameters come last (their gradients are never produced here).
-    """
+    """Predicted gradient-ready order: reverse of first use in the forward graph. Ties go last
+    argument first (eager autograd readies a linear's bias before its weight); unused ones last."""
     used = [p for p in params if p.first_use >= 0]
     unused = [p for p in params if p.first_use < 0]
     used.sort(key=lambda p: (p.first_use, p.arg_position), reverse=True)

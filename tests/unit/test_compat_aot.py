@@ -60,12 +60,26 @@ def test_without_a_generated_call_every_call_goes_through_the_wrapper():
     assert Plain.calls == 3
 
 
+def _inductor_compile_function(fn, args):
+    """``fn`` traced to aten ops on ``args`` and compiled as a shared block's graphs are."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    gm = make_fx(fn)(*args)
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())  # as Dynamo's: Inductor's FX-graph cache needs one
+    fakes = [fake_mode.from_tensor(a) for a in args]
+    for node, fake in zip(gm.graph.find_nodes(op="placeholder"), fakes):
+        node.meta["val"] = fake
+    return aot.inductor_compile(gm, fakes, fake_mode, backward=False, config_patches={})
+
+
 def test_an_inductor_graph_called_directly_computes_what_it_did_through_the_wrapper():
     def f(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor]:
         return (torch.relu(x @ y) + 1,)
 
     x, y = torch.randn(4, 4), torch.randn(4, 4)
-    fn = aot.inductor_compile_function(f, [x, y])
+    fn = _inductor_compile_function(f, [x, y])
     first, second = fn([x, y])[0], fn([x, y])[0]
     assert torch.equal(first, f(x, y)[0]) and torch.equal(second, first)
     assert fn._direct is not None  # the second call went to Inductor's generated code

@@ -12,7 +12,7 @@ from bucketwise._compat import collectives as cc
 from bucketwise._compat import dynamo as dc
 from bucketwise.distributed.fused.cache_keys import comm_pass_key, source_key, traced_call_targets
 from bucketwise.distributed.fused.sync import CommSpec, insert_bucket_syncs
-from bucketwise.partitioners.param_usage import find_graph_params
+from bucketwise.partitioners.param_usage import match_params, params_in_graph
 
 
 def test_scheduler_pass_pickles_with_the_hash_of_its_source():
@@ -39,7 +39,7 @@ class _TwoMatmuls(torch.nn.Module):
 def test_traced_call_targets_name_what_the_fused_pass_inserts():
     model = _TwoMatmuls()
     gm = fx.symbolic_trace(model)
-    params = find_graph_params(gm, [], list(model.named_parameters()))
+    params = params_in_graph(gm, match_params(gm, [], list(model.named_parameters())))
     insert_bucket_syncs(gm, [[p] for p in params], CommSpec(group="0", world_size=1))
     targets = {
         n.target for n in gm.graph.nodes if n.op == "call_function" and n.target.__module__.startswith("bucketwise")

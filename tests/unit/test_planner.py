@@ -33,13 +33,23 @@ from bucketwise.distributed.plan import BucketCaps, overlap_limits, plan_buckets
 from bucketwise.distributed.result import GraphJob
 from bucketwise.distributed.split.apply import split_and_compile
 from bucketwise.launch.models import GPT, GPTConfig, mlp, synthetic_tokens
-from bucketwise.partitioners.param_usage import GraphParam, find_graph_params, higher_order_ops, ready_order
+from bucketwise.partitioners.param_usage import (
+    GraphParam,
+    higher_order_ops,
+    match_params,
+    params_in_graph,
+    ready_order,
+)
 from bucketwise.partitioners.split import SEGMENT_META_KEY, bucket_boundaries, split_graph
 
 MIB = 1024 * 1024
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+def find_graph_params(gm: fx.GraphModule, example_inputs: Sequence[Any], reducer_params: Any) -> list[GraphParam]:
+    return params_in_graph(gm, match_params(gm, example_inputs, reducer_params))
 
 
 def capture(fn: Callable[..., Any], *args: Any, **compile_kwargs: Any) -> list[tuple[fx.GraphModule, list[Any]]]:
