@@ -8,7 +8,7 @@ import json
 import os
 import signal
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from ..compiler import doctor
 from ..stats import job_stats
@@ -54,40 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_launch(sub)
-    _add_doctor(sub)
-    _add_stats(sub)
-    _add_demo(sub)
-    return parser
-
-
-def _version() -> str:
-    from .. import __version__
-
-    return __version__
-
-
-def _add_launch(sub) -> None:
-    p = sub.add_parser(
+    _add_torchrun_command(
+        sub,
         "launch",
-        parents=[launcher.launch_parser()],
-        add_help=False,
-        allow_abbrev=False,
+        _cmd_launch,
         help="run a script on every rank through torchrun, then print the merged per-bucket table",
         description=_LAUNCH_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="bucketwise launch [-h] [torchrun options] [--stats-dir DIR] [--profile-steps N [--profile-warmup W]] "
         "[--compile-artifacts DIR] SCRIPT [ARGS ...]",
     )
-    p.set_defaults(func=_cmd_launch, parser=p)
-
-
-def _add_doctor(sub) -> None:
-    p = sub.add_parser(
+    _add_torchrun_command(
+        sub,
         "doctor",
-        parents=[launcher.launch_parser()],
-        add_help=False,
-        allow_abbrev=False,
+        lambda args, raw: _cmd_launch(args, raw, doctor_dir="doctor"),
         help="run a script like launch, checking every compiled segment through eager -> aot_eager -> inductor",
         description="Run SCRIPT like `bucketwise launch`. The first real call of every compiled "
         "segment also recompiles a copy of it through eager -> aot_eager -> inductor "
@@ -99,7 +79,20 @@ def _add_doctor(sub) -> None:
         "are bound by the host, and what to try.",
         usage="bucketwise doctor [-h] [torchrun options] [--stats-dir DIR] [--profile-steps N] SCRIPT [ARGS ...]",
     )
-    p.set_defaults(func=lambda args, raw: _cmd_launch(args, raw, doctor_dir="doctor"), parser=p)
+    _add_stats(sub)
+    _add_demo(sub)
+    return parser
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def _add_torchrun_command(sub, name: str, func: Callable[..., int], **kwargs: Any) -> None:
+    p = sub.add_parser(name, parents=[launcher.launch_parser()], add_help=False, allow_abbrev=False, **kwargs)
+    p.set_defaults(func=func, parser=p)
 
 
 def _add_stats(sub) -> None:

@@ -179,17 +179,13 @@ def _gather(pub: _Publisher, wait_s: float) -> None:
             _write_if_absent(pub.stats_dir, rel, data)
     ranks = {str(pub.rank): _summary(pub.entry(final=True))}
     ranks.update({str(r): _summary(e) for r, e in sorted(entries.items())})
-    _write_json(
-        os.path.join(pub.stats_dir, JOB_FILE),
-        {
-            "schema": 1,
-            "world_size": pub.world,
-            "gathered_by": {"rank": pub.rank, "host": pub.host, "stats_dir": pub.stats_dir},
-            "ranks": ranks,
-            "not_final": sorted(r for r in entries if r not in final),
-            "missing": [r for r in others if r not in entries],
-            "waited_s": wait_s,
-        },
+    _write_job(
+        pub,
+        {"rank": pub.rank, "host": pub.host, "stats_dir": pub.stats_dir},
+        ranks=ranks,
+        not_final=sorted(r for r in entries if r not in final),
+        missing=[r for r in others if r not in entries],
+        waited_s=wait_s,
     )
 
 
@@ -219,14 +215,12 @@ def _point_at_rank0(pub: _Publisher) -> None:
     same = rank0.get("host") == pub.host and rank0.get("stats_dir") == pub.stats_dir
     if same or os.path.exists(os.path.join(pub.stats_dir, "rank0.json")):
         return
-    _write_json(
-        os.path.join(pub.stats_dir, JOB_FILE),
-        {
-            "schema": 1,
-            "world_size": pub.world,
-            "gathered_by": {"rank": 0, "host": rank0.get("host"), "stats_dir": rank0.get("stats_dir")},
-        },
-    )
+    _write_job(pub, {"rank": 0, "host": rank0.get("host"), "stats_dir": rank0.get("stats_dir")})
+
+
+def _write_job(pub: _Publisher, gathered_by: dict[str, Any], **gathered: Any) -> None:
+    job = {"schema": 1, "world_size": pub.world, "gathered_by": gathered_by, **gathered}
+    _write_json(os.path.join(pub.stats_dir, JOB_FILE), job)
 
 
 def _write_json(path: str, data: Any) -> None:
