@@ -22,9 +22,8 @@ def shuts_down_before(first: Any, then: Any) -> bool:
 
 
 def registered(pg: Any) -> bool:
-    """Is ``pg`` still a group of this process (not ended by ``destroy_process_group``)? A
-    destroyed group object still answers ``get_world_size``, but functional collectives, which
-    find the group by its registered name, no longer find it."""
+    """Not destroyed: a destroyed group still answers ``get_world_size``, but functional
+    collectives, which find it by its registered name, do not."""
     from torch.distributed import distributed_c10d as c10d
 
     return pg in c10d._world.pg_names
@@ -42,8 +41,7 @@ def default_store() -> Any | None:
 
 @contextlib.contextmanager
 def default_device_unbound() -> Iterator[None]:
-    """Within: the default group looks as if ``init_process_group`` had no ``device_id``, so that
-    ``new_group()`` can make a group of a Python backend. Restored on leaving."""
+    """Within, the default group has no ``device_id``, so ``new_group()`` takes a Python backend."""
     from torch.distributed import distributed_c10d as c10d
 
     default = c10d._get_default_group()

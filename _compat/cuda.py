@@ -10,8 +10,6 @@ import torch
 
 
 def clear_cublas_workspaces() -> None:
-    """Let go of cuBLAS's per-stream workspaces (allocated at a stream's first matmul, then kept).
-    Cleared before a capture, the capture allocates its own inside its pool; cleared after, the
-    allocator no longer holds it (the pool keeps it while the graph lives), so no later capture or
-    eager matmul shares it and nothing of the pool stays allocated once the graph is gone."""
+    """cuBLAS's per-stream workspaces, kept after a stream's first matmul: cleared before a capture,
+    it allocates its own in its pool; cleared after, nothing else shares it or outlives the graph."""
     torch._C._cuda_clearCublasWorkspaces()

@@ -99,14 +99,12 @@ def post_forward(ddp: DDP, output: Any) -> Any:
 
 def route_forward(ddp: DDP, compiled: Any) -> None:
     """``ddp(...)`` runs ``compiled.forward`` (NOTE [registered backend takes over the DDP
-    forward]) through an instance attribute, so hooks, state and parameters stay the module's.
-    Dynamo stays out of it: DDP's pre/post-forward run eagerly, as in DDP's own forward."""
+    forward]), Dynamo kept out: DDP's pre/post-forward run eagerly, as in DDP's own forward."""
     ddp.__dict__["forward"] = torch.compiler.disable(compiled.forward)
 
 
 def set_owner(ddp: Any, owner: Any) -> None:
-    """Record what compiles this module's graphs (``bucketwise.report(module)`` reads it): an
-    object with the ``report`` and ``config`` of the compile."""
+    """What compiles this module's graphs, with its ``report`` and ``config``, for ``report()``."""
     ddp.__dict__["_bucketwise_compiled"] = owner
 
 
@@ -134,8 +132,7 @@ def bucket_caps(ddp: DDP) -> tuple[int, int, list[int]]:
 
 
 def default_bucket_caps(ddp: DDP) -> bool:
-    """The DDP module was built with DDP's default bucket caps (no ``bucket_cap_mb``, no
-    ``bucket_cap_mb_list``)."""
+    """No ``bucket_cap_mb`` nor ``bucket_cap_mb_list`` given."""
     return bool(getattr(ddp, "bucket_bytes_cap_default", False)) and not getattr(ddp, "bucket_bytes_cap_list", None)
 
 
@@ -192,9 +189,7 @@ def _produces_sparse_gradient(module: torch.nn.Module) -> bool:
 
 
 def sparse_gradient_flags(ddp: DDP) -> list[bool]:
-    """Per reducer parameter (reducer index order): does DDP expect a sparse gradient for it?
-    The reducer gives each such parameter a bucket of its own and all-reduces it as a sparse
-    tensor."""
+    """Per reducer parameter: does DDP expect a sparse gradient (a bucket of its own) for it?"""
     return [_produces_sparse_gradient(mod) for _, _, mod in _reducer_entries(ddp)]
 
 
@@ -236,9 +231,7 @@ def initial_buckets(ddp: DDP) -> list[list[int]]:
 
 
 def compute_bucket_assignment(tensors: list[torch.Tensor], limits: list[int], order: list[int]) -> list[list[int]]:
-    """DDP's own bucket assignment routine (``dist._compute_bucket_assignment_by_size``) over
-    ``tensors`` given in gradient-ready order, ``order`` being their indices. Buckets are keyed
-    by dtype and device like DDP's, closed once their size reaches the current limit."""
+    """DDP's own bucket assignment over ``tensors`` in gradient-ready order (``order``: indices)."""
     sparse = [False] * (max(order) + 1 if order else 0)
     indices, _ = dist._compute_bucket_assignment_by_size(tensors, limits, sparse, order)
     return [list(b) for b in indices]
@@ -271,8 +264,7 @@ def fixed_buckets(ddp: DDP) -> list[list[int]] | None:
 
 
 def delayed_allreduce_trigger(ddp: DDP) -> torch.nn.Parameter | None:
-    """The parameter whose tensor hooks hold :func:`delayed_allreduce_hook`, or None (DDP keeps
-    no reference to it)."""
+    """The parameter holding :func:`delayed_allreduce_hook` (DDP keeps no reference to it)."""
     hook = delayed_allreduce_hook(ddp)
     if hook is None:
         return None

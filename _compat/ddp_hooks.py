@@ -18,10 +18,8 @@ def comm_hook(ddp: DDP) -> tuple[Any, Any] | None:
 
 
 def comm_hook_count(ddp: DDP) -> int:
-    """How many Python comm hooks ``register_comm_hook`` has registered on ``ddp`` (read per call:
-    a hook registered after the first forward changes what the graphs must do). A built-in hook
-    (``_register_builtin_comm_hook``) goes to the reducer, which a released reducer rebuilds
-    for it (NOTE [released reducer])."""
+    """Python comm hooks on ``ddp``, read per call (one registered later changes the graphs); a
+    built-in hook goes to the reducer, which a released reducer rebuilds for it."""
     return len(getattr(ddp, "_comm_hooks", None) or ())
 
 
@@ -48,9 +46,7 @@ def batched_powersgd_works() -> bool:
 
 
 def powersgd_gram_schmidt_(matrices: torch.Tensor, epsilon: float) -> None:
-    """torch's ``powerSGD_hook._orthogonalize_gram_schmidt``: Gram-Schmidt on the columns of each
-    matrix of a contiguous ``batch x rows x cols`` tensor, in place (plain in-place aten ops,
-    traceable)."""
+    """torch's ``powerSGD_hook._orthogonalize_gram_schmidt``, in place and traceable."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
     ps._orthogonalize_gram_schmidt(matrices, epsilon=epsilon)

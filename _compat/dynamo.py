@@ -23,9 +23,7 @@ from .capabilities import capabilities
 def make_backend(
     backend: str | Callable[..., Any], mode: str | None, options: dict | None, dynamic: bool | None
 ) -> Callable[..., Any]:
-    """The callable torch.compile itself would build for ``backend``/``mode``/``options``, so a
-    segment compiles exactly as a plain ``torch.compile`` graph (mode patches applied per
-    compile, never globally)."""
+    """What torch.compile itself would build, so a segment compiles as a plain graph would."""
     if capabilities(backend).inductor:
         return torch._TorchCompileInductorWrapper(mode, options, dynamic)
     return torch._TorchCompileWrapper(backend, mode, options, dynamic)
@@ -55,8 +53,7 @@ def inductor_option_names() -> list[str]:
 
 
 def requested_dynamic() -> bool | None:
-    """Inside a backend call: the compiling ``torch.compile``'s ``dynamic=``, read from the Dynamo
-    config it patches (``None``: torch's default)."""
+    """Inside a backend call: ``torch.compile``'s ``dynamic=``, from the config it patches."""
     config = torch._dynamo.config
     if not getattr(config, "assume_static_by_default", True):
         return True
@@ -83,8 +80,7 @@ def forget_compiled(code: Any) -> None:
 
 
 def compiling_frame_locals() -> dict[str, Any] | None:
-    """Inside a backend call: the local variables of the frame Dynamo is compiling (its ``self``
-    among them for a method), or ``None`` where this torch does not say."""
+    """Inside a backend call: the compiled frame's locals, or ``None`` where this torch does not say."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -103,9 +99,7 @@ def uncompiled(module: Any) -> Any:
 
 
 def is_dynamo_control_flow(exc: BaseException) -> bool:
-    """Exceptions Dynamo raises through a backend to restart or skip the frame (e.g.
-    ``TensorifyScalarRestartAnalysis`` under dynamic shapes): never a compile failure, always
-    re-raised."""
+    """Dynamo restarting or skipping the frame through a backend: never a failure, re-raised."""
     from torch._dynamo import exc as dynamo_exc
 
     kinds = tuple(getattr(dynamo_exc, n) for n in ("RestartAnalysis", "SkipFrame") if hasattr(dynamo_exc, n))
@@ -143,8 +137,7 @@ def current_compile_id() -> CompileId:
 
 
 def graph_break_reason(gm: Any) -> str | None:
-    """Why Dynamo ended this graph, if a graph break did, with the user source line
-    (``gm.compile_subgraph_reason``: the same record ``torch._dynamo.explain`` reports)."""
+    """The graph break that ended this graph, with its source line (as ``explain`` reports it)."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None or not getattr(reason, "graph_break", False):
         return None
@@ -188,8 +181,7 @@ def aot_autograd_count() -> int:
 
 
 def compile_phase_seconds() -> dict[str, float]:
-    """Cumulative seconds per compile phase torch records (``compilation_time_metrics``), keyed
-    by torch's function names; diff two snapshots to time one compile."""
+    """Cumulative seconds per compile phase (torch's function names); diff two snapshots."""
     metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
     return {k: float(sum(v)) for k, v in metrics.items()}
 
@@ -215,8 +207,7 @@ def compile_counters() -> dict[str, int]:
 
 
 def inductor_seconds(phases: dict[str, float]) -> float:
-    """Of a :func:`compile_phase_seconds` difference: the seconds in Inductor's inner compile
-    (``compile_fx_inner``, timed by torch; cache lookups included)."""
+    """Seconds in ``compile_fx_inner`` (cache lookups included) of a phase difference."""
     return float(phases.get("compile_fx_inner", 0.0))
 
 
@@ -244,9 +235,7 @@ def is_fake(value: Any) -> bool:
 
 
 def torch_ddp_optimizer_disabled():
-    """Scoped ``optimize_ddp=False`` around a call into a bucketwise-compiled function: Dynamo
-    reads the flag when it converts a frame, so it must be patched around each call (not around
-    ``torch.compile()``); the user's own compiles keep torch's default."""
+    """``optimize_ddp=False`` around each call (Dynamo reads it per frame), not globally."""
     return torch._dynamo.config.patch(optimize_ddp=False)
 
 
@@ -286,9 +275,8 @@ def inductor_compile_inner(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
 
 
 def forward_returned_outputs() -> int | None:
-    """In a forward graph's inner compile: how many leading outputs AOTAutograd returns to
-    autograd (mutated inputs, user outputs, intermediate bases, RNG offset); the rest are saved
-    for the backward. ``None`` when unknown (treat every output as returned)."""
+    """In a forward's inner compile: how many leading outputs go to autograd, the rest saved for
+    the backward. ``None`` when unknown (treat every output as returned)."""
     ctx = torch._guards.TracingContext.try_get()
     meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
     n = getattr(meta, "num_forward", None)
@@ -324,9 +312,7 @@ def has_unbacked_symbols(value: Any) -> bool:
 
 
 def has_static_address(t: torch.Tensor) -> bool:
-    """A parameter or buffer Dynamo marked as living at a fixed address (what Inductor's own
-    ``static_input_idxs`` are made of); true in split segments too, where AOTAutograd sees
-    parameters as plain inputs."""
+    """Dynamo's fixed-address mark (Inductor's ``static_input_idxs``), also in split segments."""
     if isinstance(t, torch.nn.Parameter):
         return True
     get = getattr(torch._dynamo.utils, "get_static_address_type", None)

@@ -20,8 +20,7 @@ _GLOBAL_MODULE_HOOKS = tuple("_global" + kind for kind in MODULE_HOOKS)
 
 
 def registrations() -> int:
-    """How many hooks this process has registered so far, of any kind (the id the next
-    ``RemovableHandle`` gets): unchanged means no hook was added anywhere since the last read."""
+    """The id the next ``RemovableHandle`` gets: unchanged, no hook of any kind was added."""
     return RemovableHandle.next_id
 
 
@@ -52,8 +51,7 @@ def module_hook_dicts(module: nn.Module) -> Iterator[tuple[str, dict[int, Any]]]
 
 
 def global_module_hook_dicts() -> Iterator[tuple[str, dict[int, Any]]]:
-    """The hooks ``torch.nn.modules.module.register_module_forward_hook`` and its kin put on
-    every module, named as a module's own (:data:`MODULE_HOOKS`)."""
+    """The global module hooks (``register_module_forward_hook``, ...), named as a module's own."""
     from torch.nn.modules import module as module_mod
 
     for kind in _GLOBAL_MODULE_HOOKS:

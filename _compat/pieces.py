@@ -1,7 +1,5 @@
-"""Compiling pieces of a Dynamo graph outside Dynamo's own compile: fake values and tracing
-contexts for ``split``'s segments and a comm hook's graph variants
-(``distributed/split/apply.py``, ``distributed/fused/variants.py``). Checked on torch 2.13.0 (CI)
-and 2.11.0 (device machines: tests/gpu/test_gpu_powersgd.py, test_gpu_split.py)."""
+"""Fake values and tracing contexts for compiling ``split``'s segments and comm-hook variants
+outside Dynamo's own compile. Checked on torch 2.13.0 (CI) and 2.11.0 (device machines)."""
 
 from __future__ import annotations
 
@@ -43,18 +41,15 @@ def allow_real_inputs(fake_mode) -> Iterator[None]:
 
 
 def graph_example_inputs(gm: Any, example_inputs: Any) -> list[Any]:
-    """Dynamo's own fake values of a graph's inputs (``example_value`` of each placeholder:
-    symbolic sizes where Dynamo made them dynamic), else the example input given. A copy of the
-    graph compiled later, outside Dynamo, gets these: real tensors would be fakified with every
-    size dynamic."""
+    """Dynamo's fake values of a graph's inputs (its dynamic sizes), else the example given: real
+    tensors would be fakified with every size dynamic."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return [n.meta.get("example_value", given) for n, given in zip(placeholders, example_inputs)]
 
 
 @contextlib.contextmanager
 def fresh_tracing(fake_mode) -> Iterator[None]:
-    """A tracing context of its own for one more AOTAutograd compile of a Dynamo graph (a comm
-    hook's variant): it keeps that compile's forward metadata apart from Dynamo's."""
+    """For one more AOTAutograd compile of a Dynamo graph, its forward metadata apart from Dynamo's."""
     with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
         yield
 
@@ -66,8 +61,7 @@ def fake_empty(fake_mode, shape: Any, dtype: torch.dtype, device: torch.device) 
 
 
 def mark_static_address(t: torch.Tensor) -> None:
-    """Mark a tensor that keeps its address across calls (a comm hook's state), so CUDA-graph
-    runners read it in place (``has_static_address``)."""
+    """A tensor keeping its address across calls, read in place by CUDA-graph runners."""
     torch._dynamo.mark_static_address(t, guard=False)
 
 
@@ -100,9 +94,7 @@ class SegmentTracing:
 
     @contextlib.contextmanager
     def compiling_segment(self) -> Iterator[None]:
-        """Ask AOTAutograd to return fake outputs with the backend's real strides on the
-        first call (``fakify_first_call``), so the next segment is compiled against the layout
-        this one really produces."""
+        """``fakify_first_call``: the next segment compiles against the strides this one produces."""
         if self.ctx is None or not hasattr(self.ctx, "fakify_first_call"):
             yield
             return

@@ -26,8 +26,7 @@ _RELEASED_KEY = "_bucketwise_released_reducer"
 
 
 class _ReleasedReducer:
-    """Stands in for ``ddp.reducer`` and ``ddp.logger`` while the fused graphs reduce (NOTE
-    [released reducer]): the idle forward's ``_rebuild_buckets()`` is answered here, every other
+    """``ddp.reducer`` and ``ddp.logger`` while released: answers ``_rebuild_buckets()``, any other
     attribute rebuilds the real object first."""
 
     def __init__(self, ddp: DDP, role: str) -> None:
@@ -61,9 +60,7 @@ def reducer_released(ddp: DDP) -> bool:
 
 
 def release_reducer(ddp: DDP) -> int:
-    """Destroy DDP's reducer and logger, freeing the bucket buffers (NOTE [released reducer]);
-    returns their bytes, 0 where there was nothing to release (already released, or no C++
-    reducer: every parameter's allreduce delayed, the python reducer)."""
+    """The bucket buffers' bytes freed (NOTE [released reducer]); 0 where none, or no C++ reducer."""
     if not isinstance(getattr(ddp, "reducer", None), dist.Reducer) or uses_python_reducer(ddp):
         return 0
     freed = reducer_bytes(ddp)
@@ -74,8 +71,7 @@ def release_reducer(ddp: DDP) -> int:
 
 
 def rebuild_reducer(ddp: DDP, *, why: str) -> None:
-    """Build DDP's reducer and logger again where they were released, as DDP's ``__setstate__``
-    does, then register the module's comm hooks and static-graph setting on them."""
+    """As DDP's ``__setstate__`` does, then the module's comm hooks and static-graph setting."""
     if not reducer_released(ddp):
         return
     parameters, expect_sparse_gradient = ddp._build_params_for_reducer()

@@ -1,6 +1,4 @@
-"""Memory pools, capture stream, capture and replay of CUDA graphs, apart from the runner's
-bookkeeping (cudagraphs/runner.py) so that a test on CPU can pass an emulation instead
-(tests/support/cudagraph_emulator.py)."""
+"""CUDA graph pools, capture and replay, apart from the runner so that CPU tests can emulate them."""
 
 from __future__ import annotations
 
@@ -27,10 +25,8 @@ class CudaGraphs:
 
     @contextlib.contextmanager
     def allocating_in(self, pool: Any) -> Iterator[None]:
-        """Within the block, this thread's allocations come from ``pool`` and its work runs on the
-        capture stream, after the current stream's (the caching allocator gives a free block only
-        to allocations on the stream it was made on, and captures allocate there). The current
-        stream then waits."""
+        """Within the block, allocations come from ``pool`` on the capture stream (the caching
+        allocator reuses a block only on its own stream, and captures allocate there)."""
         stream = self._capture_stream()
         current = torch.cuda.current_stream()
         stream.wait_stream(current)
@@ -50,10 +46,8 @@ class CudaGraphs:
         return self._stream
 
     def capture(self, fn: Callable[[list[Any]], Any], inputs: list[Any], *, pool: Any) -> tuple[Any, Any]:
-        """Record ``fn(inputs)`` into a new graph whose memory comes from ``pool``; returns
-        (graph, fn's result). ``fn`` consumes ``inputs`` (it clears the list, and frees each
-        tensor nothing else holds once it is read). Nothing runs: the first replay computes. The
-        graph keeps no reference to ``inputs``, only their addresses."""
+        """Record ``fn(inputs)`` (which consumes ``inputs``) into a graph with memory from ``pool``.
+        Nothing runs: the first replay computes. The graph keeps only the inputs' addresses."""
         stream = self._capture_stream()
         graph = torch.cuda.CUDAGraph()
         # What eager work left cached goes back before the pool grows, and the capture gets a
@@ -77,9 +71,8 @@ class CudaGraphs:
         return torch.cuda.memory_reserved()
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the work queued so far on the current stream (replays and
-        the NCCL kernels they hold) to finish; False if it has not (a collective waiting for a
-        rank that is gone never does: no unbounded ``synchronize()`` at exit)."""
+        """False if the current stream's work is still running after ``timeout_s`` (a collective
+        waiting for a rank that is gone never ends: no unbounded ``synchronize()`` at exit)."""
         done = torch.cuda.Event()
         done.record()
         deadline = time.monotonic() + timeout_s

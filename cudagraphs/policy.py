@@ -1,7 +1,5 @@
-"""Which compiled graphs bucketwise replays from CUDA graphs, and why not the others: per compile
-(:func:`resolve`: ``cudagraphs=True | False | "auto"`` against the machine and the other options)
-and per compiled graph (:func:`capture_blockers`: what would make a replay wrong or impossible; a
-blocked graph runs uncaptured, with the reason in the report, its numerics unchanged).
+"""Which compiled graphs replay from CUDA graphs: per compile (:func:`resolve`) and per graph
+(:func:`capture_blockers`; a blocked graph runs uncaptured, with the reason in the report).
 """
 
 from __future__ import annotations
@@ -49,13 +47,8 @@ class Decision:
 def resolve(
     requested: bool | str, *, cuda: bool, backend: Capabilities, mode: str | None, dynamic: bool | None
 ) -> Decision:
-    """The compile-level decision for ``cudagraphs=requested``.
-
-    Raises ``ValueError`` for combinations that cannot mean anything sensible (``True`` with
-    Inductor's own CUDA graphs, or with a backend other than Inductor); returns a disabled
-    decision with a reason where the request is only moot (no CUDA, ``"auto"`` with dynamic
-    shapes).
-    """
+    """``ValueError`` for requests that mean nothing (``True`` with Inductor's own CUDA graphs or
+    another backend); a disabled decision with a reason where the request is moot (no CUDA)."""
     if requested is False:
         return Decision(enabled=False)
     if mode == "reduce-overhead":
@@ -96,12 +89,8 @@ def mutated_placeholders(gm: fx.GraphModule) -> dict[int, str]:
 
 
 def capture_blockers(gm: fx.GraphModule, example_inputs: Sequence[Any], *, device_type: str = "cuda") -> list[str]:
-    """Why replaying ``gm`` from a CUDA graph would be wrong or impossible (empty: capturable).
-
-    Writes into inputs are checked when recording (:func:`mutated_placeholders`): a graph may
-    write into parameters and buffers, read in place, not into inputs copied to static buffers.
-    ``device_type``: the device the graphs replay on; a tensor elsewhere (the host) blocks.
-    """
+    """Why replaying ``gm`` would be wrong or impossible (empty: capturable); a tensor off
+    ``device_type`` blocks. Writes into inputs are checked when recording (:func:`mutated_placeholders`)."""
     reasons: list[str] = []
     for i, value in enumerate(example_inputs):
         if isinstance(value, torch.Tensor) and value.device.type != device_type:

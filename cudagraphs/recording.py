@@ -1,6 +1,5 @@
 """What one CUDA-graph recording holds, how it reads its inputs, and what a runner counts
-(cudagraphs/runner.py drives them; NOTE [cudagraph replay safety] and NOTE [a forward and its
-backward share a pool] are there)."""
+(cudagraphs/runner.py drives them and holds their NOTEs)."""
 
 from __future__ import annotations
 
@@ -134,8 +133,7 @@ class Plan:
         return rec
 
     def call_args(self, forward: "Recording | None") -> list[Any]:
-        """The inputs for a run after the capture: the consumed activations as the forward's
-        aliases of the same memory (the tensors the capture read are gone)."""
+        """After the capture, the consumed activations as aliases of the same memory."""
         args = list(self.keep)
         for i, j in self.consumed.items():
             args[i] = forward.outputs[j]
@@ -148,8 +146,7 @@ def is_param(i: int, a: torch.Tensor, static_idxs: frozenset[int]) -> bool:
 
 
 def reads_in_place(i: int, a: torch.Tensor, static_idxs: frozenset[int], stable: set[int]) -> bool:
-    """A recording reads input ``i`` where it is: a parameter or buffer, or another recording's
-    output; every other tensor input is copied into a static buffer."""
+    """Parameters, buffers and other recordings' outputs are read in place, not copied."""
     return is_param(i, a, static_idxs) or a.data_ptr() in stable
 
 
@@ -199,8 +196,7 @@ def plan_inputs(args: list[Any], static_idxs: frozenset[int], stable: set[int]) 
 
 
 def let_go(rec: Recording, idxs: Sequence[int]) -> dict[int, tuple]:
-    """Drop ``rec``'s references to its outputs at ``idxs`` (so that a capture may reuse their
-    memory); returns what :func:`alias` needs to view the same memory again."""
+    """Drop ``rec``'s outputs at ``idxs`` so that a capture may reuse their memory."""
     saved = {}
     for i in idxs:
         t = rec.outputs[i]
@@ -212,8 +208,7 @@ def let_go(rec: Recording, idxs: Sequence[int]) -> dict[int, tuple]:
 
 
 def alias(rec: Recording, saved: dict[int, tuple]) -> None:
-    """Give ``rec`` the outputs :func:`let_go` took back, as views of the memory they lived in
-    (which its graph's pool keeps; NOTE [a forward and its backward share a pool])."""
+    """The outputs :func:`let_go` took, as views of the memory their graph's pool keeps."""
     storages: dict[int, torch.UntypedStorage] = {}
     for i, (ptr, nbytes, offset, size, stride, dtype, device) in saved.items():
         if ptr not in storages:
@@ -231,9 +226,8 @@ def signature(args: Sequence[Any]) -> tuple:
 
 
 def dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its memory exactly once in some order of its dimensions
-    (a permuted contiguous tensor is; an expanded or strided-slice view is not): then a buffer
-    from ``empty_strided`` with the same strides holds a copy of it."""
+    """``t``'s elements fill its memory once (permuted contiguous, not expanded or sliced): then
+    an ``empty_strided`` buffer with its strides holds a copy of it."""
     if t.is_contiguous() or t.numel() == 0:
         return True
     expected = 1

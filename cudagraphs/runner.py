@@ -1,6 +1,5 @@
-"""bucketwise's own CUDA-graph wrapper (``cudagraphs=True``): a :class:`CudaGraphRunner` replays one
-Inductor-compiled graph from a ``torch.cuda.CUDAGraph`` in one launch and a few pointer checks (no
-cudagraph trees); the runners of one compiled object share a :class:`CudaGraphGroup`.
+"""``cudagraphs=True``: a :class:`CudaGraphRunner` replays one Inductor graph in one launch and a few
+pointer checks (no cudagraph trees); one compiled object's runners share a :class:`CudaGraphGroup`.
 
 NOTE [cudagraph replay safety]: a replay rewrites the same output memory, so the runner never
 replays over memory someone still holds; a call it does not replay runs the compiled graph itself.
@@ -343,8 +342,7 @@ def runner_label(label: str) -> Iterator[None]:
 
 
 def inner_compile_factory(group: CudaGraphGroup, *, auto: bool) -> Callable[[], Callable[..., Any]]:
-    """``make_inner`` for :func:`dc.compile_with_inner`: an inner compile that compiles with Inductor
-    and wraps the result in a runner named after the :func:`runner_label` in force."""
+    """``make_inner`` for :func:`dc.compile_with_inner`: Inductor's result in a runner."""
     from .policy import capture_blockers, mutated_placeholders
 
     def make_inner() -> Callable[..., Any]:

@@ -50,8 +50,7 @@ def rank_checks_ready(pg: Any) -> bool:
 
 
 def gather_on_all_ranks(obj: Any, pg: Any, *, what: str, context: str = "") -> list[Any]:
-    """Every rank's ``obj``, over the side group; a rank that never joins makes the others raise
-    :class:`RankMismatchError` after the timeout."""
+    """Every rank's ``obj``; :class:`RankMismatchError` after the timeout if a rank never joins."""
     if dist.get_world_size(pg) == 1:
         return [obj]
     side = _side_groups.get(pg)

@@ -1,5 +1,4 @@
-"""What a strategy (``apply_split``, ``apply_fused``, ``apply_whole``) takes and returns.
-:class:`BucketStats` and :class:`VariantStats` fields are the report's JSON schema."""
+"""What a strategy takes and returns; :class:`BucketStats` and :class:`VariantStats` are JSON schema."""
 
 from __future__ import annotations
 
@@ -57,9 +56,7 @@ class BucketStats:
 
 @dataclasses.dataclass
 class VariantStats:
-    """One compile of a graph whose buckets a comm hook reduces (NOTE [powersgd in the graph]):
-    the first is the graph's segment; later ones happen when the hook first needs them
-    (PowerSGD at ``start_powerSGD_iter``, gradients accumulated before a synced step)."""
+    """One compile of a graph whose buckets a comm hook reduces (NOTE [powersgd in the graph])."""
 
     name: str
     compile_seconds: float
@@ -118,8 +115,7 @@ class PieceCompiler(Protocol):
     def piece(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, label: str, what: str, tracing: Any = None
     ) -> tuple[Callable[..., Any], CompileOutcome]:
-        """Compile ``gm`` (``label``: ``graph 3 segment 0``, the name its CUDA graphs get;
-        ``what``: the progress line; ``tracing``: a split graph's segment tracing context)."""
+        """``label`` (``graph 3 segment 0``) names its CUDA graphs; ``what`` is the progress line."""
         ...
 
     def fused(

@@ -1,7 +1,5 @@
-"""The ``bucketwise demo`` job: a small GPT trained with DDP, compiled by bucketwise, checked
-against an identical eager DDP copy. Every rank runs this module (also startable with
-``torchrun``): gloo on CPU, or NCCL with one GPU per rank when enough GPUs are visible. The run
-fails (exit 1) if the compiled and eager losses drift apart.
+"""The ``bucketwise demo`` job every rank runs: a small GPT under DDP, compiled by bucketwise,
+against an eager DDP copy; exit 1 if their losses drift apart.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Which rank broke a job, and why: read from the per-rank logs torchrun writes.
-
-Unless the user chose log options, torchrun keeps each rank's output (``--log-dir`` in the stats
-folder, ``--tee 3``). The ranks whose stderr holds a traceback are the ones that raised (torchrun
-stops the others with SIGTERM, which leaves none).
+"""Which rank broke a job, and why, from the per-rank logs torchrun keeps in the stats folder: the
+ranks whose stderr holds a traceback raised (torchrun stops the others with SIGTERM, leaving none).
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ class RankFailure:
 
 
 def log_options(user_options: Sequence[str], stats_dir: str) -> list[str]:
-    """Options to add so per-rank logs land in ``<stats_dir>/logs`` (none if the user set any
-    log option of their own)."""
+    """Options putting per-rank logs in ``<stats_dir>/logs``, unless the user set log options."""
     if any(opt.split("=", 1)[0] in LOG_OPTIONS for opt in user_options):
         return []
     return ["--log-dir", os.path.join(stats_dir, "logs"), "--tee", "3"]

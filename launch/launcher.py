@@ -1,7 +1,4 @@
-"""Running a job through ``torch.distributed.run`` (torchrun), with the user's torchrun arguments
-unchanged and ``BUCKETWISE_STATS_DIR`` set, and summarizing its rank files. It manages processes
-only on Ctrl-C, stopping every rank itself (NOTE [stopping a job]).
-"""
+"""Running a job through torchrun with ``BUCKETWISE_STATS_DIR`` set, and summarizing its rank files."""
 
 from __future__ import annotations
 
@@ -60,8 +57,7 @@ def prepare_stats_dir(path: str) -> str:
 
 
 def launch_parser() -> argparse.ArgumentParser:
-    """torchrun's own argument parser (every torchrun option is accepted as torchrun accepts
-    it) plus ``--stats-dir``. SCRIPT is optional here so a missing one gets a clear message."""
+    """torchrun's own parser plus ours; SCRIPT optional so that a missing one gets a clear message."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
@@ -134,8 +130,7 @@ def profile_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def split_at_script(parser: argparse.ArgumentParser, args: Sequence[str]) -> tuple[list[str], list[str]]:
-    """``(launcher options, [SCRIPT, *script args])``: where ``parser`` (torchrun's options,
-    no abbreviations) stops reading options. ``--`` before SCRIPT stays with the options."""
+    """``(launcher options, [SCRIPT, *script args])``; ``--`` before SCRIPT stays with the options."""
     options = parser._option_string_actions  # argparse has no public accessor
     i = 0
     while i < len(args):
@@ -169,17 +164,14 @@ def torchrun_command(torchrun_args: Sequence[str]) -> list[str]:
 
 
 def run_torchrun(torchrun_args: Sequence[str], stats_dir: str, extra_env: dict[str, str] | None = None) -> int:
-    """Run torchrun with ``BUCKETWISE_STATS_DIR=stats_dir``; its exit code. Ctrl-C (SIGINT,
-    SIGTERM, SIGHUP) stops every rank and raises :class:`stopping.Interrupted` (NOTE [stopping a
-    job])."""
+    """torchrun's exit code; Ctrl-C raises :class:`stopping.Interrupted` (NOTE [stopping a job])."""
     env = dict(os.environ, **{STATS_DIR_ENV: stats_dir}, **(extra_env or {}))
     return stopping.run(torchrun_command(torchrun_args), env, logs=os.path.join(stats_dir, "logs"))
 
 
 def summarize(stats_dir: str, *, table: bool = True, out: TextIO | None = None) -> bool:
-    """Print the merged per-bucket table (or, with ``table=False``, only the plan check) of a
-    finished run: every rank's, where rank 0 gathered them into this folder (NOTE [job-wide
-    stats]); where another node's folder has them, say which. False when no rank wrote a report."""
+    """Print a finished run's merged table (``table=False``: the plan check only) or where another
+    node's folder has it (NOTE [job-wide stats]). False when no rank wrote a report."""
     out = out or sys.stdout
     job = job_stats.read_job_file(stats_dir)
     if job_stats.is_elsewhere(stats_dir, job):

@@ -88,8 +88,7 @@ def plan_of(report: ReportData) -> dict[tuple[int, str, int], tuple[str, ...]]:
 
 
 def plan_differences(reports: list[ReportData]) -> list[dict[str, Any]]:
-    """Where each rank's plan differs from the reference (first) rank's, segment by segment and
-    bucket by bucket (``part``)."""
+    """Where each rank's plan differs from the first rank's, per segment and bucket (``part``)."""
     ref = reports[0]
     ref_plan = plan_of(ref)
     diffs = []
@@ -344,8 +343,7 @@ def runtime_views(path: str, warn: Callable[[str], None]) -> list[RuntimeView]:
 
 
 def host_bound_lines(path: str, steps: int) -> list[str]:
-    """``bucketwise doctor``'s verdict on the host from a run folder's runtime views (``steps``
-    asked for): the host-bound ranks' notes, else one line and the GPU-bound ranks' advice."""
+    """``bucketwise doctor``'s verdict: the host-bound ranks' notes, else the GPU-bound ranks' advice."""
     views = runtime_views(path, lambda msg: None)
     if not views:
         return [

@@ -36,9 +36,7 @@ class Interrupted(Exception):
 
 
 def run(cmd: Sequence[str], env: dict[str, str], *, logs: str | None = None) -> int:
-    """Run ``cmd`` (torchrun) in a session of its own; its exit code. On SIGINT, SIGTERM or SIGHUP,
-    stop the job (NOTE [stopping a job]) and raise :class:`Interrupted`. ``logs``: where the
-    ranks' logs are, for the line that says so."""
+    """``cmd``'s exit code; :class:`Interrupted` when stopped (NOTE [stopping a job])."""
     received: list[int] = []
     handled = [getattr(signal, name) for name in _HANDLED if hasattr(signal, name)]
     previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in handled}
@@ -105,8 +103,7 @@ def _wait(proc: subprocess.Popen, seconds: float, received: list[int]) -> None:
 
 
 def _send(pid: int, sig: int, *, group: bool) -> bool:
-    """Send ``sig`` to ``pid`` (and, with ``group``, to its process group, which a rank leads);
-    whether the process was there."""
+    """Whether ``pid`` was there to get ``sig`` (with ``group``: its process group too)."""
     there = False
     if group:
         try:

@@ -1,10 +1,8 @@
 """Stretches of a Dynamo graph that must not be cut or interleaved with bucket syncs.
 
-Dynamo inlines ``torch.func`` transforms (``vmap``, ``grad``, ``jvp``, ...) into the graph as a
-``_*_increment_nesting`` call, the transformed ops, and the matching ``_*_decrement_nesting``
-call. Tensors inside such a stretch are batched/wrapped by the functorch level it opened, so a
-cut inside it would hand a ``BatchedTensor`` from one compiled segment to the next, and an
-``autograd.Function`` placed inside it would run under the transform. Higher-order ops
+Dynamo inlines ``torch.func`` transforms between ``_*_increment_nesting`` and
+``_*_decrement_nesting`` calls. A cut inside would hand a ``BatchedTensor`` from one segment to the
+next, and an ``autograd.Function`` placed inside would run under the transform. Higher-order ops
 (checkpoint, ``cond``, ...) are single nodes and need no region.
 """
 

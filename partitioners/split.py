@@ -34,15 +34,9 @@ class Segment:
 
 
 def bucket_boundaries(gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]]) -> Callable[[fx.Node], int]:
-    """Policy: node -> segment, such that every bucket's parameters are first used inside one
-    segment, with as many segments as that allows, and no cut inside an inlined torch.func
-    transform (``partitioners/regions.py``).
-
-    Each bucket spans the range of its parameters' first uses; overlapping ranges are merged
-    (buckets that are not contiguous in forward order, e.g. DDP's construction-time buckets,
-    share a segment) and the graph is cut where each merged range begins. A bucket's gradients
-    are then complete when its segment's backward finishes. Segments go in forward order.
-    """
+    """Node -> segment (forward order): as many segments as keep every bucket's parameters' first
+    uses in one, and no cut inside a torch.func region. Each bucket spans its parameters' first
+    uses; overlapping spans merge (non-contiguous buckets share a segment); a cut starts each."""
     ranges = sorted(
         (min(uses), max(uses)) for uses in ([p.first_use for p in b if p.first_use >= 0] for b in buckets) if uses
     )
@@ -66,8 +60,7 @@ def bucket_boundaries(gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]
 def split_graph(
     gm: fx.GraphModule, segment_of: Callable[[fx.Node], int], params: Sequence[GraphParam]
 ) -> tuple[fx.GraphModule, list[Segment]]:
-    """Split ``gm`` with the policy ``segment_of`` into a GraphModule that calls one submodule
-    per segment, in order. Each original node keeps its meta, plus ``bucketwise.segment``."""
+    """A GraphModule calling one submodule per segment; nodes keep their meta, plus the segment."""
     log.debug("graph before split:\n%s", LazyGraph(gm))
     ids: dict[int, int] = {}
     for node in gm.graph.nodes:

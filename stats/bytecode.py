@@ -1,5 +1,4 @@
-"""Whether this Python runs torch's compile stack from compiled bytecode or compiles its source
-again in every process.
+"""Whether torch's compile stack runs from cached bytecode or is compiled again in every process.
 
 NOTE [compiled bytecode]: where Python may not cache bytecode (``PYTHONDONTWRITEBYTECODE``, a
 read-only installation), every process recompiles every module it imports; Dynamo, AOTAutograd
@@ -69,8 +68,7 @@ class Bytecode:
 
 
 def check(package: str, samples: tuple[str, ...] = SAMPLES) -> Bytecode:
-    """Whether ``samples`` (module paths inside the folder ``package``) have up-to-date bytecode
-    for this Python, and if not whether Python will cache it (NOTE [compiled bytecode])."""
+    """Up-to-date bytecode for ``samples`` (paths in ``package``), else whether Python will cache it."""
     missing = tuple(s for s in samples if not _up_to_date(os.path.join(package, s)))
     if not missing:
         return Bytecode(BytecodeState.CACHED, package)
@@ -81,8 +79,7 @@ def check(package: str, samples: tuple[str, ...] = SAMPLES) -> Bytecode:
 
 
 def torch_bytecode() -> Bytecode:
-    """:func:`check` of the installed torch (a few ``stat`` calls: not cached, so it follows the
-    process's settings)."""
+    """:func:`check` of torch (a few ``stat`` calls, not cached: it follows the process's settings)."""
     import torch
 
     return check(os.path.dirname(torch.__file__))
@@ -107,8 +104,7 @@ def _up_to_date(source: str) -> bool:
 
 
 def _not_kept(source: str) -> tuple[str, str] | None:
-    """Why Python would not cache the bytecode it compiles for ``source``, and what would let
-    it; ``None`` where it will."""
+    """Why Python would not cache ``source``'s bytecode and what would let it; ``None`` if it will."""
     if sys.dont_write_bytecode:
         return "PYTHONDONTWRITEBYTECODE is set (or python -B)", "unset PYTHONDONTWRITEBYTECODE"
     folder = os.path.dirname(importlib.util.cache_from_source(source))

@@ -1,5 +1,4 @@
-"""Where each graph's compile seconds go: Dynamo, bucketwise's own work, AOTAutograd, the
-backend, and what the compile caches did.
+"""Where each graph's compile seconds go, and what the compile caches did.
 
 NOTE [compile-time breakdown]: a Dynamo graph compiles in three steps: (1) Dynamo traces and
 builds guards; (2) the backend call: bucketwise's work (``bucketwise_s``, of which
@@ -35,8 +34,7 @@ class CacheCounts:
 
 @dataclasses.dataclass
 class CompileTimes:
-    """One graph's compile seconds by phase, and its compile-cache lookups (FX graph cache:
-    one per Inductor compile, forward and backward; AOTAutograd cache: one per AOT graph)."""
+    """One graph's compile seconds by phase, and its compile-cache lookups."""
 
     dynamo_s: float | None = None
     """Dynamo's own time on the frame (tracing, guards, bytecode); ``None`` until torch's record
@@ -70,8 +68,7 @@ class CompileTimes:
 
 
 def backend_call_times(call_s: float, outcomes: Iterable[Any], rank_check_s: float) -> CompileTimes:
-    """Step 2 of the breakdown (NOTE [compile-time breakdown]): ``call_s`` seconds in bucketwise's backend for one
-    graph, of which ``outcomes`` (``segments.CompileOutcome``) are the compiles it handed on."""
+    """Step 2 of NOTE [compile-time breakdown]; ``outcomes``: the compiles the backend handed on."""
     outcomes = list(outcomes)
     compiled = sum(o.seconds for o in outcomes)
     inductor = sum(dc.inductor_seconds(o.phases) for o in outcomes)
@@ -108,8 +105,7 @@ class CompileTimesTracker:
             self._tracked.append(_Tracked(times, compile_id, call_us))
 
     def compiled_within(self, start_us: int, end_us: int) -> float:
-        """Compile seconds of the graphs whose backend was called between the two wall-clock
-        times (their lazily compiled backwards included)."""
+        """Of the graphs whose backend was called between the two times, lazy backwards included."""
         self.refresh()
         return sum(t.times.total_s for t in self._tracked if start_us <= t.call_us <= end_us)
 

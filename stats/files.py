@@ -9,8 +9,7 @@ from typing import Any
 
 
 def atomic_write_json(path: str | os.PathLike, data: Any) -> None:
-    """``data`` as JSON at ``path``, written whole to a temporary file then renamed (a reader
-    never sees a torn file), readable by everyone."""
+    """Written to a temporary file then renamed (a reader never sees a torn file), world-readable."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)

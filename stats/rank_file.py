@@ -1,10 +1,8 @@
 """Where and when a report is written: ``$BUCKETWISE_STATS_DIR/rank<R>.json``.
 
-A report is written when it changes in a way a reader waits for: a graph compiled, torch's
-compile records added to it, the first, 2nd, 4th, 8th, ... call that ran eagerly for one reason
-(and at interpreter exit, so the count there is final), and when a component says its part is
-final (alignment known, a profile taken). Each write is whole then renamed (never torn) and also
-sent to rank 0 through the job's store (NOTE [job-wide stats] in ``job_stats.py``).
+A report is written when it changes in a way a reader waits for (a graph compiled, compile records
+added, eager calls at powers of two and at exit, alignment known, a profile taken), and also sent
+to rank 0 through the job's store (NOTE [job-wide stats]).
 """
 
 from __future__ import annotations
@@ -27,9 +25,8 @@ class Writable(Protocol):
 
 
 class RankFile:
-    """One report's file. The first compiled object of a process that writes into a stats folder
-    owns ``rank<R>.json``; further ones (a second model, an eval copy) write
-    ``obj<k>/rank<R>.json`` instead of overwriting it."""
+    """One report's file: a process's first compiled object owns ``rank<R>.json``; further ones
+    (a second model, an eval copy) write ``obj<k>/rank<R>.json``."""
 
     # Stats folder -> how many compiled objects of this process write into it.
     _slots: dict[str, int] = {}
@@ -55,8 +52,7 @@ class RankFile:
         job_stats.publish(out_dir, os.path.relpath(path, out_dir), data)
 
     def eager_call(self, report: Writable, count: int) -> None:
-        """The ``count``-th call that ran eagerly for one reason: written at powers of two, and
-        at interpreter exit, not at every call."""
+        """Written at powers of two and at interpreter exit, not at every call."""
         if count & (count - 1) == 0:
             self.write(report)
         else:

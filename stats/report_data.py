@@ -1,10 +1,8 @@
 """A report as data: what one rank's ``rank<R>.json`` holds, read back with :meth:`ReportData.from_dict`.
 
-``Report`` (``report.py``) is the live record that grows while graphs compile; its ``to_dict()``
-is the JSON schema (``SCHEMA_VERSION``). Everything that reads a report, in the process or from a
-file (the report's own table, ``bucketwise stats``, the job table), reads a :class:`ReportData`:
-``from_dict`` checks the schema once and names what is wrong, and readers use fields, not keys.
-``to_dict`` gives back exactly the dict it was made from.
+``Report.to_dict()`` is the JSON schema (``SCHEMA_VERSION``). Every reader of a report reads a
+:class:`ReportData`, so the schema is checked once (``from_dict`` names what is wrong) and readers
+use fields, not keys. ``to_dict`` gives back exactly the dict it was made from.
 """
 
 from __future__ import annotations
@@ -122,8 +120,7 @@ class ReportData:
 
     @classmethod
     def from_dict(cls, data: Any) -> ReportData:
-        """The report in ``data`` (``Report.to_dict()`` or a parsed rank file); ``ValueError``
-        naming what is wrong when it is not one."""
+        """``ValueError`` naming what is wrong when ``data`` is not a report."""
         if not isinstance(data, dict):
             raise ValueError("not a bucketwise report (top level is not an object)")
         missing = [k for k in _REQUIRED if k not in data]

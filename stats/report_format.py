@@ -1,5 +1,4 @@
-"""A report as text: the table ``report.table()`` and ``bucketwise stats FILE`` print, and the
-parts of it ``bucketwise stats`` reuses for a whole run. Everything here reads :class:`ReportData`."""
+"""A report as text: ``report.table()``, ``bucketwise stats`` and its parts, from :class:`ReportData`."""
 
 from __future__ import annotations
 
@@ -89,16 +88,13 @@ def format_table(data: ReportData) -> str:
 
 
 def compile_seconds(totals: dict) -> float:
-    """A report's compile seconds: every phase of every graph (NOTE [compile-time breakdown]) where
-    the breakdown is known, else the segments' compiles at the first forward."""
+    """Every phase of every graph (NOTE [compile-time breakdown]), else the segments' compiles."""
     total = (totals.get("compile_times") or {}).get("total_s")
     return total if total else totals["compile_seconds"]  # 0: no graph has a breakdown
 
 
 def compile_text(totals: dict, *, breakdown: bool) -> str:
-    """``compile S s`` for the totals line: the phases' total (the breakdown table's, and the first
-    step's compile part), not the ``fwd compile s`` column, which is each segment's compile at the
-    first forward only (no Dynamo, no lazily compiled backward)."""
+    """The phases' total, not the ``fwd compile s`` column (no Dynamo, no lazy backward compile)."""
     if not breakdown:
         return f"compile {totals['compile_seconds']:.2f} s"
     return f"compile {compile_seconds(totals):.2f} s (every phase: the table below)"
@@ -146,9 +142,7 @@ def _status(value: bool | str | None, yes: str, no: str) -> str:
 
 
 def bucket_table(graphs: Sequence[GraphData]) -> list[str]:
-    """The fused buckets of ``graphs``: where each collective is issued, what it is and the bytes
-    each rank sends into it; with comm hooks, the total against the gradient bytes. Empty
-    without fused buckets."""
+    """Where each fused bucket's collective is issued, what it is and the bytes each rank sends."""
     rows = [
         (
             str(g.graph_id),
@@ -176,8 +170,7 @@ def bucket_table(graphs: Sequence[GraphData]) -> list[str]:
 
 
 def wire_lines(graphs: Sequence[GraphData]) -> list[str]:
-    """Per fused graph that sends other than its gradient bytes (a comm hook, a compressed wire
-    dtype, embedding rows): what its buckets send per step, against the gradient bytes."""
+    """Per fused graph sending other than its gradient bytes (comm hook, wire dtype, rows)."""
     lines = []
     for g in graphs:
         hook = g.comm_hook

@@ -1,6 +1,4 @@
-"""What each gradient bucket costs at run time, from a profiler trace (``profiling.py`` takes it):
-communication time, the part overlapped with compute, the exposed rest, and the bytes on the wire.
-"""
+"""Per gradient bucket, from a profiler trace: communication time, overlapped, exposed, wire bytes."""
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ _SOURCES = {
 
 @dataclasses.dataclass(frozen=True)
 class BucketTime:
-    """One bucket's communication per profiled step (``graph_id`` ``None``: the collectives
-    that matched no bucket)."""
+    """One bucket's communication per step (``graph_id`` ``None``: collectives of no bucket)."""
 
     graph_id: int | None
     index: int | None
@@ -161,8 +158,7 @@ GPU_BOUND_PREFIX = "GPU-bound: "
 
 
 def shared_blocks_note(view: RuntimeView, report: dict[str, Any]) -> str | None:
-    """What to tell the user when ``view``'s GPU is the step and ``report`` lists repeated blocks
-    compiled with the whole graph for host time only, else ``None``."""
+    """The advice when the GPU is the step and blocks stayed unshared for host time only."""
     if view.gpu_busy_ms is None or view.gpu_busy_ms < GPU_BOUND_BUSY * view.step_ms:
         return None
     if any(g.get("strategy") == "split" for g in report.get("graphs", [])):
@@ -181,8 +177,7 @@ def shared_blocks_note(view: RuntimeView, report: dict[str, Any]) -> str | None:
 
 
 def host_bound_note(view: RuntimeView, report: dict[str, Any]) -> str | None:
-    """What to tell the user when ``view``'s steps are bound by the host, else ``None``: it
-    depends on whether ``report``'s graphs replay as CUDA graphs and call shared blocks."""
+    """The advice when the steps are host-bound: it depends on CUDA graphs and shared blocks."""
     if not view.host_bound or view.gpu_busy_ms is None:
         return None
     head = (
@@ -235,8 +230,7 @@ def analyze(
     cpu_ms: float | None = None,
     memory_mib: tuple[float, float] | None = None,
 ) -> RuntimeView:
-    """The :class:`RuntimeView` of a trace of ``steps`` training steps of the object whose
-    ``Report.to_dict()`` is ``report``; ``memory_mib``: CUDA memory (peak allocated so far, reserved)."""
+    """``memory_mib``: CUDA memory (peak allocated so far, reserved)."""
     if steps < 1:
         raise ValueError(f"steps: expected at least 1 profiled step, got {steps}")
     comm, compute, source = ta.collectives(events)
@@ -329,8 +323,7 @@ def _last_step(
 
 
 def merged_table(views: Sequence[RuntimeView]) -> str:
-    """Every rank's view in one table: per bucket the median over ranks, and the largest exposed
-    time with its rank; then one line per rank and where its trace and plot are."""
+    """Per bucket the median over ranks and the largest exposed time with its rank; a line per rank."""
     by_key: dict[tuple[Any, Any], list[tuple[int, BucketTime]]] = {}
     for v in views:
         for b in [*v.buckets, *([v.other] if v.other else [])]:
@@ -375,8 +368,7 @@ def pyplot() -> Any:
 
 
 def plot_timeline(data: dict[str, Any], path: str, title: str) -> bool:
-    """Compute (merged) and each collective of one step on a time axis, as a PNG; False
-    without matplotlib."""
+    """One step's compute and collectives as a PNG; False without matplotlib."""
     plt = pyplot()
     if plt is None:
         return False

@@ -1,6 +1,4 @@
-"""The fused strategy for one Dynamo graph: plan buckets (NOTE [fused layout check]), insert
-the collectives, compile whole. A comm hook with per-step host decisions (PowerSGD) compiles
-per variant instead (``comm_hooks.HookedGraph``)."""
+"""The fused strategy for one Dynamo graph: plan buckets, insert the collectives, compile whole."""
 
 from __future__ import annotations
 
@@ -112,8 +110,7 @@ def apply_fused(
 def _apply_hooked(
     job: GraphJob, compiler: PieceCompiler, *, caps: BucketCaps, state: FusedState, program: HookProgram
 ) -> StrategyResult:
-    """A graph whose buckets a comm hook reduces, compiled per variant. No embedding rows: the
-    hook gets tables like any gradient, as in eager DDP."""
+    """Compiled per variant; no embedding rows: the hook gets tables like any gradient, as in DDP."""
     spec = program.plain_spec()
     plan = fused_plan(job, spec, caps, state, rows=False)
     synced = [[p for p in b if p.first_use >= 0] for b in plan.buckets]
@@ -185,8 +182,7 @@ class FusedRan:
 
 
 def _hook_program(ddp: Any, spec: CommSpec, runtime: FusedRuntime, kind: HookKind) -> HookProgram | None:
-    """The program of the DDP module's comm hook, shared by its graphs; ``None`` where each
-    bucket is one all-reduce (``BucketSync``)."""
+    """The comm hook's program, shared by the graphs; ``None`` where a bucket is one all-reduce."""
     if kind.program is None:
         return None
     if runtime.hook is None:
@@ -199,8 +195,7 @@ def _hook_program(ddp: Any, spec: CommSpec, runtime: FusedRuntime, kind: HookKin
 
 
 def fused_plan(job: GraphJob, spec: CommSpec, caps: BucketCaps, state: FusedState, *, rows: bool = True) -> FusedPlan:
-    """Buckets to all-reduce and embedding tables to gather as rows (``rows``), agreed on by
-    all ranks."""
+    """Buckets to all-reduce and tables to gather as rows, agreed on by all ranks."""
     params = job.params
     # The parameters a shared block reduces itself are its own bucket (NOTE [a bucket per block]).
     inside = block_buckets(job.gm, params)

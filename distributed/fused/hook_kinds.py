@@ -58,8 +58,7 @@ def _powersgd(hook: Any, state: Any, spec: CommSpec) -> HookProgram:
 
 
 def hook_kind(ddp: Any) -> HookKind:
-    """The kind of the comm hook registered on ``ddp`` (read at the first forward: hooks are
-    registered after construction)."""
+    """Read at the first forward: comm hooks are registered after construction."""
     registered = ddp_hooks.comm_hook(ddp)
     if registered is None:
         builtin = ddp_hooks.builtin_hook_name(ddp)

@@ -10,8 +10,7 @@ from .hook_kinds import HookKind
 
 
 def why_not_fused(ddp: Any, requested: str, *, comm_hook: HookKind, hooked: Collection[str]) -> str | None:
-    """Why ``requested`` (``"fused"`` or ``"auto"``) cannot run the fused strategy on this DDP
-    module, so DDP's reducer keeps reducing (``split``); ``None`` where it can. Read at the first
+    """Why ``fused`` cannot run on this DDP module (then ``split``), or ``None``. Read at the first
     forward (comm hooks are registered after construction) and whenever the hooks change."""
     if comm_hook.unsupported is not None:
         return f"{comm_hook.unsupported}; DDP's reducer runs it, overlapping each bucket's hook with the backward"
@@ -35,9 +34,7 @@ def why_not_fused(ddp: Any, requested: str, *, comm_hook: HookKind, hooked: Coll
 
 
 def hooked_gradients(ddp: Any, *, own: Collection[int] = ()) -> list[str]:
-    """Names of the reducer parameters that carry a hook of the user's on their gradient:
-    ``Tensor.register_hook`` or ``register_post_accumulate_grad_hook`` (``own``: handle ids of
-    bucketwise's own hooks, left out; DDP's delayed-allreduce hook is DDP's, left out too).
+    """Reducer parameters with a user's gradient hook (not ours, ``own``, nor DDP's delayed allreduce).
 
     NOTE [gradient hooks before the reduction]: in eager DDP a parameter's gradient hooks (a tensor
     hook before accumulation, a post-accumulate-grad hook right after) run on the rank's own

@@ -115,8 +115,7 @@ class BucketPlan:
 def plan_bucket(
     shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: float, batch_same_shape: bool
 ) -> BucketPlan:
-    """torch's decisions for a bucket of gradients of these shapes (``powerSGD_hook`` step I and
-    ``maybe_batched_tensors_to_compress``)."""
+    """torch's decisions for a bucket of gradients of these shapes (``powerSGD_hook`` step I)."""
     shapes = tuple(tuple(int(d) for d in s) for s in shapes)
     uncompressed: list[int] = []
     by_shape: dict[tuple[int, int], list[int]] = {}
@@ -177,8 +176,7 @@ def powersgd_reduce(
     p_mem: torch.Tensor,
     q_mem: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """torch's ``powerSGD_hook`` on one bucket once compression is on, out of place: returns
-    the reduced buffer, the new error (or ``None``), and the new P and Q memories."""
+    """torch's ``powerSGD_hook`` on one bucket once compression is on, out of place."""
     if cfg.use_error_feedback:
         flat = flat + error
     tensors = [seg.view(shape) for seg, shape in zip(_segments(flat, [math.prod(s) for s in plan.shapes]), plan.shapes)]

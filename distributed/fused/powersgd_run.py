@@ -1,7 +1,4 @@
-"""The host side of ``powerSGD_hook`` under the fused strategy (NOTE [powersgd in the graph]):
-per step, which variant runs, the state tensors each bucket's backward reads and updates, Q's
-random draws, ``iter`` and the compression statistics, all kept in the user's ``PowerSGDState``
-the way torch's hook keeps them."""
+"""The host side of ``powerSGD_hook`` under the fused strategy (NOTE [powersgd in the graph])."""
 
 from __future__ import annotations
 
@@ -23,13 +20,9 @@ _SEED_HIGH = 1_000_000_000
 
 
 class PowerSGDRun(HookProgram):
-    """``powerSGD_hook`` and its ``PowerSGDState`` for the fused graphs of one DDP module.
-
-    ``spec``: the plain all-reduce before ``start_powerSGD_iter`` (``allreduce_hook``'s: divide
-    by the world size, then sum, on the state's process group). ``keep_in_place``: called with
-    every state tensor the graphs will read and update in place (the compiler marks them as
-    living at a fixed address for CUDA graphs).
-    """
+    """``powerSGD_hook`` and its state for one DDP module's fused graphs. ``spec``: the all-reduce
+    before ``start_powerSGD_iter``; ``keep_in_place``: gets every state tensor the graphs update in
+    place (given fixed addresses for CUDA graphs)."""
 
     name = "powerSGD_hook"
 
@@ -166,8 +159,7 @@ class PowerSGDRun(HookProgram):
             offset += n
 
     def after_synced_forward(self) -> None:
-        """The end of torch's hook on the last bucket: the device generators seeded as torch
-        leaves them, compression statistics logged, ``iter`` increased."""
+        """The end of torch's hook on the last bucket: device generators, statistics, ``iter``."""
         state = self.state
         for seed in self._seeds:
             with torch.random.fork_rng(devices=[]):

@@ -92,8 +92,7 @@ class CommSpec:
         return cc.all_reduce(wire, self.group, self.reduce_op(wire.dtype))
 
     def as_args(self) -> tuple[Any, ...]:
-        """The fields as graph arguments: FX writes a dataclass as its repr, which an uncompiled
-        fallback run cannot evaluate. ``CommSpec(*spec.as_args()) == spec``."""
+        """As graph arguments: FX writes a dataclass as its repr, which a fallback cannot evaluate."""
         return (self.group, self.world_size, self.comm_dtype, self.divide_first, self.average_in_collective)
 
 
@@ -191,8 +190,7 @@ def insert_bucket_syncs(
     target: Callable[..., Any] = bucket_sync,
     bucket_args: Callable[[int], tuple[Any, ...]] | None = None,
 ) -> fx.GraphModule:
-    """Graph pass, in place: one sync per bucket before its earliest use, called as
-    ``target(*bucket_args(index), *params)`` (default ``bucket_sync(*spec.as_args(), ...)``)."""
+    """In place: per bucket, ``target(*bucket_args(index), *params)`` before its earliest use."""
     log.debug("graph before bucket syncs:\n%s", LazyGraph(gm))
     nodes = list(gm.graph.nodes)
     regions = transform_regions(gm)
@@ -223,8 +221,7 @@ def insert_bucket_syncs(
 
 
 def backward_positions(gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]]) -> list[float]:
-    """Where each bucket's allreduce is issued, as a fraction of the backward: ``(n - f) / n``
-    for earliest forward use ``f`` of ``n`` nodes (the backward runs in reverse)."""
+    """Where each bucket's allreduce is issued, as a fraction of the backward (run in reverse)."""
     n = max(1, sum(1 for node in gm.graph.nodes if node.op not in ("placeholder", "output")))
     offset = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
     out = []
@@ -238,8 +235,7 @@ def backward_positions(gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam
 def fresh_copy(
     gm: fx.GraphModule, buckets: Sequence[Sequence[GraphParam]], inputs: Sequence[Any], name: str
 ) -> tuple[fx.GraphModule, list[list[GraphParam]], list[fx.Node]]:
-    """A plain GraphModule copy of ``gm`` (no Dynamo metadata) with extra placeholders for
-    ``inputs``; returns it, ``buckets`` remapped to it, and the new placeholders."""
+    """A copy of ``gm`` without Dynamo metadata, with placeholders for ``inputs``, buckets remapped."""
     graph = copy.deepcopy(gm.graph)
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     nodes = list(graph.nodes)

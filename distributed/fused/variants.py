@@ -1,5 +1,4 @@
-"""Compiling a Dynamo graph once per variant its comm hook asks for (NOTE [powersgd in the
-graph] in ``fused/powersgd.py``, NOTE [comm hooks in the graph] in ``fused/comm_hooks.py``)."""
+"""Compiling a Dynamo graph once per variant its comm hook asks for (NOTE [comm hooks in the graph])."""
 
 from __future__ import annotations
 
@@ -16,11 +15,9 @@ log = logging.getLogger(__name__)
 
 
 class VariantCompiler:
-    """``compile_variant(variant, input_specs)`` for a ``HookedGraph``: a copy of the job's
-    Dynamo graph with the variant's extra inputs and syncs, compiled against Dynamo's own fake
-    inputs in a tracing context of its own (the first variant while Dynamo compiles the frame,
-    later ones at the call that first needs them). Every compile is recorded in ``variants``,
-    the list the graph's report entry holds."""
+    """``compile_variant`` for a ``HookedGraph``: a copy of Dynamo's graph with the variant's inputs
+    and syncs, compiled in a tracing context of its own (later variants at their first call), each
+    recorded in ``variants`` (the graph's report entry)."""
 
     def __init__(
         self, job: GraphJob, program: HookProgram, buckets: Sequence[Sequence[GraphParam]], compiler: PieceCompiler

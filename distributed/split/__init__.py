@@ -1,6 +1,5 @@
-"""The split strategy, in one place: graphs cut at DDP's bucket boundaries (``apply``), DDP's
-rebuilt buckets made to coincide with the segments (``ready_order``) and how well they do
-(``alignment``)."""
+"""The split strategy: cut graphs (``apply``), DDP's buckets matched to them (``ready_order``),
+how well (``alignment``)."""
 
 from .apply import apply_split
 

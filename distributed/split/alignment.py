@@ -10,16 +10,12 @@ from ..._compat import ddp as ddpc
 def measure_alignment(
     ddp: Any, param_segments: Mapping[int, Mapping[str, int]], *, eager_code: bool = True
 ) -> dict[str, Any]:
-    """``alignment`` = fraction of the reducer's buckets whose parameters all lie in one
-    compiled segment (one frame's graph, one segment). ``param_segments`` maps each compiled
-    frame (forward order) to its parameters' segments; a parameter several frames read belongs
-    to the earliest, whose backward completes its gradient.
+    """``alignment`` = fraction of the reducer's buckets whose parameters all lie in one compiled
+    segment; a parameter several frames read belongs to the earliest (its backward completes it).
 
-    A parameter no compiled graph reads counts as ``eager`` where ``eager_code`` (the compiled
-    object runs code outside its graphs, which a bucket then waits for), else as unused (DDP's
-    reducer marks it ready after the forward; it is named in its bucket's status). Buckets of such
-    parameters only are left out of the fraction. ``{"alignment": None, "status": "pending ..."}``
-    until the reducer has rebuilt its buckets from the first iteration's gradient-ready order.
+    A parameter no graph reads is ``eager`` where ``eager_code`` (a bucket then waits for code
+    outside the graphs), else unused (DDP marks it ready after the forward); buckets of such
+    parameters only are left out. ``None`` ("pending") until the reducer has rebuilt its buckets.
     """
     buckets, source = ddpc.reducer_buckets(ddp)
     if buckets is None:
@@ -62,12 +58,8 @@ def _names(names: list[str]) -> str:
 
 
 class AlignmentPoll:
-    """Rewrites the report's rank file once DDP's rebuilt buckets make the alignment known.
-
-    DDP refreshes its logging data, where the rebuilt buckets are read, on its first iterations
-    (then every 100th): after a graph is compiled and the buckets are final, each forward asks
-    once, for at most ``POLLS`` forwards, so a long run never pays for it on its hot path
-    (``report()`` still reads the alignment on demand)."""
+    """Rewrites the rank file once DDP's rebuilt buckets make the alignment known: DDP refreshes
+    the logging data they are read from on its first iterations, so at most ``POLLS`` forwards ask."""
 
     POLLS = 20
 

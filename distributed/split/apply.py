@@ -169,8 +169,7 @@ def _compile_segment(
     outcomes: list[CompileOutcome],
     total: int,
 ) -> Any:
-    """Compile one segment, put it in place of ``node``, and return its (fake) outputs for the
-    segments after it."""
+    """Compile one segment in place of ``node``; its (fake) outputs, for the segments after it."""
     submod = getattr(split_gm, str(node.target))
     unwrap = _force_tuple_output(submod)
     aot_before = dc.aot_autograd_count()

@@ -1,5 +1,4 @@
-"""Make the first backward report gradients in the planned order, so DDP's rebuilt buckets
-coincide with the compiled segments.
+"""The first backward's gradients in the planned order, so DDP's rebuilt buckets match the segments.
 
 NOTE [first-iteration gradient order]: DDP's reducer rebuilds its buckets once, after the first
 iteration, from the order in which gradients became ready. A compiled segment's backward returns
@@ -46,11 +45,9 @@ class ReadyLast:
     """Wraps a compiled graph; routes the inputs at ``positions`` through no-op views on every
     call with autograd on, so their gradients become ready after every other gradient of the graph.
 
-    DDP's ``delay_all_reduce_named_params`` allreduces the delayed parameters' gradients from a
-    hook on ``param_to_hook_all_reduce``'s gradient, counting on eager autograd to produce it after
-    theirs. A compiled graph hands autograd all its gradients at once, in no set order; a view's
-    backward node runs after them (NOTE [first-iteration gradient order]), then the trigger's hook.
-    """
+    DDP's ``delay_all_reduce_named_params`` reduces from a hook on ``param_to_hook_all_reduce``'s
+    gradient, which eager autograd produces last; a compiled graph hands autograd its gradients in
+    no set order (NOTE [first-iteration gradient order])."""
 
     def __init__(self, compiled: Callable[..., Any], positions: Sequence[int]) -> None:
         self.compiled = compiled
