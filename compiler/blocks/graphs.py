@@ -27,12 +27,10 @@ class NotShareable(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class BlockLayout:
-    """What the shared forward returns and the shared backward takes and returns (``plan_layout``).
-    ``copied``: outputs returned as a copy (views of an input or of an earlier output: an op's
-    outputs may not alias); ``roots``: each distinct tensor the backward reads or views, as
-    (``input``, ``output`` or ``base``, which one); ``grads``: one per input (``None``: none), or
-    with a ``BlockWire`` the others' then the flat buffer; ``n_tangents``: one per floating-point
-    output; ``input_strides``/``forward_layouts``: what the backward/forward was compiled for."""
+    """What the shared forward returns and the backward takes and returns. ``copied``: outputs
+    viewing an input or earlier output (an op's outputs may not alias); ``roots``: each distinct
+    tensor the backward reads or views (``input``/``output``/``base``, which); ``grads``: one per
+    input (``None``: none), with a ``BlockWire`` the others' then the flat buffer."""
 
     n_user: int
     copied: frozenset[int]
@@ -82,9 +80,8 @@ def _recompile(gm: fx.GraphModule, outputs: list[Any] | None = None) -> None:
 
 
 def move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...], *, n_user: int) -> MovedOut | None:
-    """Move what ``fw`` computes from its inputs at ``invariant`` alone out of it: ``fw`` takes those
-    values as its last inputs, ``bw`` gives them no gradient; ``None`` where nothing moves. The
-    block's own outputs (its first ``n_user``) stay."""
+    """Move what ``fw`` computes from its inputs at ``invariant`` alone (not its first ``n_user``
+    outputs) out: ``fw`` takes it as its last inputs, without gradient; ``None`` where nothing moves."""
     placeholders = list(fw.graph.find_nodes(op="placeholder"))
     returned = set(_output(fw).args[0][:n_user])
     given = {placeholders[i] for i in invariant}
@@ -98,22 +95,15 @@ def move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...],
     moved = [n for n in moved if any(u not in movable or aot.aliases_an_input(u) for u in n.users)]
     if not moved:
         return None
-    needed: set[fx.Node] = set()
-    stack = list(moved)
-    while stack:
-        node = stack.pop()
-        if node not in needed and node not in given:
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i in invariant:
         env[placeholders[i]] = graph.placeholder(placeholders[i].name)
         env[placeholders[i]].meta = dict(placeholders[i].meta)
-    for node in fw.graph.nodes:
-        if node in needed:
-            env[node] = graph.node_copy(node, env.__getitem__)
+    for node in movable:  # all pure: what ``moved`` does not read goes
+        env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[n] for n in moved))
+    graph.eliminate_dead_code()
     anchor = placeholders[-1]
     for j, node in enumerate(moved):
         with fw.graph.inserting_after(anchor):
@@ -143,8 +133,7 @@ def drop_unread(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[int, ...] | Non
 
 
 def insert_graph(graph: fx.Graph, before: fx.GraphModule, args: list[fx.Node]) -> list[fx.Node]:
-    """``before``'s nodes copied into ``graph`` on ``args``; its outputs' nodes, each with its fake
-    value also as Dynamo's (``example_value``)."""
+    """``before`` copied into ``graph`` on ``args``; its outputs, fake values also as ``example_value``."""
     val_map: dict[fx.Node, Any] = dict(zip(before.graph.find_nodes(op="placeholder"), args))
     out = graph.graph_copy(before.graph, val_map)
     for node in val_map.values():
@@ -208,11 +197,10 @@ def _views_into_backward(
     """``bw`` takes ``roots`` instead of the ``saved`` tensors, viewed from them at its start."""
     graph = bw.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
-    root_nodes = {}
     with graph.inserting_before(placeholders[0]):
-        for kind, i in roots:
-            root_nodes[(kind, i)] = node = graph.placeholder(f"saved_{kind}_{i}")
-            node.meta["val"] = roots[(kind, i)]
+        root_nodes = {(kind, i): graph.placeholder(f"saved_{kind}_{i}") for kind, i in roots}
+    for root, node in root_nodes.items():
+        node.meta["val"] = roots[root]
     first_op = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first_op), fake_mode:
         for ph, (kind, i, views) in zip(placeholders, saved):
@@ -269,9 +257,6 @@ def grads_onto_wire(
 ) -> tuple[BlockWire, tuple[TensorMeta | None, ...]]:
     """``bw`` returns the gradients of the ``reduced`` inputs (fakes ``params``) last, as one flat
     ``CommSpec.to_wire`` buffer (zeros where none, as ``BucketSync``); and what it returns now."""
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) != 1 and spec.comm_dtype is None:
-        raise NotShareable(f"the block's parameters have several dtypes ({sorted(map(str, dtypes))})")
     out_node = _output(bw)
     outs = list(out_node.args[0])
     grads = [outs[i] for i in reduced]
@@ -306,10 +291,9 @@ def reduced_grads(wire: BlockWire, grads: list[torch.Tensor | None]) -> list[tor
 
 # NOTE [block reductions grouped]: a bucket per block (NOTE [a bucket per block]) is a collective
 # per block, each costing host time whatever its size (NOTE [fused bucket sizes]). So a post-grad
-# pass groups their all-reduces in issue order by the fused rule's sizes (``plan.overlap_limits``),
-# each group one ``all_reduce_coalesced`` issued when its last block's backward is done, scheduled
-# as any collective (NOTE [late waits]). Gradients and the report's buckets are unchanged. A user's
-# own Inductor ``post_grad_custom_post_pass`` replaces this pass.
+# pass groups their all-reduces in issue order by the fused rule's sizes (``plan.overlap_limits``):
+# one ``all_reduce_coalesced`` each, issued after its last block's backward, scheduled as any
+# collective (NOTE [late waits]). A user's own Inductor ``post_grad_custom_post_pass`` replaces it.
 
 
 def group_block_reductions(graph: fx.Graph, *, producer: str, floor_bytes: int) -> None:
