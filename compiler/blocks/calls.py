@@ -1,15 +1,13 @@
 """Dynamo meets each repeated block as one call: ``bucketwise::block_call``.
 
-NOTE [Dynamo calls a block]: Dynamo's work is never cached across processes, and inlining every
-block it grows with depth, in the first step and every restart. With ``share_blocks``, while a
-compiled call runs, each block of a repeated ``nn.ModuleList`` has a forward of bucketwise's (in its
-``__dict__`` during the call only) that calls :func:`block_call`, which Dynamo puts into the graph
-as it is (``allow_in_graph``): it runs the block once on fake tensors, recording its ATen ops, so
-the backend tells which blocks are the same without a trace of each. What Dynamo would guard and
-replay is lost, so this holds only without hooks, with plain arguments and static shapes, where
-the fake run changes no attribute, and while the blocks' plain attributes hold their first call's
-values; otherwise the call is made again with every block inlined from then on, and the report
-says why.
+NOTE [Dynamo calls a block]: Dynamo's work is never cached across processes and, inlining every
+block, grows with depth in the first step and every restart. With ``share_blocks``, while a
+compiled call runs, each block of a repeated ``nn.ModuleList`` has a forward (in its ``__dict__``
+for the call only) calling :func:`block_call`, which Dynamo keeps as one call (``allow_in_graph``):
+it runs the block on fake tensors once, recording its ATen ops, so the backend tells which blocks
+are the same without tracing each. Dynamo's guards are lost, so this holds only without hooks,
+with plain arguments and static shapes, where the fake run sets no attribute, and while the
+blocks' plain attributes keep their first values; else every block is inlined from then on.
 """
 
 from __future__ import annotations
@@ -40,8 +38,8 @@ _PLAIN = (torch.Tensor, bool, int, float, str, type(None))
 
 @dataclasses.dataclass(eq=False)
 class BlockEntry:
-    """One block called as one op: its parameters' and buffers' names and paths, in the order
-    :func:`block_call` takes them; ``fingerprint``: its computation, as last run on fake tensors."""
+    """One block called as one op: its tensors' names and paths, in :func:`block_call`'s order;
+    ``fingerprint``: its computation, as last run on fake tensors."""
 
     key: int
     module: weakref.ReferenceType[nn.Module]
@@ -183,20 +181,16 @@ def _entry(block: nn.Module) -> BlockEntry:
                 if tensor is not None:
                     paths.append((path, kind, name))
     names = tuple(".".join((*path, name)) for path, _, name in paths)
-    entry = BlockEntry(
-        key=next(_KEYS), module=weakref.ref(block), names=names, paths=tuple(paths), modules=tuple(block.modules())
-    )
+    entry = BlockEntry(next(_KEYS), weakref.ref(block), names, tuple(paths), tuple(block.modules()))
     entry.forward = types.MethodType(_block_forward(entry, block), block)
     _CALLS[entry.key] = entry
     return entry
 
 
 def _block_forward(entry: BlockEntry, block: nn.Module) -> Callable[..., Any]:
-    """A block's forward while a compiled call runs: Dynamo traces this function, not the block's.
-
-    NOTE [a block call in straight lines]: Dynamo interprets every bytecode of this function, for
-    every block, in every first step; loops over the parameters and ``training`` flags would be most
-    of its work per block, so the function is generated: one line per submodule, parameter, flag."""
+    """NOTE [a block call in straight lines]: Dynamo interprets every bytecode of a block's forward,
+    for every block, in every first step; loops over parameters and ``training`` flags would be most
+    of its work, so the forward it traces is generated: one line per submodule, parameter, flag."""
     local: dict[tuple[str, ...], str] = {(): "self"}
     lines = [
         "def forward(self, *args, **kwargs):",
