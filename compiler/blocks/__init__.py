@@ -1,28 +1,25 @@
-"""Compile once per block: identical blocks of a whole graph share one compiled forward and backward;
-a block that cannot be shared compiles with the whole graph, and the report says why.
+"""Identical blocks of a whole graph share one compiled forward and backward; a block that cannot
+be shared compiles with the whole graph, and the report says why.
 
-NOTE [one compile per block]: N identical blocks appear N times in Dynamo's graph and AOTAutograd
-and Inductor compile each: the first step grows with depth. Regional compilation leaves the
-embeddings, head, loss and DDP's reducer uncompiled, and ``nested_compile_region`` gives wrong
-gradients for repeated transformer blocks under Inductor (torch 2.13, 2.15, CPU). So the graph stays
-whole and each block becomes one opaque op, ``bucketwise::shared_block(key, inputs)``, calling the
-first block's forward and backward, compiled once. What the backward reads is returned once per
-distinct tensor; its views are rebuilt in the backward, where they are free.
+NOTE [one compile per block]: AOTAutograd and Inductor compile each of N identical blocks: the
+first step grows with depth. Regional compilation leaves the embeddings, head, loss and DDP's
+reducer uncompiled, and ``nested_compile_region`` gives wrong gradients for repeated transformer
+blocks under Inductor (torch 2.13, 2.15, CPU). So the graph stays whole and each block becomes one
+opaque op, ``bucketwise::shared_block(key, inputs)``, running the first block's compiled forward
+and backward. The backward's inputs are returned once per distinct tensor, their views rebuilt there.
 
-NOTE [a bucket per block]: under ``fused`` the graph around the blocks would carry each parameter's
-``BucketSync`` view, flatten, scale and reduced-gradient views: most of what is traced per block.
-Instead each shared block reduces the parameters read only inside it as one bucket: its backward
-returns their gradients last as one flat ``CommSpec.to_wire`` buffer, which the op's autograd
-formula all-reduces (its wait late, NOTE [late waits]) and hands back as views. Not under a comm
-hook reduced by a hook program, with parameters of several dtypes and no compress hook, or where
-the same block takes parameters at other inputs elsewhere in the graph.
+NOTE [a bucket per block]: under ``fused`` the graph would carry each parameter's ``BucketSync``
+views, flatten and scale: most of what is traced per block. Instead a shared block's backward
+returns the gradients of the parameters read only inside it last, as one flat ``CommSpec.to_wire``
+buffer the op's autograd formula all-reduces (its wait late, NOTE [late waits]) and hands back as
+views. Not with a hook program, with parameters of several dtypes and no compress hook, or where
+the same block takes parameters at other inputs elsewhere.
 
-NOTE [computed once before the blocks]: what a block computes from values every block reads the
-same (HF Llama's attention mask made a bias) the whole graph computes once (CSE), but a shared
-block would at every call, and keep it for its backward. So that part of the shared forward (on
-the same node at that input of every block, without gradient, and constants) moves before the
-first block, its results the last inputs of every call. Only ops autocast leaves alone move (the
-graph around is traced again under the step's autocast); views stay, where they are free.
+NOTE [computed once before the blocks]: what every block computes the same (HF Llama's mask made a
+bias) the whole graph computes once (CSE), a shared block at every call, kept for its backward. So
+that part of the forward (from the same node at that input of every block, without gradient, and
+constants) moves before the first block, its results the last inputs of every call. Only ops
+autocast leaves alone move (the graph around is traced again under autocast); views stay: free.
 """
 
 from __future__ import annotations
@@ -50,29 +47,25 @@ from .graphs import BlockLayout, BlockWire, MovedOut, NotShareable
 
 _RANDOM = ("rand", "dropout", "bernoulli", "philox", "seed", "normal_", "uniform_", "exponential_", "multinomial")
 
-# NOTE [an int key, not the block]: the op takes an int naming its block, not the block: with
-# torch's private opaque reference types the FX-graph and AOTAutograd caches would pickle it into
-# their keys (compiled callables make both bypass), Dynamo would guard it by type only (two layouts
-# sharing a graph), AOTAutograd's fake exposes only registered members, and the API differs between
-# torch 2.11 and 2.13. The weak dictionary drops a block with the graph backend that keeps it
-# (``Sharing.kept``); keys are never reused within a process.
+# NOTE [an int key, not the block]: as torch's opaque reference type, a block would be pickled into
+# the FX-graph and AOTAutograd cache keys (bypassing both), guarded by type only, faked with only
+# registered members, and its API differs between torch 2.11 and 2.13. A block lives as long as
+# the graph backend keeping it (``Sharing.kept``); keys are never reused within a process.
 _BLOCKS: weakref.WeakValueDictionary[int, SharedBlock] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 
 
 @dataclasses.dataclass
 class FirstCall:
-    """What a shared block's first call finds (``None`` before): the outputs copied at every call,
-    and the backward's inputs whose strides are looked at every call."""
+    """Found by a block's first call (``None`` before): the outputs copied and backward inputs restrided."""
 
     aliased: frozenset[int] | None = None
     restride: tuple[int, ...] | None = None
 
 
-# NOTE [a shared block in stages]: a shared block is known in stages, each a record made once by
-# its step in ``graphs.py``: what moved out (``MovedOut``), the inputs still read (``reads``), what
-# the forward hands the backward (``BlockLayout``), under ``fused`` its bucket (``BlockWire``);
-# ``_compile`` assembles them. Only what the first call finds (``FirstCall``) changes after.
+# NOTE [a shared block in stages]: each step in ``graphs.py`` makes one record once: ``MovedOut``,
+# ``reads``, ``BlockLayout``, under ``fused`` ``BlockWire``; ``_compile`` assembles them. Only what
+# the first call finds (``FirstCall``) changes after.
 @dataclasses.dataclass(frozen=True, eq=False)
 class SharedBlock:
     """One block's compiled (boxed) forward and backward, called by every block identical to it.
@@ -120,8 +113,7 @@ def _shared_block(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 def _shared_block_backward(key: int, saved_and_grads: list[torch.Tensor]) -> list[torch.Tensor]:
     block = _BLOCKS[key]
     layout, seen = block.layout, block.first_call
-    # A tensor laid out otherwise than the backward was compiled for is copied into that layout;
-    # saved tensors are the same at every call: looked at once, then only the gradients are.
+    # Inputs not laid out as compiled for are copied; saved tensors are checked once, gradients always.
     strides = layout.input_strides
     if seen.restride is None:
         n_saved = len(saved_and_grads) - layout.n_tangents
@@ -130,8 +122,7 @@ def _shared_block_backward(key: int, saved_and_grads: list[torch.Tensor]) -> lis
         )
     inputs = list(saved_and_grads)
     for i in seen.restride:
-        if inputs[i].stride() != strides[i]:
-            t = inputs[i]
+        if (t := inputs[i]).stride() != strides[i]:
             inputs[i] = torch.empty_strided(t.shape, strides[i], dtype=t.dtype, device=t.device).copy_(t)
     grads = block.backward(inputs)
     # Only the gradients there are: a missing one's placeholder, made on the host, no CUDA graph captures.
@@ -166,8 +157,7 @@ class _SharedBlockFormula(torch.autograd.Function):
 
 def _fake(field: str) -> Callable[[int, list[torch.Tensor]], list[torch.Tensor]]:
     def fake(key: int, _: list[torch.Tensor]) -> list[torch.Tensor]:
-        metas = getattr(_BLOCKS[key].layout, field)
-        return [torch.empty_strided(*m[:2], dtype=m[2], device=m[3]) for m in metas if m]
+        return [torch.empty_strided(*m[:2], dtype=m[2], device=m[3]) for m in getattr(_BLOCKS[key].layout, field) if m]
 
     return fake
 
@@ -192,8 +182,7 @@ SHARED_BLOCK_BACKWARD = ops.define(
 
 
 def cache_targets() -> dict[str, str]:
-    """What a graph calling ``bucketwise::shared_block`` is cache-keyed by (NOTE [compile cache
-    keys]): the layout ``graphs.py`` makes, which AOTAutograd's and Inductor's caches do not see."""
+    """Cache keys (NOTE [compile cache keys]) for the layout ``graphs.py`` makes, unseen by torch's caches."""
     return {f"{__name__}.shared_block": source_key(sys.modules[__name__], graphs)}
 
 
@@ -243,8 +232,8 @@ def share_blocks(
     buckets: BlockBuckets | None = None,
     cost: CostRule | None = None,
 ) -> tuple[Sharing | None, str | None]:
-    """Rewrite ``gm`` in place so that its identical blocks call one compiled block (NOTE [one
-    compile per block]); what was shared, or ``None`` and why nothing was."""
+    """``gm``'s identical blocks call one compiled block (NOTE [one compile per block]), rewritten in
+    place; what was shared, or ``None`` and why nothing was."""
     if any(isinstance(a, torch.SymInt) or (isinstance(a, torch.Tensor) and aot.symbolic(a)) for a in example_inputs):
         return None, "dynamic shapes"
     if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs):
@@ -256,11 +245,9 @@ def share_blocks(
     values = find.fake_values(gm, example_inputs, fake_mode)
     parts = find.block_parts(gm, run)
     # Every block is compiled before the graph changes: one that cannot be shared leaves it whole.
-    graphs_ = [aot.block_graph(gm, part, f"block_{k}") for k, part in enumerate(parts)]
-    inputs = [ins for _, ins, _ in graphs_]
-    signatures = [
-        find.piece_signature(sub, [values[n] for n in ins], opaque=calls.opaque_key) for sub, ins, _ in graphs_
-    ]
+    subs = [aot.block_graph(gm, part, f"block_{k}") for k, part in enumerate(parts)]
+    inputs = [ins for _, ins, _ in subs]
+    signatures = [find.piece_signature(sub, [values[n] for n in ins], opaque=calls.opaque_key) for sub, ins, _ in subs]
     repeated = {sig for sig in signatures if signatures.count(sig) > 1}
     if not repeated:
         return None, f"no two blocks of {run.name} are the same computation (shapes, dtypes or constants differ)"
@@ -269,7 +256,7 @@ def share_blocks(
     blocks: dict[tuple, SharedBlock] = {}
     outcomes: list[CompileOutcome] = []
     spec = buckets.spec if buckets is not None else None
-    for k, ((sub, ins, _), sig) in enumerate(zip(graphs_, signatures)):
+    for k, ((sub, ins, _), sig) in enumerate(zip(subs, signatures)):
         if sig in repeated and sig not in blocks:
             fakes = [values[n] for n in ins]
             try:
@@ -325,9 +312,8 @@ def _compile(
     try:
         fw, bw = aot.partition(sub, fakes, fake_mode, decompose=backend.inductor)
     except Exception as exc:  # noqa: BLE001 - any failure: the block compiles with the whole graph
-        raise NotShareable(
-            f"AOTAutograd could not split the block on its own: {type(exc).__name__}: {exc}"[:300]
-        ) from exc
+        why = f"AOTAutograd could not split the block on its own: {type(exc).__name__}: {exc}"
+        raise NotShareable(why[:300]) from exc
     calls_ = [n for n in fw.graph.nodes if n.op == "call_function"]
     if random := [str(n.target) for n in calls_ if any(r in str(n.target) for r in _RANDOM)]:
         raise NotShareable(f"the block draws random numbers ({random[0]})")
