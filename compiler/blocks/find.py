@@ -314,7 +314,6 @@ def estimate(forward: fx.GraphModule, backward: fx.GraphModule, device: DeviceCo
 
 
 def tensors_in(values: Any) -> list[torch.Tensor]:
-    """The tensors in ``values`` and its tuples and lists."""
     if isinstance(values, torch.Tensor):
         return [values]
     if isinstance(values, (tuple, list)):
