@@ -26,8 +26,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..._compat import aot
+from ..._compat import autograd as agc
 from ..._compat import hooks as hc
-from .find import tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ def block_call(key: int, tensors: tuple, training: tuple, args: tuple, names: tu
             if own is not None:
                 module.__dict__["forward"] = own
 
-    flat = [*tensors, *tensors_in(args), *tensors_in(values)]
+    flat = [*tensors, *agc.tensor_leaves(args), *agc.tensor_leaves(values)]
     if not aot.all_fake(flat):
         return run()
     if any(aot.symbolic(t) for t in flat):

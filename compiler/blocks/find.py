@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from ..._compat import aot
+from ..._compat import autograd as agc
 from ...distributed.fused.sync import CommSpec
 from ...partitioners.regions import outside_regions, transform_regions
 
@@ -303,7 +304,7 @@ def estimate(forward: fx.GraphModule, backward: fx.GraphModule, device: DeviceCo
             if node.op in ("placeholder", "output"):
                 given = node.meta.get("val") if node.op == "placeholder" else node.args[0]
                 values = fx.node.map_arg(given, lambda n: n.meta.get("val"))
-                nbytes += sum(t.numel() * t.element_size() for t in tensors_in(values))
+                nbytes += sum(t.numel() * t.element_size() for t in agc.tensor_leaves(values))
             elif node.op == "call_function" and not aot.aliases_an_input(node) and node.target is not operator.getitem:
                 ops += 1
                 count, dtype = aot.node_flops(node)
@@ -311,14 +312,6 @@ def estimate(forward: fx.GraphModule, backward: fx.GraphModule, device: DeviceCo
                 gpu_s += count / device.matmul_flops.get(dtype, device.matmul_flops[torch.float32])
     gpu_s += nbytes / device.bytes_per_s
     return BlockCost(flops=flops, bytes=nbytes, ops=ops, gpu_ms=gpu_s * 1e3, host_ms=ops * device.host_s_per_op * 1e3)
-
-
-def tensors_in(values: Any) -> list[torch.Tensor]:
-    if isinstance(values, torch.Tensor):
-        return [values]
-    if isinstance(values, (tuple, list)):
-        return [t for v in values for t in tensors_in(v)]
-    return []
 
 
 class KeptWhole(Exception):
