@@ -18,7 +18,7 @@ from .._compat import inductor as ci
 from ..partitioners.param_usage import ParamInput
 from .blocks import Sharing, share_blocks
 from .blocks.calls import BlockCalls, is_block_call
-from .blocks.find import BlockBuckets, CostRule, KeptWhole
+from .blocks.find import BlockBuckets, CostRule, KeptWhole, find_block_run
 from .plan import GraphPlan
 
 
@@ -41,8 +41,10 @@ def share_in_graph(
     cfg = backend.config
     chosen = plan.sharing
     if not chosen.enabled:
-        reason = chosen.reason
-        return None, Unshared(reason, backend.repeated, chosen.host_time) if reason is not None else None
+        # Said of a graph only where it has blocks to share.
+        if chosen.reason is None or find_block_run(gm)[0] is None:
+            return None, None
+        return None, Unshared(chosen.reason, backend.repeated, chosen.host_time)
     patches = dc.inductor_config_patches(cfg.mode, cfg.options, cfg.dynamic) if cfg.capabilities.inductor else {}
     buckets = None
     decision = plan.decision
