@@ -8,3 +8,9 @@ LONGEST_FIRST = ("test_gpu_zoo_grads.py",)
 
 def pytest_collection_modifyitems(session, config, items) -> None:
     items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
+
+
+def pytest_runtest_logreport(report) -> None:
+    # A run stopped by the device call's time limit still names what failed (``-q`` prints an F).
+    if report.failed:
+        print(f"\nFAILED {report.nodeid} ({report.when}, {report.duration:.0f} s)", flush=True)
