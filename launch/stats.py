@@ -337,7 +337,7 @@ def runtime_views(path: str, warn: Callable[[str], None]) -> list[RuntimeView]:
         try:
             with open(f) as fh:
                 views.append(RuntimeView.from_dict(json.load(fh)))
-        except (OSError, ValueError, TypeError, KeyError) as e:
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # AttributeError: JSON not an object
             warn(f"skipping {f}: not a runtime view ({type(e).__name__}: {e})")
     return views
 

@@ -109,6 +109,19 @@ def test_doctor_names_the_host_bound_ranks(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", '"a string"', "{}", "not json"])
+def test_a_runtime_file_that_is_not_a_view_is_skipped_and_named(tmp_path, text):
+    from bucketwise.launch import stats
+
+    _write_view(tmp_path, 0, 300)
+    (tmp_path / "runtime-rank1.json").write_text(text)
+    warned = []
+    views = stats.runtime_views(str(tmp_path), warned.append)
+    assert [v.rank for v in views] == [0]
+    (message,) = warned
+    assert message.startswith(f"skipping {tmp_path / 'runtime-rank1.json'}: not a runtime view"), message
+
+
 def test_doctor_says_nothing_without_views_and_why_on_cpu(tmp_path):
     import json
 
