@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from support.gpu_ranks import run_two_ranks
+from support.plan_records import differences, plan_record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 pytestmark = [
@@ -43,42 +44,6 @@ CONFIGS: dict[str, tuple[dict[str, Any], int, dict[str, Any], dict[str, Any], st
     "split": (SMALL, 2, {"strategy": "split"}, {"bucket_cap_mb": 0.1}, None),
     "bf16_hook": (SMALL, 2, {}, {}, "bf16_compress_hook"),
 }
-
-
-def _untimed(d: dict[str, Any] | None) -> dict[str, Any] | None:
-    return None if d is None else {k: v for k, v in d.items() if "seconds" not in k}
-
-
-def plan_record(report: dict[str, Any]) -> dict[str, Any]:
-    """What ``report`` records of its graphs' plans, nothing timed (as
-    tests/distributed/test_plan_across_ranks.py's)."""
-    graphs = [
-        {
-            "strategy": g["strategy"],
-            "strategy_reason": g["strategy_reason"],
-            "variant": g["variant"],
-            "plan_source": g["plan_source"],
-            "buckets": [_untimed(b) for b in g["buckets"]],
-            "segments": [
-                {k: s[k] for k in ("params", "bytes", "backend", "fell_back", "reason")} for s in g["segments"]
-            ],
-            "shared_blocks": _untimed(g["shared_blocks"]),
-            "comm_hook": g["comm_hook"],
-            "unused_params": g["unused_params"],
-        }
-        for g in report["graphs"]
-    ]
-    return {"graphs": graphs, "unshared_blocks": report["unshared_blocks"], "notes": report["notes"]}
-
-
-def differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Where two records differ, one line each."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = [f"{path}.{k}: only in one" for k in a.keys() ^ b.keys()]
-        return out + [d for k in a.keys() & b.keys() for d in differences(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
-    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 
 def _compile_and_train(rank: int, name: str) -> dict[str, Any]:
