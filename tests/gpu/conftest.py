@@ -1,13 +1,18 @@
-"""The GPU suite's order: its longest test first, so that with ``-n 2`` the other worker runs the
-rest beside it instead of after it (the suite must fit a 10-minute device call)."""
+"""The GPU suite's order: its longest tests first, so that with ``-n 2`` the short ones fill the
+end of both workers' time instead of a long one running alone last (the suite must fit a
+10-minute device call)."""
 
 from __future__ import annotations
 
-LONGEST_FIRST = ("test_gpu_zoo_grads.py",)
+LONGEST_FIRST = ("test_gpu_zoo_grads.py", "test_gpu_comm_hooks.py", "test_gpu_shared_blocks.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
-    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)
 
 
 def pytest_runtest_logreport(report) -> None:
