@@ -30,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 from typing import Any
 
 import torch
@@ -113,13 +114,18 @@ def _one(ns: argparse.Namespace) -> None:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, device_id=device if cuda else None)
-    spec = make_spec(ns.model, {f: getattr(ns, f) for f in SIZE_FLAGS})
-    figures = measure(ns.one, spec, device, ns.backend, ns.steps)
-    print("MEMORY_BENCH " + json.dumps(figures), flush=True)
-    dist.destroy_process_group()
+    with tempfile.TemporaryDirectory() as tmp:  # a file store: processes run at once share no port
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=f"file://{tmp}/store",
+            rank=0,
+            world_size=1,
+            device_id=device if cuda else None,
+        )
+        spec = make_spec(ns.model, {f: getattr(ns, f) for f in SIZE_FLAGS})
+        figures = measure(ns.one, spec, device, ns.backend, ns.steps)
+        print("MEMORY_BENCH " + json.dumps(figures), flush=True)
+        dist.destroy_process_group()
 
 
 def _child(ns: argparse.Namespace, config: str, argv: list[str]) -> dict[str, float]:
