@@ -33,7 +33,7 @@ from bucketwise.benchmarks.core.configs import recipe_for
 from bucketwise.benchmarks.core.meta import run_meta
 from bucketwise.benchmarks.core.models import MODELS, make_spec
 from bucketwise.benchmarks.core.step import training_step
-from bucketwise.benchmarks.probes._one_gpu import one_gpu_rank
+from bucketwise.benchmarks.probes._one_rank import one_rank
 
 STEPS = 20
 IDLE_SAMPLES = 5
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=int, default=0, metavar="N", help="then print cProfile of N idle steps per config")
     args = p.parse_args(argv)
     configs = args.configs.split(",")
-    with one_gpu_rank(p, configs, port=29576) as device:
+    with one_rank(p, configs, port=29576) as device:
         spec = make_spec(args.model, {"layers": args.layers})
         steps = {}
         for c in configs:

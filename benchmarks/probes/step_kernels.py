@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from bucketwise.benchmarks.core.configs import recipe_for
 from bucketwise.benchmarks.core.models import MODELS, make_spec
 from bucketwise.benchmarks.core.step import training_step
-from bucketwise.benchmarks.probes._one_gpu import one_gpu_rank
+from bucketwise.benchmarks.probes._one_rank import one_rank
 
 CPU_OPS = ("aten::clone", "aten::copy_", "aten::detach", "torch::autograd::AccumulateGrad", "aten::empty_strided")
 CUDAGRAPH_STATS = ("name", "replays", "records", "inputs_in_place", "inputs_copied", "uncaptured_runs", "note")
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = args.configs.split(",")
     if len(configs) != 2:
         p.error(f"--configs: expected two configs, got {configs}")
-    with one_gpu_rank(p, configs, port=29577) as device:
+    with one_rank(p, configs, port=29577) as device:
         a, b = (profile_config(c, args.model, device) for c in configs)
     diff = {k: (a[k] / STEPS, b[k] / STEPS) for k in set(a) | set(b) if a[k] != b[k]}
     print(f"{configs[0]:>10} {configs[1]:>10}  kernel (per step)")
