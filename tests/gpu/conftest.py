@@ -4,7 +4,12 @@ end of both workers' time instead of a long one running alone last (the suite mu
 
 from __future__ import annotations
 
-LONGEST_FIRST = ("test_gpu_zoo_grads.py", "test_gpu_comm_hooks.py", "test_gpu_shared_blocks.py")
+LONGEST_FIRST = (
+    "test_gpu_zoo_grads.py",
+    "test_gpu_comm_hooks.py",
+    "test_gpu_no_sync.py",
+    "test_gpu_sharing_by_cost.py",
+)
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:

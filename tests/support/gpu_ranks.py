@@ -30,6 +30,37 @@ def run_worker_script(tmp_path: Path, source: str, *args: str, timeout: float = 
     return done.stdout.splitlines()
 
 
+def run_worker_scripts(
+    tmp_path: Path, source: str, cases: dict[str, Sequence[str]], *, timeout: float = 600
+) -> dict[str, list[str]]:
+    """``source`` run as :func:`run_worker_script` runs it, once per case with the case's args,
+    all at once (compiling, one thread each, is most of their time); each case's printed lines.
+    Fails naming every case that printed no ``RESULT`` line, with the end of its stderr."""
+    script = tmp_path / "worker.py"
+    script.write_text(source)
+    env = {**os.environ, "BUCKETWISE_PROGRESS": "0"}
+    procs = {}
+    for name, args in cases.items():
+        out, err = (open(tmp_path / f"{name}.{kind}", "w") for kind in ("out", "err"))
+        with out, err:
+            procs[name] = subprocess.Popen([sys.executable, str(script), *args], stdout=out, stderr=err, env=env)
+    failed, printed = [], {}
+    for name, proc in procs.items():
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        printed[name] = (tmp_path / f"{name}.out").read_text().splitlines()
+        results = [line for line in printed[name] if line.startswith("RESULT")]
+        if not results:
+            failed.append(f"{name} (exit {proc.returncode}):\n{(tmp_path / f'{name}.err').read_text()[-3000:]}")
+        else:
+            print(name, results[-1])
+    assert not failed, "\n\n".join(failed)
+    return printed
+
+
 def run_two_ranks(worker: Callable[..., None], store: str, *args: Any, timeout: float = 400) -> None:
     """``worker(rank, 2, store, *args, errors)`` on ranks 0 and 1; a rank puts its traceback into
     ``errors`` (a queue) when it fails."""
