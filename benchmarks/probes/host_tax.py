@@ -13,13 +13,13 @@ CPU op and CUDA runtime call), ``cProfile`` (Python functions), and one step und
 every figure; ``results.md`` the ops whose host time per step differs most from the first
 config's.
 
-Every thread's share (``threads``): ``torch.profiler`` with Python stacks over the same steps,
-each event's own time (less its children's) summed per thread and per part of the step
-(Python functions by file, ops by name). The main thread runs the forward and, on the CPU, the backward; on a GPU the
-autograd engine runs the backward on a thread of its own, whose ops show under their thread and
-whose Python shows under ``other Python threads`` (the profiler names only the main thread's).
-The profiler's own cost inflates Python's share: compare configs with each other, not with the
-timed steps.
+Every thread's share (``threads``): ``torch.profiler`` with Python stacks, each event's own time
+(less its children's) summed per thread and per part of the step (Python functions by file, ops
+by name): one profile per config after each timed block, the median over the rounds. The main
+thread runs the forward and, on the CPU, the backward; on a GPU the autograd engine runs the
+backward on a thread of its own, whose ops show under their thread and whose Python shows under
+``other Python threads`` (the profiler names only the main thread's). The profiler's own cost
+inflates Python's share: compare configs with each other, not with the timed steps.
 
 Where there is no GPU, one gloo rank on the CPU (``--threads``: torch's threads): the
 reproduction of a host-bound step that needs no GPU, e.g. a small HF Llama, ``--model llama
@@ -47,8 +47,8 @@ from bucketwise.benchmarks.core.models import MODELS, SIZE_FLAGS, make_spec
 from bucketwise.benchmarks.probes._one_rank import one_rank
 from bucketwise.benchmarks.tax.bench import build, kernel_profile, timed_block
 
-STEPS = 3
-"""Profiled steps per config."""
+STEPS = 5
+"""Profiled steps per config (per profile)."""
 TOP = 30
 
 
@@ -171,16 +171,24 @@ def _part(event: Any) -> str:
 OTHER_PYTHON = "other Python threads"
 
 
-def threads(step: Any) -> dict[str, dict[str, float]]:
-    """Per thread, per part of the step (:func:`_part`): own microseconds
-    per step of the profiler's events (ops and Python functions) less their children's. A Python
-    function open for most of the run (a background thread waiting) is left out."""
-    for _ in range(2):  # the first may compile again (compiled autograd's cache sees the profiler)
+def median_parts(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per thread and part, the median over ``runs`` of :func:`thread_parts` (0 where one lacks it)."""
+    keys = {(t, part) for run in runs for t, parts in run.items() for part in parts}
+    out: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    for t, part in sorted(keys):
+        out[t][part] = statistics.median(run.get(t, {}).get(part, 0.0) for run in runs)
+    return dict(out)
+
+
+def thread_parts(step: Any) -> dict[str, dict[str, float]]:
+    """Per thread, per part of the step (:func:`_part`): own microseconds per step of the
+    profiler's events (ops and Python functions) less their children's, over ``STEPS`` steps. A
+    Python function open for most of the profile (a background thread waiting) is left out."""
+    _sync()
+    with profile(activities=_activities(), with_stack=True) as prof:
+        for _ in range(STEPS):
+            step()
         _sync()
-        with profile(activities=_activities(), with_stack=True) as prof:
-            for _ in range(STEPS):
-                step()
-            _sync()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     if not events:
         return {}
@@ -283,9 +291,13 @@ def main(argv: list[str] | None = None) -> int:
             entries[name] = build(config, spec, device, "inductor", warmup=3, bucket_cap_mb=cap)
             print(f"built {name}: first step {entries[name]['first_step_s']:.1f} s", flush=True)
         at_rest = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        for name in names:  # the first profile may compile again (compiled autograd sees the profiler)
+            thread_parts(entries[name]["step"])
+        parts: dict[str, list[dict[str, dict[str, float]]]] = {name: [] for name in names}
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
                 timed_block(entries[name], args.steps, at_rest - entries[name]["rest_bytes"])
+                parts[name].append(thread_parts(entries[name]["step"]))
             print(f"round {r + 1}: " + ", ".join(f"{n} {entries[n]['step_ms'][-1]:.2f}" for n in names), flush=True)
         rows = []
         for name in names:
@@ -311,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 "syncs": syncs_per_step(e["step"]),
                 "ops": host_ops(e["step"]),
                 "python": python_functions(e["step"]),
-                "threads": threads(e["step"]),
+                "threads": median_parts(parts[name]),
             }
             rows.append(row)
             print(f"{_summary(row)}, syncs {len(row['syncs'])}", flush=True)
