@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..compiler.config import STRATEGIES
+from .launcher import positive_int
 
 DEFAULT_BACKEND = "inductor"
 DEFAULT_STEPS = 8
@@ -33,7 +34,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"torch.compile backend for each bucket segment (default: {DEFAULT_BACKEND})",
     )
     parser.add_argument(
-        "--steps", type=_positive_int, default=DEFAULT_STEPS, help=f"training steps (default: {DEFAULT_STEPS})"
+        "--steps", type=positive_int, default=DEFAULT_STEPS, help=f"training steps (default: {DEFAULT_STEPS})"
     )
     parser.add_argument(
         "--strategy", default="auto", choices=STRATEGIES, help="bucketwise.compile strategy (default: auto)"
@@ -52,17 +53,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
