@@ -243,7 +243,7 @@ class BlockWire:
     reduced: tuple[int, ...]
     spec: CommSpec
     reduced_shapes: tuple[torch.Size, ...]
-    grad_dtype: torch.dtype
+    reduced_dtypes: tuple[torch.dtype, ...]
 
 
 def grads_onto_wire(
@@ -273,7 +273,7 @@ def grads_onto_wire(
         buffer = aot.trace_into(bw.graph, pack, present, fake_mode, decompose=decompose)
     new_outs = [o for i, o in enumerate(outs) if i not in reduced] + [buffer]
     _recompile(bw, new_outs)
-    wire = BlockWire(reduced, spec, tuple(torch.Size(p.shape) for p in params), params[0].dtype)
+    wire = BlockWire(reduced, spec, tuple(torch.Size(p.shape) for p in params), tuple(p.dtype for p in params))
     return wire, tuple(tensor_meta(n) if isinstance(n, fx.Node) else None for n in new_outs)
 
 
@@ -283,9 +283,14 @@ def reduced_grads(wire: BlockWire, grads: list[torch.Tensor | None]) -> list[tor
     if flat is None:
         raise AssertionError("expected the shared backward's flat gradient buffer last, got None")
     reduced = wire.spec.all_reduce(flat)
-    if wire.spec.comm_dtype is not None:
-        reduced = reduced.to(wire.grad_dtype)
-    params, rest = iter(unflatten(reduced, wire.reduced_shapes)), iter(others)
+    dtypes = set(wire.reduced_dtypes)
+    if wire.spec.comm_dtype is not None and len(dtypes) == 1:
+        reduced = reduced.to(*dtypes)
+    parts = unflatten(reduced, wire.reduced_shapes)
+    if wire.spec.comm_dtype is not None and len(dtypes) > 1:
+        # Each to its own parameter's dtype, as DDP's bucket of that dtype takes it.
+        parts = [g.to(dtype) for g, dtype in zip(parts, wire.reduced_dtypes)]
+    params, rest = iter(parts), iter(others)
     return [next(params) if i in wire.reduced else next(rest) for i in range(len(others) + len(wire.reduced))]
 
 

@@ -39,7 +39,7 @@ class Block(nn.Module):
         self.temperature = 8.0  # a plain attribute the forward reads
 
     def _body(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        q, k, v = self.qkv(self.ln(x)).split(x.shape[-1], dim=-1)
+        q, k, v = self.qkv(self.ln(x.to(self.ln.weight.dtype)).to(x.dtype)).split(x.shape[-1], dim=-1)
         att = q @ k.transpose(-1, -2) / self.temperature
         if mask is not None:  # made an additive bias in every block, as HF's attention does
             att = att + torch.where(mask, 0.0, float("-inf"))
@@ -140,6 +140,7 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
         "two_kinds": {},
         "not_shared": {},
         "fp16_hook": {},
+        "mixed_dtypes_hook": {},
         "shared_scale": {"shared_scale": True},
         "masked": {"masked": True},
         "retuned": {},
@@ -152,11 +153,14 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
     base = Net(depth=4, **kwargs)
     if name == "hooked":
         base.blocks[2].fc.register_forward_hook(lambda module, args, out: out * 0.5)
+    if name == "mixed_dtypes_hook":  # each block's first parameter bf16, the others float32
+        for block in base.blocks:
+            block.ln.to(torch.bfloat16)
     if name == "two_kinds":  # blocks 0 and 3 differ from the middle ones: the middle ones share
         base.blocks[0].fc, base.blocks[0].out = nn.Linear(32, 16), nn.Linear(16, 32)
     eager_net, net = copy.deepcopy(base), copy.deepcopy(base)
     eager, ddp = DDP(eager_net), DDP(net)
-    if name == "fp16_hook":
+    if name in ("fp16_hook", "mixed_dtypes_hook"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         for model in (eager, ddp):
@@ -165,7 +169,7 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
     share = name not in ("not_shared", "cpp_wrapper_whole")
     compiled = bucketwise.compile(ddp, backend=backend, strategy=strategy, share_blocks=share, options=options)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager_net, net)]
-    worst = 0.0
+    worst = relative = 0.0  # relative: float32 gradients, to each one's largest entry
     for step in range(STEPS):
         if name == "retuned" and step == 2:  # after the graph compiled: eager DDP reads the new value
             for block in (*eager_net.blocks, *net.blocks):
@@ -179,6 +183,8 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
             continue  # accumulated under no_sync(); compared after the next synced step
         for p, q in zip(eager_net.parameters(), net.parameters()):
             worst = max(worst, (p.grad - q.grad).abs().max().item())
+            if p.dtype == torch.float32:
+                relative = max(relative, ((p.grad - q.grad).abs().max() / p.grad.abs().max()).item())
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -196,6 +202,7 @@ def _case(rank: int, name: str, strategy: str, backend: str) -> dict:
         "collectives": collectives,
         "lines": [line for line in report.table().splitlines() if " share " in line],
         "worst": worst,
+        "relative": relative,
         "shared": [g["shared_blocks"] for g in graphs],
         "strategies": [g["strategy"] for g in graphs],
         "buckets": [[b["params"] for b in g["buckets"]] for g in graphs],
@@ -240,13 +247,17 @@ def test_shared_blocks_train_like_eager_ddp_under_every_strategy(tmp_path):
     cases = [("plain", strategy, "aot_eager") for strategy in ("fused", "split", "none")]
     cases += [("checkpointed", "fused", "aot_eager"), ("two_kinds", "fused", "aot_eager")]
     cases += [("fp16_hook", "fused", "aot_eager"), ("shared_scale", "fused", "aot_eager")]
-    cases += [("masked", "split", "aot_eager")]
+    cases += [("masked", "split", "aot_eager"), ("mixed_dtypes_hook", "fused", "aot_eager")]
     results = _run(tmp_path, cases)
     for case, r in results.items():
         # fp16 on the wire: eager DDP's hook and the block's rounding of the same values agree
         # to fp16's precision, not bit for bit (the sums of 2 ranks are exact in both).
-        bound = 1e-3 if case[0] == "fp16_hook" else 1e-6
+        bound = 1e-3 if case[0].endswith("hook") else 1e-6
         assert r["worst"] <= bound, f"{case}: {r['worst']:.3g} from eager DDP"
+    # Each reduced gradient goes back to its own parameter's dtype, as DDP's bucket of that dtype
+    # takes it: a float32 gradient is fp16's value, never rounded through another parameter's bf16.
+    mixed = results[("mixed_dtypes_hook", "fused", "aot_eager")]
+    assert mixed["relative"] <= 1e-3 and mixed["shared"][0]["bucket_per_block"] is True, mixed
     for strategy in ("fused", "split", "none"):
         training = results[("plain", strategy, "aot_eager")]["shared"][0]
         assert training["count"] == 4 and training["compiles"] == 1 and training["class"] == "Block", training
