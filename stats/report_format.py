@@ -71,7 +71,7 @@ def format_table(data: ReportData) -> str:
     lines.extend(f"ran eagerly: {n} call(s): {why}" for why, n in data.eager_calls.items())
     lines.extend(f"runs eagerly between graphs: {r}" for r in data.eager_regions)
     lines.extend(f"note: {n}" for n in data.notes)
-    lines.extend(shared_block_lines(data.graphs))
+    lines.extend(shared_block_lines(data.graphs, said=data.notes))
     if times_rows:
         lines.append("")
         lines.append(align([BREAKDOWN_HEADER, *times_rows], right=range(1, 8)))
@@ -100,15 +100,17 @@ def compile_text(totals: dict, *, breakdown: bool) -> str:
     return f"compile {compile_seconds(totals):.2f} s (every phase: the table below)"
 
 
-def shared_block_lines(graphs: Sequence[GraphData]) -> list[str]:
-    """One line per graph whose blocks share a compile, or could not (NOTE [one compile per block])."""
+def shared_block_lines(graphs: Sequence[GraphData], *, said: Sequence[str] = ()) -> list[str]:
+    """One line per graph whose blocks share a compile, and one per reason blocks could not
+    (naming its graphs) unless a note in ``said`` gives it (NOTE [one compile per block])."""
     lines = []
+    unshared: dict[str, list[str]] = {}
     for g in graphs:
         shared = g.shared_blocks
         if not shared:
             continue
         if "reason" in shared:
-            lines.append(f"graph {g.label}: blocks compiled with the whole graph: {shared['reason']}")
+            unshared.setdefault(shared["reason"], []).append(str(g.label))
             continue
         lines.append(
             f"graph {g.label}: {shared['count']} blocks of {shared['blocks']} ({shared['class']}) share "
@@ -117,6 +119,10 @@ def shared_block_lines(graphs: Sequence[GraphData]) -> list[str]:
             + _dynamo_calls(shared)
             + _bucket_per_block(shared)
         )
+    for reason, labels in unshared.items():
+        if not any(reason in note for note in said):
+            graph = "graph" if len(labels) == 1 else "graphs"
+            lines.append(f"{graph} {', '.join(labels)}: blocks compiled with the whole graph: {reason}")
     return lines
 
 

@@ -583,3 +583,23 @@ def test_compile_times_show_the_caches_of_a_restart(single_rank_group, tmp_path,
         assert sum(parts) == pytest.approx(t["total_s"], abs=1e-5)
         assert t["total_s"] <= wall, (t, wall)
     assert cold["backend_s"] > 0 and warm["backend_s"] == 0, "a cache hit runs no Inductor compile"
+
+
+def test_why_blocks_stay_whole_is_said_once_for_every_graph_it_holds_for():
+    from types import SimpleNamespace
+
+    from bucketwise.stats.report_format import shared_block_lines
+
+    graphs = [
+        SimpleNamespace(label="0", shared_blocks={"reason": "why"}),
+        SimpleNamespace(label="1 (no_sync)", shared_blocks={"reason": "why"}),
+        SimpleNamespace(label="2", shared_blocks={"reason": "dynamic shapes"}),
+        SimpleNamespace(label="3", shared_blocks=None),
+    ]
+    assert shared_block_lines(graphs) == [
+        "graphs 0, 1 (no_sync): blocks compiled with the whole graph: why",
+        "graph 2: blocks compiled with the whole graph: dynamic shapes",
+    ]
+    # A note that gives the reason already says it: the table does not repeat it.
+    said = ["blocks: 3 blocks compiled with the whole graph: why"]
+    assert shared_block_lines(graphs, said=said) == ["graph 2: blocks compiled with the whole graph: dynamic shapes"]
