@@ -17,7 +17,12 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _code_files() -> list[Path]:
-    return [p for p in ROOT.rglob("*.py") if RESULTS not in p.parents and ".git" not in p.parts]
+    # Not under a hidden folder (``.git``, a virtual environment, a scratch copy of the package).
+    return [
+        p
+        for p in ROOT.rglob("*.py")
+        if RESULTS not in p.parents and not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
+    ]
 
 
 def _anchors(page: Path) -> set[str]:
