@@ -18,24 +18,16 @@ def run_worker_script(tmp_path: Path, source: str, *args: str, timeout: float = 
     """``source`` run as a script of its own (a new interpreter, one rank) with ``args`` and no
     progress lines; the lines it printed, of which at least one ``RESULT`` line (the last is
     printed here), or a failure with the end of its stderr."""
-    script = tmp_path / "worker.py"
-    script.write_text(source)
-    env = {**os.environ, "BUCKETWISE_PROGRESS": "0"}
-    done = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=timeout
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
-    assert lines, done.stderr[-4000:]
-    print(lines[-1])
-    return done.stdout.splitlines()
+    return run_worker_scripts(tmp_path, source, {"worker": args}, timeout=timeout)["worker"]
 
 
 def run_worker_scripts(
     tmp_path: Path, source: str, cases: dict[str, Sequence[str]], *, timeout: float = 600
 ) -> dict[str, list[str]]:
-    """``source`` run as :func:`run_worker_script` runs it, once per case with the case's args,
-    all at once (compiling, one thread each, is most of their time); each case's printed lines.
-    Fails naming every case that printed no ``RESULT`` line, with the end of its stderr."""
+    """``source`` run as a script of its own, once per case with the case's args (a new
+    interpreter, one rank, no progress lines), all at once (compiling, one thread each, is most of
+    their time); each case's printed lines. Fails naming every case that printed no ``RESULT``
+    line, with the end of its stderr."""
     script = tmp_path / "worker.py"
     script.write_text(source)
     env = {**os.environ, "BUCKETWISE_PROGRESS": "0"}
