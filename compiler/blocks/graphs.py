@@ -282,14 +282,13 @@ def reduced_grads(wire: BlockWire, grads: list[torch.Tensor | None]) -> list[tor
     *others, flat = grads
     if flat is None:
         raise AssertionError("expected the shared backward's flat gradient buffer last, got None")
-    reduced = wire.spec.all_reduce(flat)
-    dtypes = set(wire.reduced_dtypes)
-    if wire.spec.comm_dtype is not None and len(dtypes) == 1:
-        reduced = reduced.to(*dtypes)
-    parts = unflatten(reduced, wire.reduced_shapes)
-    if wire.spec.comm_dtype is not None and len(dtypes) > 1:
-        # Each to its own parameter's dtype, as DDP's bucket of that dtype takes it.
-        parts = [g.to(dtype) for g, dtype in zip(parts, wire.reduced_dtypes)]
+    reduced, dtypes = wire.spec.all_reduce(flat), wire.reduced_dtypes
+    if wire.spec.comm_dtype is None:  # reduced in the gradients' own dtype
+        parts = unflatten(reduced, wire.reduced_shapes)
+    elif len(set(dtypes)) == 1:  # one cast; the gradients view its result
+        parts = unflatten(reduced.to(dtypes[0]), wire.reduced_shapes)
+    else:  # each to its own parameter's dtype, as DDP's bucket of that dtype takes it
+        parts = [g.to(dtype) for g, dtype in zip(unflatten(reduced, wire.reduced_shapes), dtypes)]
     params, rest = iter(parts), iter(others)
     return [next(params) if i in wire.reduced else next(rest) for i in range(len(others) + len(wire.reduced))]
 
