@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -37,9 +38,10 @@ def run_worker_scripts(
         with out, err:
             procs[name] = subprocess.Popen([sys.executable, str(script), *args], stdout=out, stderr=err, env=env)
     failed, printed = [], {}
+    deadline = time.monotonic() + timeout  # for all of them: they run at once
     for name, proc in procs.items():
         try:
-            proc.wait(timeout=timeout)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
