@@ -69,8 +69,9 @@ def run_ranks(world: int, worker: Callable[..., None], store: str, *args: Any, t
     procs = [ctx.Process(target=worker, args=(r, world, store, *args, errors)) for r in range(world)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout  # for all of them: they run at once
     for p in procs:
-        p.join(timeout=timeout)
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.kill()
