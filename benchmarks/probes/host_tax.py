@@ -45,7 +45,7 @@ import bucketwise
 from bucketwise.benchmarks.core.meta import run_meta
 from bucketwise.benchmarks.core.models import MODELS, SIZE_FLAGS, make_spec
 from bucketwise.benchmarks.probes._one_rank import one_rank
-from bucketwise.benchmarks.tax.bench import build, kernel_profile, timed_block
+from bucketwise.benchmarks.tax.bench import build, kernel_profile, sync, timed_block
 
 STEPS = 5
 """Profiled steps per config (per profile)."""
@@ -58,22 +58,17 @@ def parse_config(name: str) -> tuple[str, float | None]:
     return config, float(cap) if cap else None
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _activities() -> list[ProfilerActivity]:
     return [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])]
 
 
 def host_ops(step: Any) -> dict[str, dict[str, float]]:
     """Calls and self CPU microseconds per step of every CPU op and CUDA runtime call."""
-    _sync()
+    sync()
     with profile(activities=_activities()) as prof:
         for _ in range(STEPS):
             step()
-        _sync()
+        sync()
     out: dict[str, dict[str, float]] = {}
     for e in prof.key_averages():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -84,12 +79,12 @@ def host_ops(step: Any) -> dict[str, dict[str, float]]:
 
 def python_functions(step: Any) -> dict[str, dict[str, float]]:
     """Calls and own seconds per step of every Python function (cProfile: the main thread's)."""
-    _sync()
+    sync()
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(STEPS):
         step()
-    _sync()
+    sync()
     prof.disable()
     out = {}
     for (path, line, fn), (_, calls, own, _, _) in pstats.Stats(prof).stats.items():
@@ -154,7 +149,7 @@ def _part(event: Any) -> str:
     if event.is_python_function:
         path = name.split("(")[0]
         parts = path.removeprefix(_PACKAGE).removeprefix("bucketwise/").split("/")
-        if parts[0] in _OWN and len(parts) > 1 or path.startswith(_PACKAGE):
+        if path.startswith(_PACKAGE) or (len(parts) > 1 and parts[0] in _OWN):
             return "the benchmark's step" if parts[0] == "benchmarks" else "bucketwise"
         if "torchinductor" in path:  # Inductor's generated output code
             return INDUCTOR
@@ -184,11 +179,11 @@ def thread_parts(step: Any) -> dict[str, dict[str, float]]:
     """Per thread, per part of the step (:func:`_part`): own microseconds per step of the
     profiler's events (ops and Python functions) less their children's, over ``STEPS`` steps. A
     Python function open for most of the profile (a background thread waiting) is left out."""
-    _sync()
+    sync()
     with profile(activities=_activities(), with_stack=True) as prof:
         for _ in range(STEPS):
             step()
-        _sync()
+        sync()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     if not events:
         return {}

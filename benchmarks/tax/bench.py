@@ -105,13 +105,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return ns
 
 
-def _sync() -> None:
+def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
 def _allocated() -> int:
-    _sync()
+    sync()
     return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
 
 
@@ -135,10 +135,10 @@ def build(
     _reset_peak()
     t_build = time.perf_counter()
     _, prepared, _, step = training_step(recipe, spec, device, backend, isolated=True, bucket_cap_mb=bucket_cap_mb)
-    _sync()
+    sync()
     t0 = time.perf_counter()
     step()
-    _sync()
+    sync()
     first_s = time.perf_counter() - t0
     for _ in range(warmup):
         step()
@@ -167,7 +167,7 @@ def build(
 def timed_block(entry: dict[str, Any], steps: int, others_at_rest: int) -> None:
     """``steps`` steps of one config: median host issue time, GPU time per step, peak memory."""
     step: Callable[[], Any] = entry["step"]
-    _sync()
+    sync()
     _reset_peak()
     cuda = torch.cuda.is_available()
     start = torch.cuda.Event(enable_timing=True) if cuda else None
@@ -184,7 +184,7 @@ def timed_block(entry: dict[str, Any], steps: int, others_at_rest: int) -> None:
         thread.append((time.thread_time() - c) * 1e3)
     if cuda:
         end.record()
-    _sync()
+    sync()
     entry["issue_ms"].append(statistics.median(issue))
     entry["process_cpu_ms"].append(statistics.median(process))
     entry["cpu_ms"].append(statistics.median(thread))
@@ -200,11 +200,11 @@ def kernel_profile(entry: dict[str, Any], steps: int) -> None:
     if not torch.cuda.is_available() or steps <= 0:
         entry["kernels"] = entry["gpu_ms"] = entry["gpu_idle_ms"] = entry["idle_before_ms"] = None
         return
-    _sync()
+    sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             entry["step"]()
-        _sync()
+        sync()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     entry["kernels"] = len(kernels) / steps
     entry["gpu_ms"] = sum(e.device_time for e in kernels) / 1e3 / steps
@@ -460,10 +460,10 @@ def first_step_only(args: argparse.Namespace, device: torch.device) -> None:
 
     started = tax_restarts.started_s()
     entry = build(args.configs[0], make_spec(args.model, _sizes(args)), device, args.backend, warmup=0)
-    _sync()
+    sync()
     t0 = time.perf_counter()
     entry["step"]()
-    _sync()
+    sync()
     tax_restarts.print_result(
         {
             "config": args.configs[0],
