@@ -18,7 +18,7 @@ from .._compat import inductor as ci
 from ..partitioners.param_usage import ParamInput
 from .blocks import Sharing, share_blocks
 from .blocks.calls import BlockCalls, is_block_call
-from .blocks.find import BlockBuckets, CostRule, KeptWhole, find_block_run
+from .blocks.find import BlockBuckets, KeptWhole, find_block_run
 from .plan import GraphPlan
 
 
@@ -64,10 +64,9 @@ def share_in_graph(
     if buckets is not None:  # the blocks' backward gathers their gradients into a bucket
         patches.update(ci.bucket_safe_patches())  # NOTE [reductions into bucket views]
     aot.start_compile_workers(cfg.capabilities, example_inputs)  # NOTE [compile workers from the start]
-    cost = CostRule(device=plan.cost) if plan.cost is not None else None
     try:
         sharing, unshared = share_blocks(
-            gm, example_inputs, backend=cfg.capabilities, config_patches=patches, buckets=buckets, cost=cost
+            gm, example_inputs, backend=cfg.capabilities, config_patches=patches, buckets=buckets, cost=plan.cost
         )
     except KeptWhole as exc:
         return None, Unshared(str(exc), (exc.container, exc.count), host_time=True)

@@ -6,18 +6,17 @@ first step grows with depth. Regional compilation leaves the embeddings, head, l
 reducer uncompiled, and ``nested_compile_region`` gives wrong gradients for repeated transformer
 blocks under Inductor (torch 2.13, 2.15, CPU). So the graph stays whole and each block becomes one
 opaque op, ``bucketwise::shared_block(key, inputs)``, running the first block's compiled forward
-and backward. The backward's inputs are returned once per distinct tensor, their views rebuilt there.
+and backward; its backward takes each distinct tensor once, rebuilding the views.
 
 NOTE [a bucket per block]: under ``fused`` the graph would carry each parameter's ``BucketSync``
 views, flatten and scale: most of what is traced per block. Instead a shared block's backward
 returns the gradients of the parameters read only inside it last, as one flat ``CommSpec.to_wire``
 buffer the op's autograd formula all-reduces (its wait late, NOTE [late waits]) and hands back as
-views. Not with a hook program, with parameters of several dtypes and no compress hook, or where
-the same block takes parameters at other inputs elsewhere.
+views. Not with a hook program, nor where ``find.reduced_inputs`` says why not.
 
 NOTE [computed once before the blocks]: what every block computes the same (HF Llama's mask made a
 bias) the whole graph computes once (CSE), a shared block at every call, kept for its backward. So
-that part of the forward (from the same node at that input of every block, without gradient, and
+that part of the forward (from the same gradient-free node at that input of every block, and
 constants) moves before the first block, its results the last inputs of every call. Only ops
 autocast leaves alone move (the graph around is traced again under autocast); views stay: free.
 """
@@ -41,9 +40,7 @@ from ..._compat.capabilities import Capabilities
 from ...distributed.fused.cache_keys import source_key
 from ...distributed.fused.sync import REDUCED_PARAMS_META, CommSpec
 from ...distributed.result import CompileOutcome
-from . import calls, find, graphs
-from .find import BlockBuckets, BlockCost, CostRule, KeptWhole
-from .graphs import BlockLayout, BlockWire, MovedOut, NotShareable
+from . import find, graphs
 
 _RANDOM = ("rand", "dropout", "bernoulli", "philox", "seed", "normal_", "uniform_", "exponential_", "multinomial")
 
@@ -55,37 +52,31 @@ _BLOCKS: weakref.WeakValueDictionary[int, SharedBlock] = weakref.WeakValueDictio
 _KEYS = itertools.count()
 
 
-@dataclasses.dataclass
-class FirstCall:
-    """Found by a block's first call (``None`` before): the outputs copied and backward inputs restrided."""
+# NOTE [a shared block in stages]: each step in ``graphs.py`` makes one record once: ``moved``,
+# ``reads``, under ``fused`` ``BlockWire``, then ``BlockLayout``; ``_compile`` assembles them. Only
+# what the first call finds (``aliased``, ``restride``) changes after.
+@dataclasses.dataclass(eq=False)
+class SharedBlock:
+    """One block's compiled (boxed) forward and backward, called by every block identical to it.
+    ``moved`` computes from the call's inputs at ``invariant`` what every call takes last; ``reads``:
+    the inputs the forward takes (``None``: all); ``aliased``, ``restride``: found by the first call."""
 
+    key: int
+    layout: graphs.BlockLayout
+    forward: Callable[[list[Any]], Any]
+    backward: Callable[[list[Any]], Any]
+    wire: graphs.BlockWire | None = None
+    moved: fx.GraphModule | None = None
+    invariant: tuple[int, ...] = ()
+    reads: tuple[int, ...] | None = None
+    cost: find.BlockCost | None = None
     aliased: frozenset[int] | None = None
     restride: tuple[int, ...] | None = None
 
 
-# NOTE [a shared block in stages]: each step in ``graphs.py`` makes one record once: ``MovedOut``,
-# ``reads``, ``BlockLayout``, under ``fused`` ``BlockWire``; ``_compile`` assembles them. Only what
-# the first call finds (``FirstCall``) changes after.
-@dataclasses.dataclass(frozen=True, eq=False)
-class SharedBlock:
-    """One block's compiled (boxed) forward and backward, called by every block identical to it.
-    ``reads``: the positions of the call's inputs the forward takes (``None``: all)."""
-
-    key: int
-    layout: BlockLayout
-    forward: Callable[[list[Any]], Any]
-    backward: Callable[[list[Any]], Any]
-    wire: BlockWire | None = None
-    moved: MovedOut | None = None
-    reads: tuple[int, ...] | None = None
-    cost: BlockCost | None = None
-    first_call: FirstCall = dataclasses.field(default_factory=FirstCall)
-
-
 def _shared_block(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     block = _BLOCKS[key]
-    seen = block.first_call
-    if seen.aliased is None:
+    if block.aliased is None:
         # Inductor's own per-call checks are off for shared blocks: the first call checks layouts.
         for i, (t, (shape, stride)) in enumerate(zip(inputs, block.layout.forward_layouts)):
             if tuple(t.shape) != shape or any(n > 1 and a != b for n, a, b in zip(shape, t.stride(), stride)):
@@ -94,7 +85,7 @@ def _shared_block(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
                     f"got {tuple(t.shape)} and {tuple(t.stride())}"
                 )
     out = list(block.forward(list(inputs)))
-    if seen.aliased is None:
+    if block.aliased is None:
         # Which outputs share memory is the compiled graph's structure: found once, then copied.
         ptrs = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
         aliased = set(block.layout.copied)
@@ -104,24 +95,22 @@ def _shared_block(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
                 if ptr in ptrs:
                     aliased.add(i)
                 ptrs.add(ptr)
-        seen.aliased = frozenset(aliased)
-    for i in seen.aliased:
+        block.aliased = frozenset(aliased)
+    for i in block.aliased:
         out[i] = out[i].clone()
     return out
 
 
 def _shared_block_backward(key: int, saved_and_grads: list[torch.Tensor]) -> list[torch.Tensor]:
     block = _BLOCKS[key]
-    layout, seen = block.layout, block.first_call
+    layout = block.layout
     # Inputs not laid out as compiled for are copied; saved tensors are checked once, gradients always.
     strides = layout.input_strides
-    if seen.restride is None:
-        n_saved = len(saved_and_grads) - layout.n_tangents
-        seen.restride = tuple(
-            i for i, t in enumerate(saved_and_grads[: len(strides)]) if i >= n_saved or t.stride() != strides[i]
-        )
+    if block.restride is None:
+        n_saved = len(layout.roots)
+        block.restride = tuple(i for i, t in enumerate(saved_and_grads) if i >= n_saved or t.stride() != strides[i])
     inputs = list(saved_and_grads)
-    for i in seen.restride:
+    for i in block.restride:
         if (t := inputs[i]).stride() != strides[i]:
             inputs[i] = torch.empty_strided(t.shape, strides[i], dtype=t.dtype, device=t.device).copy_(t)
     grads = block.backward(inputs)
@@ -155,11 +144,8 @@ class _SharedBlockFormula(torch.autograd.Function):
         return (None, *(graphs.reduced_grads(block.wire, grads) if block.wire is not None else grads))
 
 
-def _fake(field: str) -> Callable[[int, list[torch.Tensor]], list[torch.Tensor]]:
-    def fake(key: int, _: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [torch.empty_strided(*m[:2], dtype=m[2], device=m[3]) for m in getattr(_BLOCKS[key].layout, field) if m]
-
-    return fake
+def _empty(metas: tuple[graphs.TensorMeta | None, ...]) -> list[torch.Tensor]:
+    return [torch.empty_strided(*m[:2], dtype=m[2], device=m[3]) for m in metas if m]
 
 
 # Registered with one Python call per call at run time (NOTE [one Python call per op]).
@@ -168,7 +154,7 @@ SHARED_BLOCK = ops.define(
     "bucketwise::shared_block",
     "(int key, Tensor[] inputs) -> Tensor[]",
     kernel=_shared_block,
-    fake=_fake("outputs"),
+    fake=lambda key, _: _empty(_BLOCKS[key].layout.outputs),
     formula=_SharedBlockFormula,
     tags=_EXACT,
 )
@@ -176,7 +162,7 @@ SHARED_BLOCK_BACKWARD = ops.define(
     "bucketwise::shared_block_backward",
     "(int key, Tensor[] saved_and_grads) -> Tensor[]",
     kernel=_shared_block_backward,
-    fake=_fake("grads"),
+    fake=lambda key, _: _empty(_BLOCKS[key].layout.grads),
     tags=_EXACT,
 )
 
@@ -191,30 +177,28 @@ class Sharing:
     """What :func:`share_blocks` did to one graph, for the report; ``kept``: the distinct blocks
     compiled, alive as long as the graph's backend; ``bucket_per_block``/``dynamo``: ``True`` or why not."""
 
-    blocks: str
-    block_class: str
+    run: find.BlockRun
     count: int
-    compiles: int
     outcomes: list[CompileOutcome]
-    kept: list[SharedBlock] = dataclasses.field(default_factory=list, repr=False)
+    kept: list[SharedBlock] = dataclasses.field(repr=False)
     bucket_per_block: bool | str | None = None
     dynamo: bool | str | None = None
     cpp_wrapper: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         seconds = sum(o.seconds for o in self.outcomes)
-        per = seconds / self.compiles if self.compiles else 0.0
+        compiles = len(self.kept)
         # The ops moved out of the blocks (NOTE [computed once before the blocks]).
-        nodes = [n for b in self.kept if b.moved is not None for n in b.moved.before.graph.nodes]
+        nodes = [n for b in self.kept if b.moved is not None for n in b.moved.graph.nodes]
         moved = sorted({cc.op_name(n) for n in nodes if n.op == "call_function"})
         costs = [b.cost.to_dict() for b in self.kept if b.cost]
         return {
-            "blocks": self.blocks,
-            "class": self.block_class,
+            "blocks": self.run.name,
+            "class": self.run.block_class,
             "count": self.count,
-            "compiles": self.compiles,
+            "compiles": compiles,
             "compile_seconds": round(seconds, 6),
-            "saved_seconds": round(per * (self.count - self.compiles), 6),
+            "saved_seconds": round(seconds / compiles * (self.count - compiles), 6) if compiles else 0.0,
             **({} if self.bucket_per_block is None else {"bucket_per_block": self.bucket_per_block}),
             **({} if self.dynamo is None else {"dynamo_calls": self.dynamo}),
             **({"computed_before_blocks": moved} if moved else {}),
@@ -229,11 +213,11 @@ def share_blocks(
     *,
     backend: Capabilities,
     config_patches: dict,
-    buckets: BlockBuckets | None = None,
-    cost: CostRule | None = None,
+    buckets: find.BlockBuckets | None = None,
+    cost: find.DeviceCost | None = None,
 ) -> tuple[Sharing | None, str | None]:
     """``gm``'s identical blocks call one compiled block (NOTE [one compile per block]), rewritten in
-    place; what was shared, or ``None`` and why nothing was."""
+    place, where ``cost`` allows (NOTE [sharing by cost]); what was shared, or ``None`` and why not."""
     if any(isinstance(a, torch.SymInt) or (isinstance(a, torch.Tensor) and aot.symbolic(a)) for a in example_inputs):
         return None, "dynamic shapes"
     if not torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs):
@@ -246,30 +230,30 @@ def share_blocks(
     parts = find.block_parts(gm, run)
     # Every block is compiled before the graph changes: one that cannot be shared leaves it whole.
     subs = [aot.block_graph(gm, part, f"block_{k}") for k, part in enumerate(parts)]
-    inputs = [ins for _, ins, _ in subs]
-    signatures = [find.piece_signature(sub, [values[n] for n in ins], opaque=calls.opaque_key) for sub, ins, _ in subs]
-    repeated = {sig for sig in signatures if signatures.count(sig) > 1}
+    signatures = [find.piece_signature(sub, [values[n] for n in ins]) for sub, ins, _ in subs]
+    repeated = [(s, ins, part) for s, (_, ins, _), part in zip(signatures, subs, parts) if signatures.count(s) > 1]
     if not repeated:
         return None, f"no two blocks of {run.name} are the same computation (shapes, dtypes or constants differ)"
-    reduced, per_block = find.reduced_inputs(inputs, parts, signatures, repeated, values, buckets)
-    invariant = find.invariant_inputs(inputs, signatures, repeated, values)
+    reduced, per_block = find.reduced_inputs(repeated, values, buckets)
     blocks: dict[tuple, SharedBlock] = {}
     outcomes: list[CompileOutcome] = []
     spec = buckets.spec if buckets is not None else None
     for k, ((sub, ins, _), sig) in enumerate(zip(subs, signatures)):
-        if sig in repeated and sig not in blocks:
+        if signatures.count(sig) > 1 and sig not in blocks:
             fakes = [values[n] for n in ins]
+            invariant = find.invariant_inputs([i for s, i, _ in repeated if s == sig], values)
             try:
                 blocks[sig], outcome = _compile(
-                    sub, fakes, fake_mode, backend, config_patches, reduced.get(sig, ()), spec, invariant[sig], cost
+                    sub, fakes, fake_mode, backend, config_patches, reduced.get(sig, ()), spec, invariant, cost
                 )
-            except NotShareable as exc:
+            except graphs.NotShareable as exc:
                 return None, f"{run.name}.{k}: {exc}"
-            except KeptWhole as exc:
-                raise KeptWhole(str(exc), container=run.name, count=sum(s in repeated for s in signatures)) from None
+            except find.KeptWhole as exc:
+                exc.container, exc.count = run.name, len(repeated)
+                raise
             outcomes.append(outcome)
-    shared = [(part, blocks[sig]) for part, sig in zip(parts, signatures) if sig in blocks]
-    computed: dict[int, list[fx.Node]] = {}  # block key -> what ``block.moved.before`` computed
+    shared = [(part, blocks[s]) for s, _, part in repeated]
+    computed: dict[int, list[fx.Node]] = {}  # block key -> what ``block.moved`` computed
     with aot.dynamo_sources_kept(gm):
         for k, (part, block) in enumerate(shared):
             _, call = aot.cut_out(gm, part, f"block_{k}")
@@ -277,8 +261,8 @@ def share_blocks(
             with gm.graph.inserting_before(call):
                 if block.moved is not None:
                     if block.key not in computed:  # before the first block of its kind
-                        before, invariant_at = block.moved.before, block.moved.invariant
-                        computed[block.key] = graphs.insert_graph(gm.graph, before, [args[i] for i in invariant_at])
+                        given = [args[i] for i in block.invariant]
+                        computed[block.key] = graphs.insert_graph(gm.graph, block.moved, given)
                     args += computed[block.key]
                 if block.reads is not None:
                     args = [args[i] for i in block.reads]
@@ -290,10 +274,7 @@ def share_blocks(
             gm.delete_submodule(str(call.target))
         gm.graph.lint()
         gm.recompile()
-    kept = list(blocks.values())
-    return Sharing(
-        run.name, run.block_class, len(shared), len(kept), outcomes, kept, per_block, cpp_wrapper=backend.cpp_wrapper
-    ), None
+    return Sharing(run, len(shared), outcomes, list(blocks.values()), per_block, cpp_wrapper=backend.cpp_wrapper), None
 
 
 def _compile(
@@ -305,7 +286,7 @@ def _compile(
     reduced: tuple[int, ...],
     spec: CommSpec | None,
     invariant: tuple[int, ...],
-    cost: CostRule | None,
+    cost: find.DeviceCost | None,
 ) -> tuple[SharedBlock, CompileOutcome]:
     phases0, counts0 = dc.compile_phase_seconds(), dc.compile_counters()
     start = time.perf_counter()
@@ -313,26 +294,26 @@ def _compile(
         fw, bw = aot.partition(sub, fakes, fake_mode, decompose=backend.inductor)
     except Exception as exc:  # noqa: BLE001 - any failure: the block compiles with the whole graph
         why = f"AOTAutograd could not split the block on its own: {type(exc).__name__}: {exc}"
-        raise NotShareable(why[:300]) from exc
-    calls_ = [n for n in fw.graph.nodes if n.op == "call_function"]
-    if random := [str(n.target) for n in calls_ if any(r in str(n.target) for r in _RANDOM)]:
-        raise NotShareable(f"the block draws random numbers ({random[0]})")
-    if any(dc.written_args(n) for n in calls_):
-        raise NotShareable("the block writes into one of its inputs")
-    estimated = cost.check(fw, bw) if cost is not None else None  # before anything is compiled
+        raise graphs.NotShareable(why[:300]) from exc
+    calls = [n for n in fw.graph.nodes if n.op == "call_function"]
+    if random := [str(n.target) for n in calls if any(r in str(n.target) for r in _RANDOM)]:
+        raise graphs.NotShareable(f"the block draws random numbers ({random[0]})")
+    if any(dc.written_args(n) for n in calls):
+        raise graphs.NotShareable("the block writes into one of its inputs")
+    estimated = find.estimate(fw, bw, cost) if cost is not None else None  # before anything is compiled
+    if estimated is not None and (why := find.refusal(estimated, cost)) is not None:
+        raise find.KeptWhole(why)
     # The stages of NOTE [a shared block in stages], in order: each rewrites fw and bw in place.
-    moved = graphs.move_out(fw, bw, invariant, n_user=len(graphs.user_outputs(sub)))
+    n_user = len(next(iter(sub.graph.find_nodes(op="output"))).args[0])  # a tuple (``aot.block_graph``)
+    moved = graphs.move_out(fw, bw, invariant, n_user=n_user)
     reads = graphs.drop_unread(fw, bw)
-    layout = graphs.plan_layout(sub, fw, bw, fake_mode)
     wire = None
-    if reduced:
-        if spec is None:
-            raise AssertionError(f"expected a comm spec for the reduced inputs {reduced}, got None")
-        # A reduced parameter has a gradient, so the forward still takes it: its position there.
+    if reduced:  # a reduced parameter has a gradient, so the forward still takes it: at its position there
         at = tuple(i if reads is None else reads.index(i) for i in reduced)
         params = [fakes[i] for i in reduced]
-        wire, grads = graphs.grads_onto_wire(bw, params, at, spec, fake_mode, decompose=backend.inductor)
-        layout = dataclasses.replace(layout, grads=grads)
+        wire = graphs.BlockWire(at, spec, tuple(torch.Size(p.shape) for p in params), tuple(p.dtype for p in params))
+        graphs.grads_onto_wire(bw, wire, params, fake_mode, decompose=backend.inductor)
+    layout = graphs.plan_layout(n_user, fw, bw, fake_mode)
     if backend.inductor:
         fw_inputs = [n.meta["val"] for n in fw.graph.find_nodes(op="placeholder")]
         bw_inputs = [n.meta["val"] for n in bw.graph.find_nodes(op="placeholder")]
@@ -340,7 +321,7 @@ def _compile(
         backward = aot.inductor_compile(bw, bw_inputs, fake_mode, backward=True, config_patches=config_patches)
     else:
         forward, backward = aot.boxed(fw), aot.boxed(bw)
-    block = SharedBlock(next(_KEYS), layout, forward, backward, wire=wire, moved=moved, reads=reads, cost=estimated)
+    block = SharedBlock(next(_KEYS), layout, forward, backward, wire, moved, invariant, reads, estimated)
     _BLOCKS[block.key] = block
     outcome = CompileOutcome(backend=backend.name, seconds=time.perf_counter() - start)
     phases = {k: v - phases0.get(k, 0.0) for k, v in dc.compile_phase_seconds().items()}

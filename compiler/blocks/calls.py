@@ -12,14 +12,13 @@ blocks' plain attributes keep their first values; else every block is inlined fr
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import linecache
 import logging
 import types
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -38,44 +37,37 @@ _PLAIN = (torch.Tensor, bool, int, float, str, type(None))
 
 @dataclasses.dataclass(eq=False)
 class BlockEntry:
-    """One block called as one op: its tensors' names and paths, in :func:`block_call`'s order;
-    ``fingerprint``: its computation, as last run on fake tensors."""
+    """One block called as one op: its modules (the block first), its tensors' names in
+    :func:`block_call`'s order; ``fingerprint``: its computation, as last run on fake tensors."""
 
     key: int
-    module: weakref.ReferenceType[nn.Module]
+    modules: tuple[nn.Module, ...] = dataclasses.field(repr=False)
     names: tuple[str, ...]
-    paths: tuple[tuple[tuple[str, ...], str, str], ...]
-    modules: tuple[nn.Module, ...] = dataclasses.field(repr=False, default=())
-    forward: Callable[..., Any] | None = dataclasses.field(repr=False, default=None)
+    forward: Callable[..., Any] = dataclasses.field(repr=False)
     fingerprint: tuple | None = None
 
 
 @dataclasses.dataclass(eq=False)
 class BlockCalls:
     """The blocks of ``container`` Dynamo meets as one call each; ``off``: why it inlines them after
-    all. ``attributes``: (path, ``__dict__``, name) of their plain attributes, ``values``: at first."""
+    all. Their plain attributes' ``paths``, ``dicts``, ``names`` (apart: one pass in C), ``values`` at first."""
 
     container: str
-    entries: list[BlockEntry]
+    entries: list[BlockEntry] = dataclasses.field(default_factory=list)
+    paths: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    dicts: tuple[dict[str, Any], ...] = dataclasses.field(default=(), repr=False)
+    names: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     off: str | None = None
-    attributes: list[tuple[str, dict[str, Any], str]] = dataclasses.field(default_factory=list, repr=False)
     values: list[Any] | None = dataclasses.field(default=None, repr=False)
-    _dicts: list[dict[str, Any]] = dataclasses.field(init=False, repr=False)  # for changed()'s one pass in C
-    _names: list[str] = dataclasses.field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._dicts = [d for _, d, _ in self.attributes]
-        self._names = [name for _, _, name in self.attributes]
 
     def changed(self) -> str | None:
         """Which plain attribute holds another value than at the first call, else ``None``."""
-        now = list(map(dict.get, self._dicts, self._names))
+        now = list(map(dict.get, self.dicts, self.names))
         if self.values is None:
             self.values = now
-            return None
         if now == self.values:  # identity first: an unchanged NaN compares equal
             return None
-        for (path, _, name), before, after in zip(self.attributes, self.values, now):
+        for path, name, before, after in zip(self.paths, self.names, self.values, now):
             if after is not before and after != before:
                 return f"{path}.{name} changed from {before!r} to {after!r} after the graph was compiled"
         raise AssertionError(f"expected a changed attribute in {self.container}, got none")
@@ -88,9 +80,11 @@ class BlockCalls:
                 self._inline(why)
             if self.off is not None:
                 return compiled(*args, **kwargs)
+            placed = [entry for entry in self.entries if "forward" not in entry.modules[0].__dict__]
             try:
-                with self.installed():
-                    return compiled(*args, **kwargs)
+                for entry in placed:
+                    entry.modules[0].__dict__["forward"] = entry.forward
+                return compiled(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - only a refusal is handled, the rest re-raised
                 seen = set()
                 while exc is not None and id(exc) not in seen and not isinstance(exc, BlockCallRefused):
@@ -99,6 +93,9 @@ class BlockCalls:
                 if not isinstance(exc, BlockCallRefused):
                     raise
                 self._inline(str(exc))
+            finally:
+                for entry in placed:
+                    entry.modules[0].__dict__.pop("forward", None)
             return compiled(*args, **kwargs)
 
         return call
@@ -106,20 +103,6 @@ class BlockCalls:
     def _inline(self, why: str) -> None:
         self.off = why
         log.warning("bucketwise: share_blocks: Dynamo traces every block of %s: %s", self.container, why)
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        placed = []
-        try:
-            for entry in self.entries:
-                module = entry.module()
-                if module is not None and "forward" not in module.__dict__:
-                    module.__dict__["forward"] = entry.forward
-                    placed.append(module)
-            yield
-        finally:
-            for module in placed:
-                module.__dict__.pop("forward", None)
 
 
 class BlockCallRefused(Exception):
@@ -130,18 +113,17 @@ def find_block_calls(module: nn.Module) -> BlockCalls:
     """The repeated blocks of ``module`` Dynamo may meet as one call each; ``off`` says why none."""
     found = repeated_blocks(module)
     if found is None:
-        return BlockCalls(container="", entries=[], off="no nn.ModuleList of two or more blocks of one class")
+        return BlockCalls("", off="no nn.ModuleList of two or more blocks of one class")
     name, blocks = found
     if hc.global_module_hooks():
-        return BlockCalls(container=name, entries=[], off="global module hooks are registered")
+        return BlockCalls(name, off="global module hooks are registered")
     for index, block in enumerate(blocks):
         if "forward" in block.__dict__:
-            why = "it has a forward attribute of its own (a framework's hook)"
-            return BlockCalls(container=name, entries=[], off=f"{name}.{index}: {why}")
+            return BlockCalls(name, off=f"{name}.{index}: it has a forward attribute of its own (a framework's hook)")
         for path, sub in block.named_modules():
             if hc.module_hooks(sub):
                 why = f"module {path or '(the block)'} has hooks ({', '.join(hc.module_hooks(sub))})"
-                return BlockCalls(container=name, entries=[], off=f"{name}.{index}: {why}")
+                return BlockCalls(name, off=f"{name}.{index}: {why}")
     attributes = [
         (f"{name}.{index}" + (f".{path}" if path else ""), sub.__dict__, attribute)
         for index, block in enumerate(blocks)
@@ -149,7 +131,7 @@ def find_block_calls(module: nn.Module) -> BlockCalls:
         for attribute, value in vars(sub).items()
         if not attribute.startswith("_") and attribute != "training" and _plain_value(value)
     ]
-    return BlockCalls(container=name, entries=[_entry(block) for block in blocks], attributes=attributes)
+    return BlockCalls(name, [_entry(block) for block in blocks], *zip(*attributes))
 
 
 def repeated_blocks(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -180,14 +162,13 @@ def _entry(block: nn.Module) -> BlockEntry:
             for name, tensor in table.items():
                 if tensor is not None:
                     paths.append((path, kind, name))
-    names = tuple(".".join((*path, name)) for path, _, name in paths)
-    entry = BlockEntry(next(_KEYS), weakref.ref(block), names, tuple(paths), tuple(block.modules()))
-    entry.forward = types.MethodType(_block_forward(entry, block), block)
-    _CALLS[entry.key] = entry
+    key, names = next(_KEYS), tuple(".".join((*path, name)) for path, _, name in paths)
+    forward = types.MethodType(_block_forward(key, paths, block), block)
+    entry = _CALLS[key] = BlockEntry(key, tuple(block.modules()), names, forward)
     return entry
 
 
-def _block_forward(entry: BlockEntry, block: nn.Module) -> Callable[..., Any]:
+def _block_forward(key: int, paths: list[tuple[tuple[str, ...], str, str]], block: nn.Module) -> Callable[..., Any]:
     """NOTE [a block call in straight lines]: Dynamo interprets every bytecode of a block's forward,
     for every block, in every first step; loops over parameters and ``training`` flags would be most
     of its work, so the forward it traces is generated: one line per submodule, parameter, flag."""
@@ -205,14 +186,11 @@ def _block_forward(entry: BlockEntry, block: nn.Module) -> Callable[..., Any]:
             lines.append(f"    {local[path]} = {parent}._modules[{path[-1]!r}]")
         return local[path]
 
-    # ``named_modules()`` walks the modules in ``entry.modules``' order (``block.modules()``).
-    training = [module(_path(prefix)) + ".training" for prefix, _ in block.named_modules()]
-    tensors = [f"{module(path)}.{kind}[{name!r}]" for path, kind, name in entry.paths]
-    lines.append(
-        f"    return block_call({entry.key}, {_tuple(tensors)}, {_tuple(training)}, "
-        "args, tuple(kwargs), tuple(kwargs.values()))"
-    )
-    source, filename = "\n".join(lines) + "\n", f"<bucketwise block forward {entry.key}>"
+    # ``named_modules()`` walks the modules in ``BlockEntry.modules``' order (``block.modules()``).
+    flags = "".join(f"{module(_path(prefix))}.training, " for prefix, _ in block.named_modules())
+    tensors = "".join(f"{module(path)}.{kind}[{name!r}], " for path, kind, name in paths)
+    lines.append(f"    return block_call({key}, ({tensors}), ({flags}), args, tuple(kwargs), tuple(kwargs.values()))")
+    source, filename = "\n".join(lines) + "\n", f"<bucketwise block forward {key}>"
     scope = {"_plain": _plain, "block_call": block_call}
     exec(compile(source, filename, "exec"), scope)  # noqa: S102
     # Its lines in tracebacks, for as long as the block lives.
@@ -225,26 +203,19 @@ def _path(prefix: str) -> tuple[str, ...]:
     return tuple(prefix.split(".")) if prefix else ()
 
 
-def _tuple(items: list[str]) -> str:
-    return "(" + "".join(f"{item}, " for item in items) + ")"
-
-
 def _plain(values: tuple | list) -> bool:
     """Every value a tensor, number, string, ``None``, or a tuple or list of them (traced by Dynamo)."""
-    for value in values:
-        if not isinstance(value, _PLAIN) and not (isinstance(value, (tuple, list)) and _plain(value)):
-            return False
-    return True
+    return all(isinstance(v, _PLAIN) or (isinstance(v, (tuple, list)) and _plain(v)) for v in values)
 
 
 @torch.compiler.allow_in_graph
-def block_call(key: int, tensors: tuple, training: tuple, args: tuple, names: tuple, values: tuple) -> Any:
-    """Run block ``key``'s forward on ``tensors`` (its parameters and buffers) and its arguments;
-    on fake tensors, record its computation in its entry (NOTE [Dynamo calls a block])."""
+def block_call(key: int, tensors: tuple, flags: tuple, args: tuple, names: tuple, values: tuple) -> Any:
+    """Run block ``key``'s forward on ``tensors`` (its parameters and buffers), ``flags`` (its modules'
+    ``training``) and its arguments; on fake tensors, record its computation (NOTE [Dynamo calls a block])."""
     entry = _CALLS.get(key)
-    module = entry.module() if entry is not None else None
-    if module is None:
+    if entry is None:
         raise RuntimeError(f"bucketwise: block call {key} outlived its module")
+    module = entry.modules[0]
     kwargs = dict(zip(names, values))
 
     def run() -> Any:
@@ -263,9 +234,7 @@ def block_call(key: int, tensors: tuple, training: tuple, args: tuple, names: tu
         raise BlockCallRefused("dynamic shapes (the block's own shape checks need Dynamo's guards)")
     before = [dict(m.__dict__) for m in entry.modules]
     try:
-        out, entry.fingerprint = aot.op_trace_key(
-            run, flat, extra=(training, names, _constants(args), _constants(values))
-        )
+        out, entry.fingerprint = aot.op_trace_key(run, flat, extra=(flags, names, _constants(args), _constants(values)))
     except Exception as exc:  # noqa: BLE001 - whatever fails here, Dynamo inlining the block handles it as before
         why = f"{type(module).__name__}.forward does not run on fake tensors on its own: {type(exc).__name__}: {exc}"
         raise BlockCallRefused(why[:300]) from exc
@@ -298,10 +267,8 @@ def is_block_call(node: fx.Node) -> bool:
 
 
 def opaque_key(node: fx.Node) -> tuple[Any, Any] | None:
-    """``find.piece_signature``'s key of a ``block_call`` node: its block's recorded computation
-    (else its key alone: shared by nothing) and its arguments but the first."""
+    """A ``block_call`` node's signature key: its block's recorded computation (else its key), its args."""
     if not is_block_call(node):
         return None
-    entry = _CALLS.get(node.args[0])
-    computation = entry.fingerprint if entry is not None else None
+    computation = getattr(_CALLS.get(node.args[0]), "fingerprint", None)
     return (computation if computation is not None else ("unrecorded", node.args[0])), node.args[1:]

@@ -7,7 +7,7 @@ import dataclasses
 import math
 import operator
 import re
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -16,10 +16,10 @@ from ..._compat import aot
 from ..._compat import autograd as agc
 from ...distributed.fused.sync import CommSpec
 from ...partitioners.regions import outside_regions, transform_regions
+from .calls import opaque_key
 
-Opaque = Callable[[fx.Node], "tuple[Any, Any] | None"]
-
-_NUMBERED = re.compile(r"^(?P<parent>.+?)(?:\.(?P<dot>\d+)|\[(?P<bracket>\d+)\])$")
+Block = tuple[tuple, tuple[fx.Node, ...], list[fx.Node]]  # a block's signature, inputs and nodes
+_NUMBERED = re.compile(r"^(.+?)(?:\.(\d+)|\[(\d+)\])$")  # ``layers.3`` or ``layers[3]``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,26 +40,17 @@ class BlockRun:
         return re.sub(r"^[A-Z]\['[^']*'\]\.?", "", self.container) or self.container
 
 
-def _outermost_numbered(node: fx.Node) -> tuple[str, int, str] | None:
-    """``(list, index, block class)`` of the outermost numbered module a node belongs to."""
-    for qualified, cls in (node.meta.get("nn_module_stack") or {}).values():
-        m = _NUMBERED.match(str(qualified))
-        if m:
-            index = int(m.group("dot") if m.group("dot") is not None else m.group("bracket"))
-            return m.group("parent"), index, getattr(cls, "__qualname__", str(cls))
-    return None
-
-
 def find_block_run(gm: fx.GraphModule) -> tuple[BlockRun | None, str]:
     """The run of repeated blocks to share compiles over, or ``None`` and why there is none."""
     seen: dict[str, dict[int, list[int]]] = {}
     classes: dict[str, set[str]] = {}
     for pos, node in enumerate(gm.graph.nodes):
-        found = _outermost_numbered(node) if node.op.startswith("call_") else None
-        if found is not None:
-            parent, index, cls = found
-            seen.setdefault(parent, {}).setdefault(index, []).append(pos)
-            classes.setdefault(parent, set()).add(cls)
+        stack = (node.meta.get("nn_module_stack") or {}).values() if node.op.startswith("call_") else ()
+        for qualified, cls in stack:  # the outermost numbered module the node belongs to
+            if m := _NUMBERED.match(str(qualified)):
+                seen.setdefault(m.group(1), {}).setdefault(int(m.group(2) or m.group(3)), []).append(pos)
+                classes.setdefault(m.group(1), set()).add(getattr(cls, "__qualname__", str(cls)))
+                break
     if not seen:
         return None, "no numbered submodules (an nn.ModuleList of blocks) in the graph"
     parent = max(seen, key=lambda p: len(seen[p]))
@@ -130,21 +121,15 @@ def fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode: An
     return out
 
 
-def invariant_inputs(
-    inputs: list[tuple[fx.Node, ...]], signatures: list[tuple], repeated: set[tuple], values: dict[fx.Node, Any]
-) -> dict[tuple, tuple[int, ...]]:
-    """Per signature, the gradient-free inputs all its blocks share (NOTE [computed once before the blocks])."""
-    out = {}
-    for signature in repeated:
-        calls = [ins for ins, sig in zip(inputs, signatures) if sig == signature]
-        out[signature] = tuple(
-            i
-            for i, node in enumerate(calls[0])
-            if all(ins[i] is node for ins in calls)
-            and isinstance(values[node], torch.Tensor)
-            and not values[node].requires_grad
-        )
-    return out
+def invariant_inputs(calls: list[tuple[fx.Node, ...]], values: dict[fx.Node, Any]) -> tuple[int, ...]:
+    """The gradient-free inputs all ``calls`` of one block share (NOTE [computed once before the blocks])."""
+    return tuple(
+        i
+        for i, node in enumerate(calls[0])
+        if all(ins[i] is node for ins in calls)
+        and isinstance(values[node], torch.Tensor)
+        and not values[node].requires_grad
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,27 +141,19 @@ class BlockBuckets:
 
 
 def reduced_inputs(
-    inputs: list[tuple[fx.Node, ...]],
-    parts: list[list[fx.Node]],
-    signatures: list[tuple],
-    repeated: set[tuple],
-    values: dict[fx.Node, Any],
-    buckets: BlockBuckets | None,
+    repeated: list[Block], values: dict[fx.Node, Any], buckets: BlockBuckets | None
 ) -> tuple[dict[tuple, tuple[int, ...]], bool | str | None]:
-    """Per repeated signature, the ``buckets.params`` read only inside the block (NOTE [a bucket
+    """Per signature, the ``buckets.params`` the ``repeated`` blocks read only inside (NOTE [a bucket
     per block]); and ``True``, or why no block reduces its own (``None`` without ``buckets``)."""
     if buckets is None:
         return {}, None
     reduced: dict[tuple, tuple[int, ...]] = {}
-    for ins, part, signature in zip(inputs, parts, signatures):
-        if signature in repeated:
-            inside = set(part)
-            positions = tuple(
-                i for i, node in enumerate(ins) if node in buckets.params and all(u in inside for u in node.users)
-            )
-            if reduced.setdefault(signature, positions) != positions:
-                return {}, "the same block reads DDP parameters at other inputs in another place of the graph"
-    dtypes = {values[ins[i]].dtype for ins, signature in zip(inputs, signatures) for i in reduced.get(signature, ())}
+    for signature, ins, part in repeated:
+        inside = set(part)
+        at = tuple(i for i, node in enumerate(ins) if node in buckets.params and all(u in inside for u in node.users))
+        if reduced.setdefault(signature, at) != at:
+            return {}, "the same block reads DDP parameters at other inputs in another place of the graph"
+    dtypes = {values[ins[i]].dtype for signature, ins, _ in repeated for i in reduced[signature]}
     if len(dtypes) > 1 and buckets.spec.comm_dtype is None:
         return {}, f"the blocks' parameters have several dtypes ({sorted(map(str, dtypes))})"
     if not any(reduced.values()):
@@ -184,25 +161,30 @@ def reduced_inputs(
     return reduced, True
 
 
-def piece_signature(gm: fx.GraphModule, inputs: Sequence[Any], *, opaque: Opaque | None = None) -> tuple:
-    """Its nodes by position and its inputs' layout: equal signatures, the same function. ``opaque``:
-    ``(what it computes, its args)`` of a call its target does not say, else ``None``."""
-    return tuple(_value_key(v) for v in inputs), _graph_key(gm, opaque)
+def piece_signature(gm: fx.GraphModule, inputs: Sequence[Any]) -> tuple:
+    """Its inputs' layout and its nodes by position: equal signatures, the same function."""
+    values = tuple(
+        ("tensor", tuple(v.shape), tuple(v.stride()), str(v.dtype), str(v.device), v.requires_grad)
+        if isinstance(v, torch.Tensor)
+        else ("value", type(v).__name__, repr(v))
+        for v in inputs
+    )
+    return values, _graph_key(gm)
 
 
-def _graph_key(gm: fx.GraphModule, opaque: Opaque | None) -> tuple:
+def _graph_key(gm: fx.GraphModule) -> tuple:
     index = {node: i for i, node in enumerate(gm.graph.nodes)}
     rows = []
     for node in gm.graph.nodes:
-        called = opaque(node) if opaque is not None and node.op == "call_function" else None
+        called = opaque_key(node)  # a block call: what its block computes, not its target
         fn = getattr(gm, str(node.target)) if node.op in ("get_attr", "call_module") else node.target
         if node.op == "get_attr":
-            rows.append(("get_attr", _graph_key(fn, opaque) if isinstance(fn, fx.GraphModule) else ("object", id(fn))))
+            rows.append(("get_attr", _graph_key(fn) if isinstance(fn, fx.GraphModule) else ("object", id(fn))))
         elif called is not None:
             rows.append(("opaque", called[0], _arg_key(called[1], index)))
         else:
             if node.op == "call_module":
-                target = _graph_key(fn, opaque)
+                target = _graph_key(fn)
             elif node.op == "call_function":
                 target = (str(getattr(fn, "__module__", "")), str(getattr(fn, "__qualname__", "")), repr(fn))
             else:
@@ -220,19 +202,7 @@ def _arg_key(arg: Any, index: dict[fx.Node, int]) -> Any:
         return ("dict", tuple((k, _arg_key(v, index)) for k, v in arg.items()))
     if isinstance(arg, slice):
         return ("slice", _arg_key((arg.start, arg.stop, arg.step), index))
-    if isinstance(arg, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
-        return str(arg)
-    if isinstance(arg, (int, float, bool, str, type(None))):
-        return (type(arg).__name__, repr(arg))
-    return ("object", type(arg).__qualname__, repr(arg))
-
-
-def _value_key(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return ("tensor", tuple(v.shape), tuple(v.stride()), str(v.dtype), str(v.device), v.requires_grad)
-    if isinstance(v, torch.SymInt):
-        return ("symint", str(v))
-    return ("value", type(v).__name__, repr(v))
+    return (type(arg).__qualname__, repr(arg))  # a number, string, dtype, device, ... by its type and repr
 
 
 # NOTE [sharing by cost]: a shared block's call costs the host more than the block inside the whole
@@ -260,15 +230,13 @@ H200 = DeviceCost(
     bytes_per_s=3.5e12,
     host_s_per_op=8.3e-6,
 )
-KNOWN = {H200.name: H200}
 
 
 def device_cost(device: torch.device) -> tuple[DeviceCost, str | None]:
     """``device``'s constants; else the H200's (fewer blocks share) and a note saying so."""
     name = torch.cuda.get_device_name(device)
-    if name in KNOWN:
-        return KNOWN[name], None
-    return H200, f"no sharing constants were measured on {name}: the {H200.name}'s are used"
+    note = f"no sharing constants were measured on {name}: the {H200.name}'s are used"
+    return H200, None if name == H200.name else note
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,10 +249,6 @@ class BlockCost:
     gpu_ms: float
     host_ms: float
 
-    @property
-    def ratio(self) -> float:
-        return self.host_ms / self.gpu_ms if self.gpu_ms > 0 else math.inf
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "gflop": round(self.flops / 1e9, 3),
@@ -296,7 +260,6 @@ class BlockCost:
 
 
 def estimate(forward: fx.GraphModule, backward: fx.GraphModule, device: DeviceCost) -> BlockCost:
-    """The cost of one call of a block compiled as ``forward`` and ``backward``."""
     flops = gpu_s = nbytes = 0.0
     ops = 0
     for gm in (forward, backward):
@@ -315,33 +278,20 @@ def estimate(forward: fx.GraphModule, backward: fx.GraphModule, device: DeviceCo
 
 
 class KeptWhole(Exception):
-    """Blocks kept whole (``container``, ``count``): their shared call would cost the host too much."""
+    """Blocks kept whole: their shared call would cost the host too much (``share_blocks`` names them)."""
 
-    def __init__(self, why: str, *, container: str = "", count: int = 0) -> None:
-        super().__init__(why)
-        self.container, self.count = container, count
-
-
-@dataclasses.dataclass(frozen=True)
-class CostRule:
-    """``share_blocks="auto"`` for one graph on ``device`` (NOTE [sharing by cost])."""
-
-    device: DeviceCost
-
-    def check(self, forward: fx.GraphModule, backward: fx.GraphModule) -> BlockCost:
-        cost = estimate(forward, backward, self.device)
-        if (why := refusal(cost, self.device)) is not None:
-            raise KeptWhole(why)
-        return cost
+    container = ""
+    count = 0
 
 
 def refusal(cost: BlockCost, device: DeviceCost) -> str | None:
-    if cost.ratio <= HOST_SHARE_LIMIT:
+    ratio = cost.host_ms / cost.gpu_ms if cost.gpu_ms > 0 else math.inf
+    if ratio <= HOST_SHARE_LIMIT:
         return None
     return (
         f"share_blocks='auto' estimated a shared block's call on {device.name}: the host {cost.host_ms:.3f} ms to "
         f"issue its {cost.ops} ops, the GPU {cost.gpu_ms:.3f} ms to run its {cost.flops / 1e9:.1f} GFLOP "
-        f"({cost.ratio:.2f}x, more than {HOST_SHARE_LIMIT}x), so the step would wait on the host for every block. "
+        f"({ratio:.2f}x, more than {HOST_SHARE_LIMIT}x), so the step would wait on the host for every block. "
         "Pass share_blocks=True for a shorter first step all the same, or cudagraphs=True, whose replays share "
         "the blocks at no host cost"
     )

@@ -37,22 +37,9 @@ class BlockLayout:
     roots: tuple[tuple[str, int], ...]
     outputs: tuple[TensorMeta, ...]
     grads: tuple[TensorMeta | None, ...]
-    n_tangents: int
     input_strides: tuple[tuple[int, ...], ...]
     forward_layouts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
-
-    @functools.cached_property
-    def present(self) -> tuple[int, ...]:  # the positions in ``grads`` the backward returns
-        return tuple(i for i, meta in enumerate(self.grads) if meta is not None)
-
-
-@dataclasses.dataclass(frozen=True)
-class MovedOut:
-    """What moved out of the forward (NOTE [computed once before the blocks]): ``before`` takes
-    the block's inputs at ``invariant`` and returns what every call then takes after its own."""
-
-    before: fx.GraphModule
-    invariant: tuple[int, ...]
+    present: tuple[int, ...]  # the positions in ``grads`` the backward returns
 
 
 # Ops autocast leaves alone: moved out, they compute the same when the graph around is traced again.
@@ -71,7 +58,6 @@ def _output(gm: fx.GraphModule) -> fx.Node:
 
 
 def _recompile(gm: fx.GraphModule, outputs: list[Any] | None = None) -> None:
-    """``gm`` recompiled (returning ``outputs`` where given) without what nothing reads."""
     if outputs is not None:
         _output(gm).args = (tuple(outputs),)
     gm.graph.eliminate_dead_code()
@@ -79,9 +65,9 @@ def _recompile(gm: fx.GraphModule, outputs: list[Any] | None = None) -> None:
     gm.recompile()
 
 
-def move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...], *, n_user: int) -> MovedOut | None:
+def move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...], n_user: int) -> fx.GraphModule | None:
     """Move what ``fw`` computes from its inputs at ``invariant`` alone (not its first ``n_user``
-    outputs) out: ``fw`` takes it as its last inputs, without gradient; ``None`` where nothing moves."""
+    outputs) out: ``fw`` takes it as its last inputs; the graph computing it, or ``None`` if nothing."""
     placeholders = list(fw.graph.find_nodes(op="placeholder"))
     returned = set(_output(fw).args[0][:n_user])
     given = {placeholders[i] for i in invariant}
@@ -97,22 +83,18 @@ def move_out(fw: fx.GraphModule, bw: fx.GraphModule, invariant: tuple[int, ...],
         return None
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for i in invariant:
-        env[placeholders[i]] = graph.placeholder(placeholders[i].name)
-        env[placeholders[i]].meta = dict(placeholders[i].meta)
-    for node in movable:  # all pure: what ``moved`` does not read goes
+    for node in [*(placeholders[i] for i in invariant), *movable]:  # pure: what ``moved`` does not read goes
         env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[n] for n in moved))
     graph.eliminate_dead_code()
-    anchor = placeholders[-1]
-    for j, node in enumerate(moved):
-        with fw.graph.inserting_after(anchor):
-            anchor = fw.graph.placeholder(f"before_blocks_{j}")
-        anchor.meta["val"] = node.meta["val"]
-        node.replace_all_uses_with(anchor)
+    with fw.graph.inserting_before(placeholders[-1].next):
+        for j, node in enumerate(moved):
+            taken = fw.graph.placeholder(f"before_blocks_{j}")
+            taken.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(taken)
     _recompile(fw)
     _recompile(bw, [*_output(bw).args[0], *[None] * len(moved)])
-    return MovedOut(fx.GraphModule(fw, graph), invariant)
+    return fx.GraphModule(fw, graph)
 
 
 def drop_unread(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[int, ...] | None:
@@ -142,10 +124,9 @@ def insert_graph(graph: fx.Graph, before: fx.GraphModule, args: list[fx.Node]) -
     return list(out)
 
 
-def plan_layout(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fake_mode: Any) -> BlockLayout:
-    """The forward returns the block's outputs and each other distinct non-view tensor the backward
-    reads, once; the backward applies the view ops again (NOTE [one compile per block])."""
-    n_user = len(user_outputs(sub))
+def plan_layout(n_user: int, fw: fx.GraphModule, bw: fx.GraphModule, fake_mode: Any) -> BlockLayout:
+    """The forward returns the block's ``n_user`` outputs and each other distinct non-view tensor the
+    backward reads, once; the backward applies the view ops again (NOTE [one compile per block])."""
     fw_out = list(_output(fw).args[0])
     placeholders = {p: i for i, p in enumerate(fw.graph.find_nodes(op="placeholder"))}
     user, bases, saved = fw_out[:n_user], [], []
@@ -166,7 +147,7 @@ def plan_layout(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fak
             if user[j] is not root:
                 v = root.meta["val"]
                 geometry = (list(v.shape), list(v.stride()), v.storage_offset())
-                views = [(torch.ops.aten.as_strided.default, (user[j], *geometry), {}, user[j]), *views]
+                views = [(torch.ops.aten.as_strided.default, (user[j], *geometry), {}), *views]
             saved.append(("output", j, views))
         else:
             if root not in bases:
@@ -179,21 +160,20 @@ def plan_layout(sub: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, fak
     pools = {"input": list(placeholders), "output": user, "base": bases}
     roots = sorted({(kind, i) for kind, i, _ in saved}, key=lambda r: (("input", "output", "base").index(r[0]), r[1]))
     _views_into_backward(bw, saved, {r: pools[r[0]][r[1]].meta["val"] for r in roots}, fake_mode)
+    grads = tuple(tensor_meta(n) if isinstance(n, fx.Node) else None for n in _output(bw).args[0])
     return BlockLayout(
         n_user=n_user,
         copied=frozenset(copied),
         roots=tuple(roots),
         outputs=tuple(tensor_meta(n) for n in user + bases),
-        grads=tuple(tensor_meta(n) if isinstance(n, fx.Node) else None for n in _output(bw).args[0]),
-        n_tangents=n_tangents,
+        grads=grads,
         input_strides=tuple(tuple(n.meta["val"].stride()) for n in bw.graph.find_nodes(op="placeholder")),
         forward_layouts=tuple((tuple(p.meta["val"].shape), tuple(p.meta["val"].stride())) for p in placeholders),
+        present=tuple(i for i, meta in enumerate(grads) if meta is not None),
     )
 
 
-def _views_into_backward(
-    bw: fx.GraphModule, saved: list[tuple], roots: dict[tuple[str, int], Any], fake_mode: Any
-) -> None:
+def _views_into_backward(bw: fx.GraphModule, saved: list[tuple], roots: dict[tuple, Any], fake_mode: Any) -> None:
     """``bw`` takes ``roots`` instead of the ``saved`` tensors, viewed from them at its start."""
     graph = bw.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
@@ -205,23 +185,22 @@ def _views_into_backward(
     with graph.inserting_before(first_op), fake_mode:
         for ph, (kind, i, views) in zip(placeholders, saved):
             value = root_nodes[(kind, i)]
-            for target, args, kwargs, parent in views:
-                args = tuple(value if a is parent else a for a in args)
-                if any(isinstance(a, fx.Node) and a is not value for a in args):
+            for target, (_, *args), kwargs in views:  # each view's first argument: the tensor it views
+                if any(isinstance(a, fx.Node) for a in args):
                     raise NotShareable(f"a tensor the backward reads is a view ({target}) taking a traced value")
-                node = graph.call_function(target, args, dict(kwargs))
-                node.meta["val"] = target(*[value.meta["val"] if a is value else a for a in args], **kwargs)
+                node = graph.call_function(target, (value, *args), dict(kwargs))
+                node.meta["val"] = target(value.meta["val"], *args, **kwargs)
                 value = node
             ph.replace_all_uses_with(value)
             graph.erase_node(ph)
     _recompile(bw)
 
 
-def _view_chain(node: Any) -> tuple[Any, list[tuple[Any, tuple, dict, Any]]]:
+def _view_chain(node: Any) -> tuple[Any, list[tuple[Any, tuple, dict]]]:
     """The tensor ``node`` views, and the view ops from it to ``node``."""
     views = []
     while isinstance(node, fx.Node) and aot.aliases_an_input(node):
-        views.append((node.target, node.args, node.kwargs, node.args[0]))
+        views.append((node.target, node.args, node.kwargs))
         node = node.args[0]
     return node, views[::-1]
 
@@ -229,11 +208,6 @@ def _view_chain(node: Any) -> tuple[Any, list[tuple[Any, tuple, dict, Any]]]:
 def tensor_meta(node: fx.Node) -> TensorMeta:
     v = node.meta["val"]
     return tuple(v.shape), tuple(v.stride()), v.dtype, v.device
-
-
-def user_outputs(sub: fx.GraphModule) -> list[Any]:
-    out = _output(sub).args[0]
-    return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,41 +221,30 @@ class BlockWire:
 
 
 def grads_onto_wire(
-    bw: fx.GraphModule,
-    params: list[torch.Tensor],
-    reduced: tuple[int, ...],
-    spec: CommSpec,
-    fake_mode: Any,
-    *,
-    decompose: bool,
-) -> tuple[BlockWire, tuple[TensorMeta | None, ...]]:
-    """``bw`` returns the gradients of the ``reduced`` inputs (fakes ``params``) last, as one flat
-    ``CommSpec.to_wire`` buffer (zeros where none, as ``BucketSync``); and what it returns now."""
+    bw: fx.GraphModule, wire: BlockWire, params: list[torch.Tensor], fake_mode: Any, *, decompose: bool
+) -> None:
+    """``bw`` returns the gradients of the ``wire.reduced`` inputs (fakes ``params``) last, as one
+    flat ``CommSpec.to_wire`` buffer (zeros where none, as ``BucketSync``)."""
     out_node = _output(bw)
     outs = list(out_node.args[0])
-    grads = [outs[i] for i in reduced]
+    grads = [outs[i] for i in wire.reduced]
 
     def pack(*given: torch.Tensor) -> torch.Tensor:
         it = iter(given)
         full = [next(it) if isinstance(g, fx.Node) else torch.zeros_like(p) for g, p in zip(grads, params)]
         # Traced while the forward compiles, under the forward's autocast if any.
         with torch.autocast(params[0].device.type, enabled=False):
-            return torch.cat([spec.to_wire(g.reshape(-1)) for g in full])
+            return torch.cat([wire.spec.to_wire(g.reshape(-1)) for g in full])
 
     with bw.graph.inserting_before(out_node):
         present = [g for g in grads if isinstance(g, fx.Node)]
         buffer = aot.trace_into(bw.graph, pack, present, fake_mode, decompose=decompose)
-    new_outs = [o for i, o in enumerate(outs) if i not in reduced] + [buffer]
-    _recompile(bw, new_outs)
-    wire = BlockWire(reduced, spec, tuple(torch.Size(p.shape) for p in params), tuple(p.dtype for p in params))
-    return wire, tuple(tensor_meta(n) if isinstance(n, fx.Node) else None for n in new_outs)
+    _recompile(bw, [o for i, o in enumerate(outs) if i not in wire.reduced] + [buffer])
 
 
 def reduced_grads(wire: BlockWire, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """Every input's gradient, those of ``wire.reduced`` all-reduced from the flat buffer last."""
     *others, flat = grads
-    if flat is None:
-        raise AssertionError("expected the shared backward's flat gradient buffer last, got None")
     reduced, dtypes = wire.spec.all_reduce(flat), wire.reduced_dtypes
     if wire.spec.comm_dtype is None:  # reduced in the gradients' own dtype
         parts = unflatten(reduced, wire.reduced_shapes)
