@@ -34,6 +34,7 @@ import cProfile
 import json
 import os
 import pstats
+import re
 import statistics
 import warnings
 from typing import Any
@@ -143,10 +144,20 @@ _OP_PARTS = (
 )
 
 
+# A Python function's event, as the profiler names it: ``path.py(line): name`` or ``<built-in ...>``.
+_PYTHON_NAME = re.compile(r"^(.+\.py\(\d+\): |<built-in )")
+
+
+def _is_python(event: Any) -> bool:
+    """Whether a profiler event is a Python function's (torch before 2.13 has no flag for it)."""
+    flag = getattr(event, "is_python_function", None)
+    return flag if flag is not None else _PYTHON_NAME.match(event.name) is not None
+
+
 def _part(event: Any) -> str:
     """Which part of the step an event is: a Python function by its file, an op by its name."""
     name = event.name
-    if event.is_python_function:
+    if _is_python(event):
         path = name.split("(")[0]
         parts = path.removeprefix(_PACKAGE).removeprefix("bucketwise/").split("/")
         if path.startswith(_PACKAGE) or (len(parts) > 1 and parts[0] in _OWN):
@@ -191,15 +202,15 @@ def thread_parts(step: Any) -> dict[str, dict[str, float]]:
     last = max(e.time_range.end for e in events)
     events = [e for e in events if e.time_range.elapsed_us() < 0.9 * (last - first)]
     # The main thread: the one whose Python functions the profiler names (with ops of its own).
-    python = collections.Counter(e.thread for e in events if e.is_python_function)
-    with_ops = {e.thread for e in events if not e.is_python_function}
+    python = collections.Counter(e.thread for e in events if _is_python(e))
+    with_ops = {e.thread for e in events if not _is_python(e)}
     main = max((t for t in python if t in with_ops), key=python.__getitem__, default=None)
     out: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
     by_thread: dict[int, list[Any]] = collections.defaultdict(list)
     for e in events:
         by_thread[e.thread].append(e)
     for tid, evs in by_thread.items():
-        python_only = all(e.is_python_function for e in evs)
+        python_only = all(_is_python(e) for e in evs)
         label = "main" if tid == main else OTHER_PYTHON if python_only else f"thread {tid}"
         evs.sort(key=lambda e: (e.time_range.start, -e.time_range.end))
         stack: list[list[Any]] = []  # [event, own time so far]
