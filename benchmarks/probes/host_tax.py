@@ -144,8 +144,9 @@ _OP_PARTS = (
 )
 
 
-# A Python function's event, as the profiler names it: ``path.py(line): name`` or ``<built-in ...>``.
-_PYTHON_NAME = re.compile(r"^(.+\.py\(\d+\): |<built-in )")
+# A Python function's event, as the profiler names it: ``file(line): name``, ``<built-in ...>`` or
+# ``nn.Module: name``.
+_PYTHON_NAME = re.compile(r"^(.+\(\d+\): |<built-in |nn\.Module: )")
 
 
 def _is_python(event: Any) -> bool:
