@@ -19,6 +19,8 @@ dropped. Memory allocated above what the process held before the model was built
   H100), after plain ``torch.compile`` too: compare a config with ``local``.
 
 ``--rounds`` repeats every config in new processes, interleaved (A B C, then A B C again).
+``--bucket-cap-mb`` sets DDP's ``bucket_cap_mb`` (so ``fused`` takes DDP's bucket sizes instead of
+its own, NOTE [fused bucket sizes]), to see what the buckets' sizes do to memory.
 Writes ``results.json`` (every process's figures) and ``results.md`` (the median per config).
 """
 
@@ -54,6 +56,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--backend", default="inductor")
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's bucket_cap_mb (default: DDP's own)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # run one config in this process, print JSON
     p.add_argument("--out")
     ns = p.parse_args(argv)
@@ -62,6 +65,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         recipe_for(config)
     if ns.one is None and ns.out is None:
         p.error("--out is required")
+    if ns.bucket_cap_mb is not None and not ns.bucket_cap_mb > 0:
+        p.error(f"--bucket-cap-mb must be positive, got {ns.bucket_cap_mb}")
     if ns.steps < 3:
         p.error(f"--steps must be >= 3 (the steady peak is over the steps after the first two), got {ns.steps}")
     return ns
@@ -74,7 +79,9 @@ def _allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated()
 
 
-def measure(config: str, spec: Any, device: torch.device, backend: str, steps: int) -> dict[str, float]:
+def measure(
+    config: str, spec: Any, device: torch.device, backend: str, steps: int, bucket_cap_mb: float | None = None
+) -> dict[str, float]:
     """One config in this process (NOTE on each figure in the module docstring)."""
     cuda = device.type == "cuda"
     gc.collect()
@@ -82,7 +89,7 @@ def measure(config: str, spec: Any, device: torch.device, backend: str, steps: i
     start_reserved = torch.cuda.memory_reserved() if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    model, prepared, opt, step = training_step(recipe_for(config), spec, device, backend)
+    model, prepared, opt, step = training_step(recipe_for(config), spec, device, backend, bucket_cap_mb=bucket_cap_mb)
     out: dict[str, float] = {}
     for i in range(steps):
         if i == 2 and cuda:
@@ -123,7 +130,7 @@ def _one(ns: argparse.Namespace) -> None:
             device_id=device if cuda else None,
         )
         spec = make_spec(ns.model, {f: getattr(ns, f) for f in SIZE_FLAGS})
-        figures = measure(ns.one, spec, device, ns.backend, ns.steps)
+        figures = measure(ns.one, spec, device, ns.backend, ns.steps, ns.bucket_cap_mb)
         print("MEMORY_BENCH " + json.dumps(figures), flush=True)
         dist.destroy_process_group()
 
@@ -173,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             print(config, json.dumps({k: round(v, 1) for k, v in figures.items()}), flush=True)
     spec = make_spec(ns.model, {f: getattr(ns, f) for f in SIZE_FLAGS})
     meta = run_meta(argv=["python", "-m", "bucketwise.benchmarks.ddp.memory", *argv])
-    meta.update(model=spec.describe(), rounds=ns.rounds, steps=ns.steps)
+    meta.update(model=spec.describe(), rounds=ns.rounds, steps=ns.steps, bucket_cap_mb=ns.bucket_cap_mb)
     os.makedirs(ns.out, exist_ok=True)
     with open(os.path.join(ns.out, "results.json"), "w") as f:
         json.dump({"meta": meta, "runs": runs}, f, indent=1)

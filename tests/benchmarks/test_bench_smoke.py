@@ -393,7 +393,7 @@ def test_memory_bench_runs_each_config_in_a_process_of_its_own(tmp_path):
     out = tmp_path / "memory"
     cmd = [sys.executable, "-m", "bucketwise.benchmarks", "memory", "--model", "mlp", "--layers", "2"]
     cmd += ["--d-model", "16", "--batch", "4", "--steps", "3", "--configs", "local,bw-fused", "--rounds", "2"]
-    done = _run([*cmd, "--out", str(out), "--backend", "aot_eager"], timeout=600)
+    done = _run([*cmd, "--bucket-cap-mb", "0.5", "--out", str(out), "--backend", "aot_eager"], timeout=600)
     assert done.returncode == 0, done.stdout[-4000:]
     data = json.loads((out / "results.json").read_text())
     assert [(r["config"], r["round"]) for r in data["runs"]] == [
@@ -403,6 +403,7 @@ def test_memory_bench_runs_each_config_in_a_process_of_its_own(tmp_path):
         ("bw-fused", 1),
     ]
     assert data["meta"]["command"].endswith("--backend aot_eager") and data["meta"]["steps"] == 3
+    assert data["meta"]["bucket_cap_mb"] == 0.5
     from bucketwise.benchmarks.ddp.memory import FIGURES
 
     assert all(set(FIGURES) <= set(r) for r in data["runs"]), data["runs"]
@@ -410,6 +411,8 @@ def test_memory_bench_runs_each_config_in_a_process_of_its_own(tmp_path):
     assert "| `bw-fused` |" in table and "after `torch.compiler.reset()` too" in table
     bad = _run([*cmd[:4], "--steps", "2", "--one", "local"], timeout=120)
     assert bad.returncode != 0 and "--steps must be >= 3" in bad.stdout
+    bad = _run([*cmd[:4], "--bucket-cap-mb", "0", "--one", "local"], timeout=120)
+    assert bad.returncode != 0 and "--bucket-cap-mb must be positive, got 0.0" in bad.stdout
 
 
 ROUND_CONFIGS = ("local", "bw-auto", "torch-ca")
