@@ -20,7 +20,8 @@ dropped. Memory allocated above what the process held before the model was built
 
 ``--rounds`` repeats every config in new processes, interleaved (A B C, then A B C again).
 ``--bucket-cap-mb`` sets DDP's ``bucket_cap_mb`` (so ``fused`` takes DDP's bucket sizes instead of
-its own, NOTE [fused bucket sizes]), to see what the buckets' sizes do to memory.
+its own, NOTE [fused bucket sizes]), to see what the buckets' sizes do to memory; each process
+reports the cap its DDP module holds (``ddp_bucket_cap_mb``, ``None`` without DDP).
 Writes ``results.json`` (every process's figures) and ``results.md`` (the median per config).
 """
 
@@ -90,6 +91,8 @@ def measure(
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     model, prepared, opt, step = training_step(recipe_for(config), spec, device, backend, bucket_cap_mb=bucket_cap_mb)
+    # The cap the DDP module holds (None without DDP): what the run asked for reached it.
+    cap = getattr(prepared.module, "bucket_bytes_cap", None)
     out: dict[str, float] = {}
     for i in range(steps):
         if i == 2 and cuda:
@@ -111,7 +114,7 @@ def measure(
     torch.compiler.reset()
     gc.collect()
     out["after_reset"] = _allocated(device) - start
-    return {k: v / MIB for k, v in out.items()}
+    return {**{k: v / MIB for k, v in out.items()}, "ddp_bucket_cap_mb": cap / MIB if cap is not None else None}
 
 
 def _one(ns: argparse.Namespace) -> None:
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         for config in ns.configs:
             figures = _child(ns, config, child_argv)
             runs.append({"config": config, "round": round_no, **figures})
-            print(config, json.dumps({k: round(v, 1) for k, v in figures.items()}), flush=True)
+            print(config, json.dumps({k: v if v is None else round(v, 1) for k, v in figures.items()}), flush=True)
     spec = make_spec(ns.model, {f: getattr(ns, f) for f in SIZE_FLAGS})
     meta = run_meta(argv=["python", "-m", "bucketwise.benchmarks.ddp.memory", *argv])
     meta.update(model=spec.describe(), rounds=ns.rounds, steps=ns.steps, bucket_cap_mb=ns.bucket_cap_mb)

@@ -404,6 +404,7 @@ def test_memory_bench_runs_each_config_in_a_process_of_its_own(tmp_path):
     ]
     assert data["meta"]["command"].endswith("--backend aot_eager") and data["meta"]["steps"] == 3
     assert data["meta"]["bucket_cap_mb"] == 0.5
+    assert [r["ddp_bucket_cap_mb"] for r in data["runs"]] == [None, 0.5, None, 0.5]
     from bucketwise.benchmarks.ddp.memory import FIGURES
 
     assert all(set(FIGURES) <= set(r) for r in data["runs"]), data["runs"]
