@@ -57,7 +57,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--backend", default="inductor")
-    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's bucket_cap_mb (default: DDP's own)")
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="DDP's bucket_cap_mb (default: DDP's own); any value given, 25 too, "
+        "makes fused keep DDP's buckets instead of sizing its own",
+    )
     p.add_argument("--one", help=argparse.SUPPRESS)  # run one config in this process, print JSON
     p.add_argument("--out")
     ns = p.parse_args(argv)
