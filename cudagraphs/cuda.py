@@ -19,9 +19,15 @@ class CudaGraphs:
     def __init__(self) -> None:
         self._stream = None
 
-    def new_pool(self) -> Any:
-        """A memory pool for one recording (and the backward that joins it), or for warm-ups."""
-        return torch.cuda.MemPool()
+    def new_pool(self, reserve: int = 0) -> Any:
+        """A memory pool for one recording (and the backward that joins it), or for warm-ups;
+        ``reserve`` bytes make its first segment, one free block that later requests split
+        (NOTE [a forward and its backward share a pool])."""
+        pool = torch.cuda.MemPool()
+        if reserve:
+            with self.allocating_in(pool):
+                torch.empty(reserve, dtype=torch.uint8, device=torch.cuda.current_device())
+        return pool
 
     @contextlib.contextmanager
     def allocating_in(self, pool: Any) -> Iterator[None]:

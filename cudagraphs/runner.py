@@ -17,6 +17,9 @@ pool, so it can free each activation as it reads it and reuse the memory, as eag
 That is safe only in a fixed replay order, so before a replay (else the call runs uncaptured) the
 forward checks that its backward's gradients are no longer held, and the backward that only
 autograd holds the activations it frees. A pool is shared once: a later backward gets its own.
+The pool starts as one segment the size of what the forward's warm-up returned: the forward's
+tensors then lie side by side, and the activations its backward frees merge into blocks a
+gradient bucket fits in (in a segment each, a bucket larger than every activation took new memory).
 """
 
 from __future__ import annotations
@@ -139,6 +142,7 @@ class CudaGraphRunner:
         self.disabled = blocked
         self.records: dict[tuple, Recording] = {}
         self.warmed: set[tuple] = set()
+        self.warm_bytes: dict[tuple, int] = {}  # what each signature's warm-up returned, for its pool
         self._moved_calls = 0
         self.lend = returned_outputs == 0  # a backward lends its gradients (NOTE [cudagraph replay safety])
 
@@ -172,10 +176,16 @@ class CudaGraphRunner:
         """The first call of a signature, uncaptured, in the group's warm-up pool."""
         self.warmed.add(key)
         self.stats.warmups += 1
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         with self.group.graphs.allocating_in(self.group.warm_pool()):
             out = self.compiled(args)
         if self.returned_outputs == 0:
             self.group.drop_warm_pool()
+        else:
+            storages = {
+                o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in out if isinstance(o, torch.Tensor)
+            }
+            self.warm_bytes[key] = sum(n for ptr, n in storages.items() if ptr not in inputs)
         return out
 
     def _stop_lending(self) -> None:
@@ -233,7 +243,7 @@ class CudaGraphRunner:
             return self.compiled(args)
         self.group.drop_warm_pool()
         forward = self._forward_to_join(args)
-        pool = forward.pool if forward is not None else self.group.graphs.new_pool()
+        pool = forward.pool if forward is not None else self.group.graphs.new_pool(self.warm_bytes.get(key, 0))
         # The forward's returned outputs are cloned after each replay: their memory is free for the
         # backward's copy buffers (the loss's gradient has the logits' shape) and scratch. The buffers
         # come before the forward lets go of its activations, so that none sits where one lives.

@@ -246,6 +246,10 @@ def test_warm_ups_allocate_from_a_pool_dropped_before_the_first_capture(monkeypa
     pools = [p() for p in em.allocated_in]
     assert len(pools) == 4 and pools[0] is None and pools[1] is None, pools
     assert pools[2] is pools[3] and len(pools[2].graphs) == 2, pools
+    # The recording's pool starts with one block of what the forward's warm-up returned: the bytes
+    # its capture's outputs hold (NOTE [a forward and its backward share a pool]); warm-ups' none.
+    held = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in pools[2].graphs[0].in_pool}
+    assert em.reserved == [0, sum(held.values())] and em.reserved[1] > 0, (em.reserved, held)
 
 
 def test_backward_with_retain_graph_keeps_the_activations(monkeypatch):

@@ -35,10 +35,13 @@ class EmulatedGraphs:
         """The pool of every block of eager allocations (warm-ups, copy buffers), in order (held
         weakly: a dropped model frees its pools)."""
         self.warm_pools_at_capture = 0
+        self.reserved: list[int] = []
+        """Bytes each new pool was asked to start with, in order."""
         """The most pools without a graph (warm-up pools) alive at any capture, besides its own."""
 
-    def new_pool(self):
+    def new_pool(self, reserve=0):
         self.pools += 1
+        self.reserved.append(reserve)
         return _Pool()
 
     def release_cached(self):
