@@ -59,7 +59,7 @@ def _synced(hook: Callable) -> Callable:
     in eager DDP and in ``split`` (whose reducer runs the same hook), intermittently. With the
     hook's work finished before DDP goes on, eager DDP is a reference that reproduces itself."""
 
-    def synced_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def synced_hook(state, bucket):  # unannotated: DDP checks annotations, and these would be strings
         fut = hook(state, bucket)
         torch.cuda.synchronize()
         return fut
