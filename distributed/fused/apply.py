@@ -12,12 +12,13 @@ from ..._compat import ddp as ddpc
 from ..._compat import ddp_hooks
 from ..._compat import dynamo as dc
 from ..._compat import inductor as ci
+from ..._compat import mm_into_bucket as mib
 from ...partitioners.param_usage import GraphParam, ready_order
 from ...partitioners.split import Segment
 from ..plan import BucketCaps, plan_buckets
 from ..rank_check import check_same_on_all_ranks, gather_on_all_ranks
 from ..result import CompileOutcome, GraphJob, PieceCompiler, StrategyResult, bucket_stats, op_count
-from .cache_keys import comm_pass_key, traced_call_targets
+from .cache_keys import comm_pass_key, source_key, traced_call_targets
 from .comm_hooks import HookedGraph, HookProgram
 from .embedding_rows import RowsSync, insert_embedding_rows, plan_embedding_rows, renormed_tables
 from .hook_kinds import HookKind
@@ -64,9 +65,19 @@ def fused_backend_options(user_options: dict[str, Any] | None, *, post_grad_pass
     """Inductor options of fused compiles: NOTE [late waits], NOTE [block reductions grouped],
     NOTE [compile cache keys], NOTE [reductions into bucket views]. The user's options win."""
     ours = {**cc.comm_overlap_options(comm_pass_key()), **ci.bucket_safe_patches()}
-    if post_grad_pass is not None:
-        ours["post_grad_custom_post_pass"] = post_grad_pass
+    ours["post_grad_custom_post_pass"] = _with_products_into_buckets(post_grad_pass)
     return dc.cacheable_calls_options(traced_call_targets(), {**ours, **(user_options or {})})
+
+
+def _with_products_into_buckets(first: Any) -> Any:
+    """NOTE [matrix products into the bucket], after ``first`` (a post-grad pass or ``None``)."""
+
+    def run(graph: Any) -> None:
+        if first is not None:
+            first(graph)
+        mib.products_into_buckets(graph)
+
+    return cc.post_grad_pass(run, f"{first.uuid() if first is not None else ''}-{source_key(mib)}")
 
 
 def apply_fused(
