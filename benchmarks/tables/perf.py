@@ -266,7 +266,10 @@ def tax_tables(results: Path, link_root: str) -> str:
                 "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
             ]
         marked = False  # a row with the issuing thread's CPU time only (NOTE [a step's CPU time])
-        for run in runs:
+        labels = [_model(run["meta"]) for run in runs]
+        for run, label in zip(runs, labels):
+            if labels.count(label) > 1:  # the same model run several ways: name each run
+                label = f"{label}, `{run['run']}`"
             rows = [r for r in run["rows"] if "error" not in r]
             peaks = {r["config"]: r["first_peak_mib"] for r in rows}
             for r in rows:
@@ -278,14 +281,14 @@ def tax_tables(results: Path, link_root: str) -> str:
                 cpu = "-" if cpu_ms is None else f"{cpu_ms:.2f}" + (THREAD_ONLY_MARK if thread_only else "")
                 marked |= thread_only
                 out.append(
-                    f"| {_model(run['meta'])} | `{r['config']}` | `{r['floor']}` | {r['first_peak_mib']:,.0f} "
+                    f"| {label} | `{r['config']}` | `{r['floor']}` | {r['first_peak_mib']:,.0f} "
                     f"| {_ratio(peak_ratio)} | {r['issue_ms_median']:.2f} | {_ratio(r.get('issue_ratio'))} "
                     f"| {cpu} | {_ratio(cpu_ratio)} | {step} | {_ratio(r.get('step_ratio'))} "
                     f"| {gpu} | {_ratio(r.get('gpu_ratio'))} | {launch} |"
                 )
             for r in run["rows"]:
                 if "error" in r:
-                    out.append(f"| {_model(run['meta'])} | `{r['config']}` | failed | | | | | | | | | | | |")
+                    out.append(f"| {label} | `{r['config']}` | failed | | | | | | | | | | | |")
         if marked:
             out += ["", THREAD_ONLY_NOTE]
         out += ["", *restart_table(restarts)] if runs else restart_table(restarts)
