@@ -59,3 +59,9 @@ def reductions_into_views_lost() -> bool:
     if MIX_ORDER_REDUCTION not in torch._inductor.config.get_config_copy():
         return False
     return TorchVersion(torch.__version__) < FIXED_IN
+
+
+def products_lowering_checked() -> bool:
+    """Whether NOTE [matrix products into the bucket]'s lowering was run on this torch's Inductor
+    IR: torch 2.13.0, 2.14.1 and 2.15.0 (CPU)."""
+    return TorchVersion("2.13") <= TorchVersion(torch.__version__) < TorchVersion("2.16")

@@ -6,9 +6,9 @@ used only there, its slice 16-byte aligned) into ``cat_mm``, whose lowering hand
 2-D view of the buffer at its offset as ``out=``. Off under Inductor's C++ wrapper (not checked)
 and where GEMMs are autotuned (the product keeps its Triton templates). Inductor's IR classes
 (``ConcatKernel``, ``SliceView``, ``ReinterpretView``, ``NonOwningLayout``, ``ExternKernelOut``)
-checked on torch 2.13.0, 2.14.1 and 2.15.0 (CPU; ``_CHECKED``). CPU graphs only: on a GPU the copy is
-one short kernel and the products' writes into the bucket are not measured there yet, so GPU
-buckets keep the copy.
+checked on torch 2.13.0, 2.14.1 and 2.15.0 (CPU; ``capabilities.products_lowering_checked``). CPU
+graphs only: on a GPU the copy is one short kernel and the products' writes into the bucket are
+not measured there yet, so GPU buckets keep the copy.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import torch
 import torch.fx as fx
 
 from . import ops
+from .capabilities import products_lowering_checked
 
-_CHECKED = ("2.13", "2.14", "2.15")
-"""torch releases whose Inductor IR the lowering was run on; elsewhere the bucket keeps its copy."""
 _ALIGN_BYTES = 16
 """A product's slice starts here (BLAS kernels want aligned output)."""
 
@@ -105,11 +104,6 @@ def cat_mm() -> Any:
 _VIEWS = (torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
-def checked_torch() -> bool:
-    """This torch's release is one the lowering was run on (``_CHECKED``)."""
-    return ".".join(torch.__version__.split(".")[:2]) in _CHECKED
-
-
 def _val(node: Any) -> Any:
     """The fake tensor a post-grad node computes, ``None`` if it has none (or is no node)."""
     return node.meta.get("val") if isinstance(node, fx.Node) else None
@@ -121,7 +115,7 @@ def products_into_buckets(graph: fx.Graph) -> int:
     from torch._inductor import config
 
     # The C++ wrapper is not checked; autotuned GEMMs keep their Triton templates.
-    if not checked_torch() or config.cpp_wrapper or config.max_autotune or config.max_autotune_gemm:
+    if not products_lowering_checked() or config.cpp_wrapper or config.max_autotune or config.max_autotune_gemm:
         return 0
     done = 0
     for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default)):
@@ -134,35 +128,32 @@ def products_into_buckets(graph: fx.Graph) -> int:
             or not any(u.target is torch.ops._c10d_functional.all_reduce.default for u in node.users)
         ):
             continue
-        plain, pairs, order, offset = [], [], [], 0
+        plain, products, order, offset = [], [], [], 0
         for x in inputs:
             mm = x.args[0] if x.target in _VIEWS and len(x.users) == 1 else None
-            val = _val(x)
             if (
                 isinstance(mm, fx.Node)
                 and mm.target is torch.ops.aten.mm.default
                 and len(mm.users) == 1
-                and _val(mm) is not None
-                and _val(mm).dtype == out.dtype
-                and (offset * val.element_size()) % _ALIGN_BYTES == 0
+                and getattr(_val(mm), "dtype", None) == out.dtype
+                and (offset * out.element_size()) % _ALIGN_BYTES == 0
             ):
-                pairs += [mm.args[0], mm.args[1]]
-                order.append(-(len(pairs) // 2))
+                products.append((x, mm))
+                order.append(-len(products))
             else:
                 order.append(len(plain))
                 plain.append(x)
-            offset += val.numel()
-        if not pairs:
+            offset += _val(x).numel()
+        if not products:
             continue
+        pairs = [t for _, mm in products for t in mm.args[:2]]
         with graph.inserting_before(node):
             new = graph.call_function(cat_mm(), (order, plain + pairs))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
-        for x in inputs:
-            if x not in plain:
-                mm = x.args[0]
-                graph.erase_node(x)
-                graph.erase_node(mm)
-        done += len(pairs) // 2
+        for x, mm in products:
+            graph.erase_node(x)
+            graph.erase_node(mm)
+        done += len(products)
     return done

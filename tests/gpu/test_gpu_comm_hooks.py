@@ -54,10 +54,9 @@ def _powersgd() -> ps.PowerSGDState:
 def _synced(hook: Callable) -> Callable:
     """``hook`` followed by a device synchronize. torch's ``powerSGD_hook`` on CUDA runs its future
     callbacks on side streams and drops tensors they still read (its error-feedback copy) back to
-    the caching allocator, so the next bucket's hook can overwrite them: gradients of 1-D
-    parameters came out 1.2-1.6 from their exact value at world size 1 on one H200 (torch 2.11),
-    in eager DDP and in ``split`` (whose reducer runs the same hook), intermittently. With the
-    hook's work finished before DDP goes on, eager DDP is a reference that reproduces itself."""
+    the caching allocator, so the next bucket's hook can overwrite them, intermittently, in eager
+    DDP and in ``split`` (whose reducer runs the same hook): docs/comm-hooks.md. With the hook's
+    work finished before DDP goes on, eager DDP is a reference that reproduces itself."""
 
     def synced_hook(state, bucket):  # unannotated: DDP checks annotations, and these would be strings
         fut = hook(state, bucket)

@@ -17,9 +17,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bucketwise
 from bucketwise._compat import mm_into_bucket as mib
+from bucketwise._compat.capabilities import products_lowering_checked
 
 pytestmark = pytest.mark.skipif(
-    not mib.checked_torch(), reason=f"the lowering is not checked on torch {torch.__version__}"
+    not products_lowering_checked(), reason=f"the lowering is not checked on torch {torch.__version__}"
 )
 
 
