@@ -2,7 +2,8 @@
 ``destroy_process_group()`` calls ``shutdown()`` on every group of ``_world.pg_names``, last name
 first, and removes it from there (2.13.0); ``_get_default_store()`` returns the store wrapped in
 ``PrefixStore("default_pg", ...)``; ``new_group()`` asks a group for the backend of the default
-group's ``bound_device_id``, which a Python ``ProcessGroup`` subclass lacks.
+group's ``bound_device_id``, which a Python ``ProcessGroup`` subclass lacks; a group's gloo backend
+(``_get_backend(device)``) keeps its worker-thread count in ``options._threads`` (2.13.0).
 """
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ def registered(pg: Any) -> bool:
     from torch.distributed import distributed_c10d as c10d
 
     return pg in c10d._world.pg_names
+
+
+def gloo_threads(pg: Any, device: Any) -> int | None:
+    """The worker threads of ``pg``'s gloo backend for ``device``, which also run its futures'
+    callbacks; ``None`` where that backend is not gloo."""
+    import torch.distributed as dist
+
+    try:
+        backend = pg._get_backend(device)
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    if not isinstance(backend, getattr(dist, "ProcessGroupGloo", ())):
+        return None
+    return int(backend.options._threads)
 
 
 def default_store() -> Any | None:

@@ -23,6 +23,7 @@ from ..distributed.fused.hook_kinds import REDUCER, HookKind, hook_kind
 from ..distributed.fused.policy import hooked_gradients, why_not_fused
 from ..distributed.fused.sync import CommSpec
 from ..distributed.plan import BucketCaps
+from ..distributed.split.stops import ReducerStop, reducer_stop
 from .config import CompileConfig
 
 
@@ -92,6 +93,8 @@ class Decision:
     """``id()`` of the DDP module decided for."""
     sharing: BlockSharing = BlockSharing(enabled=False)
     """Whether identical blocks share one compile under ``strategy`` (NOTE [sharing by default])."""
+    stops: ReducerStop | None = None
+    """``split``: why DDP's reducer would stop training for good (then refused, NOTE [PowerSGD on gloo])."""
 
     @property
     def fused(self) -> bool:
@@ -151,16 +154,13 @@ def decide_strategy(
     kind = hook_kind(ddp)
     hooked = tuple(hooked_gradients(ddp, own=own_hooks))
     common.update(comm_hook=kind, hooked=hooked)
-    if requested is Strategy.SPLIT:
-        return Decision(strategy=Strategy.SPLIT, **common)
     blocker = why_not_fused(ddp, requested.value, comm_hook=kind, hooked=hooked)
-    if blocker is not None:
-        return Decision(strategy=Strategy.SPLIT, reason=blocker, **common)
-    if not runs_ddp_forward:
+    if blocker is None and not runs_ddp_forward:
+        blocker = "fused needs bucketwise to run the DDP forward: compile the DDP module itself"
+    if requested is Strategy.SPLIT or blocker is not None:
+        reason = None if requested is Strategy.SPLIT else blocker
         return Decision(
-            strategy=Strategy.SPLIT,
-            reason="fused needs bucketwise to run the DDP forward: compile the DDP module itself",
-            **common,
+            strategy=Strategy.SPLIT, reason=reason, stops=reducer_stop(ddp, fused_applies=blocker is None), **common
         )
     overridden = config.bucket_cap_mb is not None or config.first_bucket_cap_mb is not None
     common["caps"] = caps.for_fused(ddp, overridden=overridden, plain=kind.plain)
@@ -172,12 +172,20 @@ def decide_strategy(
 # and what to pass, before anything is built: at ``compile`` what is known then
 # (``api.check_strategy``), later hooks at the deciding call (``DDPForward``), a compiled
 # function's DDP module when its graph compiles. ``find_unused_parameters=True`` does not stop an
-# explicit ``fused`` (NOTE [fused and unused parameters]).
+# explicit ``fused`` (NOTE [fused and unused parameters]). A ``split`` that would stop training
+# for good (NOTE [PowerSGD on gloo]) raises the same way, chosen by ``auto`` too.
 
 
 def refusal(config: CompileConfig, decision: Decision, *, target: str) -> str | None:
-    """The error message where an explicit strategy cannot run (NOTE [explicit strategies])."""
+    """The error message where an explicit strategy cannot run (NOTE [explicit strategies]), or
+    where ``split`` would stop training for good (NOTE [PowerSGD on gloo])."""
     requested = Strategy(config.strategy)
+    stops = decision.stops if decision.strategy is Strategy.SPLIT else None
+    if stops is not None and requested is not Strategy.FUSED:
+        chosen = "strategy='split'"
+        if requested is not Strategy.SPLIT:
+            chosen = f"'split', which strategy={requested.value!r} chose ({decision.reason}),"
+        return f"{chosen} cannot train {target}: {stops}. {stops.fix}"
     if requested not in (Strategy.FUSED, Strategy.SPLIT) or decision.strategy is requested:
         return None
     if decision.ddp_id is None:
@@ -186,6 +194,8 @@ def refusal(config: CompileConfig, decision: Decision, *, target: str) -> str | 
             "no gradient buckets to reduce. Compile DDP(model) for bucketwise's strategies, or pass strategy='auto' "
             "(or 'none') to compile it whole"
         )
+    if stops is not None:
+        return f"strategy='fused' cannot apply to {target}: {decision.reason}. Nor can 'split': {stops}. {stops.fix}"
     fallback = decision.strategy.value
     return (
         f"strategy={requested.value!r} cannot apply to {target}: {decision.reason}. Pass strategy='auto', which "
