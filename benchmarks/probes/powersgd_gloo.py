@@ -7,7 +7,8 @@ Each run is a fresh process that trains bucketwise's small GPT (2 layers, width 
 512, 64 tokens, batch 4) in DDP with ``bucket_cap_mb=0.05`` (several buckets) and torch's
 ``powerSGD_hook`` (rank 1, compressing from step 2), one torch thread. ``eager`` is DDP alone: its
 process loads ``launch/models.py`` by path and never imports bucketwise, so a stop there is
-torch's. ``default`` is ``bucketwise.compile(DDP(model))``; ``split`` adds ``strategy="split"``.
+torch's. ``default`` is ``bucketwise.compile(DDP(model))``; ``split`` adds ``strategy="split"``
+(which raises at compile since ``split`` refuses this case, NOTE [PowerSGD on gloo]).
 A run still going after ``--timeout`` seconds writes its threads' stacks (faulthandler) and ends;
 the probe prints, per run, the steps it finished. ``--out`` gets ``results.json`` and the stacks
 of each run that stopped.
