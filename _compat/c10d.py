@@ -3,7 +3,8 @@
 first, and removes it from there (2.13.0); ``_get_default_store()`` returns the store wrapped in
 ``PrefixStore("default_pg", ...)``; ``new_group()`` asks a group for the backend of the default
 group's ``bound_device_id``, which a Python ``ProcessGroup`` subclass lacks; a group's gloo backend
-(``_get_backend(device)``) keeps its worker-thread count in ``options._threads`` (2.13.0).
+(``_get_backend(device)``) keeps its worker-thread count in ``options._threads`` (2.13.0, 2.14.1,
+2.15.0).
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ def gloo_threads(pg: Any, device: Any) -> int | None:
 
     try:
         backend = pg._get_backend(device)
+        if not isinstance(backend, getattr(dist, "ProcessGroupGloo", ())):
+            return None
+        return int(backend.options._threads)
     except (AttributeError, RuntimeError, ValueError):
         return None
-    if not isinstance(backend, getattr(dist, "ProcessGroupGloo", ())):
-        return None
-    return int(backend.options._threads)
 
 
 def default_store() -> Any | None:
