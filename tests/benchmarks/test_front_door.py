@@ -33,12 +33,20 @@ def test_each_command_has_its_own_help(name):
 
 
 def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
-    assert probes() == ["compile_depth", "graph_launch", "host_tax", "powersgd_gloo", "step_kernels", "trace_kernels"]
+    assert probes() == [
+        "compile_depth",
+        "engine_grads",
+        "graph_launch",
+        "host_tax",
+        "powersgd_gloo",
+        "step_kernels",
+        "trace_kernels",
+    ]
     done = _run("probe", "nope")
     assert done.returncode == 2
     assert (
-        "expected one of ['compile_depth', 'graph_launch', 'host_tax', 'powersgd_gloo', 'step_kernels', "
-        "'trace_kernels'], "
+        "expected one of ['compile_depth', 'engine_grads', 'graph_launch', 'host_tax', 'powersgd_gloo', "
+        "'step_kernels', 'trace_kernels'], "
         "got 'nope'" in done.stderr
     )
 
