@@ -17,6 +17,7 @@ from typing import Any
 
 from ..._compat import c10d, ddp_hooks
 from ..._compat import ddp as ddpc
+from ..plan import BucketCaps
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,8 +73,7 @@ def reducer_stop(ddp: Any, *, fused_applies: bool) -> ReducerStop | None:
     threads = c10d.gloo_threads(pg, params[0].device)
     if threads is None:
         return None
-    first, cap, per_bucket = ddpc.bucket_caps(ddp)
-    limits = per_bucket or [first, cap]
+    limits = BucketCaps.from_ddp(ddp).limits()  # the reducer's own caps: split keeps DDP's buckets
     order = list(reversed(range(len(params))))  # about the order gradients become ready
     buckets = len(ddpc.compute_bucket_assignment(params, limits, order))
     if buckets < threads:
