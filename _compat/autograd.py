@@ -12,6 +12,13 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def in_reentrant_backward() -> bool:
+    """Whether this runs inside a backward started from another backward's node (a reentrant
+    ``torch.utils.checkpoint`` recompute): the engine's current node is that outer node there,
+    ``None`` in the outermost backward's callbacks. Checked on torch 2.13.0 and 2.15.0."""
+    return torch._C._current_autograd_node() is not None
+
+
 def tensor_leaves(obj: Any) -> list[torch.Tensor]:
     leaves = torch.utils._pytree.tree_leaves(obj)
     return [t for t in leaves if isinstance(t, torch.Tensor)]

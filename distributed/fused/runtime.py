@@ -5,7 +5,9 @@ reducing, each exactly once. (1) Accumulated under ``no_sync()``: averaged after
 forward (avg(acc) + avg(new) == avg(acc + new)); a non-linear hook takes them into its graph
 (NOTE [powersgd in the graph]). (2) Parameters no graph that ran syncs (eager code, graph breaks,
 a graph Dynamo ran eagerly): post-accumulate-grad hooks on those only, averaged by one callback at
-the end of the backward. (3) Parameters a graph syncs that eager code also uses: a hook on the
+the end of the backward, or of each reentrant backward inside it (a ``use_reentrant=True``
+checkpoint recomputes and back-propagates its region in a backward of its own), each parameter
+once a step. (3) Parameters a graph syncs that eager code also uses: a hook on the
 eager autograd node averages its contribution.
 """
 
@@ -52,7 +54,9 @@ class FusedRuntime:
 
     def __init__(self, ddp: Any) -> None:
         self._ddp = weakref.ref(ddp)
-        self.params = [p for _, p in ddpc.reducer_parameters(ddp)]
+        named = ddpc.reducer_parameters(ddp)
+        self.params = [p for _, p in named]
+        self._names = {id(p): n for n, p in named}
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.covered: set[int] = set()
         """ids of parameters that some compiled graph reduces in its backward."""
@@ -71,6 +75,8 @@ class FusedRuntime:
         self._check_autograd_graph = True
         self._in_synced_backward = False
         self._eager_ready: list[torch.Tensor] = []
+        self._eager_done: set[int] = set()
+        """ids of the parameters of (2) averaged since this step's synced forward."""
         self._hooks: dict[int, Any] = {}
         """id(param) -> post-accumulate-grad hook handle, for the parameters of (2)."""
         self._hooked_for: Any = None
@@ -96,6 +102,7 @@ class FusedRuntime:
     def before_forward(self, sync: bool) -> None:
         self._in_synced_backward = sync and torch.is_grad_enabled()
         self._ran = set()
+        self._eager_ready, self._eager_done = [], set()
         if not torch.is_grad_enabled():
             return
         if not sync:
@@ -171,6 +178,16 @@ class FusedRuntime:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._in_synced_backward or id(param) in self._step_covered:
             return
+        if id(param) in self._eager_done:
+            # Averaged already at the end of a reentrant backward: this second gradient cannot be
+            # told apart from the first in .grad. Eager DDP's reducer refuses it too.
+            self._in_synced_backward = False
+            raise RuntimeError(
+                f"bucketwise (strategy='fused'): parameter {self._names[id(param)]!r} got a second gradient in "
+                "one backward after a reentrant backward (torch.utils.checkpoint with use_reentrant=True) "
+                "had reduced its first; eager DDP refuses this too unless static_graph=True. Fixes: "
+                "use_reentrant=False, or strategy='split' with DDP(..., static_graph=True) (DDP's reducer reduces)"
+            )
         if not self._eager_ready:
             agc.queue_backward_callback(self._flush_eager)
         self._eager_ready.append(param)
@@ -179,7 +196,9 @@ class FusedRuntime:
         params, self._eager_ready = self._eager_ready, []
         # Same collective order on every rank.
         params.sort(key=lambda p: self._index[id(p)])
-        self._in_synced_backward = False
+        self._eager_done.update(id(p) for p in params)
+        # A reentrant backward ends inside the step's backward: more gradients may follow.
+        self._in_synced_backward = agc.in_reentrant_backward()
         self._average([p.grad for p in params if p.grad is not None])
 
     # -- (3) parameters used both in a graph and eagerly ----------------------------------

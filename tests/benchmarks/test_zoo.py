@@ -68,18 +68,21 @@ def test_zoo_model_trains_like_eager_ddp(tmp_path, name):
 def test_auto_with_shared_blocks_trains_like_eager_ddp(tmp_path, name):
     """``bw-auto-blocks`` (asked for by name): the decoder's layers share one compile and every
     parameter ends as eager DDP's. Under reentrant activation checkpointing the graph calling
-    each block as one op does not compile: Dynamo traces the blocks again, nothing runs eagerly."""
+    each block as one op does not compile: Dynamo traces the blocks again (transformers before
+    5.25, which checkpoints each layer's ``__call__``) or runs the checkpointed layers eagerly as
+    under ``torch.compile`` (5.25 on, which checkpoints ``forward``); the report says why."""
     for rank in _run(tmp_path, name, configs=("bw-auto-blocks",)):
         rec = rank["configs"][1]
         assert rec["config"] == "bw-auto-blocks" and rec["status"] == "pass", json.dumps(rec, indent=1)[:3000]
         assert rec["fallbacks"] == 0 and rec["replica_spread"] == 0.0, rec
         shared = [s for s in rec["shared_blocks"] if "class" in s]
-        assert len(shared) == 1, rec["shared_blocks"]
-        assert shared[0]["class"] == "LlamaDecoderLayer" and shared[0]["compiles"] == 1, shared
-        if name == "llama-checkpointing-reentrant":
-            assert shared[0]["dynamo_calls"].startswith("the graph calling each block as one op did not compile"), (
-                shared
-            )
+        if name == "llama":
+            assert len(shared) == 1, rec["shared_blocks"]
+            assert shared[0]["class"] == "LlamaDecoderLayer" and shared[0]["compiles"] == 1, shared
+        else:
+            assert all(s["class"] == "LlamaDecoderLayer" for s in shared), shared
+            why = [s.get("dynamo_calls") or s.get("reason") or "" for s in rec["shared_blocks"]]
+            assert any("the graph calling each block as one op did not compile" in w for w in why), why
 
 
 def test_a_wrong_gradient_is_caught(tmp_path):

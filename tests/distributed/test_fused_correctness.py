@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from support.ddp_cases import CASES, _run
+from support.ddp_cases import CASES, ReentrantCheckpoint, _run
 from support.dist import run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -238,6 +238,44 @@ def test_fused_falls_back_to_split_for_unknown_comm_hook(tmp_path):
         assert {g["strategy"] for g in rep["graphs"]} == {"split"}, rep["graphs"]
         assert all("_custom_hook" in g["strategy_reason"] for g in rep["graphs"]), rep["graphs"]
         assert all("traceable_comm_hook" in g["strategy_reason"] for g in rep["graphs"]), rep["graphs"]
+
+
+class ReentrantTwice(nn.Module):
+    """One block run twice under reentrant checkpointing: its parameters get two gradients in one
+    backward, each from a backward of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.block = ReentrantCheckpoint(nn.Linear(32, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.inp(x))
+        x = self.block(self.block(x))
+        return self.out(x)
+
+
+def _reentrant_twice(rank: int, world: int) -> dict[str, str]:
+    errors = {}
+    for name in ("eager", "fused"):
+        torch.manual_seed(0)
+        ddp = DDP(ReentrantTwice())
+        model = ddp if name == "eager" else bucketwise.compile(ddp, backend="aot_eager", strategy="fused")
+        try:
+            model(torch.randn(4, 16)).sum().backward()
+        except RuntimeError as exc:
+            errors[name] = str(exc)
+    return errors
+
+
+def test_fused_refuses_a_second_gradient_after_a_reentrant_backward_as_eager_ddp_does(tmp_path):
+    """The first of the block's two gradients was averaged when its reentrant backward ended; the
+    second cannot be told apart from it in ``.grad``. Eager DDP raises here too."""
+    for errors in run_distributed(_reentrant_twice, tmp_path):
+        assert "mark a variable ready only once" in errors.get("eager", ""), errors
+        msg = errors.get("fused", "")
+        assert "'block.block.weight'" in msg or "'block.block.bias'" in msg, errors
+        assert "use_reentrant=False" in msg and "strategy='split'" in msg, msg
 
 
 # --- rank safety --------------------------------------------------------------------------

@@ -81,19 +81,46 @@ class GraphBreakNet(nn.Module):
 
 
 class CheckpointNet(nn.Module):
-    """Two activation-checkpointed blocks (non-reentrant) between plain layers."""
+    """Two activation-checkpointed blocks between plain layers. ``reentrant``: each block's
+    gradients come from a backward of its own inside the step's, and Dynamo runs that recompute
+    eagerly (:class:`ReentrantCheckpoint`): the fused strategy reduces the block's gradients after
+    each of those backwards."""
 
-    def __init__(self) -> None:
+    def __init__(self, reentrant: bool = False) -> None:
         super().__init__()
+        self.reentrant = reentrant
         self.inp = nn.Linear(32, 64)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(2))
+        blocks = [nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(2)]
+        self.blocks = nn.ModuleList(ReentrantCheckpoint(b) if reentrant else b for b in blocks)
         self.out = nn.Linear(64, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.gelu(self.inp(x))
-        for block in self.blocks:
-            x = x + checkpoint.checkpoint(block, x, use_reentrant=False)
+        if self.reentrant:
+            # Unrolled: a graph break inside a loop would make Dynamo skip this whole frame.
+            x = x + self.blocks[0](x)
+            x = x + self.blocks[1](x)
+        else:
+            for block in self.blocks:
+                x = x + checkpoint.checkpoint(block, x, use_reentrant=False)
         return self.out(x)
+
+
+class ReentrantCheckpoint(nn.Module):
+    """``block`` under ``checkpoint(use_reentrant=True)`` called from this module's forward, with
+    a graph break inside (as HF's checkpointed layers run): Dynamo compiles the code around it
+    and runs the checkpoint eagerly."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint.checkpoint(self._run, x, use_reentrant=True)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return self.block(x)
 
 
 class TwoInputNet(nn.Module):
@@ -319,6 +346,10 @@ def case_auto_dynamic() -> Case:
 
 def case_no_sync() -> Case:
     return Case(MLP(), _x, _mse, ddp_kwargs={"bucket_cap_mb": 0.01}, micro=3, optimizer="sgd")
+
+
+def case_checkpoint_reentrant() -> Case:
+    return Case(CheckpointNet(reentrant=True), _x, _mse, ddp_kwargs={"bucket_cap_mb": 0.01})
 
 
 def case_static_graph() -> Case:
