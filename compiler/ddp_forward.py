@@ -219,6 +219,16 @@ class DDPForward:
         with self._stance(variant, stance):
             out = ddpc.run_forward_with_idle_reducer(ddp, args, kwargs, call, self.buffers)
         runtime.after_forward(out, sync)
+        if runtime.eager_reduced and "eager grads" not in self.said:
+            self.said.add("eager grads")
+            names = list(runtime.eager_reduced.values())
+            text = (
+                f"{len(names)} parameter(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) got their "
+                "gradients from code Dynamo ran eagerly (a graph break's region, a reentrant checkpoint's "
+                "recompute): averaged after their backward, not overlapped with it (NOTE [fused strategy runtime])"
+            )
+            log.info("bucketwise fused: %s", text)
+            self.report.note(text)
         return out
 
     def _in_join(self, args: tuple, kwargs: dict, stance: Callable[[], Any]) -> Any:

@@ -77,6 +77,8 @@ class FusedRuntime:
         self._eager_ready: list[torch.Tensor] = []
         self._eager_done: set[int] = set()
         """ids of the parameters of (2) averaged since this step's synced forward."""
+        self.eager_reduced: dict[int, str] = {}
+        """id -> name of every parameter (2) has averaged, for the report."""
         self._hooks: dict[int, Any] = {}
         """id(param) -> post-accumulate-grad hook handle, for the parameters of (2)."""
         self._hooked_for: Any = None
@@ -197,6 +199,7 @@ class FusedRuntime:
         # Same collective order on every rank.
         params.sort(key=lambda p: self._index[id(p)])
         self._eager_done.update(id(p) for p in params)
+        self.eager_reduced.update((id(p), self._names[id(p)]) for p in params)
         # A reentrant backward ends inside the step's backward: more gradients may follow.
         self._in_synced_backward = agc.in_reentrant_backward()
         self._average([p.grad for p in params if p.grad is not None])
