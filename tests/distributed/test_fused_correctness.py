@@ -62,9 +62,9 @@ def test_fused_inductor_matches_eager_ddp(tmp_path):
 def _inductor_backward_calls(rank: int, world: int, variant: str, cache_dir: str) -> dict[str, Any]:
     """Trains eager DDP and the fused Inductor compile side by side and returns, for each emitted
     graph with collectives, its calls in order: "AR" (all-reduce), "W" (wait), "K" (a kernel).
-    ``variant``: "fp32"; "fp16" (torch's fp16 comm hook on both: a decompress reads each reduced
-    bucket); "fp16-autocast" (the same under bf16 autocast: low-precision gradients, compressed
-    wire, the shape of gpt's bf16 runs on GPU)."""
+    ``variant``: "fp32"; "fp16-autocast" (torch's fp16 comm hook on both, a decompress reading
+    each reduced bucket, under bf16 autocast: low-precision gradients, compressed wire, the shape
+    of gpt's bf16 runs on GPU)."""
     import contextlib
     import glob
     import os
@@ -74,7 +74,8 @@ def _inductor_backward_calls(rank: int, world: int, variant: str, cache_dir: str
 
     from bucketwise.launch.models import GPT, GPTConfig
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
+    # One cache for both ranks: the rank that compiles a kernel second loads the first's build.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     torch.manual_seed(0)
     # A small GPT: its untied LM head is the first and largest bucket the backward fills.
     net = GPT(GPTConfig(vocab=2048, seq=16, layers=2, d_model=32, heads=2))
@@ -103,7 +104,7 @@ def _inductor_backward_calls(rank: int, world: int, variant: str, cache_dir: str
         r"|^\s+(?:cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.bucketwise\.\w+)"
     )
     graphs = []
-    for path in glob.glob(os.path.join(cache_dir, f"rank{rank}", "**", "*.py"), recursive=True):
+    for path in glob.glob(os.path.join(cache_dir, "**", "*.py"), recursive=True):
         text = open(path).read()
         if "all_reduce_" in text:
             calls = [call.search(line) for line in text.split("def call(", 1)[1].splitlines()]
@@ -114,7 +115,7 @@ def _inductor_backward_calls(rank: int, world: int, variant: str, cache_dir: str
 
 
 @pytest.mark.inductor
-@pytest.mark.parametrize("variant", ["fp32", "fp16", "fp16-autocast"])
+@pytest.mark.parametrize("variant", ["fp32", "fp16-autocast"])
 def test_fused_inductor_overlaps_every_bucket(tmp_path, variant):
     # NOTE [late waits] (distributed/cc.py): left to itself Inductor puts each
     # wait before the next allreduce (one bucket in flight), and under autocast with a compress

@@ -239,10 +239,6 @@ def _reducer_buckets(ddp: DDP) -> list[list[tuple[str, tuple[int, ...]]]]:
 
 
 def _parity(rank: int, world: int, names: list[str], backend: str) -> dict[str, Any]:
-    if backend == "inductor":
-        import os
-
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], f"rank{rank}")
     if any(CONFIGS[name].cudagraphs for name in names):
         from support.cudagraph_emulator import use_emulated_graphs
 
