@@ -168,8 +168,11 @@ def _result(
         for i, (r, pos) in enumerate(zip(reductions, positions))
     ]
     segment = Segment(index=0, submodule="", params=used, op_count=op_count(job.gm))
+    placeholders = [n for n in job.gm.graph.nodes if n.op == "placeholder"]
+    inputs = {n: i for i, n in enumerate(placeholders)}
+    positions = tuple(inputs[p.node] for r in reductions for p in r.params if p.node in inputs)
     return StrategyResult(
-        fn=FusedRan(compiled, runtime, key),
+        fn=FusedRan(compiled, runtime, key, positions, job.example_inputs),
         segments=[segment],
         outcomes=[outcome],
         buckets=stats,
@@ -179,13 +182,35 @@ def _result(
 
 
 class FusedRan:
-    """A fused graph that tells the runtime it ran (see NOTE [fused strategy runtime])."""
+    """A fused graph that tells the runtime it ran, and on which parameters (see NOTE [fused
+    strategy runtime]).
 
-    def __init__(self, fn: Callable[..., Any], runtime: FusedRuntime, key: int) -> None:
-        self.fn, self.runtime, self.key = fn, runtime, key
+    Dynamo calls one compiled graph for every module its guards accept: a layer's forward
+    compiled as a frame of its own (after a graph break) runs each layer's parameters through
+    the graph compiled for the first. The graph reduces whichever parameters it is given, so
+    each new set of them (told apart by the first) is recorded as the runtime's graph once.
+    """
+
+    def __init__(
+        self, fn: Callable[..., Any], runtime: FusedRuntime, key: int, positions: tuple[int, ...], inputs: Sequence[Any]
+    ) -> None:
+        self.fn, self.runtime, self.positions = fn, runtime, positions
+        self.first = positions[0] if positions else None
+        """Where the graph's first reduced parameter comes in."""
+        self.keys = {id(inputs[self.first]): key} if positions else {}
+        """Runtime key per parameter set, by the id of its first parameter."""
+        self.key = key
 
     def __call__(self, *args: Any) -> Any:
-        self.runtime.graph_ran(self.key)
+        if self.first is None:
+            self.runtime.graph_ran(self.key)
+            return self.fn(*args)
+        key = self.keys.get(id(args[self.first]))
+        if key is None:
+            key = self.keys[id(args[self.first])] = self.runtime.graphs_compiled(
+                (id(args[i]) for i in self.positions), self.runtime.spec
+            )
+        self.runtime.graph_ran(key)
         return self.fn(*args)
 
 

@@ -449,3 +449,62 @@ def test_a_graph_that_does_not_compile_runs_eagerly_and_still_reduces_like_eager
     for r in run_distributed(_fallback_against_eager, tmp_path, args=(strategy,)):
         assert r["fallbacks"] == 1 and r["strategies"] == strategy, r
         assert r["worst"] == 0.0, r
+
+
+class _BreakingLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()  # the layer's forward is a frame of its own, compiled once
+        return F.gelu(self.lin(x))
+
+
+class _LayersOneGraph(nn.Module):
+    """Four layers whose forward Dynamo compiles as one frame (and one recompile, for the first
+    layer's input that needs no gradient) and runs for every layer, each with its own parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1, self.l2, self.l3 = (_BreakingLayer() for _ in range(4))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.l3(self.l2(self.l1(self.l0(x)))))
+
+
+def _layers_sharing_a_graph(rank: int, world: int) -> dict[str, Any]:
+    import bucketwise
+
+    torch.manual_seed(0)
+    model = _LayersOneGraph()
+    ref = DDP(model)
+    compiled = bucketwise.compile(DDP(copy.deepcopy(model)), backend="aot_eager", strategy="fused")
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_cmp = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * rank + step))
+        for m, opt in ((ref, opt_ref), (compiled, opt_cmp)):
+            opt.zero_grad(set_to_none=True)
+            m(x).pow(2).mean().backward()
+        for (name, p), q in zip(ref.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=lambda s: f"step {step} {name}: {s}")
+        opt_ref.step()
+        opt_cmp.step()
+    runtime = compiled._bucketwise.ddp.runtime
+    return {"eager": sorted(runtime.eager_reduced.values()), "report": bucketwise.report(compiled).to_dict()}
+
+
+def test_a_graph_run_for_several_layers_reduces_each_layers_parameters(tmp_path):
+    # Each layer's gradients are reduced by the graph that ran on them, not again after the
+    # backward as if eager code had made them.
+    for r in run_distributed(_layers_sharing_a_graph, tmp_path):
+        layer_graphs = [
+            g for g in r["report"]["graphs"] if any(".lin." in p for s in g["segments"] for p in s["params"])
+        ]
+        assert len(layer_graphs) == 2, [(g["graph_id"], g["segments"][0]["params"]) for g in r["report"]["graphs"]]
+        assert r["eager"] == [], r["eager"]
+        # The break opening each layer ends no graph: the report says so instead of nothing.
+        said = [n for n in r["report"]["notes"] if n.startswith("Dynamo met a graph break that no graph")]
+        assert len(said) == 1 and "torch._dynamo.graph_break()" in said[0], r["report"]["notes"]
