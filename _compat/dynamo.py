@@ -5,6 +5,7 @@ attribute is missing rather than failing a user's compile."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Any, Callable
@@ -147,6 +148,30 @@ def graph_break_reason(gm: Any) -> str | None:
         frame = stack[-1]
         text += f" (at {frame.filename}:{frame.lineno})"
     return text
+
+
+@dataclasses.dataclass
+class BreakCount:
+    """The graph breaks Dynamo counts (``counters["graph_break"]``: process-wide, by message, one
+    per break met while tracing a frame, a break that ended no graph included), read around
+    calls: :meth:`start` before, :meth:`new` after (checked on torch 2.13.0 and 2.15.0)."""
+
+    total: int = -1
+    seen: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def start(self) -> None:
+        counted = _dynamo_counters["graph_break"]
+        if counted.total() != self.total:  # counted elsewhere since: not this caller's
+            self.total, self.seen = counted.total(), collections.Counter(counted)
+
+    def new(self) -> collections.Counter:
+        """The breaks counted since :meth:`start`, by message (empty, nearly always)."""
+        counted = _dynamo_counters["graph_break"]
+        if counted.total() == self.total:
+            return collections.Counter()
+        new = counted - self.seen
+        self.total, self.seen = counted.total(), collections.Counter(counted)
+        return new
 
 
 def recompile_reason() -> str | None:

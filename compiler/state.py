@@ -61,6 +61,8 @@ class CompiledState:
     (``dynamo_backend._FirstCall``)."""
     artifacts: Artifacts | None = None
     """Where this rank's compiled artifacts are kept (NOTE [compile artifacts]), else ``None``."""
+    breaks: dc.BreakCount = dataclasses.field(default_factory=dc.BreakCount)
+    """Dynamo's graph-break count, read around each call (:func:`say_breaks`)."""
 
     def run(self, owner: Any, call: Callable[[], Any], *, training: bool) -> Any:
         report = self.report
@@ -72,6 +74,7 @@ class CompiledState:
         pending = first.pending
         if pending:
             first.start()
+        self.breaks.start()
         try:
             out = call()
         except BaseException:
@@ -80,6 +83,9 @@ class CompiledState:
             raise
         if pending:
             first.forward_done(out)
+        breaks = self.breaks.new()
+        if breaks:
+            say_breaks(report, breaks)
         if report.graph_runs == runs:
             say_eager(report, self.code, self.frozen)
         if self.phase is Phase.NEW:
@@ -191,6 +197,31 @@ class WeakBackend:
         if backend is None:
             raise RuntimeError("bucketwise: the compiled object this graph belongs to is gone")
         return backend(gm, example_inputs)
+
+
+def say_breaks(report: Report, breaks: Any) -> None:
+    """Graph breaks Dynamo met in this call that no graph names: say each reason once.
+
+    The report lists a break with the graph it ended. A break before any torch operation of its
+    frame (a logging call opening a layer's forward) or in a loop ends none, one in a with/try
+    block ends the graph named for the block: unsaid, the code around them would be compiled
+    apart or run eagerly without a word."""
+    listed = [r for g in report.graphs for r in g.graph_break_reasons]
+    for message in breaks:
+        # By message, not count: Dynamo counts some breaks twice (2.13: a disabled function's).
+        text = " ".join(message.split())
+        if any(r.startswith(text) for r in listed):
+            continue
+        first = message.strip().splitlines()[0] if message.strip() else "no message"
+        note = (
+            f"Dynamo met a graph break that no graph of the report names ({first}): a break before any "
+            "torch operation of its frame, inside a loop (Dynamo then skips the frame) or inside a with or try "
+            "block (the frame runs eagerly from that block on) ends no graph of its own; the code around it is "
+            "compiled apart or runs eagerly (TORCH_LOGS=graph_breaks shows where)"
+        )
+        if note not in report.notes:
+            log.info("bucketwise: %s: %s", report.target, note)
+            report.note(note)
 
 
 def say_eager(report: Report, code: Any, frozen: str | None) -> None:

@@ -482,6 +482,15 @@ EXPECTED_COUNTS = {
     "break_in_try": (1, 1),  # same
 }
 EXPLAIN_BREAK_COUNT = {"disable_nonrecursive": 2, "break_in_loop": -1, "break_in_user_ctx": 0, "break_in_try": 0}
+# The report's note on a break no graph names: the loop's break makes Dynamo skip the frame;
+# a break inside a with/try block ends the graph at the block, named for the block.
+_UNNAMED_BREAK = (
+    "Dynamo met a graph break that no graph of the report names (Call to `torch._dynamo.graph_break()`): a break "
+    "before any torch operation of its frame, inside a loop (Dynamo then skips the frame) or inside a with or try "
+    "block (the frame runs eagerly from that block on) ends no graph of its own; the code around it is compiled "
+    "apart or runs eagerly (TORCH_LOGS=graph_breaks shows where)"
+)
+BREAKS_ENDING_NO_GRAPH = {c: [_UNNAMED_BREAK] for c in ("break_in_loop", "break_in_user_ctx", "break_in_try")}
 CONTROLS = list(EXPECTED_COUNTS)
 ALL_LAYERS = ["l0", "l1", "l1b", "l2", "l3"]
 COMPILED_LAYERS = {
@@ -583,6 +592,9 @@ def _check_controls(results: list[dict], strategy: str, controls: list[str]) -> 
             # The report's break reasons carry the user source line: the offending statement,
             # or for a break Dynamo cannot resume after, the with/try statement where the
             # graph stopped ("step_unsupported").
+            # A break that ends no graph is said in a note.
+            unsaid = [n for n in rep["notes"] if n.startswith("Dynamo met a graph break that no graph")]
+            assert unsaid == BREAKS_ENDING_NO_GRAPH.get(control, []), (unsaid, where)
             reasons = [x for g in rep["graphs"] for x in g["graph_break_reasons"]]
             line = {
                 "graph_break": _break_line("graph_break"),
