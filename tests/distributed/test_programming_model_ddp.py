@@ -589,12 +589,12 @@ def _check_controls(results: list[dict], strategy: str, controls: list[str]) -> 
             # The layers whose parameters the compiled graphs read (the rest run eagerly).
             layers = sorted({p.split(".")[0] for g in rep["graphs"] for s in g["segments"] for p in s["params"]})
             assert layers == COMPILED_LAYERS.get(control, ALL_LAYERS), (layers, where)
-            # The report's break reasons carry the user source line: the offending statement,
-            # or for a break Dynamo cannot resume after, the with/try statement where the
-            # graph stopped ("step_unsupported").
             # A break that ends no graph is said in a note.
             unsaid = [n for n in rep["notes"] if n.startswith("Dynamo met a graph break that no graph")]
             assert unsaid == BREAKS_ENDING_NO_GRAPH.get(control, []), (unsaid, where)
+            # The report's break reasons carry the user source line: the offending statement,
+            # or for a break Dynamo cannot resume after, the with/try statement where the
+            # graph stopped ("step_unsupported").
             reasons = [x for g in rep["graphs"] for x in g["graph_break_reasons"]]
             line = {
                 "graph_break": _break_line("graph_break"),
