@@ -3,6 +3,7 @@ own ``--help``; a wrong name exits 2 naming the right ones."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -37,6 +38,7 @@ def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
         "compile_depth",
         "engine_grads",
         "graph_launch",
+        "host_fixed_costs",
         "host_tax",
         "powersgd_gloo",
         "step_kernels",
@@ -45,7 +47,8 @@ def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
     done = _run("probe", "nope")
     assert done.returncode == 2
     assert (
-        "expected one of ['compile_depth', 'engine_grads', 'graph_launch', 'host_tax', 'powersgd_gloo', "
+        "expected one of ['compile_depth', 'engine_grads', 'graph_launch', 'host_fixed_costs', 'host_tax', "
+        "'powersgd_gloo', "
         "'step_kernels', 'trace_kernels'], "
         "got 'nope'" in done.stderr
     )
@@ -56,6 +59,27 @@ def test_a_one_gpu_probe_names_an_unknown_config_before_it_needs_a_gpu(probe):
     done = _run("probe", probe, "--configs", "bw-fused,nope")
     assert done.returncode == 2
     assert "--configs: unknown config 'nope'; known configs: eager," in done.stderr, done.stderr[-500:]
+
+
+def test_host_fixed_costs_times_every_candidate_of_every_line_on_the_cpu():
+    done = _run("probe", "host_fixed_costs", "--rounds", "1", "--calls", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" {", 1) for line in done.stdout.splitlines() if " {" in line)
+    expected = {
+        "collectives (us per call)": [
+            "compiled, one tiny kernel",
+            "compiled, 1 all-reduce",
+            "compiled, 4 all-reduces",
+            "eager, 4 all-reduces",
+        ],
+        "forward only, grad enabled (us)": ["module", "eager DDP", "local", "bw-auto", "torch.compile(DDP)"],
+        "forward+backward (us)": ["module", "eager DDP", "local", "bw-auto", "torch.compile(DDP)"],
+        "forward, no_grad (us)": ["local", "bw-auto"],
+    }
+    assert list(lines) == list(expected), done.stdout
+    for title, names in expected.items():
+        medians = ast.literal_eval("{" + lines[title])
+        assert list(medians) == names and all(us > 0 for us in medians.values()), (title, medians)
 
 
 def test_compile_depth_runs_each_depth_cold_and_gives_the_slope_per_block():
