@@ -15,6 +15,8 @@ from bucketwise.benchmarks.core.models import ModelSpec
 
 LR = 1e-4
 """AdamW's learning rate in every harness."""
+PHASES = ("forward", "backward", "optimizer", "zero_grad")
+"""A step's phases, in order, as :func:`make_step`'s ``on_phase`` names them."""
 
 
 def make_step(
@@ -26,12 +28,15 @@ def make_step(
     *,
     mark_cudagraph_step: bool,
     annotate: bool,
+    on_phase: Callable[[str], None] | None = None,
 ) -> Callable[[], torch.Tensor]:
     """One training step: forward (bf16 autocast for gpt on CUDA) + backward + optimizer step
-    + ``zero_grad(set_to_none=True)``; ``annotate`` adds the profiler ranges the trace parser uses.
+    + ``zero_grad(set_to_none=True)``; ``annotate`` adds the profiler ranges the trace parser uses;
+    ``on_phase`` is called with each phase's name (``PHASES``) as it ends.
     Returns a copy of the loss, not read (no host sync): a CUDA-graph output is overwritten by
     the next replay, so the step clones it (one tiny device copy, in every config alike)."""
     module = prepared.module
+    ended = on_phase or (lambda phase: None)
 
     def rng(name: str):
         return record_function(name) if annotate else nullcontext()
@@ -43,11 +48,15 @@ def make_step(
             with prepared.step_context():
                 with spec.autocast(device):
                     loss = spec.loss(module, batch)
+                ended("forward")
                 with rng(bm.BACKWARD_RANGE):
                     loss.backward()
+            ended("backward")
             kept = loss.detach().clone()
             opt.step()
+            ended("optimizer")
             opt.zero_grad(set_to_none=True)
+            ended("zero_grad")
         return kept
 
     return step

@@ -40,6 +40,7 @@ def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
         "graph_launch",
         "host_fixed_costs",
         "host_tax",
+        "memory_phases",
         "powersgd_gloo",
         "step_kernels",
         "trace_kernels",
@@ -48,13 +49,13 @@ def test_a_probe_has_its_help_and_a_wrong_probe_is_named():
     assert done.returncode == 2
     assert (
         "expected one of ['compile_depth', 'engine_grads', 'graph_launch', 'host_fixed_costs', 'host_tax', "
-        "'powersgd_gloo', "
+        "'memory_phases', 'powersgd_gloo', "
         "'step_kernels', 'trace_kernels'], "
         "got 'nope'" in done.stderr
     )
 
 
-@pytest.mark.parametrize("probe", ["graph_launch", "step_kernels"])
+@pytest.mark.parametrize("probe", ["graph_launch", "memory_phases", "step_kernels"])
 def test_a_one_gpu_probe_names_an_unknown_config_before_it_needs_a_gpu(probe):
     done = _run("probe", probe, "--configs", "bw-fused,nope")
     assert done.returncode == 2
