@@ -13,21 +13,25 @@ import torch.distributed as dist
 from bucketwise.benchmarks.core.configs import recipe_for
 
 
-@contextlib.contextmanager
-def one_rank(
-    p: argparse.ArgumentParser, configs: Sequence[str], *, port: int, needs_gpu: bool = True
-) -> Iterator[torch.device]:
-    """Exit through ``p.error`` on an unknown config, or without a GPU where ``needs_gpu``; else
-    rank 0 of a world of one for the duration: NCCL on GPU 0, gloo on the CPU where there is no
-    GPU, on ``MASTER_PORT`` ``port`` unless one is set."""
+def check(p: argparse.ArgumentParser, configs: Sequence[str], *, needs_gpu: bool = True) -> None:
+    """Exit through ``p.error`` on an unknown config, or without a GPU where ``needs_gpu``."""
     for c in configs:
         try:
             recipe_for(c)
         except ValueError as exc:
             p.error(f"--configs: {exc}")
-    cuda = torch.cuda.is_available()
-    if needs_gpu and not cuda:
+    if needs_gpu and not torch.cuda.is_available():
         p.error("needs a GPU")
+
+
+@contextlib.contextmanager
+def one_rank(
+    p: argparse.ArgumentParser, configs: Sequence[str], *, port: int, needs_gpu: bool = True
+) -> Iterator[torch.device]:
+    """:func:`check`, then rank 0 of a world of one for the duration: NCCL on GPU 0, gloo on the
+    CPU where there is no GPU, on ``MASTER_PORT`` ``port`` unless one is set."""
+    check(p, configs, needs_gpu=needs_gpu)
+    cuda = torch.cuda.is_available()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

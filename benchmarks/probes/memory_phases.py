@@ -22,17 +22,16 @@ import gc
 import json
 import os
 import sys
-import tempfile
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from bucketwise.benchmarks.core import procs
 from bucketwise.benchmarks.core.configs import recipe_for
 from bucketwise.benchmarks.core.meta import run_meta
 from bucketwise.benchmarks.core.models import MODELS, SIZE_FLAGS, make_spec
 from bucketwise.benchmarks.core.step import PHASES, make_step, training_step
+from bucketwise.benchmarks.probes._one_rank import check, one_rank
 
 MIB = 2**20
 LARGEST = 12
@@ -88,16 +87,10 @@ def phases(config: str, spec: Any, device: torch.device, steps: int) -> dict[str
     return {"config": config, "rows": rows, "pools": pools()}
 
 
-def _one(ns: argparse.Namespace) -> None:
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=0, world_size=1, device_id=device)
-        try:
-            spec = make_spec(ns.model, {f: getattr(ns, f) for f in SIZE_FLAGS})
-            print("MEMORY_PHASES " + json.dumps(phases(ns.one, spec, device, ns.steps)), flush=True)
-        finally:
-            dist.destroy_process_group()
+def _one(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    with one_rank(p, [ns.one], port=29612) as device:
+        spec = make_spec(ns.model, {f: getattr(ns, f) for f in SIZE_FLAGS})
+        print("MEMORY_PHASES " + json.dumps(phases(ns.one, spec, device, ns.steps)), flush=True)
 
 
 def table(result: dict[str, Any]) -> str:
@@ -130,16 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one", help=argparse.SUPPRESS)  # run one config in this process, print JSON
     ns = p.parse_args(argv)
     configs = ns.configs.split(",")
-    for c in configs:
-        try:
-            recipe_for(c)
-        except ValueError as exc:
-            p.error(f"--configs: {exc}")
-    if not torch.cuda.is_available():
-        p.error("needs a GPU")
     if ns.one is not None:
-        _one(ns)
+        _one(p, ns)
         return 0
+    check(p, configs)
     results = []
     for config in configs:
         done = procs.run(
