@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -60,13 +62,21 @@ class Recording:
     """The stable inputs that are parameters or buffers (the others are other graphs' outputs)."""
     outputs: list[Any]
     clone_idxs: list[int]
+    """Outputs returned to autograd or the caller: lent while ``lends_returned``, else cloned."""
     held_idxs: list[int]
     """Outputs lent out (or handed out as is): checked free before the next replay."""
+    lends_returned: bool
+    """The returned outputs go out uncopied, each at memory no other output shares, until one is
+    found still in use at a replay that would overwrite it (NOTE [cudagraph replay safety])."""
     held_use: list[int] = dataclasses.field(default_factory=list)
     held_storage: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     """Distinct (storage cdata, use count) of the held outputs when nobody else holds them."""
+    returned_storage: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """(storage cdata, use count) of the returned outputs when nobody else holds them."""
     backward: "tuple[Any, Recording] | None" = None
     """A forward: the backward recorded into its pool."""
+    forward: "weakref.ref[Recording] | None" = None
+    """A backward recorded into its forward's pool: that forward."""
     consumed: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     """A backward in its forward's pool: (input index, tensor and storage use counts at the
     capture) of the activations it frees as it reads them."""
@@ -78,6 +88,11 @@ class Recording:
         cdatas = dict.fromkeys(st.storage_cdata(outs[i]) for i in self.held_idxs)
         self.held_storage = [(c, st.storage_use_count(c)) for c in cdatas]
 
+    def count_returned(self) -> None:
+        """Take the use counts of the returned outputs as they are now (held by this recording only)."""
+        cdatas = dict.fromkeys(st.storage_cdata(self.outputs[i]) for i in self.clone_idxs)
+        self.returned_storage = [(c, st.storage_use_count(c)) for c in cdatas]
+
     def held_elsewhere(self) -> bool:
         """Whether anyone besides this recording still holds a held output (or a view of one)."""
         outs = self.outputs
@@ -85,6 +100,11 @@ class Recording:
             if st.tensor_use_count(outs[i]) > use:
                 return True
         return any(st.storage_use_count(cdata) > use for cdata, use in self.held_storage)
+
+    def returned_held(self) -> bool:
+        """Whether a returned output handed out uncopied is still in use (checked after lending
+        stops too, for those already out)."""
+        return any(st.storage_use_count(cdata) > use for cdata, use in self.returned_storage)
 
 
 @dataclasses.dataclass(eq=False)
@@ -117,6 +137,7 @@ class Plan:
         self, graph: Any, pool: Any, outputs: list[Any], clone_idxs: list[int], held_idxs: list[int]
     ) -> Recording:
         """What the capture of this plan into ``graph`` records (the held outputs' use counts as now)."""
+        bases = collections.Counter(o.untyped_storage().data_ptr() for o in outputs if isinstance(o, torch.Tensor))
         rec = Recording(
             graph=graph,
             pool=pool,
@@ -128,8 +149,10 @@ class Plan:
             outputs=outputs,
             clone_idxs=clone_idxs,
             held_idxs=held_idxs,
+            lends_returned=all(bases[outputs[i].untyped_storage().data_ptr()] == 1 for i in clone_idxs),
         )
         rec.count_held()
+        rec.count_returned()
         return rec
 
     def call_args(self, forward: "Recording | None") -> list[Any]:
@@ -204,6 +227,8 @@ def let_go(rec: Recording, idxs: Sequence[int]) -> dict[int, tuple]:
         saved[i] = (s.data_ptr(), s.nbytes(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
         rec.outputs[i] = None
     rec.held_use, rec.held_storage = [], []  # their storages may be freed: no stale addresses
+    if saved.keys() & set(rec.clone_idxs):
+        rec.returned_storage = []
     return saved
 
 
@@ -216,6 +241,8 @@ def alias(rec: Recording, saved: dict[int, tuple]) -> None:
         rec.outputs[i] = st.tensor_at(storages[ptr], offset, size, stride, dtype)
     storages.clear()
     rec.count_held()
+    if saved.keys() & set(rec.clone_idxs):
+        rec.count_returned()
 
 
 def signature(args: Sequence[Any]) -> tuple:

@@ -3,13 +3,16 @@ pointer checks (no cudagraph trees); one compiled object's runners share a :clas
 
 NOTE [cudagraph replay safety]: a replay rewrites the same output memory, so the runner never
 replays over memory someone still holds; a call it does not replay runs the compiled graph itself.
-Outputs for autograd or the user are cloned; saved activations and gradients go out uncopied, their
-use counts checked before the next replay. Gradients go out as fresh ``detach()`` aliases so that
-AccumulateGrad steals them (once one is kept, under ``no_sync()``, it copies the static tensors).
-Parameters, buffers and other recordings' outputs are read in place (a moved one: uncaptured, then
-re-recorded), other inputs copied into static buffers. A new signature runs once uncaptured from a
-warm-up pool, dropped before any capture so each recording's pool starts empty, and records on its
-second call, at most ``MAX_RECORDS`` times.
+Outputs for autograd or the user, saved activations and gradients go out uncopied, their use
+counts checked before the next replay that writes there (a backward in its forward's pool writes
+where the forward's outputs were). An output for the user still held then (kept across steps, or
+through the backward) makes that call run uncaptured, and its recording hands out clones from then
+on, as it does from the start for an output that shares memory with another. Gradients go out as
+fresh ``detach()`` aliases so that AccumulateGrad steals them (once one is kept, under
+``no_sync()``, it copies the static tensors). Parameters, buffers and other recordings' outputs are
+read in place (a moved one: uncaptured, then re-recorded), other inputs copied into static
+buffers. A new signature runs once uncaptured from a warm-up pool, dropped before any capture so
+each recording's pool starts empty, and records on its second call, at most ``MAX_RECORDS`` times.
 
 NOTE [a forward and its backward share a pool]: one pool per recording, except a backward recorded
 while its forward's saved activations are that forward's capture outputs: it joins the forward's
@@ -51,6 +54,10 @@ _FORWARD_UNCAPTURED = (
 )
 _GRADIENTS_HELD = "gradients of its backward's previous replay still in use (the two share a memory pool)"
 _RETAINED = "saved activations held beyond the backward (retain_graph=True?): they must not be overwritten"
+_RETURNED_HELD = "outputs it returned at the previous replay still in use; returned as copies from now on"
+_FORWARD_RETURNED_HELD = (
+    "its forward's returned outputs still in use (the two share a memory pool); the forward returns copies from now on"
+)
 
 _RELEASE_WAIT_S = 5.0  # for replays in flight at a release (NOTE [cuda graphs at teardown])
 _MOVED_BEFORE_RERECORD = 2  # consecutive calls with a moved static input before recording again
@@ -117,7 +124,7 @@ class CudaGraphGroup:
 
 class CudaGraphRunner:
     """One compiled graph replayed from CUDA graphs (boxed calling convention, like Inductor's).
-    ``returned_outputs``: the leading outputs for autograd/the user, cloned after each replay
+    ``returned_outputs``: the leading outputs for autograd/the user, lent or cloned at each replay
     (``None``: all, an inference graph; ``0``: a backward)."""
 
     def __init__(
@@ -167,6 +174,10 @@ class CudaGraphRunner:
                 self._stop_lending()
             elif why == _GRADIENTS_HELD and rec.backward is not None:
                 rec.backward[0]._stop_lending()
+            elif why == _RETURNED_HELD:
+                self._return_copies(rec)
+            elif why == _FORWARD_RETURNED_HELD and rec.forward is not None and (forward := rec.forward()) is not None:
+                self._return_copies(forward)
             self.stats.ran_uncaptured(why)
             return self.compiled(args)
         self._moved_calls = 0
@@ -197,6 +208,14 @@ class CudaGraphRunner:
                 self.stats.name,
             )
 
+    def _return_copies(self, rec: Recording) -> None:
+        if rec.lends_returned:
+            rec.lends_returned = False
+            log.info(
+                "bucketwise: %s: a returned output was still in use at a replay; returning copies from now on",
+                self.stats.name,
+            )
+
     def _why_not_replay(self, rec: Recording, args: list[Any]) -> str | None:
         for i, ptr in zip(rec.stable_idxs, rec.stable_ptrs):
             now = args[i].data_ptr()
@@ -214,6 +233,10 @@ class CudaGraphRunner:
             t = args[i]
             if st.tensor_use_count(t) > use or st.storage_use_count(st.storage_cdata(t)) > storage_use:
                 return _RETAINED
+        if rec.returned_held():
+            return _RETURNED_HELD
+        if rec.forward is not None and (forward := rec.forward()) is not None and forward.returned_held():
+            return _FORWARD_RETURNED_HELD
         return None
 
     def _replay(self, rec: Recording, args: list[Any]) -> list[Any]:
@@ -225,7 +248,7 @@ class CudaGraphRunner:
         self.stats.replays += 1
         out = list(rec.outputs)
         for i in rec.clone_idxs:
-            out[i] = out[i].clone()
+            out[i] = out[i].detach() if rec.lends_returned else out[i].clone()
         if self.lend:
             for i in rec.held_idxs:
                 out[i] = out[i].detach()
@@ -244,10 +267,12 @@ class CudaGraphRunner:
         self.group.drop_warm_pool()
         forward = self._forward_to_join(args)
         pool = forward.pool if forward is not None else self.group.graphs.new_pool(self.warm_bytes.get(key, 0))
-        # The forward's returned outputs are cloned after each replay: their memory is free for the
-        # backward's copy buffers (the loss's gradient has the logits' shape) and scratch. The buffers
-        # come before the forward lets go of its activations, so that none sits where one lives.
-        returned = let_go(forward, forward.clone_idxs) if forward is not None else {}
+        # The forward's returned outputs, unless still in use, are free memory for the backward's
+        # copy buffers (the loss's gradient has the logits' shape) and scratch; its replays check
+        # them first. The buffers come before the forward lets go of its activations, so that none
+        # sits where one lives.
+        free = forward is not None and not forward.returned_held()
+        returned = let_go(forward, forward.clone_idxs) if free else {}
         try:
             with self.group.graphs.allocating_in(pool):
                 plan = plan_inputs(args, self.static_input_idxs, self.group.stable_ptrs)
@@ -283,6 +308,7 @@ class CudaGraphRunner:
         rec.consumed = consumed
         if forward is not None:
             forward.backward = (self, rec)
+            rec.forward = weakref.ref(forward)
         elif self.returned_outputs not in (None, 0):
             for i in rec.held_idxs:
                 self.group.open_forwards[rec.outputs[i].data_ptr()] = rec

@@ -213,6 +213,75 @@ def test_replayed_gradients_are_stolen_not_copied(monkeypatch):
         torch.testing.assert_close(q.grad, p.grad)
 
 
+def test_returned_outputs_go_out_uncopied_when_dropped_before_the_next_replay(monkeypatch):
+    # The loss is taken and the output dropped before the backward (HF Trainer's compute_loss,
+    # the benchmarks' steps): the output is the forward graph's own memory, never a clone.
+    emulators = use_emulated_graphs(monkeypatch)
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 3)
+    for _ in range(2):
+        x = torch.randn(6, 8)
+        out, expected = compiled(x), ref(x)
+        assert out.data_ptr() in emulators[0].output_ptrs, "the returned output was cloned"
+        torch.testing.assert_close(out, expected)
+        loss = out.pow(2).mean()
+        del out
+        loss.backward()
+        expected.pow(2).mean().backward()
+        for p, q in zip(ref.parameters(), mod.parameters()):
+            torch.testing.assert_close(q.grad, p.grad)
+            p.grad = q.grad = None
+    for s in _stats(compiled).values():
+        assert s["uncaptured_runs"] == 0 and s["replays"] == 4, s
+
+
+def test_an_output_kept_across_steps_keeps_its_values_and_is_cloned_from_then_on(monkeypatch):
+    # A loop that keeps last step's output while the next forward runs (``out = model(x)``
+    # rebinds only after the call): that forward must not replay over it. It runs uncaptured
+    # once, and the recording returns clones from then on.
+    emulators = use_emulated_graphs(monkeypatch)
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 3)
+    kept, kept_ref = None, None
+    for i in range(4):
+        x = torch.randn(6, 8)
+        out, out_ref = compiled(x), ref(x)
+        if kept is not None:
+            torch.testing.assert_close(kept, kept_ref, msg=lambda m: f"step {i}: last step's output changed: {m}")
+        out.pow(2).mean().backward()
+        out_ref.pow(2).mean().backward()
+        for p, q in zip(ref.parameters(), mod.parameters()):
+            torch.testing.assert_close(q.grad, p.grad)
+            p.grad = q.grad = None
+        kept, kept_ref = out, out_ref.detach()
+    assert kept.data_ptr() not in emulators[0].output_ptrs, "still lent after it was found kept"
+    fw = _stats(compiled)["graph 0 segment 0 forward"]
+    assert fw["uncaptured_runs"] == 1 and any("returned at the previous replay" in r for r in fw["uncaptured_reasons"])
+    assert fw["replays"] == 2 + 3, fw  # steps 2-3 of _train, then every step here but the one kept
+
+
+def test_an_output_held_through_the_backward_keeps_its_values(monkeypatch):
+    # The backward records into its forward's pool and reuses the memory of the forward's
+    # returned outputs: one still held when the backward replays (metrics read after it) makes
+    # that backward run uncaptured, and the forward return clones from then on.
+    use_emulated_graphs(monkeypatch)
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 3)
+    for i in range(3):
+        x = torch.randn(6, 8)
+        out, out_ref = compiled(x), ref(x)
+        out.sum().backward()
+        out_ref.sum().backward()
+        torch.testing.assert_close(out, out_ref, msg=lambda m: f"step {i}: the backward overwrote the output: {m}")
+        for p, q in zip(ref.parameters(), mod.parameters()):
+            torch.testing.assert_close(q.grad, p.grad)
+            p.grad = q.grad = None
+        del out
+    bw = _stats(compiled)["graph 0 segment 0 backward"]
+    assert bw["uncaptured_runs"] == 1 and any("forward's returned outputs" in r for r in bw["uncaptured_reasons"]), bw
+    assert bw["replays"] == 2 + 2, bw
+
+
 def test_accumulating_stolen_gradients_stops_lending(monkeypatch):
     # zero_grad(set_to_none=True), then micro-steps: the first one's gradient *is* the backward
     # graph's output memory, which shares a pool with the forward, so the next forward must not
