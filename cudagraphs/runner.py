@@ -211,10 +211,10 @@ class CudaGraphRunner:
     def _return_copies(self, rec: Recording) -> None:
         if rec.lends_returned:
             rec.lends_returned = False
-            log.info(
-                "bucketwise: %s: a returned output was still in use at a replay; returning copies from now on",
-                self.stats.name,
+            self.stats.note = (
+                "a returned output was kept past a replay: the forward's outputs copied after every replay"
             )
+            log.info("bucketwise: %s: %s", self.stats.name, self.stats.note)
 
     def _why_not_replay(self, rec: Recording, args: list[Any]) -> str | None:
         for i, ptr in zip(rec.stable_idxs, rec.stable_ptrs):

@@ -236,9 +236,10 @@ def test_returned_outputs_go_out_uncopied_when_dropped_before_the_next_replay(mo
 
 
 def test_an_output_kept_across_steps_keeps_its_values_and_is_cloned_from_then_on(monkeypatch):
-    # A loop that keeps last step's output while the next forward runs (``out = model(x)``
-    # rebinds only after the call): that forward must not replay over it. It runs uncaptured
-    # once, and the recording returns clones from then on.
+    # A hand-written loop that keeps the output through the backward and while the next forward
+    # runs (``out = model(x)`` rebinds only after the call): neither the backward, which reuses
+    # the output's memory, nor the next forward may replay over it. The first backward that finds
+    # it held runs uncaptured, so does the next step, and the forward returns clones from then on.
     emulators = use_emulated_graphs(monkeypatch)
     ref, mod, compiled = _pair()
     _train(ref, mod, compiled, 3)
@@ -255,15 +256,20 @@ def test_an_output_kept_across_steps_keeps_its_values_and_is_cloned_from_then_on
             p.grad = q.grad = None
         kept, kept_ref = out, out_ref.detach()
     assert kept.data_ptr() not in emulators[0].output_ptrs, "still lent after it was found kept"
-    fw = _stats(compiled)["graph 0 segment 0 forward"]
+    stats = _stats(compiled)
+    fw, bw = stats["graph 0 segment 0 forward"], stats["graph 0 segment 0 backward"]
     assert fw["uncaptured_runs"] == 1 and any("returned at the previous replay" in r for r in fw["uncaptured_reasons"])
-    assert fw["replays"] == 2 + 3, fw  # steps 2-3 of _train, then every step here but the one kept
+    assert bw["uncaptured_runs"] == 2 and any("forward's returned outputs" in r for r in bw["uncaptured_reasons"]), bw
+    assert "copied after every replay" in bw["note"], bw
+    # Steps 2-3 of _train, then every step here but the second (the forward) and the first two
+    # (the backward).
+    assert (fw["replays"], bw["replays"]) == (2 + 3, 2 + 2), stats
 
 
 def test_an_output_held_through_the_backward_keeps_its_values(monkeypatch):
     # The backward records into its forward's pool and reuses the memory of the forward's
     # returned outputs: one still held when the backward replays (metrics read after it) makes
-    # that backward run uncaptured, and the forward return clones from then on.
+    # that backward run uncaptured, and the forward returns clones from then on.
     use_emulated_graphs(monkeypatch)
     ref, mod, compiled = _pair()
     _train(ref, mod, compiled, 3)
@@ -280,6 +286,7 @@ def test_an_output_held_through_the_backward_keeps_its_values(monkeypatch):
     bw = _stats(compiled)["graph 0 segment 0 backward"]
     assert bw["uncaptured_runs"] == 1 and any("forward's returned outputs" in r for r in bw["uncaptured_reasons"]), bw
     assert bw["replays"] == 2 + 2, bw
+    assert "copied after every replay" in bw["note"], bw
 
 
 def test_accumulating_stolen_gradients_stops_lending(monkeypatch):
