@@ -62,12 +62,12 @@ class Recording:
     """The stable inputs that are parameters or buffers (the others are other graphs' outputs)."""
     outputs: list[Any]
     clone_idxs: list[int]
-    """Outputs returned to autograd or the caller: lent while ``lends_returned``, else cloned."""
+    """Outputs returned to autograd or the caller: cloned at each replay, unless lent."""
     held_idxs: list[int]
     """Outputs lent out (or handed out as is): checked free before the next replay."""
-    lends_returned: bool
-    """The returned outputs go out uncopied, each at memory no other output shares, until one is
-    found still in use at a replay that would overwrite it (NOTE [cudagraph replay safety])."""
+    lent_idxs: frozenset[int]
+    """The returned outputs that go out uncopied (:func:`lendable`), until one is found still in
+    use at a replay that would overwrite it (NOTE [cudagraph replay safety])."""
     held_use: list[int] = dataclasses.field(default_factory=list)
     held_storage: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     """Distinct (storage cdata, use count) of the held outputs when nobody else holds them."""
@@ -137,7 +137,6 @@ class Plan:
         self, graph: Any, pool: Any, outputs: list[Any], clone_idxs: list[int], held_idxs: list[int]
     ) -> Recording:
         """What the capture of this plan into ``graph`` records (the held outputs' use counts as now)."""
-        bases = collections.Counter(o.untyped_storage().data_ptr() for o in outputs if isinstance(o, torch.Tensor))
         rec = Recording(
             graph=graph,
             pool=pool,
@@ -149,7 +148,7 @@ class Plan:
             outputs=outputs,
             clone_idxs=clone_idxs,
             held_idxs=held_idxs,
-            lends_returned=all(bases[outputs[i].untyped_storage().data_ptr()] == 1 for i in clone_idxs),
+            lent_idxs=lendable(outputs, clone_idxs),
         )
         rec.count_held()
         rec.count_returned()
@@ -161,6 +160,23 @@ class Plan:
         for i, j in self.consumed.items():
             args[i] = forward.outputs[j]
         return args
+
+
+LEND_MIN_BYTES = 1 << 20
+"""Returned outputs smaller than this are cloned: a copy costs one small kernel, and a caller
+keeps a loss through the backward and often past the next step."""
+
+
+def lendable(outputs: list[Any], returned: list[int]) -> frozenset[int]:
+    """The returned outputs a replay hands out uncopied: large ones whose memory no other output
+    shares (a saved activation returned too is read by the backward)."""
+    bases = collections.Counter(o.untyped_storage().data_ptr() for o in outputs if isinstance(o, torch.Tensor))
+    return frozenset(
+        i
+        for i in returned
+        if bases[outputs[i].untyped_storage().data_ptr()] == 1
+        and outputs[i].untyped_storage().nbytes() >= LEND_MIN_BYTES
+    )
 
 
 def is_param(i: int, a: torch.Tensor, static_idxs: frozenset[int]) -> bool:

@@ -3,11 +3,12 @@ pointer checks (no cudagraph trees); one compiled object's runners share a :clas
 
 NOTE [cudagraph replay safety]: a replay rewrites the same output memory, so the runner never
 replays over memory someone still holds; a call it does not replay runs the compiled graph itself.
-Outputs for autograd or the user, saved activations and gradients go out uncopied, their use
-counts checked before the next replay that writes there (a backward in its forward's pool writes
-where the forward's outputs were). An output for the user still held then (kept across steps, or
-through the backward) makes that call run uncaptured, and its recording hands out clones from then
-on, as it does from the start for an output that shares memory with another. Gradients go out as
+Saved activations, gradients and large outputs for autograd or the user go out uncopied, their
+use counts checked before the next replay that writes there (a backward in its forward's pool
+writes where the forward's outputs were). An output for the user still held then (kept across
+steps, or through the backward) makes that call run uncaptured, and its recording hands out
+clones from then on, as it does from the start for small outputs (a loss) and for one that shares
+memory with another (``recording.lendable``). Gradients go out as
 fresh ``detach()`` aliases so that AccumulateGrad steals them (once one is kept, under
 ``no_sync()``, it copies the static tensors). Parameters, buffers and other recordings' outputs are
 read in place (a moved one: uncaptured, then re-recorded), other inputs copied into static
@@ -209,8 +210,8 @@ class CudaGraphRunner:
             )
 
     def _return_copies(self, rec: Recording) -> None:
-        if rec.lends_returned:
-            rec.lends_returned = False
+        if rec.lent_idxs:
+            rec.lent_idxs = frozenset()
             self.stats.note = (
                 "a returned output was kept past a replay: the forward's outputs copied after every replay"
             )
@@ -248,7 +249,7 @@ class CudaGraphRunner:
         self.stats.replays += 1
         out = list(rec.outputs)
         for i in rec.clone_idxs:
-            out[i] = out[i].detach() if rec.lends_returned else out[i].clone()
+            out[i] = out[i].detach() if i in rec.lent_idxs else out[i].clone()
         if self.lend:
             for i in rec.held_idxs:
                 out[i] = out[i].detach()

@@ -23,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import bucketwise
 from bucketwise._compat.capabilities import capabilities
-from bucketwise.cudagraphs import policy
+from bucketwise.cudagraphs import policy, recording
 from bucketwise.cudagraphs.recording import plan_inputs
 from bucketwise.cudagraphs.runner import MAX_RECORDS
 
@@ -217,6 +217,7 @@ def test_returned_outputs_go_out_uncopied_when_dropped_before_the_next_replay(mo
     # The loss is taken and the output dropped before the backward (HF Trainer's compute_loss,
     # the benchmarks' steps): the output is the forward graph's own memory, never a clone.
     emulators = use_emulated_graphs(monkeypatch)
+    monkeypatch.setattr(recording, "LEND_MIN_BYTES", 0)  # the test's outputs are small: lend them
     ref, mod, compiled = _pair()
     _train(ref, mod, compiled, 3)
     for _ in range(2):
@@ -241,6 +242,7 @@ def test_an_output_kept_across_steps_keeps_its_values_and_is_cloned_from_then_on
     # the output's memory, nor the next forward may replay over it. The first backward that finds
     # it held runs uncaptured, so does the next step, and the forward returns clones from then on.
     emulators = use_emulated_graphs(monkeypatch)
+    monkeypatch.setattr(recording, "LEND_MIN_BYTES", 0)  # the test's outputs are small: lend them
     ref, mod, compiled = _pair()
     _train(ref, mod, compiled, 3)
     kept, kept_ref = None, None
@@ -271,6 +273,7 @@ def test_an_output_held_through_the_backward_keeps_its_values(monkeypatch):
     # returned outputs: one still held when the backward replays (metrics read after it) makes
     # that backward run uncaptured, and the forward returns clones from then on.
     use_emulated_graphs(monkeypatch)
+    monkeypatch.setattr(recording, "LEND_MIN_BYTES", 0)  # the test's outputs are small: lend them
     ref, mod, compiled = _pair()
     _train(ref, mod, compiled, 3)
     for i in range(3):
@@ -287,6 +290,51 @@ def test_an_output_held_through_the_backward_keeps_its_values(monkeypatch):
     assert bw["uncaptured_runs"] == 1 and any("forward's returned outputs" in r for r in bw["uncaptured_reasons"]), bw
     assert bw["replays"] == 2 + 2, bw
     assert "copied after every replay" in bw["note"], bw
+
+
+class LossAndOutput(nn.Module):
+    """Returns its loss and a large output (6 x 65,536 floats, 1.5 MiB) that the loss's backward
+    does not read (a cross-entropy's backward reads its logits: a model returning those and the
+    loss returns them as copies, as it returns saved activations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 1 << 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.head(torch.tanh(self.a(x)))
+        return out.mean(), out
+
+
+def test_a_loss_kept_through_the_backward_and_past_the_step_is_copied_and_a_large_output_lent(monkeypatch):
+    # HF Trainer's step: the loss comes out of the model's graph, the caller holds it through the
+    # backward and keeps a detached copy of it; the other outputs are dropped before the backward.
+    emulators = use_emulated_graphs(monkeypatch)
+    torch.manual_seed(0)
+    ref = LossAndOutput()
+    mod = copy.deepcopy(ref)
+    compiled = bucketwise.compile(mod, backend="inductor", cudagraphs=True)
+    losses = []
+    for i in range(5):
+        x = torch.randn(6, 8)
+        loss, out = compiled(x)
+        loss_ref, out_ref = ref(x)
+        torch.testing.assert_close(out, out_ref)
+        if i >= 1:  # recorded
+            assert out.data_ptr() in emulators[0].output_ptrs, f"step {i}: the output was copied"
+            assert loss.data_ptr() not in emulators[0].output_ptrs, f"step {i}: the loss was lent"
+        del out
+        loss.backward()
+        loss_ref.backward()
+        losses.append((loss.detach(), loss_ref.detach()))
+        for p, q in zip(ref.parameters(), mod.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"step {i}: {m}")
+            p.grad = q.grad = None
+    for kept, expected in losses:
+        torch.testing.assert_close(kept, expected)
+    for stats in _stats(compiled).values():
+        assert stats["uncaptured_runs"] == 0 and stats["replays"] == 4, stats
 
 
 def test_accumulating_stolen_gradients_stops_lending(monkeypatch):
