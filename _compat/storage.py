@@ -36,3 +36,13 @@ def tensor_at(
 ) -> torch.Tensor:
     """A tensor viewing ``storage`` (offset in elements of ``dtype``)."""
     return torch.empty((0,), dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+
+
+def poison(t: torch.Tensor, message: str) -> None:
+    """Make every tensor on ``t``'s storage raise ``message`` when read or written from now on
+    (the storage lets go of its memory; another owner's memory is not freed). Inductor's cudagraph
+    trees do the same to the outputs a later replay overwrote. Bound by CUDA builds of torch only
+    (absent from the CPU wheels, where no CUDA graph exists); run on 2.15.0+cu132 (a storage over
+    another's memory: its views raise, the owner's memory untouched) and, on a GPU, by
+    tests/gpu/test_gpu_cudagraphs.py."""
+    torch._C._set_storage_data_ptr_access_error_msg(t.untyped_storage()._cdata, message)

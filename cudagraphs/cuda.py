@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .._compat import cuda as cuc
+from .._compat import storage as st
 
 
 class CudaGraphs:
@@ -72,6 +73,10 @@ class CudaGraphs:
         """Replay ``graph``; ``inputs`` are the tensors at the recorded addresses right now
         (a real graph reads the addresses; an emulation reads the tensors)."""
         graph.replay()
+
+    def poison(self, t: torch.Tensor, message: str) -> None:
+        """Every tensor on ``t``'s storage raises ``message`` on access from now on."""
+        st.poison(t, message)
 
     def reserved_bytes(self) -> int:
         return torch.cuda.memory_reserved()

@@ -261,6 +261,22 @@ def alias(rec: Recording, saved: dict[int, tuple]) -> None:
         rec.count_returned()
 
 
+RELEASED = (
+    "bucketwise: this tensor was returned by a CUDA-graph replay without a copy, and the recording "
+    "whose memory it lives in was released (the model dropped or recompiled, a parameter moved, or "
+    "the process group destroyed); keep a .clone() of an output needed after that"
+)
+
+
+def poison_held(poison: Any, outputs: list[tuple[torch.Tensor, int]]) -> None:
+    """``poison`` (``CudaGraphs.poison``) every output still in use: (tensor, its storage's use
+    count when only the recording held it). For a recording being dropped whose outputs live in
+    memory its pool owns."""
+    for t, use in outputs:
+        if st.storage_use_count(st.storage_cdata(t)) > use:
+            poison(t, RELEASED)
+
+
 def signature(args: Sequence[Any]) -> tuple:
     """What a recording depends on besides addresses: shapes, strides, dtypes, scalar values."""
     return tuple(

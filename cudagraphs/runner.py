@@ -40,7 +40,17 @@ from .._compat import dynamo as dc
 from .._compat import storage as st
 from ..distributed import teardown
 from .cuda import CudaGraphs
-from .recording import CudaGraphStats, Plan, Recording, alias, let_go, plan_inputs, refusal, signature
+from .recording import (
+    CudaGraphStats,
+    Plan,
+    Recording,
+    alias,
+    let_go,
+    plan_inputs,
+    poison_held,
+    refusal,
+    signature,
+)
 
 log = logging.getLogger(__name__)
 
@@ -281,6 +291,11 @@ class CudaGraphRunner:
         finally:
             if forward is not None:
                 alias(forward, returned)
+        if returned:
+            # Those outputs now live in memory the pool owns: one still in use when the forward's
+            # recording goes (and its pool with it) raises on access instead of reading freed memory.
+            outs = [(forward.outputs[i], st.storage_use_count(st.storage_cdata(forward.outputs[i]))) for i in returned]
+            weakref.finalize(forward, poison_held, self.group.graphs.poison, outs).atexit = False
         if rec is None:
             return self.compiled(plan.call_args(forward))
         return self._replay(rec, plan.call_args(forward))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 
 import pytest
 import torch
@@ -290,6 +291,26 @@ def test_an_output_held_through_the_backward_keeps_its_values(monkeypatch):
     assert bw["uncaptured_runs"] == 1 and any("forward's returned outputs" in r for r in bw["uncaptured_reasons"]), bw
     assert bw["replays"] == 2 + 2, bw
     assert "copied after every replay" in bw["note"], bw
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_an_output_held_when_its_recording_is_released_raises_instead_of_reading_freed_memory(monkeypatch, held):
+    # A returned output lent after the backward reused its memory lives in the pool: when the
+    # recording goes (model dropped, recompiled, the process group destroyed) the pool goes too,
+    # and a tensor still on it is made to raise on access (tests/gpu/test_gpu_cudagraphs.py reads
+    # one; the emulation notes the call).
+    emulators = use_emulated_graphs(monkeypatch)
+    monkeypatch.setattr(recording, "LEND_MIN_BYTES", 0)  # the test's outputs are small: lend them
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 3)
+    out = compiled(torch.randn(6, 8)).detach()
+    assert out.data_ptr() in emulators[0].output_ptrs
+    if not held:
+        del out
+    del compiled, mod
+    torch._dynamo.reset()
+    gc.collect()
+    assert emulators[0].poisoned == ([recording.RELEASED] if held else []), emulators[0].poisoned
 
 
 class LossAndOutput(nn.Module):

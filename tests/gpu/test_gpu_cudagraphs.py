@@ -7,6 +7,7 @@ Skipped without CUDA. The DDP cases (NCCL, split and fused) are in test_gpu_spli
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -104,3 +105,32 @@ def test_host_sync_segment_runs_uncaptured_with_reason():
     print(rep.table())
     blocked = [s for s in rep.cudagraphs if s.reason and ("host" in s.reason or "data-dependent" in s.reason)]
     assert blocked and all(s.replays == 0 for s in blocked), rep.table()
+
+
+def test_a_large_output_goes_out_uncopied_and_raises_once_its_recording_is_released():
+    # The output (64 x 8,192 floats, 2 MiB) is the graph's own memory: a replay allocates nothing
+    # for it. The backward reused that memory, so once the recordings are gone (the model dropped,
+    # Dynamo's cache reset) a tensor still on it raises instead of reading freed memory.
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8192)).cuda()
+    plain = copy.deepcopy(net)
+    c_net = bucketwise.compile(net, backend="inductor", cudagraphs=True)
+    for step in range(4):
+        x = torch.randn(64, 256, device="cuda")
+        before = torch.cuda.memory_allocated()
+        out = c_net(x)
+        grown = torch.cuda.memory_allocated() - before
+        torch.testing.assert_close(out, plain(x), rtol=1e-4, atol=1e-4)
+        if step >= 2:  # replayed
+            assert grown < 2**20, f"step {step}: {grown} bytes allocated for the output: copied"
+        loss = out.sum()
+        del out
+        loss.backward()
+    kept = c_net(torch.randn(64, 256, device="cuda")).detach()
+    rep = bucketwise.report(c_net)
+    assert all(g.uncaptured_runs == 0 for g in rep.cudagraphs), rep.table()
+    del c_net, net
+    torch._dynamo.reset()
+    gc.collect()
+    with pytest.raises(RuntimeError, match="bucketwise: this tensor was returned by a CUDA-graph replay"):
+        kept.sum()

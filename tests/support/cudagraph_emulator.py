@@ -35,6 +35,8 @@ class EmulatedGraphs:
         """The pool of every block of eager allocations (warm-ups, copy buffers), in order (held
         weakly: a dropped model frees its pools)."""
         self.warm_pools_at_capture = 0
+        self.poisoned: list[str] = []
+        """The message of every storage made to raise on access."""
         self.reserved: list[int] = []
         """Bytes each new pool was asked to start with, in order."""
         """The most pools without a graph (warm-up pools) alive at any capture, besides its own."""
@@ -89,6 +91,11 @@ class EmulatedGraphs:
             for o, n in zip(graph.outs, new):
                 if isinstance(o, torch.Tensor):
                     o.copy_(n)
+
+    def poison(self, t, message):
+        """Where a GPU makes the storage raise ``message`` on access: note it (on the CPU the
+        memory is freed with the graph, so nothing may read it after)."""
+        self.poisoned.append(message)
 
     def reserved_bytes(self) -> int:
         return 0
