@@ -161,16 +161,18 @@ class BreakCount:
 
     def start(self) -> None:
         counted = _dynamo_counters["graph_break"]
-        if counted.total() != self.total:  # counted elsewhere since: not this caller's
-            self.total, self.seen = counted.total(), collections.Counter(counted)
+        total = counted.total()
+        if total != self.total:  # counted elsewhere since: not this caller's
+            self.total, self.seen = total, collections.Counter(counted)
 
     def new(self) -> collections.Counter:
         """The breaks counted since :meth:`start`, by message (empty, nearly always)."""
         counted = _dynamo_counters["graph_break"]
-        if counted.total() == self.total:
+        total = counted.total()
+        if total == self.total:
             return collections.Counter()
         new = counted - self.seen
-        self.total, self.seen = counted.total(), collections.Counter(counted)
+        self.total, self.seen = total, collections.Counter(counted)
         return new
 
 

@@ -169,10 +169,10 @@ def _result(
     ]
     segment = Segment(index=0, submodule="", params=used, op_count=op_count(job.gm))
     placeholders = [n for n in job.gm.graph.nodes if n.op == "placeholder"]
-    inputs = {n: i for i, n in enumerate(placeholders)}
-    positions = tuple(inputs[p.node] for r in reductions for p in r.params if p.node in inputs)
+    slot_of = {n: i for i, n in enumerate(placeholders)}
+    param_slots = tuple(slot_of[p.node] for r in reductions for p in r.params if p.node in slot_of)
     return StrategyResult(
-        fn=FusedRan(compiled, runtime, key, positions, job.example_inputs),
+        fn=FusedRan(compiled, runtime, key, param_slots, job.example_inputs),
         segments=[segment],
         outcomes=[outcome],
         buckets=stats,
