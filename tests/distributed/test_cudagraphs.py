@@ -214,6 +214,12 @@ def test_replayed_gradients_are_stolen_not_copied(monkeypatch):
         torch.testing.assert_close(q.grad, p.grad)
 
 
+def _same_grads_then_none(ref, mod):
+    for p, q in zip(ref.parameters(), mod.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+        p.grad = q.grad = None
+
+
 def test_returned_outputs_go_out_uncopied_when_dropped_before_the_next_replay(monkeypatch):
     # The loss is taken and the output dropped before the backward (HF Trainer's compute_loss,
     # the benchmarks' steps): the output is the forward graph's own memory, never a clone.
@@ -230,9 +236,7 @@ def test_returned_outputs_go_out_uncopied_when_dropped_before_the_next_replay(mo
         del out
         loss.backward()
         expected.pow(2).mean().backward()
-        for p, q in zip(ref.parameters(), mod.parameters()):
-            torch.testing.assert_close(q.grad, p.grad)
-            p.grad = q.grad = None
+        _same_grads_then_none(ref, mod)
     for s in _stats(compiled).values():
         assert s["uncaptured_runs"] == 0 and s["replays"] == 4, s
 
@@ -254,9 +258,7 @@ def test_an_output_kept_across_steps_keeps_its_values_and_is_cloned_from_then_on
             torch.testing.assert_close(kept, kept_ref, msg=lambda m: f"step {i}: last step's output changed: {m}")
         out.pow(2).mean().backward()
         out_ref.pow(2).mean().backward()
-        for p, q in zip(ref.parameters(), mod.parameters()):
-            torch.testing.assert_close(q.grad, p.grad)
-            p.grad = q.grad = None
+        _same_grads_then_none(ref, mod)
         kept, kept_ref = out, out_ref.detach()
     assert kept.data_ptr() not in emulators[0].output_ptrs, "still lent after it was found kept"
     stats = _stats(compiled)
@@ -283,9 +285,7 @@ def test_an_output_held_through_the_backward_keeps_its_values(monkeypatch):
         out.sum().backward()
         out_ref.sum().backward()
         torch.testing.assert_close(out, out_ref, msg=lambda m: f"step {i}: the backward overwrote the output: {m}")
-        for p, q in zip(ref.parameters(), mod.parameters()):
-            torch.testing.assert_close(q.grad, p.grad)
-            p.grad = q.grad = None
+        _same_grads_then_none(ref, mod)
         del out
     bw = _stats(compiled)["graph 0 segment 0 backward"]
     assert bw["uncaptured_runs"] == 1 and any("forward's returned outputs" in r for r in bw["uncaptured_reasons"]), bw
@@ -349,9 +349,7 @@ def test_a_loss_kept_through_the_backward_and_past_the_step_is_copied_and_a_larg
         loss.backward()
         loss_ref.backward()
         losses.append((loss.detach(), loss_ref.detach()))
-        for p, q in zip(ref.parameters(), mod.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"step {i}: {m}")
-            p.grad = q.grad = None
+        _same_grads_then_none(ref, mod)
     for kept, expected in losses:
         torch.testing.assert_close(kept, expected)
     for stats in _stats(compiled).values():
