@@ -3,17 +3,17 @@ pointer checks (no cudagraph trees); one compiled object's runners share a :clas
 
 NOTE [cudagraph replay safety]: a replay rewrites the same output memory, so the runner never
 replays over memory someone still holds; a call it does not replay runs the compiled graph itself.
-Saved activations, gradients and large outputs for autograd or the user go out uncopied, their
-use counts checked before the next replay that writes there (a backward in its forward's pool
-writes where the forward's outputs were). An output for the user still held then (kept across
-steps, or through the backward) makes that call run uncaptured, and its recording hands out
-clones from then on, as it does from the start for small outputs (a loss) and for one that shares
-memory with another (``recording.lendable``). Gradients go out as
-fresh ``detach()`` aliases so that AccumulateGrad steals them (once one is kept, under
-``no_sync()``, it copies the static tensors). Parameters, buffers and other recordings' outputs are
-read in place (a moved one: uncaptured, then re-recorded), other inputs copied into static
-buffers. A new signature runs once uncaptured from a warm-up pool, dropped before any capture so
-each recording's pool starts empty, and records on its second call, at most ``MAX_RECORDS`` times.
+Saved activations, gradients and large outputs for autograd or the user go out uncopied, their use
+counts checked before the next replay that writes there (a backward in its forward's pool writes
+where the forward's outputs were). An output for the user still held then (kept across steps, or
+through the backward) makes that call run uncaptured, and its recording hands out clones from then
+on, as it does from the start for small outputs (a loss) and for one that shares memory with
+another (``recording.lendable``). Gradients go out as fresh ``detach()`` aliases so that
+AccumulateGrad steals them (once one is kept, under ``no_sync()``, it copies the static tensors).
+Parameters, buffers and other recordings' outputs are read in place (a moved one: uncaptured, then
+re-recorded), other inputs copied into static buffers. A new signature runs once uncaptured from a
+warm-up pool, dropped before any capture so each recording's pool starts empty, and records on its
+second call, at most ``MAX_RECORDS`` times.
 
 NOTE [a forward and its backward share a pool]: one pool per recording, except a backward recorded
 while its forward's saved activations are that forward's capture outputs: it joins the forward's
