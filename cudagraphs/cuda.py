@@ -44,7 +44,9 @@ class CudaGraphs:
             current.wait_stream(stream)
 
     def release_cached(self) -> None:
-        """Give what the caching allocator keeps free (and dropped pools' free memory) back."""
+        """Give what the caching allocator keeps free (and dropped pools' free memory) back, cuBLAS's
+        workspaces first: a warm-up's sit in the warm-up pool and would keep its segments."""
+        cuc.clear_cublas_workspaces()
         torch.cuda.empty_cache()
 
     def _capture_stream(self) -> Any:
@@ -57,9 +59,8 @@ class CudaGraphs:
         Nothing runs: the first replay computes. The graph keeps only the inputs' addresses."""
         stream = self._capture_stream()
         graph = torch.cuda.CUDAGraph()
-        # What eager work left cached goes back before the pool grows, and the capture gets a
-        # cuBLAS workspace of its own, in its pool.
-        torch.cuda.empty_cache()
+        # The capture gets a cuBLAS workspace of its own, in its pool (the runner released what
+        # the allocator kept free before the pool grew: ``release_cached``).
         cuc.clear_cublas_workspaces()
         try:
             # thread_local: NCCL's watchdog and other threads keep querying events meanwhile.

@@ -113,14 +113,17 @@ class CudaGraphGroup:
 
     def warm_pool(self) -> Any:
         if self._warm_pool is None:
+            # What the allocator keeps free (DDP's released bucket storage) goes back first: the
+            # warm-up's segments come on top of what is in use, not of what is cached.
+            self.graphs.release_cached()
             self._warm_pool = self.graphs.new_pool()
         return self._warm_pool
 
     def drop_warm_pool(self) -> None:
-        """The warm-up pool goes, its memory back to the device (NOTE [cudagraph replay safety])."""
-        if self._warm_pool is not None:
-            self._warm_pool = None
-            self.graphs.release_cached()
+        """The warm-up pool goes, and every free segment with it (NOTE [cudagraph replay safety]):
+        the next recording's pool starts on top of what is in use."""
+        self._warm_pool = None
+        self.graphs.release_cached()
 
     def runner(
         self, compiled: Callable[[list[Any]], Any], *, name: str, blockers: Sequence[str], **kwargs: Any

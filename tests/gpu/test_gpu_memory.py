@@ -2,16 +2,17 @@
 
 Each config runs in a process of its own (``benchmarks/ddp/memory.py --one``): an MLP of 8
 layers trained 5 steps with fused AdamW, then dropped. bucketwise's CUDA graphs must hold no more
-device memory than Inductor's (``mode="reduce-overhead"``): at rest and at the peak, counted as
-the memory the allocator reserves (the pools of both included; torch's cudagraph trees hand their
-outputs out as pool memory that ``memory_allocated`` does not count, so reserved memory is what
-compares). A dropped model, with or without CUDA graphs, must leave no more allocated than plain
-``torch.compile`` leaves after ``gc.collect()``, and after ``torch._dynamo.reset()`` too.
+device memory than Inductor's (``mode="reduce-overhead"``): at rest (within 1.05x) and at the
+peak (within 1.03x), counted as the memory the allocator reserves (the pools of both included;
+torch's cudagraph trees hand their outputs out as pool memory that ``memory_allocated`` does not
+count, so reserved memory is what compares). A dropped model, with or without CUDA graphs, must
+leave no more allocated than plain ``torch.compile`` leaves after ``gc.collect()``, and after
+``torch._dynamo.reset()`` too.
 
 Every config compiles cold, as on a user's first run (Inductor's and Triton's caches empty, one
 directory per process): a warm cache skips Triton's autotuning, whose benchmarks allocate
-(an L2-flush buffer per benchmark) inside the first, uncaptured call of each graph. On a cold
-compile bucketwise's peak is not yet down to torch's (the test marked ``xfail``).
+(an L2-flush buffer per benchmark) inside the first, uncaptured call of each graph, and cuBLAS
+allocates its workspaces there too: the peak is the first steps'.
 """
 
 from __future__ import annotations
@@ -60,14 +61,9 @@ def test_cuda_graphs_hold_no_more_than_inductors_at_rest(figures):
     assert ours["rest_reserved"] <= 1.05 * torchs["rest_reserved"], (ours, torchs)
 
 
-# Known, not yet fixed: the first step's uncaptured calls run in the warm-up pool, where Triton's
-# autotuning (a cold cache) leaves its L2-flush buffers split by later allocations; the backward's
-# gradients keep three such segments reserved through the optimizer's first step. Strict: the
-# test fails once the peak is fixed, so that this mark goes with it.
-@pytest.mark.xfail(strict=True, reason="cold compile: the warm-up pool's autotuning segments outlive the first step")
 def test_cuda_graphs_peak_no_higher_than_inductors_on_a_cold_compile(figures):
     ours, torchs = figures["bw-fused-cg"], figures["local-ro"]
-    assert ours["peak_reserved"] <= 1.05 * torchs["peak_reserved"], (ours, torchs)
+    assert ours["peak_reserved"] <= 1.03 * torchs["peak_reserved"], (ours, torchs)
 
 
 def test_a_dropped_model_leaves_what_torch_compile_leaves(figures):
