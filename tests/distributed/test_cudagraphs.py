@@ -214,6 +214,16 @@ def test_replayed_gradients_are_stolen_not_copied(monkeypatch):
         torch.testing.assert_close(q.grad, p.grad)
 
 
+def _trained_lending(monkeypatch):
+    """Emulated graphs lending every returned output (the test's are small), a pair trained 3
+    steps: (the emulators, eager DDP, the DDP module compiled, its compiled object)."""
+    emulators = use_emulated_graphs(monkeypatch)
+    monkeypatch.setattr(recording, "LEND_MIN_BYTES", 0)
+    ref, mod, compiled = _pair()
+    _train(ref, mod, compiled, 3)
+    return emulators, ref, mod, compiled
+
+
 def _same_grads_then_none(ref, mod):
     for p, q in zip(ref.parameters(), mod.parameters()):
         torch.testing.assert_close(q.grad, p.grad)
@@ -223,10 +233,7 @@ def _same_grads_then_none(ref, mod):
 def test_returned_outputs_go_out_uncopied_when_dropped_before_the_next_replay(monkeypatch):
     # The loss is taken and the output dropped before the backward (HF Trainer's compute_loss,
     # the benchmarks' steps): the output is the forward graph's own memory, never a clone.
-    emulators = use_emulated_graphs(monkeypatch)
-    monkeypatch.setattr(recording, "LEND_MIN_BYTES", 0)  # the test's outputs are small: lend them
-    ref, mod, compiled = _pair()
-    _train(ref, mod, compiled, 3)
+    emulators, ref, mod, compiled = _trained_lending(monkeypatch)
     for _ in range(2):
         x = torch.randn(6, 8)
         out, expected = compiled(x), ref(x)
@@ -246,10 +253,7 @@ def test_an_output_kept_across_steps_keeps_its_values_and_is_cloned_from_then_on
     # runs (``out = model(x)`` rebinds only after the call): neither the backward, which reuses
     # the output's memory, nor the next forward may replay over it. The first backward that finds
     # it held runs uncaptured, so does the next step, and the forward returns clones from then on.
-    emulators = use_emulated_graphs(monkeypatch)
-    monkeypatch.setattr(recording, "LEND_MIN_BYTES", 0)  # the test's outputs are small: lend them
-    ref, mod, compiled = _pair()
-    _train(ref, mod, compiled, 3)
+    emulators, ref, mod, compiled = _trained_lending(monkeypatch)
     kept, kept_ref = None, None
     for i in range(4):
         x = torch.randn(6, 8)
@@ -275,10 +279,7 @@ def test_an_output_held_through_the_backward_keeps_its_values(monkeypatch):
     # The backward records into its forward's pool and reuses the memory of the forward's
     # returned outputs: one still held when the backward replays (metrics read after it) makes
     # that backward run uncaptured, and the forward returns clones from then on.
-    use_emulated_graphs(monkeypatch)
-    monkeypatch.setattr(recording, "LEND_MIN_BYTES", 0)  # the test's outputs are small: lend them
-    ref, mod, compiled = _pair()
-    _train(ref, mod, compiled, 3)
+    _, ref, mod, compiled = _trained_lending(monkeypatch)
     for i in range(3):
         x = torch.randn(6, 8)
         out, out_ref = compiled(x), ref(x)
@@ -299,10 +300,7 @@ def test_an_output_held_when_its_recording_is_released_raises_instead_of_reading
     # recording goes (model dropped, recompiled, the process group destroyed) the pool goes too,
     # and a tensor still on it is made to raise on access (tests/gpu/test_gpu_cudagraphs.py reads
     # one; the emulation notes the call).
-    emulators = use_emulated_graphs(monkeypatch)
-    monkeypatch.setattr(recording, "LEND_MIN_BYTES", 0)  # the test's outputs are small: lend them
-    ref, mod, compiled = _pair()
-    _train(ref, mod, compiled, 3)
+    emulators, ref, mod, compiled = _trained_lending(monkeypatch)
     out = compiled(torch.randn(6, 8)).detach()
     assert out.data_ptr() in emulators[0].output_ptrs
     if not held:
