@@ -391,6 +391,10 @@ def test_warm_ups_allocate_from_a_pool_dropped_before_the_first_capture(monkeypa
     # its capture's outputs hold (NOTE [a forward and its backward share a pool]); warm-ups' none.
     held = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in pools[2].graphs[0].in_pool}
     assert em.reserved == [0, sum(held.values())] and em.reserved[1] > 0, (em.reserved, held)
+    # Each pool is made right after the allocator's free memory (and cuBLAS's workspaces) went
+    # back, so that its segments come on top of what is in use, not of what is cached.
+    made = [i for i, call in enumerate(em.calls) if call == "pool"]
+    assert len(made) == 2 and all(i > 0 and em.calls[i - 1] == "release" for i in made), em.calls
 
 
 def test_backward_with_retain_graph_keeps_the_activations(monkeypatch):

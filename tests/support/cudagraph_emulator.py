@@ -35,19 +35,22 @@ class EmulatedGraphs:
         """The pool of every block of eager allocations (warm-ups, copy buffers), in order (held
         weakly: a dropped model frees its pools)."""
         self.warm_pools_at_capture = 0
+        """The most pools without a graph (warm-up pools) alive at any capture, besides its own."""
         self.poisoned: list[str] = []
         """The message of every storage made to raise on access."""
         self.reserved: list[int] = []
         """Bytes each new pool was asked to start with, in order."""
-        """The most pools without a graph (warm-up pools) alive at any capture, besides its own."""
+        self.calls: list[str] = []
+        """``"pool"``, ``"release"`` and ``"capture"``, in the order the runner made them."""
 
     def new_pool(self, reserve=0):
         self.pools += 1
         self.reserved.append(reserve)
+        self.calls.append("pool")
         return _Pool()
 
     def release_cached(self):
-        pass
+        self.calls.append("release")
 
     def allocating_in(self, pool):
         self.allocated_in.append(weakref.ref(pool))
@@ -57,6 +60,7 @@ class EmulatedGraphs:
         if self.fail_capture:
             raise RuntimeError("emulated capture failure")
         self.captures += 1
+        self.calls.append("capture")
         alive = {id(p): p for p in (r() for r in self.allocated_in) if p is not None and p is not pool and not p.graphs}
         self.warm_pools_at_capture = max(self.warm_pools_at_capture, len(alive))
         saved = [(t, t.clone()) for t in inputs if isinstance(t, torch.Tensor)]
